@@ -1,0 +1,231 @@
+"""Settings: `ServerArgs` (what the user chose) and `ModelConfig` (what the checkpoint says).
+
+`ServerArgs` is the one settings object that flows from the command line (and later YAML) into every
+process. `ModelConfig` reads a Qwen3-VL `config.json` in either of the two forms in the wild: the one
+the published checkpoints use (transformers 4.57: `rope_theta` + `rope_scaling`, `num_experts`) and the
+one transformers 5 writes (`rope_parameters`, `num_local_experts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ServerArgs:
+    """Everything a deployment can set. Field names are the command-line flags (`--page-size` ...)."""
+
+    model: str | None = None  # checkpoint directory; None = the built-in tiny MoE model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    tp_size: int = 1
+    ep_size: int = 1
+    page_size: int = 1
+    max_total_tokens: int | None = None  # KV pool size in tokens; None = derived from memory
+    max_running_requests: int = 256
+    context_length: int | None = None  # None = the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be auto, torch or flashinfer, not {self.attention_backend!r}")
+        for name in ("tp_size", "ep_size", "page_size", "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens must hold at least one page, not {self.max_total_tokens}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """`auto` is float32 on CPU and the checkpoint's own dtype on GPU."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.resolved_device().type == "cpu":
+            return torch.float32
+        return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+
+    def replace(self, **changes) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    deepstack_visual_indexes: list[int]
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: list[int]
+    mrope_interleaved: bool
+    max_position_embeddings: int
+    attention_bias: bool = False
+    # mixture of experts (num_experts == 0 for dense models)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Qwen3-VL `config.json` that the engine uses, in one normalised form."""
+
+    path: Path
+    architecture: str
+    text: TextConfig
+    vision: VisionConfig
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    tie_word_embeddings: bool
+    torch_dtype: str
+    eos_token_ids: list[int]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.text.num_experts > 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{path} is not a model directory: no config.json")
+        raw = json.loads(config_file.read_text())
+        architecture = (raw.get("architectures") or [""])[0]
+        if architecture not in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
+            raise ValueError(f"{path}: unsupported architecture {architecture!r} (expected a Qwen3-VL model)")
+        text_raw = raw["text_config"]
+        vision_raw = raw["vision_config"]
+        tie = raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False))
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or text_raw.get("dtype") or text_raw.get("torch_dtype")
+        return cls(
+            path=path,
+            architecture=architecture,
+            text=_text_config(text_raw),
+            vision=_vision_config(vision_raw),
+            image_token_id=raw.get("image_token_id", 151655),
+            video_token_id=raw.get("video_token_id", 151656),
+            vision_start_token_id=raw.get("vision_start_token_id", 151652),
+            vision_end_token_id=raw.get("vision_end_token_id", 151653),
+            tie_word_embeddings=bool(tie),
+            torch_dtype=dtype or "bfloat16",
+            eos_token_ids=_eos_token_ids(path, raw),
+        )
+
+
+def _rope(raw: dict) -> tuple[float, list[int], bool]:
+    """Reads MRoPE settings from either `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = params.get("rope_theta", raw.get("rope_theta", 5_000_000.0))
+    section = params.get("mrope_section", [24, 20, 20])
+    interleaved = params.get("mrope_interleaved", True)
+    return float(theta), list(section), bool(interleaved)
+
+
+def _text_config(raw: dict) -> TextConfig:
+    theta, section, interleaved = _rope(raw)
+    heads = raw["num_attention_heads"]
+    num_experts = raw.get("num_experts", raw.get("num_local_experts", 0)) or 0
+    return TextConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw.get("intermediate_size", 0),
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        hidden_act=raw.get("hidden_act", "silu"),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        mrope_section=section,
+        mrope_interleaved=interleaved,
+        max_position_embeddings=raw.get("max_position_embeddings", 128000),
+        attention_bias=raw.get("attention_bias", False),
+        num_experts=num_experts,
+        num_experts_per_tok=raw.get("num_experts_per_tok", 0),
+        moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+        norm_topk_prob=raw.get("norm_topk_prob", True),
+        decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
+        mlp_only_layers=list(raw.get("mlp_only_layers") or []),
+    )
+
+
+def _vision_config(raw: dict) -> VisionConfig:
+    rope = raw.get("rope_parameters") or {}
+    return VisionConfig(
+        depth=raw["depth"],
+        hidden_size=raw["hidden_size"],
+        num_heads=raw["num_heads"],
+        intermediate_size=raw["intermediate_size"],
+        hidden_act=raw.get("hidden_act", "gelu_pytorch_tanh"),
+        patch_size=raw.get("patch_size", 16),
+        temporal_patch_size=raw.get("temporal_patch_size", 2),
+        spatial_merge_size=raw.get("spatial_merge_size", 2),
+        out_hidden_size=raw["out_hidden_size"],
+        num_position_embeddings=raw["num_position_embeddings"],
+        deepstack_visual_indexes=list(raw.get("deepstack_visual_indexes") or []),
+        in_channels=raw.get("in_channels", 3),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+    )
+
+
+def _eos_token_ids(path: Path, raw: dict) -> list[int]:
+    """EOS ids from generation_config.json, falling back to config.json."""
+    eos = None
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = raw.get("eos_token_id", raw.get("text_config", {}).get("eos_token_id"))
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

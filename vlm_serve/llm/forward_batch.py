@@ -1,0 +1,56 @@
+"""What one model forward needs to know about the batch it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, auto
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from vlm_serve.llm.layers.attention.base import AttentionBackend
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill: new tokens on top of a (possibly empty) cached prefix
+    DECODE = auto()  # one new token per request
+    MIXED = auto()  # a prefill chunk together with running decodes
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    """A flattened batch: the new tokens of all requests back to back.
+
+    `seq_lens[i]` is request i's length after this forward, of which `prefix_lens[i]` are already in the
+    KV cache and `extend_lens[i]` are new. The new tokens' K/V go to `out_cache_loc`. Vision embeddings
+    replace the token embeddings at `mm_indices` (rows of the flattened batch); `deepstack_embeds[k]` is
+    added at the same rows after decoder layer k.
+    """
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # (tokens,)
+    positions: torch.Tensor  # (3, tokens) MRoPE positions
+    req_pool_indices: torch.Tensor  # (batch,)
+    seq_lens: torch.Tensor  # (batch,)
+    out_cache_loc: torch.Tensor  # (tokens,)
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    mm_indices: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
+    deepstack_embeds: list[torch.Tensor] = field(default_factory=list)
+    attn_backend: AttentionBackend | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Row of each request's last new token: the rows whose logits are sampled."""
+        ends = torch.tensor(self.extend_lens_cpu, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

@@ -1,0 +1,44 @@
+"""Vocabulary-parallel token embedding and LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_serve.llm.distributed import get_parallel_state, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each TP rank holds a contiguous slice of the vocabulary; ids outside it contribute zeros."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)  # ceil: the last shard may be padded
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        rows = loaded[self.vocab_start : self.vocab_start + self.shard_size]
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y.masked_fill_(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits over the whole vocabulary (gathered from the TP ranks)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = tp_all_gather(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

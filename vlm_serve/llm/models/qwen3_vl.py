@@ -1,0 +1,186 @@
+"""Qwen3-VL for serving: the vision tower plus the Qwen3 text decoder (dense or MoE).
+
+The decoder runs on a flattened batch of new tokens from many requests (`ForwardBatch`), reading and
+writing the paged KV cache through the batch's attention backend. Vision embeddings replace the token
+embeddings at image/video positions and deepstack features are added after the first decoder layers,
+whichever prefill chunk those positions fall into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_serve.config import ModelConfig, TextConfig
+from vlm_serve.llm.forward_batch import ForwardBatch
+from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from vlm_serve.llm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vlm_serve.llm.layers.moe import SparseMoeBlock
+from vlm_serve.llm.layers.norm import RMSNorm
+from vlm_serve.llm.layers.rotary import MRotaryEmbedding, apply_rotary
+from vlm_serve.vision.vision_tower import Qwen3VLVisionModel
+
+
+class Qwen3VLAttention(nn.Module):
+    def __init__(self, config: TextConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            config.attention_bias,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, config.attention_bias
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.scaling = config.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch)
+        return self.o_proj(out.reshape(n, q_size))
+
+
+class Qwen3VLMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3VLDecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3VLAttention(config, layer_id)
+        if config.is_moe_layer(layer_id):
+            self.mlp: nn.Module = SparseMoeBlock(
+                config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
+                config.norm_topk_prob,
+            )
+        else:
+            self.mlp = Qwen3VLMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3VLTextModel(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Qwen3VLDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(
+            config.head_dim, config.rope_theta, config.mrope_section, config.mrope_interleaved
+        )
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        if batch.mm_indices is not None:
+            x[batch.mm_indices] = batch.mm_embeds.to(x.dtype)
+        cos, sin = self.rotary_emb(batch.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch)
+            if i < len(batch.deepstack_embeds):
+                x[batch.mm_indices] += batch.deepstack_embeds[i].to(x.dtype)
+        return self.norm(x)
+
+
+class Qwen3VLModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.visual = Qwen3VLVisionModel(config.vision)
+        self.language_model = Qwen3VLTextModel(config.text)
+
+
+# checkpoint name piece -> (our parameter's name piece, shard id)
+_STACKED = [
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+]
+
+
+class Qwen3VLForConditionalGeneration(nn.Module):
+    """The whole model; `forward` returns final hidden states, `compute_logits` the vocabulary logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3VLModel(config)
+        self.lm_head = ParallelLMHead(config.text.vocab_size, config.text.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    @property
+    def visual(self) -> Qwen3VLVisionModel:
+        return self.model.visual
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.language_model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], experts_transposed: bool) -> None:
+        """Loads checkpoint tensors by their Hugging Face names, sharding them for this rank.
+
+        `experts_transposed` says fused expert tensors are stored (experts, in, out) as the published
+        checkpoints store them, rather than transformers 5's (experts, out, in).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                moe: SparseMoeBlock = modules[name.rsplit(".experts.", 1)[0]]
+                tensor = tensor.transpose(1, 2) if experts_transposed else tensor
+                if name.endswith("gate_up_proj"):
+                    moe.load_gate_up(tensor)
+                    loaded.add(name.replace("experts.gate_up_proj", "w13"))
+                else:
+                    moe.load_down(tensor)
+                    loaded.add(name.replace("experts.down_proj", "w2"))
+                continue
+            target, shard_id = name, None
+            for ckpt_piece, our_piece, sid in _STACKED:
+                if ckpt_piece in name:
+                    target, shard_id = name.replace(ckpt_piece, our_piece), sid
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor.to(param.dtype), shard_id)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(target)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
