@@ -1,0 +1,89 @@
+"""The `vlm-serve` command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+
+from vlm_serve.config import ServerArgs
+
+
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `ServerArgs` field (`--page-size` for `page_size`), with its default."""
+    for f in dataclasses.fields(ServerArgs):
+        kind = _FLAG_TYPES[str(f.type).split("|")[0].strip()]  # annotations are strings: "int | None"
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, dest=f.name)
+
+
+def server_args_from(ns: argparse.Namespace) -> dict:
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name != "model"}
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from vlm_serve.engine import Engine
+
+    engine = Engine(ns.model, **server_args_from(ns))
+    content: list[dict] = [{"type": "image", "image": path} for path in ns.image]
+    content += [{"type": "video", "video": path} for path in ns.video]
+    content.append({"type": "text", "text": ns.prompt})
+    start = time.perf_counter()
+    out = engine.chat(
+        [{"role": "user", "content": content}], max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed
+    )
+    elapsed = time.perf_counter() - start
+    print(out.text)
+    print(
+        f"[{out.prompt_tokens} prompt tokens, {len(out.token_ids)} generated, finish: {out.finish_reason}, "
+        f"{elapsed:.2f}s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
+    from vlm_serve.testing.tiny_model import create_tiny_model
+
+    path = create_tiny_model(ns.out_dir, arch=ns.arch, seed=ns.seed)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlm-serve", description="Serve Qwen3-VL vision-language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer one prompt (with images/videos) offline and print it")
+    add_server_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    gen.add_argument("--video", action="append", default=[], help="video file (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
+    gen.set_defaults(func=cmd_generate)
+
+    tiny = sub.add_parser("create-tiny-model", help="write a small random Qwen3-VL checkpoint")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--arch", choices=["moe", "dense"], default="moe")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_create_tiny_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"vlm-serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

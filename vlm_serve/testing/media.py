@@ -1,0 +1,32 @@
+"""Deterministic test images and videos (made here, never downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+from PIL import Image
+
+
+def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    """A smooth gradient plus noise: structured enough that resizing matters, random per seed."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(width - 1, 1), y * 255 / max(height - 1, 1), (x + y) % 256], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB").convert(mode)
+
+
+def make_video(path: str | Path, num_frames: int, fps: int, size: tuple[int, int], seed: int = 0) -> Path:
+    """Writes an MPEG-4 video of `num_frames` frames of `size` (width, height) at `fps`."""
+    path = Path(path)
+    width, height = size
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(num_frames):
+            frame = av.VideoFrame.from_image(make_image(width, height, seed=seed + i))
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
