@@ -1,0 +1,21 @@
+"""Session-wide tiny Qwen3-VL checkpoints shared by the test files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vlm_serve.testing.tiny_model import create_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny MoE checkpoint (seed 0, fp32, untied) — the same one as the built-in default model."""
+    return create_tiny_model(tmp_path_factory.mktemp("tiny-moe"), arch="moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny dense checkpoint (seed 0, fp32, untied)."""
+    return create_tiny_model(tmp_path_factory.mktemp("tiny-dense"), arch="dense", seed=0)

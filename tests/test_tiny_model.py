@@ -1,0 +1,256 @@
+"""The tiny checkpoint factory, checked against transformers' own Qwen3-VL classes."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from vlm_serve.testing.tiny_model import create_tiny_model, default_model_path
+from vlm_serve.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def _torchvision_works() -> bool:
+    """transformers' video processor (and so its Qwen3VLProcessor) needs an importable torchvision."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # absent, or a CUDA build next to a CPU torch
+        return False
+    return True
+
+
+def _load(model_dir: Path) -> tuple[torch.nn.Module, dict]:
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, output_loading_info=True)
+    return model.eval(), info
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_moe_dir: Path) -> torch.nn.Module:
+    return _load(tiny_moe_dir)[0]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "class_name", "model_type"),
+    [
+        ("tiny_moe_dir", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"),
+        ("tiny_dense_dir", "Qwen3VLForConditionalGeneration", "qwen3_vl"),
+    ],
+)
+def test_transformers_loads_every_tensor(
+    request: pytest.FixtureRequest, fixture: str, class_name: str, model_type: str
+):
+    model_dir: Path = request.getfixturevalue(fixture)
+    model, info = _load(model_dir)
+    assert type(model).__name__ == class_name
+    assert model.config.model_type == model_type
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert not info["error_msgs"]
+    # The 4.57-style `rope_scaling` becomes transformers' `rope_parameters`.
+    rope = model.config.text_config.rope_parameters
+    assert rope["mrope_section"] == [6, 5, 5] and rope["mrope_interleaved"] is True
+    assert rope["rope_type"] == "default" and rope["rope_theta"] == 10000.0
+    # Every non-expert tensor arrives unchanged; lm_head is a separate tensor (untied).
+    ours = load_file(model_dir / "model.safetensors")
+    theirs = model.state_dict()
+    for name, tensor in ours.items():
+        if ".mlp.experts." not in name:
+            assert torch.equal(theirs[name], tensor), name
+    assert model.lm_head.weight.data_ptr() != model.model.language_model.embed_tokens.weight.data_ptr()
+
+
+def test_moe_experts_are_in_the_457_layout(tiny_moe_dir: Path, moe_model: torch.nn.Module):
+    """Files hold gate_up_proj [E, H, 2I] / down_proj [E, I, H]; transformers transposes them on load."""
+    config = json.loads((tiny_moe_dir / "config.json").read_text())["text_config"]
+    experts, hidden, inter = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    assert 2 * inter != hidden and inter != hidden  # else transformers could not tell the layouts apart
+    ours = load_file(tiny_moe_dir / "model.safetensors")
+    theirs = moe_model.state_dict()
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.language_model.layers.{layer}.mlp"
+        gate_up, down = ours[f"{prefix}.experts.gate_up_proj"], ours[f"{prefix}.experts.down_proj"]
+        assert gate_up.shape == (experts, hidden, 2 * inter)
+        assert down.shape == (experts, inter, hidden)
+        assert ours[f"{prefix}.gate.weight"].shape == (experts, hidden)
+        assert torch.equal(theirs[f"{prefix}.experts.gate_up_proj"], gate_up.transpose(1, 2))
+        assert torch.equal(theirs[f"{prefix}.experts.down_proj"], down.transpose(1, 2))
+
+
+def test_config_matches_the_published_layout(tiny_moe_dir: Path, tiny_dense_dir: Path):
+    tokenizer = Tokenizer.from_pretrained(tiny_moe_dir)
+    for model_dir, arch in ((tiny_moe_dir, "qwen3_vl_moe"), (tiny_dense_dir, "qwen3_vl")):
+        config = json.loads((model_dir / "config.json").read_text())
+        text, vision = config["text_config"], config["vision_config"]
+        assert config["model_type"] == arch and text["model_type"] == f"{arch}_text"
+        assert vision["model_type"] == f"{arch}_vision"
+        assert "rope_parameters" not in text
+        assert text["rope_scaling"] == {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True}
+        assert sum(text["rope_scaling"]["mrope_section"]) == text["head_dim"] // 2
+        assert vision["out_hidden_size"] == text["hidden_size"]
+        assert vision["patch_size"] == 16 and vision["temporal_patch_size"] == 2 and vision["spatial_merge_size"] == 2
+        assert config["torch_dtype"] == config["dtype"] == "float32"
+        assert ("num_experts" in text) == (arch == "qwen3_vl_moe")
+        # Token ids agree with the tokenizer; the embedding table is padded to a multiple of 64.
+        assert config["image_token_id"] == tokenizer.image_token_id
+        assert config["video_token_id"] == tokenizer.video_token_id
+        assert config["vision_start_token_id"] == tokenizer.vision_start_token_id
+        assert config["vision_end_token_id"] == tokenizer.vision_end_token_id
+        assert text["vocab_size"] % 64 == 0 and 0 <= text["vocab_size"] - len(tokenizer) < 64
+    moe = json.loads((tiny_moe_dir / "config.json").read_text())["text_config"]
+    assert moe["norm_topk_prob"] is True and moe["decoder_sparse_step"] == 1 and moe["mlp_only_layers"] == []
+    generation = json.loads((tiny_moe_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+    assert generation["pad_token_id"] == tokenizer.pad_token_id == tokenizer.token_to_id("<|endoftext|>")
+    loaded = transformers.GenerationConfig.from_pretrained(tiny_moe_dir)
+    assert loaded.do_sample and (loaded.temperature, loaded.top_p, loaded.top_k) == (0.7, 0.8, 20)
+
+
+def test_same_seed_gives_identical_files_and_other_seeds_differ(tmp_path: Path, tiny_moe_dir: Path):
+    again = create_tiny_model(tmp_path / "again", arch="moe", seed=0)
+    for name in sorted(p.name for p in tiny_moe_dir.iterdir()):
+        assert (again / name).read_bytes() == (tiny_moe_dir / name).read_bytes(), name
+    other = create_tiny_model(tmp_path / "other", arch="moe", seed=1)
+    assert (other / "model.safetensors").read_bytes() != (tiny_moe_dir / "model.safetensors").read_bytes()
+    a, b = load_file(tiny_moe_dir / "model.safetensors"), load_file(other / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert not torch.equal(a["model.language_model.embed_tokens.weight"], b["model.language_model.embed_tokens.weight"])
+    assert (other / "tokenizer.json").read_bytes() == (tiny_moe_dir / "tokenizer.json").read_bytes()
+
+
+def test_tied_variant_has_no_lm_head(tmp_path: Path):
+    model_dir = create_tiny_model(tmp_path, arch="dense", tie_word_embeddings=True)
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["text_config"]["tie_word_embeddings"] is True
+    model, info = _load(model_dir)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(model.lm_head.weight, model.model.language_model.embed_tokens.weight)
+    # Greedy decoding does not just repeat the last token (the risk when the LM head is the embedding).
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Describe the picture of the red cat."}])
+    input_ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        new_tokens = model.generate(input_ids, max_new_tokens=16, do_sample=False)[0, input_ids.shape[1] :]
+    assert len(set(new_tokens.tolist())) > 4
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype"), [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_half_precision_variants(tmp_path: Path, tiny_moe_dir: Path, dtype: str, torch_dtype: torch.dtype):
+    model_dir = create_tiny_model(tmp_path, arch="moe", dtype=dtype)
+    tensors = load_file(model_dir / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch_dtype}
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == config["text_config"]["dtype"] == dtype
+    full = load_file(tiny_moe_dir / "model.safetensors")
+    assert all(torch.equal(full[name].to(torch_dtype), tensor) for name, tensor in tensors.items())
+
+
+def test_greedy_decoding_has_clear_winners(tiny_moe_dir: Path, moe_model: torch.nn.Module):
+    """Logits are spread enough that 16 greedy tokens never hinge on a near-tie."""
+    tokenizer = Tokenizer.from_pretrained(tiny_moe_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Describe the picture of the red cat."}])
+    input_ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        out = moe_model.generate(
+            input_ids, max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    logits = torch.cat(out.logits)  # [16, vocab]
+    top2 = logits.topk(2, dim=-1).values
+    assert logits[:, : len(tokenizer)].std(dim=-1).min() > 2.0
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-3  # fp32 implementations differ by ~1e-5
+    new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+    assert len(new_tokens) == 16 and len(set(new_tokens)) > 4  # not one token repeated
+    # The padded tail of the vocabulary has zero logits and never wins.
+    assert torch.all(logits[:, len(tokenizer) :] == 0) and max(new_tokens) < len(tokenizer)
+
+
+def _image_inputs(model_dir: Path, image: Image.Image) -> dict:
+    """Processor-equivalent inputs for one image, built from the image processor and the tokenizer."""
+    image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+    pixels = image_processor(images=[image], return_tensors="pt")
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    )
+    num_tokens = int(pixels["image_grid_thw"][0].prod()) // 4
+    prompt = prompt.replace("<|image_pad|>", "<|image_pad|>" * num_tokens)
+    input_ids = torch.tensor([tokenizer.encode(prompt)])
+    return {
+        "input_ids": input_ids,
+        "mm_token_type_ids": (input_ids == tokenizer.image_token_id).long(),
+        "pixel_values": pixels["pixel_values"],
+        "image_grid_thw": pixels["image_grid_thw"],
+    }
+
+
+def test_image_processor_and_vision_tower(tiny_moe_dir: Path, moe_model: torch.nn.Module):
+    image_processor = transformers.AutoImageProcessor.from_pretrained(tiny_moe_dir)
+    assert type(image_processor).__name__.startswith("Qwen2VLImageProcessor")
+    assert (image_processor.size["shortest_edge"], image_processor.size["longest_edge"]) == (32 * 32, 512 * 512)
+    rng = np.random.default_rng(0)
+    tiny = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    big = Image.fromarray(rng.integers(0, 256, (2000, 1000, 3), dtype=np.uint8))
+    grids = [image_processor(images=[im], return_tensors="pt")["image_grid_thw"][0].tolist() for im in (tiny, big)]
+    assert grids[0] == [1, 2, 2]  # scaled up to one merged token
+    assert grids[1][1] * grids[1][2] * 16 * 16 <= 512 * 512  # scaled down to the pixel limit
+
+    # The image changes what the model says: two different images give different next-token logits.
+    outputs = []
+    for seed in (1, 2):
+        pixels = np.random.default_rng(seed).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+        inputs = _image_inputs(tiny_moe_dir, Image.fromarray(pixels))
+        assert inputs["image_grid_thw"][0].tolist() == [1, 4, 6]
+        with torch.no_grad():
+            outputs.append(moe_model(**inputs).logits[0, -1])
+    assert (outputs[0] - outputs[1]).abs().max() > 0.1
+
+
+def test_video_processor_config(tiny_moe_dir: Path):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    config = json.loads((tiny_moe_dir / "video_preprocessor_config.json").read_text())
+    assert config["video_processor_type"] == "Qwen3VLVideoProcessor"
+    assert config["processor_class"] == "Qwen3VLProcessor"
+    processor = Qwen3VLVideoProcessor.from_pretrained(tiny_moe_dir)
+    assert (processor.fps, processor.min_frames, processor.max_frames) == (2, 4, 768)
+    assert (processor.patch_size, processor.temporal_patch_size, processor.merge_size) == (16, 2, 2)
+    assert processor.size["shortest_edge"] == 32 * 32
+    assert processor.cap_pixels_per_frame is False
+
+
+@pytest.mark.skipif(not _torchvision_works(), reason="transformers' Qwen3VLVideoProcessor needs a working torchvision")
+def test_auto_processor(tiny_moe_dir: Path):
+    processor = transformers.AutoProcessor.from_pretrained(tiny_moe_dir)
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Compare."}]},
+    ]
+    rendered = Tokenizer.from_pretrained(tiny_moe_dir).apply_chat_template(messages)
+    assert processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
+    video = np.random.default_rng(1).integers(0, 256, (8, 64, 64, 3), dtype=np.uint8)
+    inputs = processor(text=[rendered], images=[image], videos=[video], return_tensors="pt")
+    assert inputs["image_grid_thw"][0].tolist() == [1, 4, 6]
+    assert int((inputs["input_ids"] == processor.image_token_id).sum()) == 6
+
+
+def test_default_model_path_is_created_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_moe_dir: Path):
+    monkeypatch.setenv("VLM_SERVE_CACHE", str(tmp_path))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        paths = list(pool.map(lambda _: default_model_path(), range(4)))
+    assert len(set(paths)) == 1
+    path = paths[0]
+    assert path.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp dirs left
+    assert (path / "model.safetensors").read_bytes() == (tiny_moe_dir / "model.safetensors").read_bytes()
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert default_model_path() == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
