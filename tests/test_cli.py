@@ -1,0 +1,46 @@
+"""The `vlm-serve` command: creating a tiny model and answering a prompt offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from vlm_serve.testing.media import make_image
+
+
+def _vlm_serve(*args: str, env_cache=None) -> subprocess.CompletedProcess:
+    env = None if env_cache is None else {**os.environ, "VLM_SERVE_CACHE": str(env_cache)}
+    return subprocess.run(
+        [sys.executable, "-m", "vlm_serve.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_create_tiny_model_writes_a_hugging_face_checkpoint(tmp_path):
+    out = tmp_path / "dense"
+    result = _vlm_serve("create-tiny-model", str(out), "--arch", "dense", "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "preprocessor_config.json"):
+        assert (out / name).is_file()
+
+
+def test_generate_answers_about_an_image_with_the_default_model(tmp_path):
+    image = tmp_path / "picture.png"
+    make_image(120, 80, seed=7).save(image)
+    args = ("generate", "--image", str(image), "--prompt", "What is this?", "--max-tokens", "6", "--temperature", "0")
+    first = _vlm_serve(*args, env_cache=tmp_path / "cache")
+    assert first.returncode == 0, first.stderr
+    assert "prompt tokens" in first.stderr and "generated" in first.stderr
+    second = _vlm_serve(*args, env_cache=tmp_path / "cache")  # reuses the cached default model
+    assert second.stdout == first.stdout
+
+
+def test_generate_reports_a_missing_image_clearly(tmp_path):
+    result = _vlm_serve("generate", "--image", str(tmp_path / "nope.png"), "--prompt", "hi",
+                        env_cache=tmp_path / "cache")
+    assert result.returncode == 2
+    assert "nope.png" in result.stderr and "Traceback" not in result.stderr
