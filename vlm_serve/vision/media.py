@@ -1,0 +1,170 @@
+"""Loading images and videos from what a request carries: bytes, local paths, `data:` URLs, PIL images.
+
+Every problem with the media itself (empty or undecodable data, a missing file, an unsupported URL,
+a decompression bomb, ...) is raised as `MediaError`, a `ValueError` whose message names the problem;
+decoder exceptions never escape.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# Same as Pillow's own warning threshold (about 89.5 megapixels, a 9500x9500 image).
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+_EXIF_ORIENTATION = 0x0112
+_DATA_URL_MEDIA_TYPES = {"image": ("image/",), "video": ("video/",)}
+_GENERIC_MEDIA_TYPE = "application/octet-stream"
+
+ImageSource = str | os.PathLike | bytes | bytearray | memoryview | Image.Image
+VideoSource = str | os.PathLike | bytes | bytearray | memoryview
+
+
+class MediaError(ValueError):
+    """An image or video that cannot be used: unreadable, undecodable, too large or malformed."""
+
+
+def read_media(
+    source: str | os.PathLike | bytes | bytearray | memoryview,
+    kind: str,
+    allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+) -> bytes | Path:
+    """Resolve `source` to raw bytes (bytes, `data:` URL) or an existing local file (path, `file://` URL).
+
+    `kind` ("image" or "video") is only used in messages and to check a data URL's media type. When
+    `allowed_local_dirs` is given, a local path must lie inside one of them.
+    """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        if not data:
+            raise MediaError(f"{kind} data is empty")
+        return data
+    if isinstance(source, os.PathLike):
+        return _local_file(Path(source), kind, allowed_local_dirs)
+    if not isinstance(source, str):
+        raise MediaError(f"unsupported {kind} source of type {type(source).__name__}")
+    if source.startswith("data:"):
+        return _decode_data_url(source, kind)
+    if source.startswith("file://"):
+        return _local_file(Path(source[len("file://") :]), kind, allowed_local_dirs)
+    if source.startswith(("http://", "https://")):
+        raise MediaError(f"remote {kind} URLs are not supported here; fetch the {kind} and pass its bytes")
+    if not source:
+        raise MediaError(f"{kind} source is an empty string")
+    return _local_file(Path(source), kind, allowed_local_dirs)
+
+
+def _decode_data_url(url: str, kind: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise MediaError(f"malformed data URL for {kind}: no ',' separates the header from the data")
+    params = header[len("data:") :].split(";")
+    media_type = params[0].strip().lower()
+    if "base64" not in (p.strip().lower() for p in params[1:]):
+        raise MediaError(f"unsupported data URL for {kind}: only base64-encoded data URLs are supported")
+    if media_type and media_type != _GENERIC_MEDIA_TYPE and not media_type.startswith(_DATA_URL_MEDIA_TYPES[kind]):
+        raise MediaError(f"unsupported data URL for {kind}: media type {media_type!r} is not {kind}/*")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"invalid base64 data in {kind} data URL: {exc}") from exc
+    if not data:
+        raise MediaError(f"{kind} data URL holds no data")
+    return data
+
+
+def _local_file(path: Path, kind: str, allowed_local_dirs: Sequence[str | os.PathLike] | None) -> Path:
+    if allowed_local_dirs is not None:
+        resolved = path.resolve()
+        if not any(resolved.is_relative_to(Path(d).resolve()) for d in allowed_local_dirs):
+            raise MediaError(f"{kind} path {str(path)!r} is outside the allowed local directories")
+    if not path.exists():
+        raise MediaError(f"{kind} file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise MediaError(f"{kind} path {str(path)!r} is not a regular file")
+    if path.stat().st_size == 0:
+        raise MediaError(f"{kind} file {str(path)!r} is empty")
+    return path
+
+
+def load_image(
+    source: ImageSource,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+) -> Image.Image:
+    """Decode `source` into a PIL image with its EXIF orientation applied (the mode is left as stored).
+
+    The pixel count is checked against `max_pixels` from the header, before any pixel is decoded.
+    """
+    if isinstance(source, Image.Image):
+        check_image_size(source.width, source.height, max_pixels)
+        return apply_exif_orientation(source)
+    data = read_media(source, "image", allowed_local_dirs)
+    try:
+        image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"image is too large to decode safely (decompression bomb): {exc}") from exc
+    except UnidentifiedImageError as exc:
+        raise MediaError("cannot decode image: the data is not in a recognized image format") from exc
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is a property of the data
+        raise MediaError(f"cannot decode image: {exc}") from exc
+    check_image_size(image.width, image.height, max_pixels)
+    try:
+        image.load()
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"image is too large to decode safely (decompression bomb): {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - truncated or corrupt data
+        raise MediaError(f"cannot decode image: {exc}") from exc
+    return apply_exif_orientation(image)
+
+
+def check_image_size(width: int, height: int, max_pixels: int | None = None) -> None:
+    """Raise `MediaError` for an empty image or one with more than `max_pixels` pixels."""
+    if width <= 0 or height <= 0:
+        raise MediaError(f"image is empty ({width}x{height} pixels)")
+    if max_pixels is not None and width * height > max_pixels:
+        raise MediaError(
+            f"image is too large: {width}x{height} = {width * height} pixels exceeds the limit of "
+            f"{max_pixels} pixels (possible decompression bomb)"
+        )
+
+
+def apply_exif_orientation(image: Image.Image) -> Image.Image:
+    """`image` turned upright according to its EXIF orientation tag (the same object when upright)."""
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block means "no orientation"
+        return image
+    if orientation not in (2, 3, 4, 5, 6, 7, 8):
+        return image
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception as exc:  # noqa: BLE001
+        raise MediaError(f"cannot apply the image's EXIF orientation: {exc}") from exc
+
+
+def has_transparency(image: Image.Image) -> bool:
+    """Whether `image` has an alpha band or a transparency key (the test transformers uses)."""
+    return "A" in image.getbands() or image.info.get("transparency") is not None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """An RGB version of `image`, converted exactly as transformers' image processors do.
+
+    Images with transparency (an alpha band or a transparency key) are composited onto white; every
+    other mode goes through Pillow's `convert("RGB")`.
+    """
+    try:
+        if has_transparency(image):
+            rgba = image.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return image if image.mode == "RGB" else image.convert("RGB")
+    except (ValueError, OSError) as exc:
+        raise MediaError(f"cannot convert image of mode {image.mode!r} to RGB: {exc}") from exc

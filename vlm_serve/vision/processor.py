@@ -1,0 +1,241 @@
+"""Prompt expansion: a rendered prompt plus its images and videos -> `ProcessedInput`.
+
+Each `<|image_pad|>` in the prompt becomes `t * h * w / merge²` image pad tokens; each `<|video_pad|>`
+becomes, per temporal patch group, `<{seconds:.1f} seconds><|vision_start|>` + pad tokens +
+`<|vision_end|>` — the text transformers' `Qwen3VLProcessor` produces. The expanded text is tokenized
+as a whole (as there), and each item's pad runs are recorded as its `spans`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.image_processor import ImageProcessor
+from vlm_serve.vision.items import MultimodalItem, ProcessedInput
+from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaError, VideoSource, load_image
+from vlm_serve.vision.video import VideoProcessor
+
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+_PLACEHOLDER = re.compile(f"{re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)}")
+_IMAGE_OPTIONS = ("min_pixels", "max_pixels")
+_VIDEO_OPTIONS = ("min_pixels", "max_pixels", "fps", "max_frames")
+
+
+@dataclass
+class MediaInput:
+    """One image or video of a request with its own preprocessing overrides (keys of `_*_OPTIONS`)."""
+
+    source: Any
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class MultimodalProcessor:
+    """Builds model inputs from prompts and media, equal to transformers' Qwen3VLProcessor output."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        image_processor: ImageProcessor,
+        video_processor: VideoProcessor,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.video_processor = video_processor
+        self.max_image_pixels = max_image_pixels
+        self.allowed_local_dirs = allowed_local_dirs
+        self.image_token_id = _required_token_id(tokenizer, IMAGE_PAD)
+        self.video_token_id = _required_token_id(tokenizer, VIDEO_PAD)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | os.PathLike,
+        tokenizer: Tokenizer,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+    ) -> MultimodalProcessor:
+        """Processors configured by the checkpoint's `preprocessor_config.json` / `video_preprocessor_config.json`."""
+        return cls(
+            tokenizer,
+            ImageProcessor.from_pretrained(model_dir),
+            VideoProcessor.from_pretrained(model_dir, max_frame_pixels=max_image_pixels),
+            max_image_pixels=max_image_pixels,
+            allowed_local_dirs=allowed_local_dirs,
+        )
+
+    # -- public entry points -------------------------------------------------------------------------
+
+    def process(
+        self,
+        prompt: str,
+        images: Sequence[ImageSource | MediaInput] = (),
+        videos: Sequence[VideoSource | MediaInput] = (),
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
+        fps: float | None = None,
+        max_frames: int | None = None,
+    ) -> ProcessedInput:
+        """Expand and tokenize a rendered `prompt` holding one `<|image_pad|>` / `<|video_pad|>` per item.
+
+        `min_pixels` / `max_pixels` override the image pixel limits, `video_min_pixels` /
+        `video_max_pixels` (whole clip) `fps` and `max_frames` the video settings, for every item
+        without its own value (a `MediaInput`'s options win).
+        """
+        image_defaults = _given(min_pixels=min_pixels, max_pixels=max_pixels)
+        video_defaults = _given(
+            min_pixels=video_min_pixels, max_pixels=video_max_pixels, fps=fps, max_frames=max_frames
+        )
+        return self._process(
+            prompt,
+            [_with_defaults(item, image_defaults, _IMAGE_OPTIONS, "image") for item in images],
+            [_with_defaults(item, video_defaults, _VIDEO_OPTIONS, "video") for item in videos],
+        )
+
+    def process_messages(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **overrides: Any
+    ) -> ProcessedInput:
+        """Render OpenAI-style `messages` with the chat template and process their media.
+
+        Content parts: `{"type": "text", "text": ...}`, `{"type": "image", "image": src}`,
+        `{"type": "image_url", "image_url": {"url": src}}` (or a plain string), and the same for
+        `video` / `video_url`; `src` is a path, `data:` URL, bytes or (images) a PIL image. A media
+        part may carry its own `min_pixels`, `max_pixels` (and for videos `fps`, `max_frames`).
+        `overrides` are `process`'s keyword arguments.
+        """
+        images: list[MediaInput] = []
+        videos: list[MediaInput] = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str) or content is None:
+                continue
+            for part in content:
+                modality = _part_modality(part)
+                if modality == "image":
+                    images.append(MediaInput(_part_source(part, "image"), _part_options(part, _IMAGE_OPTIONS)))
+                elif modality == "video":
+                    videos.append(MediaInput(_part_source(part, "video"), _part_options(part, _VIDEO_OPTIONS)))
+        prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+        return self.process(prompt, images, videos, **overrides)
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _process(self, prompt: str, images: list[MediaInput], videos: list[MediaInput]) -> ProcessedInput:
+        for token, items, kind in ((IMAGE_PAD, images, "image"), (VIDEO_PAD, videos, "video")):
+            if prompt.count(token) != len(items):
+                raise ValueError(
+                    f"the prompt has {prompt.count(token)} {token} placeholder(s) but {len(items)} {kind}(s) were given"
+                )
+        image_items = [self._image_item(item) for item in images]
+        video_items = [self._video_item(item) for item in videos]
+        text = self._expand(prompt, image_items, video_items)
+        input_ids = self.tokenizer.encode(text)
+        self._set_spans(input_ids, self.image_token_id, image_items, self.image_processor.config.merge_size)
+        self._set_spans(input_ids, self.video_token_id, video_items, self.video_processor.config.merge_size)
+        mm_items = sorted(image_items + video_items, key=lambda item: item.spans[0][0])
+        return ProcessedInput(input_ids=input_ids, mm_items=mm_items)
+
+    def _image_item(self, item: MediaInput) -> MultimodalItem:
+        image = load_image(item.source, self.max_image_pixels, self.allowed_local_dirs)
+        return self.image_processor.preprocess(image, **item.options)
+
+    def _video_item(self, item: MediaInput) -> MultimodalItem:
+        if not isinstance(item.source, (str, bytes, bytearray, memoryview, os.PathLike)):
+            raise MediaError(f"unsupported video source of type {type(item.source).__name__}")
+        return self.video_processor.preprocess(item.source, allowed_local_dirs=self.allowed_local_dirs, **item.options)
+
+    def _expand(self, prompt: str, images: list[MultimodalItem], videos: list[MultimodalItem]) -> str:
+        """`prompt` with every placeholder replaced by its item's full token text, in order."""
+        image_merge = self.image_processor.config.merge_size
+        video_merge = self.video_processor.config.merge_size
+        replacements = {
+            IMAGE_PAD: iter(IMAGE_PAD * item.num_tokens(image_merge) for item in images),
+            VIDEO_PAD: iter(self._video_text(item, video_merge) for item in videos),
+        }
+        return _PLACEHOLDER.sub(lambda match: next(replacements[match.group()]), prompt)
+
+    @staticmethod
+    def _video_text(item: MultimodalItem, merge_size: int) -> str:
+        _, height, width = item.grid_thw
+        pads = VIDEO_PAD * (height * width // merge_size**2)
+        return "".join(f"<{seconds:.1f} seconds>{VISION_START}{pads}{VISION_END}" for seconds in item.timestamps)
+
+    @staticmethod
+    def _set_spans(input_ids: list[int], token_id: int, items: list[MultimodalItem], merge_size: int) -> None:
+        """Give each item, in order, its runs of `token_id` (one per temporal group for videos)."""
+        positions = np.flatnonzero(np.asarray(input_ids) == token_id)
+        if len(positions) != sum(item.num_tokens(merge_size) for item in items):
+            raise ValueError(f"the tokenized prompt does not hold the expected number of tokens with id {token_id}")
+        cursor = 0
+        for item in items:
+            groups = item.grid_thw[0] if item.modality == "video" else 1
+            run = item.num_tokens(merge_size) // groups
+            item.spans = []
+            for _ in range(groups):
+                start, last = int(positions[cursor]), int(positions[cursor + run - 1])
+                if last - start != run - 1:
+                    raise ValueError(f"the {item.modality} placeholder tokens were split by tokenization")
+                item.spans.append((start, last + 1))
+                cursor += run
+
+
+def _required_token_id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"the tokenizer has no {token} token; it is not a Qwen3-VL tokenizer")
+    return token_id
+
+
+def _given(**options: Any) -> dict[str, Any]:
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def _with_defaults(item: Any, defaults: dict[str, Any], allowed: tuple[str, ...], kind: str) -> MediaInput:
+    if not isinstance(item, MediaInput):
+        return MediaInput(item, dict(defaults))
+    unknown = set(item.options) - set(allowed)
+    if unknown:
+        raise ValueError(f"unknown {kind} option(s): {', '.join(sorted(unknown))}")
+    return MediaInput(item.source, {**defaults, **item.options})
+
+
+def _part_modality(part: Any) -> str | None:
+    """"image", "video" or None for a content part, recognised as the chat template does."""
+    if not isinstance(part, Mapping):
+        raise ValueError(f"message content parts must be objects, got {type(part).__name__}")
+    kind = part.get("type")
+    if kind in ("image", "image_url") or "image" in part or "image_url" in part:
+        return "image"
+    if kind in ("video", "video_url") or "video" in part or "video_url" in part:
+        return "video"
+    return None
+
+
+def _part_source(part: Mapping[str, Any], kind: str) -> Any:
+    """The media of a part: `part[kind]`, or `part[kind + "_url"]` as a string or `{"url": ...}`."""
+    if part.get(kind) is not None:
+        return part[kind]
+    url = part.get(f"{kind}_url")
+    if isinstance(url, Mapping):
+        url = url.get("url")
+    if url is None:
+        raise ValueError(f"{kind} content part has no {kind!r} or {kind + '_url'!r} value")
+    return url
+
+
+def _part_options(part: Mapping[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
+    return {name: part[name] for name in allowed if part.get(name) is not None}

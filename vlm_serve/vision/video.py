@@ -1,0 +1,365 @@
+"""Qwen3-VL video preprocessing: PyAV decoding, fps frame sampling, resize, normalise, patchify.
+
+Matches transformers' `Qwen3VLVideoProcessor` (with its PyAV reader): the same frame indices
+(`linspace(0, total - 1, n).round()`, n from fps clamped by min/max frames and the frame count), the
+same `smart_resize` with the temporal factor and whole-clip pixel budget, the same resize (torchvision's
+uint8 bicubic antialiased resize, which is `torch.nn.functional.interpolate`), normalisation
+`(v - mean / rescale) / (std / rescale)` in float32, frame padding by repeating the last frame, patch
+layout and per-group timestamps. One deliberate difference: a clip with a single frame is accepted
+(sized as if it had `temporal_patch_size` frames) where transformers raises.
+
+Decoding is bounded: frames are decoded in order, only the sampled ones are converted to RGB, and each
+is resized as soon as it is decoded, so memory holds the kept frames at their final size.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from vlm_serve.vision.image_processor import (
+    PixelNormalizer,
+    channel_values,
+    check_aspect_ratio,
+    load_json,
+    positive_float,
+    positive_int,
+    read_pixel_limits,
+    reject_disabled_steps,
+)
+from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, MediaError, VideoSource, read_media
+
+DEFAULT_VIDEO_FPS = 24.0  # assumed when a stream states no frame rate, as transformers does
+
+
+@dataclass(frozen=True)
+class VideoProcessorConfig:
+    """Video settings of a checkpoint (`video_preprocessor_config.json`); defaults are transformers'."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 128 * 32 * 32  # whole clip: frames * height * width
+    max_pixels: int = 32 * 32 * 768
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
+
+    def __post_init__(self) -> None:
+        for name in (
+            "patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels",
+            "min_frames", "max_frames", "max_video_tokens",
+        ):  # fmt: skip
+            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+        object.__setattr__(self, "fps", positive_float("fps", self.fps))
+        object.__setattr__(self, "rescale_factor", positive_float("rescale_factor", self.rescale_factor))
+        object.__setattr__(self, "image_mean", channel_values("image_mean", self.image_mean))
+        object.__setattr__(self, "image_std", channel_values("image_std", self.image_std))
+        if any(s == 0 for s in self.image_std):
+            raise ValueError(f"image_std must not contain 0, got {self.image_std}")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
+        if self.max_pixels < self.factor**2:
+            raise ValueError(
+                f"max_pixels ({self.max_pixels}) must allow at least one merged patch ({self.factor}x{self.factor})"
+            )
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, data: dict) -> VideoProcessorConfig:
+        reject_disabled_steps(data, ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_sample_frames"))
+        if data.get("resample", int(Image.Resampling.BICUBIC)) != int(Image.Resampling.BICUBIC):
+            raise ValueError(f"only bicubic video resizing is supported, config has resample={data['resample']}")
+        if data.get("num_frames") is not None:
+            raise ValueError("a fixed num_frames in the video config is not supported; frames are sampled by fps")
+        min_pixels, max_pixels = read_pixel_limits(data, cls.min_pixels, cls.max_pixels)
+        known = (
+            "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
+            "fps", "min_frames", "max_frames", "cap_pixels_per_frame", "max_video_tokens",
+        )  # fmt: skip
+        fields = {k: data[k] for k in known if data.get(k) is not None}
+        return cls(min_pixels=min_pixels, max_pixels=max_pixels, **fields)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> VideoProcessorConfig:
+        """Read `video_preprocessor_config.json`; without it, the patch geometry of `preprocessor_config.json`."""
+        data = load_json(model_dir, "video_preprocessor_config.json")
+        if data is None:
+            image = load_json(model_dir, "preprocessor_config.json") or {}
+            data = {k: image[k] for k in ("patch_size", "temporal_patch_size", "merge_size") if k in image}
+        return cls.from_dict(data)
+
+    def with_overrides(
+        self,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        fps: float | None = None,
+        max_frames: int | None = None,
+    ) -> VideoProcessorConfig:
+        """These settings with a request's overrides (validated; None keeps the checkpoint's)."""
+        changes = {
+            name: value
+            for name, value in (
+                ("min_pixels", min_pixels), ("max_pixels", max_pixels), ("fps", fps), ("max_frames", max_frames)
+            )
+            if value is not None
+        }  # fmt: skip
+        return replace(self, **changes) if changes else self
+
+    def clip_max_pixels(self, num_frames: int) -> int:
+        """The whole-clip pixel budget for `num_frames` frames (capped per frame when configured)."""
+        if not self.cap_pixels_per_frame:
+            return self.max_pixels
+        frame_cap = self.max_video_tokens * self.factor * self.factor
+        per_frame = max(min(frame_cap, self.max_pixels // num_frames), int(self.min_pixels * 1.05))
+        return per_frame * num_frames
+
+
+# -- sampling and geometry ---------------------------------------------------------------------------
+
+
+def sample_frame_indices(
+    total_frames: int, video_fps: float, fps: float, min_frames: int, max_frames: int
+) -> list[int]:
+    """Indices of the frames kept: `fps` per second of video, clamped to [min_frames, max_frames] and the
+    frame count, spread evenly from the first to the last frame."""
+    num_frames = int(total_frames / video_fps * fps)
+    num_frames = min(max(num_frames, min_frames), max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, num_frames).round().astype(int).tolist()
+
+
+def group_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal patch group: the mean time of its first and last frame (after padding)."""
+    indices = list(frame_indices)
+    indices += [indices[-1]] * (-len(indices) % temporal_patch_size)
+    times = [index / video_fps for index in indices]
+    return [
+        (times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)
+    ]
+
+
+def smart_resize_video(
+    num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Frame (height, width) for a clip: multiples of `factor`, whole-clip pixels within the budget."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    check_aspect_ratio(height, width)
+    new_height = round(height / factor) * factor
+    new_width = round(width / factor) * factor
+    rounded_frames = round(num_frames / temporal_factor) * temporal_factor
+    if rounded_frames * new_height * new_width > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        new_height = max(factor, math.floor(height / beta / factor) * factor)
+        new_width = max(factor, math.floor(width / beta / factor) * factor)
+    elif rounded_frames * new_height * new_width < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        new_height = math.ceil(height * beta / factor) * factor
+        new_width = math.ceil(width * beta / factor) * factor
+    return new_height, new_width
+
+
+def resize_frame(frame: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """`(H, W, 3)` uint8 RGB -> `(3, height, width)` uint8, as torchvision resizes uint8 tensors (bicubic,
+    antialiased, computed natively on uint8; unchanged when the size already matches)."""
+    pixels = torch.from_numpy(frame).permute(2, 0, 1).contiguous()
+    if pixels.shape[1:] == (height, width):
+        return pixels
+    resized = F.interpolate(pixels[None], size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+    return resized[0]
+
+
+def video_normalizer(rescale_factor: float, mean: tuple[float, ...], std: tuple[float, ...]) -> PixelNormalizer:
+    """Values as transformers' fused video normalisation computes them: (v - mean/r) / (std/r) in float32."""
+    scaled_mean = (torch.tensor(mean) * (1.0 / rescale_factor)).view(-1, 1)
+    scaled_std = (torch.tensor(std) * (1.0 / rescale_factor)).view(-1, 1)
+    table = (torch.arange(256, dtype=torch.float32).expand(len(mean), 256) - scaled_mean) / scaled_std
+    return PixelNormalizer(table, [("sub_div", scaled_mean, scaled_std)])
+
+
+def patchify_video(
+    frames: torch.Tensor, normalizer: PixelNormalizer, patch_size: int, merge_size: int, temporal_patch_size: int
+) -> torch.Tensor:
+    """`(F, 3, h, w)` uint8 frames (F a multiple of T) -> `(F/T * h/P * w/P, 3 * T * P * P)` float32."""
+    num_frames, channels, height, width = frames.shape
+    grid_t, grid_h, grid_w = num_frames // temporal_patch_size, height // patch_size, width // patch_size
+    patches = frames.view(
+        grid_t, temporal_patch_size, channels,
+        grid_h // merge_size, merge_size, patch_size,
+        grid_w // merge_size, merge_size, patch_size,
+    ).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # fmt: skip
+    num_patches = grid_t * grid_h * grid_w
+    out = torch.from_numpy(np.empty((num_patches, channels, temporal_patch_size * patch_size**2), dtype=np.float32))
+    out.view(patches.shape).copy_(patches)
+    normalizer.normalize_(out)
+    return out.view(num_patches, -1)
+
+
+# -- decoding ----------------------------------------------------------------------------------------
+
+
+def _open_container(data: bytes | Path) -> av.container.InputContainer:
+    try:
+        return av.open(io.BytesIO(data) if isinstance(data, bytes) else str(data), mode="r")
+    except Exception as exc:  # noqa: BLE001 - any demuxer failure is a property of the data
+        raise MediaError("cannot decode video: the data is not in a recognized video format") from exc
+
+
+def _video_stream(container: av.container.InputContainer) -> av.video.stream.VideoStream:
+    if not container.streams.video:
+        raise MediaError("not a video: the data holds no video stream")
+    if container.format.name.endswith("_pipe") or container.format.name == "image2":
+        raise MediaError(f"not a video: the data is a still image ({container.format.name})")
+    return container.streams.video[0]
+
+
+@dataclass
+class _Frames:
+    """Sampled, resized frames of one decode pass."""
+
+    pixels: list[torch.Tensor]
+    decoded: int  # frames decoded in this pass
+
+
+class VideoProcessor:
+    """Decodes, samples and preprocesses videos exactly as Qwen3-VL's video processor does."""
+
+    def __init__(self, config: VideoProcessorConfig, max_frame_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        self.config = config
+        self.max_frame_pixels = max_frame_pixels
+        self._normalizer = video_normalizer(config.rescale_factor, config.image_mean, config.image_std)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, **kwargs) -> VideoProcessor:
+        return cls(VideoProcessorConfig.from_pretrained(model_dir), **kwargs)
+
+    def preprocess(
+        self,
+        source: VideoSource,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        fps: float | None = None,
+        max_frames: int | None = None,
+        allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+    ) -> MultimodalItem:
+        """Decode `source` (bytes, path, `data:` URL), sample frames by fps and build the video item."""
+        config = self.config.with_overrides(min_pixels, max_pixels, fps, max_frames)
+        data = read_media(source, "video", allowed_local_dirs)
+        total_frames, video_fps = self._probe(data)
+        indices = sample_frame_indices(total_frames, video_fps, config.fps, config.min_frames, config.max_frames)
+        frames = self._decode(data, indices, config)
+        if len(frames.pixels) < len(indices):  # the stream ended early: sample again from what decodes
+            if frames.decoded == 0:
+                raise MediaError("video has no decodable frames")
+            indices = sample_frame_indices(
+                frames.decoded, video_fps, config.fps, config.min_frames, config.max_frames
+            )
+            frames = self._decode(data, indices, config)
+            if len(frames.pixels) < len(indices):
+                raise MediaError("video decodes inconsistently: frames vanished between two decoding passes")
+        return self._build_item(frames.pixels, indices, video_fps, config)
+
+    def preprocess_frames(
+        self,
+        frames: np.ndarray,
+        frame_indices: Sequence[int],
+        video_fps: float,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> MultimodalItem:
+        """Build the video item from already sampled `(n, H, W, 3)` uint8 RGB frames taken at
+        `frame_indices` of a video running at `video_fps`."""
+        config = self.config.with_overrides(min_pixels, max_pixels)
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
+            raise ValueError(f"frames must be a non-empty (n, H, W, 3) uint8 array, got {frames.shape} {frames.dtype}")
+        if len(frame_indices) != len(frames):
+            raise ValueError(f"got {len(frames)} frames but {len(frame_indices)} frame indices")
+        height, width = self._target_size(len(frames), frames.shape[1], frames.shape[2], config)
+        pixels = [resize_frame(frame, height, width) for frame in frames]
+        return self._build_item(pixels, list(frame_indices), positive_float("video_fps", video_fps), config)
+
+    def _probe(self, data: bytes | Path) -> tuple[int, float]:
+        """(frame count, frame rate) from the container; frames are counted by demuxing when not stated."""
+        with _open_container(data) as container:
+            stream = _video_stream(container)
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > self.max_frame_pixels:
+                raise MediaError(
+                    f"video frames are too large: {width}x{height} exceeds the limit of {self.max_frame_pixels} pixels"
+                )
+            rate = stream.average_rate or stream.guessed_rate
+            video_fps = float(rate) if rate else DEFAULT_VIDEO_FPS
+            total_frames = stream.frames
+            if total_frames <= 0:
+                try:
+                    total_frames = sum(1 for packet in container.demux(stream) if packet.size)
+                except av.FFmpegError as exc:
+                    raise MediaError(f"cannot read video: {exc}") from exc
+        if total_frames <= 0:
+            raise MediaError("video has no decodable frames")
+        return total_frames, video_fps
+
+    def _target_size(self, num_frames: int, height: int, width: int, config: VideoProcessorConfig) -> tuple[int, int]:
+        clip_frames = max(num_frames, config.temporal_patch_size)
+        return smart_resize_video(
+            clip_frames, height, width, config.temporal_patch_size, config.factor,
+            config.min_pixels, config.clip_max_pixels(clip_frames),
+        )  # fmt: skip
+
+    def _decode(self, data: bytes | Path, indices: list[int], config: VideoProcessorConfig) -> _Frames:
+        """Decode up to the last wanted frame, keeping (resized) only the frames at `indices`."""
+        wanted = set(indices)
+        kept: dict[int, torch.Tensor] = {}
+        size = (0, 0)
+        decoded = 0
+        with _open_container(data) as container:
+            stream = _video_stream(container)
+            stream.thread_type = "AUTO"
+            try:
+                for index, frame in enumerate(container.decode(stream)):
+                    decoded = index + 1
+                    if index in wanted:
+                        rgb = frame.to_ndarray(format="rgb24")
+                        if not kept:
+                            size = self._target_size(len(indices), rgb.shape[0], rgb.shape[1], config)
+                        kept[index] = resize_frame(rgb, *size)
+                    if index >= indices[-1]:
+                        break
+            except av.FFmpegError:
+                pass  # a corrupt tail ends the stream; what decoded so far is used
+        return _Frames([kept[i] for i in indices if i in kept], decoded)
+
+    def _build_item(
+        self, pixels: list[torch.Tensor], indices: list[int], video_fps: float, config: VideoProcessorConfig
+    ) -> MultimodalItem:
+        temporal = config.temporal_patch_size
+        pixels = pixels + [pixels[-1]] * (-len(pixels) % temporal)
+        frames = torch.stack(pixels)
+        pixel_values = patchify_video(frames, self._normalizer, config.patch_size, config.merge_size, temporal)
+        _, _, height, width = frames.shape
+        return MultimodalItem(
+            modality="video",
+            pixel_values=pixel_values,
+            grid_thw=(len(pixels) // temporal, height // config.patch_size, width // config.patch_size),
+            timestamps=group_timestamps(indices, video_fps, temporal),
+        )
