@@ -6,8 +6,9 @@ mean/std 0.5, bicubic). Two pixel budgets are measured: the published Qwen3-VL c
 (65536..16777216 pixels: images keep about their size) and the tiny test checkpoint's (1024..262144:
 most images are shrunk). Every output is checked to be bit-identical to transformers'.
 
-Timings are best-of-`--repeats` passes over all images, one image at a time, outputs dropped after
-each call. torch runs with `--threads` intra-op threads (default 1, as transformers' numpy code is
+Each image is timed `--repeats` times per implementation, calls alternating between the two so that
+both see the same machine load; an image counts with its fastest run, outputs are dropped after each
+call. torch runs with `--threads` intra-op threads (default 1, as transformers' numpy code is
 single-threaded).
 
     python benchmarks/bench_preprocess.py [--images 200] [--repeats 2] [--threads 1]
@@ -51,15 +52,19 @@ def make_images(count: int, seed: int = 0) -> list[Image.Image]:
     return images
 
 
-def best_rate(process: Callable[[Image.Image], object], images: list[Image.Image], repeats: int) -> float:
-    """Images per second of the fastest of `repeats` passes."""
-    best = float("inf")
+def timed_rates(
+    implementations: list[Callable[[Image.Image], object]], images: list[Image.Image], repeats: int
+) -> list[float]:
+    """Images per second of each implementation. Calls alternate image by image, so both see the same
+    machine load, and each image counts with its fastest of `repeats` runs."""
+    best = np.full((len(implementations), len(images)), np.inf)
     for _ in range(repeats):
-        start = time.perf_counter()
-        for image in images:
-            process(image)
-        best = min(best, time.perf_counter() - start)
-    return len(images) / best
+        for i, image in enumerate(images):
+            for k, process in enumerate(implementations):
+                start = time.perf_counter()
+                process(image)
+                best[k, i] = min(best[k, i], time.perf_counter() - start)
+    return [len(images) / total for total in best.sum(axis=1)]
 
 
 def run_budget(name: str, images: list[Image.Image], repeats: int) -> float:
@@ -95,8 +100,7 @@ def run_budget(name: str, images: list[Image.Image], repeats: int) -> float:
         if tuple(expected["image_grid_thw"][0]) != got.grid_thw:
             raise SystemExit(f"[{name}] grids differ for a {image.mode} {image.size} image")
 
-    reference_rate = best_rate(run_reference, images, repeats)
-    ours_rate = best_rate(ours.preprocess, images, repeats)
+    reference_rate, ours_rate = timed_rates([run_reference, ours.preprocess], images, repeats)
     ratio = ours_rate / reference_rate
     print(
         f"{name:>16}: transformers {reference_rate:7.1f} img/s | vlm_serve {ours_rate:7.1f} img/s | "
@@ -108,12 +112,12 @@ def run_budget(name: str, images: list[Image.Image], repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     images = make_images(args.images)
-    print(f"{len(images)} images, torch threads {args.threads}, best of {args.repeats} passes")
+    print(f"{len(images)} images, torch threads {args.threads}, fastest of {args.repeats} runs per image")
     for name in BUDGETS:
         run_budget(name, images, args.repeats)
 

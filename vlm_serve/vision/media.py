@@ -114,14 +114,22 @@ def load_image(
         raise MediaError("cannot decode image: the data is not in a recognized image format") from exc
     except Exception as exc:  # noqa: BLE001 - any decoder failure is a property of the data
         raise MediaError(f"cannot decode image: {exc}") from exc
-    check_image_size(image.width, image.height, max_pixels)
+    try:
+        check_image_size(image.width, image.height, max_pixels)
+        _decode_pixels(image)
+    except MediaError:
+        image.close()
+        raise
+    return apply_exif_orientation(image)
+
+
+def _decode_pixels(image: Image.Image) -> None:
     try:
         image.load()
     except Image.DecompressionBombError as exc:
         raise MediaError(f"image is too large to decode safely (decompression bomb): {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt data
         raise MediaError(f"cannot decode image: {exc}") from exc
-    return apply_exif_orientation(image)
 
 
 def check_image_size(width: int, height: int, max_pixels: int | None = None) -> None:

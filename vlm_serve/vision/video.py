@@ -182,7 +182,7 @@ def smart_resize_video(
 def resize_frame(frame: np.ndarray, height: int, width: int) -> torch.Tensor:
     """`(H, W, 3)` uint8 RGB -> `(3, height, width)` uint8, as torchvision resizes uint8 tensors (bicubic,
     antialiased, computed natively on uint8; unchanged when the size already matches)."""
-    pixels = torch.from_numpy(frame).permute(2, 0, 1).contiguous()
+    pixels = torch.from_numpy(np.array(frame.transpose(2, 0, 1), order="C"))
     if pixels.shape[1:] == (height, width):
         return pixels
     resized = F.interpolate(pixels[None], size=(height, width), mode="bicubic", align_corners=False, antialias=True)
