@@ -59,6 +59,22 @@ def channel_values(name: str, value: Any) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
+def validate_pixel_settings(config: Any, extra_ints: tuple[str, ...]) -> None:
+    """Checks and normalises the fields image and video configs share (a frozen dataclass, in place)."""
+    for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", *extra_ints):
+        object.__setattr__(config, name, positive_int(name, getattr(config, name)))
+    object.__setattr__(config, "rescale_factor", positive_float("rescale_factor", config.rescale_factor))
+    object.__setattr__(config, "image_mean", channel_values("image_mean", config.image_mean))
+    object.__setattr__(config, "image_std", channel_values("image_std", config.image_std))
+    if any(s == 0 for s in config.image_std):
+        raise ValueError(f"image_std must not contain 0, got {config.image_std}")
+    if config.min_pixels > config.max_pixels:
+        raise ValueError(f"min_pixels ({config.min_pixels}) must not exceed max_pixels ({config.max_pixels})")
+    factor = config.patch_size * config.merge_size
+    if config.max_pixels < factor**2:
+        raise ValueError(f"max_pixels ({config.max_pixels}) must allow at least one merged patch ({factor}x{factor})")
+
+
 def read_pixel_limits(data: dict, default_min: int, default_max: int) -> tuple[int, int]:
     """(min_pixels, max_pixels) of a processor config in any of its forms.
 
@@ -102,19 +118,7 @@ class ImageProcessorConfig:
     resample: int = int(Image.Resampling.BICUBIC)
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
-            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
-        object.__setattr__(self, "rescale_factor", positive_float("rescale_factor", self.rescale_factor))
-        object.__setattr__(self, "image_mean", channel_values("image_mean", self.image_mean))
-        object.__setattr__(self, "image_std", channel_values("image_std", self.image_std))
-        if any(s == 0 for s in self.image_std):
-            raise ValueError(f"image_std must not contain 0, got {self.image_std}")
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
-        if self.max_pixels < self.factor**2:
-            raise ValueError(
-                f"max_pixels ({self.max_pixels}) must allow at least one merged patch ({self.factor}x{self.factor})"
-            )
+        validate_pixel_settings(self, ())
         if self.resample not in _RESAMPLE_NAMES:
             raise ValueError(f"resample must be a Pillow resampling filter, got {self.resample!r}")
 

@@ -29,13 +29,12 @@ from PIL import Image
 
 from vlm_serve.vision.image_processor import (
     PixelNormalizer,
-    channel_values,
     check_aspect_ratio,
     load_json,
     positive_float,
-    positive_int,
     read_pixel_limits,
     reject_disabled_steps,
+    validate_pixel_settings,
 )
 from vlm_serve.vision.items import MultimodalItem
 from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, MediaError, VideoSource, read_media
@@ -62,23 +61,8 @@ class VideoProcessorConfig:
     max_video_tokens: int = 768
 
     def __post_init__(self) -> None:
-        for name in (
-            "patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels",
-            "min_frames", "max_frames", "max_video_tokens",
-        ):  # fmt: skip
-            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+        validate_pixel_settings(self, ("min_frames", "max_frames", "max_video_tokens"))
         object.__setattr__(self, "fps", positive_float("fps", self.fps))
-        object.__setattr__(self, "rescale_factor", positive_float("rescale_factor", self.rescale_factor))
-        object.__setattr__(self, "image_mean", channel_values("image_mean", self.image_mean))
-        object.__setattr__(self, "image_std", channel_values("image_std", self.image_std))
-        if any(s == 0 for s in self.image_std):
-            raise ValueError(f"image_std must not contain 0, got {self.image_std}")
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
-        if self.max_pixels < self.factor**2:
-            raise ValueError(
-                f"max_pixels ({self.max_pixels}) must allow at least one merged patch ({self.factor}x{self.factor})"
-            )
 
     @property
     def factor(self) -> int:
