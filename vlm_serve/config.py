@@ -8,7 +8,6 @@ one transformers 5 writes (`rope_parameters`, `num_local_experts`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,9 +58,6 @@ class ServerArgs:
         if self.resolved_device().type == "cpu":
             return torch.float32
         return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
-
-    def replace(self, **changes) -> ServerArgs:
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -128,10 +124,6 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: str
     eos_token_ids: list[int]
-
-    @property
-    def is_moe(self) -> bool:
-        return self.text.num_experts > 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:

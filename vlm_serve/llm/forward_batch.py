@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill: new tokens on top of a (possibly empty) cached prefix
     DECODE = auto()  # one new token per request
-    MIXED = auto()  # a prefill chunk together with running decodes
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE

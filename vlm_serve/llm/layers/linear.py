@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_gather, tp_all_reduce
+from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 
 
 class LinearBase(nn.Module):
@@ -36,21 +36,19 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output features split over the TP ranks; `gather_output` rebuilds the full output."""
+    """Output features split over the TP ranks; each rank keeps its slice of the output."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         super().__init__(in_features, divide(out_features, self.tp_size), bias)
-        self.gather_output = gather_output
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         size = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return tp_all_gather(y) if self.gather_output else y
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

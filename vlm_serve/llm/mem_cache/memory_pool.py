@@ -33,9 +33,6 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start : start + slots.numel()] = slots
 
-    def clear(self) -> None:
-        self.free_slots = list(range(self.size))
-
 
 class TokenToKVPool:
     """Per-layer K and V buffers of shape (num_slots, kv_heads, head_dim), indexed by KV slot."""

@@ -30,9 +30,6 @@ class Scheduler:
         req.init_positions(self.runner.model_config.vision.spatial_merge_size)
         self.waiting_queue.append(req)
 
-    def is_idle(self) -> bool:
-        return not self.waiting_queue and not self.running_batch.reqs
-
     def step(self) -> list[Req]:
         batch = self.get_new_batch_prefill()
         if batch is not None:
