@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers import prefill_logits
 
 from vlm_serve.engine import Engine
-from vlm_serve.llm.scheduler.schedule_batch import Req, ScheduleBatch
-from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.vision.items import ProcessedInput
 
@@ -78,19 +77,6 @@ def _hf_inputs(engine: Engine, processed: ProcessedInput) -> dict:
     return inputs
 
 
-def _prefill_logits(engine: Engine, processed: ProcessedInput) -> torch.Tensor:
-    """Our logits at every prompt position, from one EXTEND forward through the paged KV cache."""
-    runner = engine.scheduler.runner
-    req = Req("parity", list(processed.input_ids), SamplingParams(), list(processed.mm_items))
-    req.init_positions(engine.model_config.vision.spatial_merge_size)
-    if req.needs_vision:
-        runner.encode_vision([req])
-    batch = ScheduleBatch([req], runner.req_to_token_pool, runner.allocator)
-    logits = runner.compute_logits(runner.forward(batch.prepare_for_extend()))
-    batch.release(req)
-    return logits
-
-
 CASES = ["text", "one_image", "images_of_different_sizes", "video", "image_and_video"]
 
 
@@ -101,7 +87,7 @@ def test_logits_and_greedy_tokens_match_transformers(pair, video_path, case):
     inputs = _hf_inputs(engine, processed)
     with torch.no_grad():
         ref_logits = hf(**inputs).logits[0]
-    ours = _prefill_logits(engine, processed)
+    ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
     scale = ref_logits.abs().max()
     assert (ours - ref_logits).abs().max() < 1e-4 * scale
 
@@ -134,6 +120,4 @@ def test_batched_requests_match_each_alone(pair, video_path):
     together = engine.generate_processed(processed, max_tokens=8, temperature=0, ignore_eos=True)
     alone = [engine.generate_processed([p], max_tokens=8, temperature=0, ignore_eos=True)[0] for p in processed]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
-    runner = engine.scheduler.runner
-    assert runner.allocator.available_size() == runner.max_total_tokens
-    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+    engine.scheduler.check_memory()

@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import prefill_logits
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.scheduler import Scheduler
-from vlm_serve.llm.scheduler.schedule_batch import Req, ScheduleBatch
+from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.tokenizer import Tokenizer
 
 PROMPT = [5, 17, 300, 42, 7, 901, 66, 12, 450, 3, 88, 1000, 23]
 
@@ -24,12 +26,8 @@ def _run(model_dir: str, tp_size: int, ep_size: int) -> tuple[torch.Tensor, list
     config = ModelConfig.from_pretrained(model_dir)
     args = ServerArgs(model=model_dir, tp_size=tp_size, ep_size=ep_size, max_total_tokens=1024)
     runner = ModelRunner(args, config)
-    req = Req("tp", list(PROMPT), SamplingParams())
-    req.init_positions(config.vision.spatial_merge_size)
-    batch = ScheduleBatch([req], runner.req_to_token_pool, runner.allocator)
-    logits = runner.compute_logits(runner.forward(batch.prepare_for_extend()))
-    batch.release(req)
-    scheduler = Scheduler(runner, config.eos_token_ids)
+    scheduler = Scheduler(args, runner, Tokenizer.from_pretrained(model_dir))
+    logits = prefill_logits(scheduler, PROMPT)
     gen = Req("gen", list(PROMPT), SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
     scheduler.add_request(gen)
     while not gen.finished:

@@ -17,8 +17,12 @@ _FLAG_TYPES = {"int": int, "float": float, "str": str}
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """One flag per `ServerArgs` field (`--page-size` for `page_size`), with its default."""
     for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", default=f.default, dest=f.name)
+            continue
         kind = _FLAG_TYPES[str(f.type).split("|")[0].strip()]  # annotations are strings: "int | None"
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, dest=f.name)
+        parser.add_argument(flag, type=kind, default=f.default, dest=f.name)
 
 
 def server_args_from(ns: argparse.Namespace) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,8 +30,17 @@ class ServerArgs:
     ep_size: int = 1
     page_size: int = 1
     max_total_tokens: int | None = None  # KV pool size in tokens; None = derived from memory
-    max_running_requests: int = 256
+    max_running_requests: int | None = None  # None = derived from the KV pool size
+    max_prefill_tokens: int = 16384  # new tokens per prefill batch (clipped to the KV pool)
+    chunked_prefill_size: int = 8192  # longest prefill chunk; -1 = no chunking
+    enable_mixed_chunk: bool = False  # run running requests' decode inside prefill chunks
+    schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random
+    schedule_conservativeness: float = 1.0  # > 1 reserves more KV for running requests' outputs
+    disable_radix_cache: bool = False
+    enable_priority_scheduling: bool = False  # requests' `priority` (higher first) orders the queue
+    priority_scheduling_preemption_threshold: int = 10  # priority gap that lets a request preempt
     context_length: int | None = None  # None = the model's max_position_embeddings
+    log_interval: int = 40  # scheduler steps between log lines
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -40,9 +50,16 @@ class ServerArgs:
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention_backend must be auto, torch or flashinfer, not {self.attention_backend!r}")
-        for name in ("tp_size", "ep_size", "page_size", "max_running_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        for name in ("tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, not {value}")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
+            raise ValueError(f"chunked_prefill_size must be -1 (off) or >= page_size, not {self.chunked_prefill_size}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError(f"schedule_conservativeness must be > 0, not {self.schedule_conservativeness}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, not {self.max_total_tokens}")
 

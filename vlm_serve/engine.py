@@ -1,14 +1,21 @@
-"""The in-process engine: chat template, media preprocessing and the scheduler, without HTTP."""
+"""The in-process engine: chat template, media preprocessing and the scheduler, without HTTP.
+
+Single-threaded: each call drives the scheduler until its own requests finish. Requests submitted in
+one call (a batch, or `n` > 1) are scheduled together with continuous batching.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.detokenizer import IncrementalDetokenizer
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.llm.scheduler.scheduler import Scheduler
@@ -21,77 +28,217 @@ from vlm_serve.vision.processor import MultimodalProcessor
 # OpenAI-style keyword -> SamplingParams field
 _SAMPLING_KEYS = {
     "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
     "seed": "seed",
+    "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
+    "n": "n",
+    "logprobs": "logprobs",
+    "top_logprobs": "top_logprobs",
 }
 
 
 @dataclass
-class GenerateOutput:
+class Completion:
+    """One generated answer (one of the `n` choices)."""
+
     text: str
     token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[float] | None = None  # of each chosen token, if asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), best first
+
+
+@dataclass
+class GenerateOutput:
+    """The answer to one prompt: its `choices` plus usage. `.text` / `.token_ids` are the first choice's."""
+
+    choices: list[Completion]
     prompt_tokens: int
-    finish_reason: str
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+
+@dataclass
+class StreamChunk:
+    """New output of one choice: `text` and `token_ids` added since the last chunk."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
 
 
 class Engine:
     """`Engine(model=path, dtype="float32").chat(messages, max_tokens=16, temperature=0).text`.
 
-    `model=None` uses the built-in tiny MoE checkpoint. Other keywords are `ServerArgs` fields.
+    `model=None` uses the built-in tiny MoE checkpoint. Other keywords are `ServerArgs` fields
+    (`chunked_prefill_size`, `schedule_policy`, `page_size`, `max_total_tokens`, ...). Sampling keywords
+    are named as in the OpenAI API (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n`, ...).
     """
 
     def __init__(self, model: str | Path | None = None, **options: Any) -> None:
+        known = {f.name for f in dataclasses.fields(ServerArgs)} - {"model"}
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         path = Path(model) if model is not None else default_model_path()
         self.server_args = ServerArgs(model=str(path), **options)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.processor = MultimodalProcessor.from_pretrained(path, self.tokenizer)
         runner = ModelRunner(self.server_args, self.model_config)
-        self.scheduler = Scheduler(runner, self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(self.server_args, runner, self.tokenizer)
         self.default_sampling = _generation_defaults(path)
         self._ids = itertools.count()
 
-    def chat(self, messages: list[dict], **sampling: Any) -> GenerateOutput:
+    # ---- blocking calls ----------------------------------------------------------------------------
+
+    def chat(self, messages: list[dict], **kwargs: Any) -> GenerateOutput:
         """One conversation in OpenAI form (image/video parts as paths, data URLs or PIL images)."""
-        return self.chat_batch([messages], **sampling)[0]
+        return self.chat_batch([messages], **kwargs)[0]
 
-    def chat_batch(self, conversations: list[list[dict]], **sampling: Any) -> list[GenerateOutput]:
+    def chat_batch(self, conversations: list[list[dict]], **kwargs: Any) -> list[GenerateOutput]:
         inputs = [self.processor.process_messages(m, add_generation_prompt=True) for m in conversations]
-        return self.generate_processed(inputs, **sampling)
+        return self.generate_processed(inputs, **kwargs)
 
-    def generate(self, prompt: str, images: list | None = None, videos: list | None = None, **sampling: Any):
+    def generate(self, prompt: str, images: list | None = None, videos: list | None = None, **kwargs: Any):
         """Raw prompt text containing one `<|image_pad|>` / `<|video_pad|>` per image / video."""
         processed = self.processor.process(prompt, images=images or [], videos=videos or [])
-        return self.generate_processed([processed], **sampling)[0]
+        return self.generate_processed([processed], **kwargs)[0]
 
-    def generate_processed(self, inputs: list[ProcessedInput], **sampling: Any) -> list[GenerateOutput]:
+    def generate_processed(self, inputs: list[ProcessedInput], priority: int = 0, **sampling: Any) -> list[GenerateOutput]:
+        """Already tokenized and preprocessed inputs, all scheduled together."""
         params = self.sampling_params(**sampling)
-        reqs = [
-            Req(str(next(self._ids)), list(x.input_ids), params, list(x.mm_items)) for x in inputs
-        ]
-        for req in reqs:
-            self.scheduler.add_request(req)
-        while not all(r.finished for r in reqs):
-            self.scheduler.step()
-        return [
-            GenerateOutput(
-                self.tokenizer.decode(r.output_ids), r.output_ids, len(r.origin_input_ids), r.finished_reason
-            )
-            for r in reqs
-        ]
+        groups: list[list[Req]] = []
+        try:
+            for x in inputs:
+                groups.append(self._submit(x, params, priority))
+        except ValueError:
+            self._abort_and_wait([r for g in groups for r in g], "another input of the same call was rejected")
+            raise
+        pending = [r for g in groups for r in g]
+        while not all(r.finished for r in pending):
+            self._step()
+        return [self._output(g) for g in groups]
+
+    # ---- streaming ---------------------------------------------------------------------------------
+
+    def stream(self, messages: list[dict], priority: int = 0, **sampling: Any) -> Iterator[StreamChunk]:
+        """Chat with the answer arriving piece by piece. Closing the iterator early aborts the request."""
+        params = self.sampling_params(**sampling)
+        reqs = self._submit(self.processor.process_messages(messages, add_generation_prompt=True), params, priority)
+        detoks = [IncrementalDetokenizer(self.tokenizer) for _ in reqs]
+        sent_ids = [0] * len(reqs)
+        sent_text = [""] * len(reqs)
+        done = [False] * len(reqs)
+        holdback = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
+        try:
+            while not all(done):
+                self._step()
+                for i, req in enumerate(reqs):
+                    if done[i] or len(req.output_ids) == sent_ids[i] and not req.finished:
+                        continue
+                    if req.finished:
+                        text = self._completion(req).text
+                    else:
+                        detoks[i].update(req.output_ids)
+                        text = detoks[i].text[: max(len(detoks[i].text) - holdback, len(sent_text[i]))]
+                    chunk = StreamChunk(
+                        i, text[len(sent_text[i]) :], req.output_ids[sent_ids[i] :],
+                        req.finished_reason.kind if req.finished else None,
+                    )
+                    sent_ids[i], sent_text[i], done[i] = len(req.output_ids), text, req.finished
+                    if chunk.text or chunk.token_ids or chunk.finish_reason:
+                        yield chunk
+        finally:
+            self._abort_and_wait(reqs, "the stream was closed")
+
+    # ---- plumbing ----------------------------------------------------------------------------------
 
     def sampling_params(self, **sampling: Any) -> SamplingParams:
+        """OpenAI-named sampling keywords over the checkpoint's generation defaults."""
         unknown = set(sampling) - set(_SAMPLING_KEYS)
         if unknown:
             raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
         fields = dict(self.default_sampling)
         fields.update({_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None})
         return SamplingParams(**fields)
+
+    def _submit(self, x: ProcessedInput, params: SamplingParams, priority: int) -> list[Req]:
+        """Queues the request's `n` choices; with a seed, choice i uses seed + i."""
+        if self.scheduler is None:
+            raise RuntimeError("the engine was shut down")
+        base = str(next(self._ids))
+        reqs: list[Req] = []
+        try:
+            for i in range(params.n):
+                choice = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+                req = Req(f"{base}-{i}", list(x.input_ids), choice, list(x.mm_items), priority=priority)
+                self.scheduler.add_request(req)
+                reqs.append(req)
+        except ValueError:
+            self._abort_and_wait(reqs, "rejected")
+            raise
+        return reqs
+
+    def _abort_and_wait(self, reqs: list[Req], message: str) -> None:
+        for req in reqs:
+            if not req.finished:
+                self.scheduler.abort_request(req.rid, message)
+        while not all(r.finished for r in reqs):
+            self._step()
+
+    def _step(self) -> None:
+        if self.scheduler is None:
+            raise RuntimeError("the engine was shut down")
+        self.scheduler.step()
+        if self.scheduler.last_batch is None and not self.scheduler.is_idle():
+            raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")
+
+    def _completion(self, req: Req) -> Completion:
+        reason = req.finished_reason
+        if req.output_text is not None:
+            text = req.output_text
+        else:
+            ids = req.output_ids
+            if isinstance(reason.matched, int) and ids and ids[-1] == reason.matched:
+                ids = ids[:-1]  # the stop token itself is not part of the answer
+            text = self.tokenizer.decode(ids)
+        params = req.sampling_params
+        return Completion(
+            text, list(req.output_ids), reason.kind, reason.matched,
+            req.output_logprobs if params.logprobs else None,
+            req.output_top_logprobs if params.top_logprobs else None,
+        )
+
+    def _output(self, reqs: list[Req]) -> GenerateOutput:
+        return GenerateOutput(
+            [self._completion(r) for r in reqs],
+            len(reqs[0].origin_input_ids),
+            max(r.cached_tokens for r in reqs),
+        )
 
     def shutdown(self) -> None:
         self.scheduler = None  # type: ignore[assignment]

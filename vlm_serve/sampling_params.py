@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -15,10 +18,25 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)  # a single str (or None) is accepted too
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, not {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], not {self.min_new_tokens}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, not {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -27,7 +45,25 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, not {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, not {self.repetition_penalty}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, not {s!r}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], not {self.n}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.top_logprobs}")
+        if self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill: new tokens on top of a (possibly empty) cached prefix
     DECODE = auto()  # one new token per request
+    MIXED = auto()  # a prefill chunk plus one new token for each running request, in one forward
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE

@@ -10,7 +10,7 @@ from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.layers.attention import create_attention_backend
-from vlm_serve.llm.layers.sampler import Sampler
+from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
@@ -21,9 +21,12 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_TOKENS = 65536  # default CPU pool: plenty for tests and small demos
 GPU_KV_MEMORY_FRACTION = 0.85  # of the memory free after loading the weights
+DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 class ModelRunner:
+    """Owns the model, its KV pools and its attention backend: batch in, next tokens out."""
+
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
         self.server_args = server_args
         self.model_config = model_config
@@ -38,7 +41,7 @@ class ModelRunner:
             server_args.attention_backend, self.req_to_token_pool, self.token_to_kv_pool,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(model_config.eos_token_ids)
 
     def _init_memory_pools(self) -> None:
         text = self.model_config.text
@@ -55,7 +58,8 @@ class ModelRunner:
         size -= size % page_size
         self.max_total_tokens = size
         self.context_len = self.server_args.context_length or min(text.max_position_embeddings, size)
-        self.req_to_token_pool = ReqToTokenPool(self.server_args.max_running_requests, self.context_len, self.device)
+        max_running = self.server_args.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max(size // 2, 1))
+        self.req_to_token_pool = ReqToTokenPool(max_running, self.context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
             size, page_size, text.num_hidden_layers, num_kv_heads, text.head_dim, self.dtype, self.device
         )
@@ -85,6 +89,5 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-        params = [r.sampling_params for r in reqs]
-        return self.sampler(logits, params, [r.generator for r in reqs]).tolist()
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+        return self.sampler(logits, reqs)

@@ -1,41 +1,164 @@
-"""Turns the last-token logits of a batch into next token ids."""
+"""Turns the last-token logits of a batch into next token ids (and log-probs when asked)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
 from vlm_serve.sampling_params import SamplingParams
 
 
+class SamplingRequest(Protocol):
+    """What the sampler reads from a request (the scheduler's `Req` has it)."""
+
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # set when sampling_params.seed is not None
+    origin_input_ids: list[int]  # prompt ids; ids >= vocab size (image pads) are ignored
+    output_ids: list[int]
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: list[int]
+    logprobs: list[float | None]  # per row: the chosen token's log-prob, None where not asked
+    top_logprobs: list[list[tuple[int, float]] | None]  # per row: (token id, log-prob) best first, None where not asked
+
+
 class Sampler:
-    def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
-        """logits: (batch, vocab) float. Greedy rows take the argmax; the others sample after
-        temperature, top-k, top-p and min-p, each row with its own generator when it has a seed."""
+    """Per step, in this order: repetition/frequency/presence penalties (vLLM's definitions), the
+    min_new_tokens mask on EOS and stop ids, log-probs if asked, then argmax for greedy rows and,
+    for the others, temperature, top-k, top-p and min-p and a draw — a seeded row draws on the CPU
+    with its own generator, so its tokens do not depend on the rest of the batch.
+
+    Log-probs are log_softmax of the logits after penalties and the min_new_tokens mask but before
+    temperature and the top-k/top-p/min-p filters. `logits` is modified in place by the penalties
+    and the mask, to spare copying a (batch, vocab) tensor every step."""
+
+    def __init__(self, stop_token_ids: Iterable[int]):
+        self.eos_token_ids = list(stop_token_ids)
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> SampleOutput:
+        """logits: (batch, vocab) float32, one row per request."""
+        if all(_plain_greedy(r) for r in reqs):
+            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * len(reqs), [None] * len(reqs))
+        params = [r.sampling_params for r in reqs]
+
+        self._apply_penalties(logits, reqs)
+        self._mask_stop_tokens(logits, reqs)
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
+        logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+
         next_ids = logits.argmax(dim=-1)
-        for i, p in enumerate(params):
-            if p.is_greedy:
-                continue
-            probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
-            probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
-            if generators[i] is not None:  # seeded: sample on the CPU generator, reproducible anywhere
-                probs = probs.cpu()
-            next_ids[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
-        return next_ids
+        sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sample_rows:
+            next_ids[sample_rows] = _sample(logits[sample_rows], [reqs[i] for i in sample_rows])
+        out = SampleOutput(next_ids.tolist(), [None] * len(reqs), [None] * len(reqs))
+
+        if logprobs is not None:
+            chosen = logprobs.gather(1, next_ids[logprob_rows].unsqueeze(1)).squeeze(1).tolist()
+            k = max(params[i].top_logprobs for i in logprob_rows)
+            top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+            for j, i in enumerate(logprob_rows):
+                out.logprobs[i] = chosen[j]
+                if params[i].top_logprobs:
+                    n = params[i].top_logprobs
+                    out.top_logprobs[i] = list(zip(top_ids[j][:n], top_values[j][:n]))
+        return out
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.sampling_params.has_penalties]
+        if not rows:
+            return
+        params = [reqs[i].sampling_params for i in rows]
+        vocab, device = logits.shape[1], logits.device
+        # the prompt only matters to the repetition penalty
+        prompts = [reqs[i].origin_input_ids if p.repetition_penalty != 1 else [] for i, p in zip(rows, params)]
+        seen = _token_counts(prompts, vocab, device) > 0
+        counts = _token_counts([reqs[i].output_ids for i in rows], vocab, device)
+        seen |= counts > 0
+
+        rep = _column([p.repetition_penalty for p in params], device)
+        sub = logits[rows]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub -= _column([p.frequency_penalty for p in params], device) * counts
+        sub -= _column([p.presence_penalty for p in params], device) * (counts > 0)
+        logits[rows] = sub
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> None:
+        """While a request is short of min_new_tokens, it can draw neither EOS nor its stop ids."""
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            p = r.sampling_params
+            if len(r.output_ids) < p.min_new_tokens:
+                ids = {t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]}
+                rows += [i] * len(ids)
+                cols += ids
+        if rows:
+            logits[rows, cols] = float("-inf")
 
 
-def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Zeroes what top-k, top-p and min-p exclude from one row of probabilities (not renormalised)."""
-    sorted_probs, order = probs.sort(descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if top_k > 0:
-        keep[top_k:] = False
-    if top_p < 1.0:
-        # keep a token while the mass before it is below top_p (the top token always stays)
-        keep &= (sorted_probs.cumsum(0) - sorted_probs) < top_p
-    if min_p > 0.0:
-        keep &= sorted_probs >= min_p * sorted_probs[0]
-    filtered = torch.zeros_like(probs)
-    filtered[order[keep]] = sorted_probs[keep]
-    return filtered
+def _plain_greedy(req: SamplingRequest) -> bool:
+    """Argmax of the raw logits is all this request needs this step. (is_greedy and has_penalties
+    are spelled out: this runs for every request every step, and the property calls double its cost.)"""
+    p = req.sampling_params
+    return (
+        (p.temperature == 0 or p.top_k == 1)
+        and not (p.logprobs or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1)
+        and len(req.output_ids) >= p.min_new_tokens
+    )
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """(len(values), 1) float32, to broadcast one value per row."""
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """(len(id_lists), vocab) float counts of each list's ids; ids >= vocab are skipped."""
+    flat = []
+    for row, ids in enumerate(id_lists):
+        ids = torch.tensor(ids, dtype=torch.long)
+        flat.append(ids[ids < vocab] + row * vocab)
+    flat = torch.cat(flat).to(device)
+    counts = torch.zeros(len(id_lists), vocab, device=device)
+    return counts.put_(flat, torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
+
+
+def _sample(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+    """One draw per row after temperature, top-k, top-p and min-p; seeded rows on their generators."""
+    params = [r.sampling_params for r in reqs]
+    device = logits.device
+    probs = torch.softmax(logits / _column([p.temperature for p in params], device), dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        probs = filter_probs(
+            probs,
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device),
+        )
+    next_ids = torch.empty(len(reqs), dtype=torch.long, device=device)
+    seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
+    unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+    if unseeded:
+        next_ids[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+    if seeded:
+        cpu_probs = probs[seeded].cpu()
+        draws = [torch.multinomial(cpu_probs[j], 1, generator=reqs[i].generator) for j, i in enumerate(seeded)]
+        next_ids[seeded] = torch.cat(draws).to(device)
+    return next_ids
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes what top-k, top-p and min-p exclude (not renormalised). probs: (batch, vocab); top_k,
+    top_p, min_p: (batch,), with -1, 1 and 0 for off. Top-p keeps a token while the mass strictly
+    before it is below top_p; min-p keeps p >= min_p * p_max; the top token always stays."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[1], device=probs.device)
+    keep = (ranks < top_k[:, None]) | (top_k[:, None] < 0)
+    # top_p == 1 is off outright: rounding in the cumsum could otherwise drop tail tokens
+    keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)

@@ -17,11 +17,8 @@ class TokenToKVPoolAllocator:
         self.size = size
         self.page_size = page_size
         self.device = device
-        self.clear()
-
-    def clear(self) -> None:
-        # page 0 holds the dummy slot 0 and is never handed out
-        self.free_pages = list(range(1, self.size // self.page_size + 1))
+        # page 0 holds the dummy slot 0 and is never handed out; pages are taken from the end
+        self.free_pages = list(range(size // page_size, 0, -1))
 
     def available_size(self) -> int:
         return len(self.free_pages) * self.page_size
@@ -29,8 +26,11 @@ class TokenToKVPoolAllocator:
     def _take_pages(self, n: int) -> list[int] | None:
         if n > len(self.free_pages):
             return None
-        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        return pages
+        if n == 0:
+            return []
+        pages = self.free_pages[-n:]
+        del self.free_pages[-n:]
+        return pages[::-1]
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for `num_tokens` tokens that start on a page boundary."""
@@ -68,8 +68,18 @@ class TokenToKVPoolAllocator:
         return torch.cat(out).to(self.device)
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
-        """One slot per request for its token at position seq_len-1."""
-        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
+        """One slot per request for its token at position seq_len-1 (the per-step hot path)."""
+        ps = self.page_size
+        if ps == 1:
+            pages = self._take_pages(len(seq_lens))
+            return None if pages is None else torch.tensor(pages, dtype=torch.int64, device=self.device)
+        opens_page = [(s - 1) % ps == 0 for s in seq_lens]
+        pages = self._take_pages(sum(opens_page))
+        if pages is None:
+            return None
+        page_iter = iter(pages)
+        slots = [next(page_iter) * ps if new else last + 1 for new, last in zip(opens_page, last_locs)]
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def free(self, slots: torch.Tensor) -> None:
         """Frees the pages of `slots`; a page must be freed only when all its slots are released."""

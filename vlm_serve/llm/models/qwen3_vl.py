@@ -85,6 +85,7 @@ class Qwen3VLDecoderLayer(nn.Module):
 class Qwen3VLTextModel(nn.Module):
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
+        self.vocab_size = config.vocab_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([Qwen3VLDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -93,7 +94,11 @@ class Qwen3VLTextModel(nn.Module):
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
+        ids = batch.input_ids
+        if batch.mm_indices is not None:
+            # image/video positions hold pad values above the vocabulary; their embeddings are replaced
+            ids = ids.masked_fill(ids >= self.vocab_size, 0)
+        x = self.embed_tokens(ids)
         if batch.mm_indices is not None:
             x[batch.mm_indices] = batch.mm_embeds.to(x.dtype)
         cos, sin = self.rotary_emb(batch.positions, x.dtype)

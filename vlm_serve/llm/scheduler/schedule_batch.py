@@ -3,35 +3,65 @@ the tensors of a `ForwardBatch`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from vlm_serve.detokenizer import IncrementalDetokenizer
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode
 from vlm_serve.llm.layers.rotary import mrope_positions
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
+from vlm_serve.llm.mem_cache.radix_cache import RadixCache, TreeNode
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.vision.items import MultimodalItem
 
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
 
 @dataclass
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that ended the request
+    message: str = ""  # why it was aborted
+
+
+@dataclass(eq=False)
 class Req:
+    """A request inside the scheduler. `origin_input_ids` are padded: each image/video placeholder
+    run holds the item's pad value (see `mm_cache.hashing`)."""
+
     rid: str
     origin_input_ids: list[int]
     sampling_params: SamplingParams
     mm_items: list[MultimodalItem] = field(default_factory=list)
+    priority: int = 0
     output_ids: list[int] = field(default_factory=list)
-    finished_reason: str | None = None  # "stop" | "length" | "abort"
-    # set when the request enters the engine
+    finished_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # prefix match: slots shared with the RadixCache, kept alive by a lock on `last_node`
+    prefix_indices: torch.Tensor = _EMPTY
+    last_node: TreeNode | None = None
+    # KV state: the request's row in req_to_token_pool holds `kv_len` computed tokens of `fill_ids`
     req_pool_idx: int | None = None
-    kv_len: int = 0  # tokens whose K/V are in the cache
+    kv_len: int = 0
+    extend_len: int = 0  # tokens the next forward computes
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # multimodal
     mrope_positions: torch.Tensor | None = None  # (3, prompt len)
-    mrope_delta: int = 0  # decode position = token index + delta
+    mrope_delta: int = 0  # position of a generated token = its index + delta
     mm_rows: torch.Tensor | None = None  # (prompt len,) row in mm_embeds, -1 for text
     mm_embeds: torch.Tensor | None = None  # the items' vision embeddings, concatenated
     deepstack_embeds: list[torch.Tensor] = field(default_factory=list)
+    # sampling and output
     generator: torch.Generator | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    detokenizer: IncrementalDetokenizer | None = None  # only for requests with stop strings
+    output_text: str | None = None  # the text cut before the stop string that ended the request
+    first_token_time: float | None = None
+    to_abort: str | None = None  # set by an abort; the scheduler releases the request next step
 
     def init_positions(self, spatial_merge_size: int) -> None:
         self.mrope_positions, self.mrope_delta = mrope_positions(
@@ -56,48 +86,96 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
-    def needs_vision(self) -> bool:
-        return bool(self.mm_items) and self.mm_embeds is None
-
-    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def needs_vision(self) -> bool:
+        """Some image token still has to be computed and its embeddings are not here yet."""
+        if not self.mm_items or self.mm_embeds is not None:
+            return False
+        return any(end > len(self.prefix_indices) for item in self.mm_items for _, end in item.spans)
+
+    def match_prefix(self, tree_cache: RadixCache) -> None:
+        """Looks up the cached prefix; at least one token is always left to compute (its logits are
+        sampled)."""
+        match = tree_cache.match_prefix(self.fill_ids[: self.seq_len - 1])
+        self.prefix_indices, self.last_node = match.indices, match.last_node
+        self.extend_len = self.seq_len - len(self.prefix_indices)
+
+    def reset_kv(self) -> None:
+        self.prefix_indices, self.last_node = _EMPTY, None
+        self.req_pool_idx, self.kv_len, self.extend_len = None, 0, 0
+
 
 class ScheduleBatch:
-    """The requests that run in one forward, with the pools they take KV memory from."""
+    """The requests of one forward, with the pools they take KV memory from.
 
-    def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator):
+    In an EXTEND batch each request computes `extend_len` tokens after its `kv_len` cached ones; a
+    DECODE batch computes one token per request; a MIXED batch is an EXTEND batch whose last requests
+    are running ones computing one token each.
+    """
+
+    def __init__(
+        self,
+        reqs: list[Req],
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        tree_cache: RadixCache,
+        forward_mode: ForwardMode = ForwardMode.DECODE,
+    ) -> None:
         self.reqs = reqs
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.forward_mode = forward_mode
+        self.num_prefill_reqs = len(reqs) if forward_mode == ForwardMode.EXTEND else 0
         self.device = req_to_token_pool.req_to_token.device
 
-    def _last_locs(self, lens: list[int]) -> list[int]:
-        table = self.req_to_token_pool.req_to_token
-        return [int(table[r.req_pool_idx, n - 1]) if n > 0 else 0 for r, n in zip(self.reqs, lens)]
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def _evict_for(self, num_tokens: int) -> None:
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+
+    # ---- building the forward ----------------------------------------------------------------------
+
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """Adds every running request to this prefill, each computing its next token."""
+        for req in running.reqs:
+            req.extend_len = 1
+        self.reqs = self.reqs + running.reqs
+        self.forward_mode = ForwardMode.MIXED
 
     def prepare_for_extend(self) -> ForwardBatch:
-        """Every request's tokens from its cached length to its full length become new tokens."""
+        """Each request computes tokens kv_len .. kv_len + extend_len - 1 of its `fill_ids`."""
+        table = self.req_to_token_pool.req_to_token
         for req in self.reqs:
             if req.req_pool_idx is None:
                 rows = self.req_to_token_pool.alloc(1)
                 if rows is None:
-                    raise RuntimeError("no free request rows")
+                    raise RuntimeError("no free request rows: the scheduler admitted too many requests")
                 req.req_pool_idx = rows[0]
+                self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
+                req.kv_len = len(req.prefix_indices)
         prefix_lens = [r.kv_len for r in self.reqs]
-        seq_lens = [r.seq_len for r in self.reqs]
-        out_cache_loc = self.allocator.alloc_extend(prefix_lens, seq_lens, self._last_locs(prefix_lens))
+        seq_lens = [r.kv_len + r.extend_len for r in self.reqs]
+        self._evict_for(sum(seq_lens) - sum(prefix_lens) + len(self.reqs) * self.allocator.page_size)
+        last_locs = [int(table[r.req_pool_idx, n - 1]) if n > 0 else 0 for r, n in zip(self.reqs, prefix_lens)]
+        out_cache_loc = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
         if out_cache_loc is None:
-            raise RuntimeError("KV cache is full")
+            raise RuntimeError("KV cache is full: the scheduler admitted more than the pool holds")
         ids, positions, mm_indices, mm_embeds = [], [], [], []
         deepstack: list[list[torch.Tensor]] = []
         offset = 0
         for req, start, end in zip(self.reqs, prefix_lens, seq_lens):
             self.req_to_token_pool.write(req.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
-            ids.extend(req.fill_ids[start:end])
-            positions.append(self._positions(req, start, end))
-            if req.mm_embeds is not None:
+            prompt_len = len(req.origin_input_ids)
+            ids.extend(req.origin_input_ids[start:end])
+            ids.extend(req.output_ids[max(start - prompt_len, 0) : end - prompt_len])
+            positions.append(_positions(req, start, end))
+            if req.mm_items and start < prompt_len:
                 rows = req.mm_rows[start:end]
                 in_chunk = (rows >= 0).nonzero().flatten()
                 if in_chunk.numel():
@@ -106,7 +184,7 @@ class ScheduleBatch:
                     deepstack.append([d[rows[in_chunk]] for d in req.deepstack_embeds])
             req.kv_len = end
             offset += end - start
-        batch = self._forward_batch(ForwardMode.EXTEND, ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens)
+        batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens)
         if mm_indices:
             batch.mm_indices = torch.cat(mm_indices).to(self.device)
             batch.mm_embeds = torch.cat(mm_embeds)
@@ -114,38 +192,35 @@ class ScheduleBatch:
         return batch
 
     def prepare_for_decode(self) -> ForwardBatch:
-        """One new token per request: the last sampled one."""
-        prefix_lens = [r.seq_len - 1 for r in self.reqs]
-        seq_lens = [r.seq_len for r in self.reqs]
-        out_cache_loc = self.allocator.alloc_decode(seq_lens, self._last_locs(prefix_lens))
+        """One new token per request: the last sampled one. Kept free of per-request tensor work."""
+        self.forward_mode = ForwardMode.DECODE
+        prefix_lens = [r.kv_len for r in self.reqs]
+        seq_lens = [n + 1 for n in prefix_lens]
+        pool_idx = torch.tensor([r.req_pool_idx for r in self.reqs], device=self.device)
+        prefix_t = torch.tensor(prefix_lens, device=self.device)
+        self._evict_for(self.decode_tokens_needed(1))
+        last_locs = []
+        if self.allocator.page_size > 1:
+            last_locs = self.req_to_token_pool.req_to_token[pool_idx, prefix_t - 1].tolist()
+        out_cache_loc = self.allocator.alloc_decode(seq_lens, last_locs)
         if out_cache_loc is None:
-            raise RuntimeError("KV cache is full")
-        for req, slot, pos in zip(self.reqs, out_cache_loc, prefix_lens):
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, pos] = slot
-            req.kv_len = pos + 1
+            raise RuntimeError("KV cache is full: the decode memory check should have retracted requests")
+        self.req_to_token_pool.req_to_token[pool_idx, prefix_t] = out_cache_loc.to(torch.int32)
+        for req in self.reqs:
+            req.kv_len += 1
         ids = [r.output_ids[-1] for r in self.reqs]
-        positions = torch.cat([self._positions(r, p, p + 1) for r, p in zip(self.reqs, prefix_lens)], dim=1)
-        return self._forward_batch(ForwardMode.DECODE, ids, positions, out_cache_loc, prefix_lens)
+        deltas = torch.tensor([r.mrope_delta for r in self.reqs], device=self.device)
+        positions = (prefix_t + deltas).expand(3, -1)
+        return self._forward_batch(ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx)
 
-    @staticmethod
-    def _positions(req: Req, start: int, end: int) -> torch.Tensor:
-        """MRoPE positions of tokens start..end-1: the prompt's own, then index + delta for outputs."""
-        prompt_len = len(req.origin_input_ids)
-        parts = []
-        if start < prompt_len:
-            parts.append(req.mrope_positions[:, start : min(end, prompt_len)])
-        if end > prompt_len:
-            gen = torch.arange(max(start, prompt_len), end) + req.mrope_delta
-            parts.append(gen.expand(3, -1))
-        return torch.cat(parts, dim=1)
-
-    def _forward_batch(self, mode, ids, positions, out_cache_loc, prefix_lens) -> ForwardBatch:
-        seq_lens = [r.seq_len for r in self.reqs]
+    def _forward_batch(self, ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx=None) -> ForwardBatch:
+        if pool_idx is None:
+            pool_idx = torch.tensor([r.req_pool_idx for r in self.reqs], device=self.device)
         return ForwardBatch(
-            forward_mode=mode,
+            forward_mode=self.forward_mode,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions=positions.to(self.device),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], device=self.device),
+            req_pool_indices=pool_idx,
             seq_lens=torch.tensor(seq_lens, device=self.device),
             out_cache_loc=out_cache_loc,
             seq_lens_cpu=seq_lens,
@@ -153,9 +228,45 @@ class ScheduleBatch:
             extend_lens_cpu=[s - p for s, p in zip(seq_lens, prefix_lens)],
         )
 
-    def release(self, req: Req) -> None:
-        """Frees a request's KV slots and its row."""
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].long()
-        self.allocator.free(slots)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.kv_len = None, 0
+    # ---- decode memory -----------------------------------------------------------------------------
+
+    def decode_tokens_needed(self, steps: int) -> int:
+        """KV slots (whole pages) the running requests take to decode `steps` more tokens."""
+        ps = self.allocator.page_size
+        if ps == 1:
+            return len(self.reqs) * steps
+        pages = sum(-(-(r.kv_len + steps) // ps) - -(-r.kv_len // ps) for r in self.reqs)
+        return pages * ps
+
+    def check_decode_mem(self) -> bool:
+        free = self.allocator.available_size() + self.tree_cache.evictable_size()
+        return free >= self.decode_tokens_needed(1)
+
+    def retract_decode(self, steps: int) -> list[Req]:
+        """Releases requests (fewest outputs, then longest prompts, first) until the rest can decode
+        `steps` more tokens. The retracted ones keep their outputs and are prefilled again later."""
+        order = sorted(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted = []
+        while len(order) > 1:
+            self.reqs = order
+            free = self.allocator.available_size() + self.tree_cache.evictable_size()
+            if free >= self.decode_tokens_needed(steps):
+                break
+            req = order.pop()
+            self.tree_cache.cache_finished_req(req)
+            retracted.append(req)
+        self.reqs = order
+        return retracted
+
+
+def _positions(req: Req, start: int, end: int) -> torch.Tensor:
+    """MRoPE positions of tokens start..end-1: the prompt's own, then index + delta for outputs."""
+    prompt_len = len(req.origin_input_ids)
+    if end <= prompt_len:
+        return req.mrope_positions[:, start:end]
+    parts = []
+    if start < prompt_len:
+        parts.append(req.mrope_positions[:, start:prompt_len])
+    gen = torch.arange(max(start, prompt_len), end) + req.mrope_delta
+    parts.append(gen.expand(3, -1))
+    return torch.cat(parts, dim=1)

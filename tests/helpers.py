@@ -1,0 +1,28 @@
+"""Test helpers shared by several test files."""
+
+from __future__ import annotations
+
+import torch
+
+from vlm_serve.llm.forward_batch import ForwardMode
+from vlm_serve.llm.scheduler.schedule_batch import Req, ScheduleBatch
+from vlm_serve.llm.scheduler.scheduler import Scheduler
+from vlm_serve.mm_cache.hashing import pad_input_ids
+from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.vision.items import MultimodalItem
+
+
+def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[MultimodalItem] = ()) -> torch.Tensor:
+    """Logits at every prompt position from one EXTEND forward through the paged KV cache, with no
+    prefix reused."""
+    runner, tree_cache = scheduler.runner, scheduler.tree_cache
+    ids = pad_input_ids(input_ids, list(mm_items), runner.model_config.text.vocab_size)
+    req = Req("prefill-logits", ids, SamplingParams(), list(mm_items))
+    req.init_positions(runner.model_config.vision.spatial_merge_size)
+    req.last_node, req.extend_len = tree_cache.root, req.seq_len
+    if req.needs_vision():
+        runner.encode_vision([req])
+    batch = ScheduleBatch([req], runner.req_to_token_pool, runner.allocator, tree_cache, ForwardMode.EXTEND)
+    logits = runner.compute_logits(runner.forward(batch.prepare_for_extend()))
+    tree_cache.cache_finished_req(req)
+    return logits
