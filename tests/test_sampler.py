@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ class FakeReq:
     output_ids: list[int] = field(default_factory=list)
 
 
-def make_req(prompt: list[int] = (), output: list[int] = (), **params) -> FakeReq:
+def make_req(prompt: Sequence[int] = (), output: Sequence[int] = (), **params) -> FakeReq:
     p = SamplingParams(**params)
     gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
     return FakeReq(p, gen, list(prompt), list(output))
@@ -78,8 +79,9 @@ def test_rows_of_one_batch_use_their_own_settings():
 
 def test_sampled_tokens_come_only_from_what_the_filters_keep():
     logits = torch.log(torch.tensor([P] * 300))
-    reqs = [make_req(top_k=2)] * 100 + [make_req(top_p=0.5)] * 100 + [make_req(min_p=0.3125, seed=i) for i in range(100)]
-    ids = Sampler([]).__call__(logits, reqs).next_token_ids
+    reqs = [make_req(top_k=2)] * 100 + [make_req(top_p=0.5)] * 100
+    reqs += [make_req(min_p=0.3125, seed=i) for i in range(100)]
+    ids = Sampler([])(logits, reqs).next_token_ids
     assert set(ids[:100]) == {1, 3}
     assert set(ids[100:200]) == {1}
     assert set(ids[200:]) == {0, 1, 3}
@@ -120,10 +122,10 @@ def test_a_seed_gives_the_same_tokens_alone_or_in_any_batch():
 
 def test_unseeded_draws_follow_the_distribution_and_the_temperature():
     logits = torch.log(torch.tensor([[0.8, 0.2]])).expand(2000, 2).contiguous()
-    ids = Sampler([]).__call__(logits.clone(), [make_req()] * 2000).next_token_ids
+    ids = Sampler([])(logits.clone(), [make_req()] * 2000).next_token_ids
     assert 1500 < ids.count(0) < 1700  # expected 1600, sd ~18
     # temperature 2 flattens 0.8/0.2 to 2/3 and 1/3
-    ids = Sampler([]).__call__(logits.clone(), [make_req(temperature=2.0)] * 2000).next_token_ids
+    ids = Sampler([])(logits.clone(), [make_req(temperature=2.0)] * 2000).next_token_ids
     assert 1233 < ids.count(0) < 1433  # expected 1333, sd ~21
 
 

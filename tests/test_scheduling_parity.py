@@ -1,0 +1,166 @@
+"""Every scheduler path gives each request exactly the greedy tokens transformers gives it alone.
+
+One mixed workload (text only, one image, a repeated image, two images, a shared system prompt,
+different lengths) runs through the Engine under each scheduling setting: small prefill chunks that
+end inside images, prefix-cache hits, a KV pool small enough to force retraction, page sizes 1 and
+16, every policy, mixed chunks, priorities, and the prefix cache disabled. After each run the
+scheduler's own idle self-check has passed (it raises on a leak) and is run once more here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from vlm_serve.engine import Engine
+from vlm_serve.testing.media import make_image
+
+MAX_TOKENS = 10
+RETRACT_MAX_TOKENS = 24  # longer outputs make the retraction test's pool overflow while decoding
+SYSTEM = {"role": "system", "content": "You are a helpful assistant who answers briefly and precisely."}
+
+
+def _workload() -> list[list[dict]]:
+    cat, dog, bird = make_image(192, 128, seed=1), make_image(256, 160, seed=2), make_image(64, 64, seed=3)
+
+    def user(*parts):
+        return {"role": "user", "content": list(parts)}
+
+    def text(t):
+        return {"type": "text", "text": t}
+
+    def image(img):
+        return {"type": "image", "image": img}
+
+    return [
+        [SYSTEM, user(text("Tell me a story about a cat."))],
+        [SYSTEM, user(image(cat), text("Describe this image."))],
+        [SYSTEM, user(image(cat), text("What colours are in this picture? Answer in one word."))],
+        [user(image(dog), text("What is here?"))],
+        [SYSTEM, user(text("Write a long poem about the sea, the wind, the sails and the sailors " * 3))],
+        [SYSTEM, user(image(bird), image(cat), text("Compare the two images."))],
+        [user(text("Hi"))],
+    ]
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_moe_dir):
+    engine = Engine(tiny_moe_dir, dtype="float32")
+    return [engine.processor.process_messages(c, add_generation_prompt=True) for c in _workload()]
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_moe_dir, inputs) -> list[list[int]]:
+    """transformers' greedy tokens (RETRACT_MAX_TOKENS of them) for each request alone, stopping at
+    EOS like the engine."""
+    hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+    image_id = hf.config.image_token_id
+    out = []
+    for x in inputs:
+        ids = torch.tensor([x.input_ids])
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": (ids == image_id).int()}
+        if x.mm_items:
+            kwargs["pixel_values"] = torch.cat([it.pixel_values for it in x.mm_items])
+            kwargs["image_grid_thw"] = torch.tensor([it.grid_thw for it in x.mm_items])
+        with torch.no_grad():
+            gen = hf.generate(**kwargs, max_new_tokens=RETRACT_MAX_TOKENS, do_sample=False)
+        out.append(gen[0, ids.shape[1] :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(long_reference) -> list[list[int]]:
+    return [tokens[:MAX_TOKENS] for tokens in long_reference]
+
+
+def _run(engine: Engine, inputs, **kwargs):
+    outs = engine.generate_processed(inputs, max_tokens=MAX_TOKENS, temperature=0, **kwargs)
+    engine.scheduler.check_memory()
+    return outs
+
+
+SETTINGS = {
+    "default": {},
+    "small_chunks": {"chunked_prefill_size": 16},
+    "page_size_16": {"page_size": 16, "chunked_prefill_size": 64},
+    "no_chunking": {"chunked_prefill_size": -1},
+    "no_radix_cache": {"disable_radix_cache": True},
+    "mixed_chunk": {"chunked_prefill_size": 32, "enable_mixed_chunk": True},
+    "lpm": {"schedule_policy": "lpm"},
+    "dfs_weight": {"schedule_policy": "dfs-weight"},
+    "lof": {"schedule_policy": "lof"},
+    "random": {"schedule_policy": "random"},
+    "tiny_batch": {"max_running_requests": 2, "max_prefill_tokens": 64},
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_every_setting_matches_transformers(tiny_moe_dir, inputs, reference, name):
+    engine = Engine(tiny_moe_dir, dtype="float32", **SETTINGS[name])
+    first = _run(engine, inputs)
+    assert [o.token_ids for o in first] == reference
+    # the same prompts again: served from the prefix cache, same tokens
+    second = _run(engine, inputs)
+    assert [o.token_ids for o in second] == reference
+    if not engine.server_args.disable_radix_cache:
+        page = engine.server_args.page_size  # only whole pages are cached
+        assert all(o.cached_tokens > 0 for o, x in zip(second, inputs) if len(x.input_ids) > page)
+        assert engine.scheduler.metrics.cached_prompt_tokens > 0
+    else:
+        assert engine.scheduler.metrics.cached_prompt_tokens == 0
+
+
+def test_small_chunks_cut_through_images(tiny_moe_dir, inputs, reference):
+    """With 16-token chunks every image (more than 16 tokens) is split across prefill chunks."""
+    engine = Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=16)
+    longest = max(len(x.input_ids) for x in inputs)
+    assert any(end - start > 16 for x in inputs for it in x.mm_items for start, end in it.spans)
+    outs = _run(engine, inputs)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.metrics.num_prefill_batches >= longest // 16
+
+
+def test_mixed_chunk_runs_decodes_inside_prefill_chunks(tiny_moe_dir, inputs, reference):
+    engine = Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=32, enable_mixed_chunk=True)
+    assert [o.token_ids for o in _run(engine, inputs)] == reference
+    assert engine.scheduler.metrics.num_mixed_batches > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tiny_kv_pool_retracts_and_still_matches(tiny_moe_dir, inputs, long_reference, page_size):
+    """A small pool, filled by admitting requests with almost no room reserved for their outputs
+    (low schedule_conservativeness), forces retraction; retracted requests are prefilled again later
+    and still produce their own tokens."""
+    longest = max(len(x.input_ids) for x in inputs) + RETRACT_MAX_TOKENS
+    pool = (longest // page_size + 4) * page_size
+    engine = Engine(
+        tiny_moe_dir, dtype="float32", max_total_tokens=pool, page_size=page_size, schedule_conservativeness=0.05
+    )
+    outs = engine.generate_processed(inputs * 2, max_tokens=RETRACT_MAX_TOKENS, temperature=0)
+    engine.scheduler.check_memory()
+    assert [o.token_ids for o in outs] == long_reference * 2
+    assert engine.scheduler.metrics.num_retractions > 0
+
+
+def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference):
+    """Low-priority requests are running when high-priority ones arrive in a full pool: they are
+    preempted, requeued, and still finish with their own tokens. (No prefix cache, so the
+    high-priority copies of the same prompts need memory of their own.)"""
+    longest = max(len(x.input_ids) for x in inputs) + MAX_TOKENS
+    engine = Engine(
+        tiny_moe_dir, dtype="float32", max_total_tokens=longest * 2, enable_priority_scheduling=True,
+        priority_scheduling_preemption_threshold=0, disable_radix_cache=True,
+    )
+    scheduler = engine.scheduler
+    params = engine.sampling_params(max_tokens=MAX_TOKENS, temperature=0)
+    low = [engine._submit(x, params, priority=0)[0] for x in inputs]
+    for _ in range(3):
+        scheduler.step()
+    high = [engine._submit(x, params, priority=10)[0] for x in inputs]
+    while not all(r.finished for r in low + high):
+        engine._step()
+    scheduler.check_memory()
+    assert scheduler.metrics.num_preemptions > 0
+    assert [r.output_ids for r in low] == reference
+    assert [r.output_ids for r in high] == reference
