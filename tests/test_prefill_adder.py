@@ -206,18 +206,16 @@ def test_add_chunked_req_returns_the_request_while_chunks_remain():
     cache = make_cache(page_size=4)
     req = waiting(cache, 30)
     make_adder(cache, chunked_prefill_size=11).add_one_req(req)
-    chunks = [req.extend_len]
-    while True:
+    chunks, returned = [req.extend_len], []
+    while req.kv_len + req.extend_len < req.seq_len:
         req.kv_len += req.extend_len  # the chunk ran
         req.extend_len = req.seq_len - req.kv_len
         adder = make_adder(cache, chunked_prefill_size=11)
-        left = adder.add_chunked_req(req)
+        returned.append(adder.add_chunked_req(req))
         chunks.append(req.extend_len)
         assert adder.can_run_list == [req]
-        if left is None:
-            break
-        assert left is req
     assert chunks == [8, 8, 8, 6]
+    assert returned == [req, req, None]  # None once the last chunk is admitted
 
 
 # ---- policies ------------------------------------------------------------------------------------------
@@ -260,20 +258,22 @@ def test_random_is_a_permutation(cache):
     assert queue != original
 
 
-def test_dfs_weight_groups_requests_sharing_a_prefix_heavier_subtree_first(cache):
+@pytest.mark.parametrize("heavy", ["first-cached", "second-cached"])
+def test_dfs_weight_groups_requests_sharing_a_prefix_heavier_subtree_first(cache, heavy):
     cache_key(cache, [1, 2, 3, 4])
     cache_key(cache, [5, 6, 7, 8])
-    q1 = waiting(cache, [5, 6, 7, 8, 10, 11])
-    p1 = waiting(cache, [1, 2, 3, 4, 12, 13])
+    light_prefix, heavy_prefix = ([5, 6, 7, 8], [1, 2, 3, 4]) if heavy == "first-cached" else ([1, 2, 3, 4], [5, 6, 7, 8])
+    l1 = waiting(cache, light_prefix + [10, 11])
+    h1 = waiting(cache, heavy_prefix + [12, 13])
     fresh = waiting(cache, [40, 41])
-    p2 = waiting(cache, [1, 2, 3, 4, 14, 15])
-    q2 = waiting(cache, [5, 6, 7, 8, 16, 17])
-    p3 = waiting(cache, [1, 2, 3, 4, 18, 19])
-    queue = [q1, p1, fresh, p2, q2, p3]
+    h2 = waiting(cache, heavy_prefix + [14, 15])
+    l2 = waiting(cache, light_prefix + [16, 17])
+    h3 = waiting(cache, heavy_prefix + [18, 19])
+    queue = [l1, h1, fresh, h2, l2, h3]
     SchedulePolicy("dfs-weight", cache, enable_priority=False).calc_priority(queue)
-    assert sorted(map(id, queue)) == sorted(map(id, [q1, p1, fresh, p2, q2, p3]))
-    # three waiting requests below [1, 2, 3, 4], two below [5, 6, 7, 8]; FCFS within a group
-    assert [r for r in queue if r is not fresh] == [p1, p2, p3, q1, q2]
+    assert sorted(map(id, queue)) == sorted(map(id, [l1, h1, fresh, h2, l2, h3]))
+    # three waiting requests below one cached prefix, two below the other; FCFS within a group
+    assert [r for r in queue if r is not fresh] == [h1, h2, h3, l1, l2]
 
 
 def test_priority_goes_first_and_ties_keep_the_policy_order(cache):

@@ -53,7 +53,7 @@ class SchedulePolicy:
 
     def _dfs_weight_order(self, reqs: list[Req]) -> list[Req]:
         """Depth-first over the tree, heavier subtrees (more waiting requests below) first, so that
-        requests sharing a prefix run close together."""
+        requests sharing a prefix run close together; requests with no cached prefix come last."""
         reqs_at: dict[TreeNode, list[Req]] = defaultdict(list)
         for req in reqs:
             reqs_at[req.last_node].append(req)
@@ -66,12 +66,15 @@ class SchedulePolicy:
                     children[node.parent].add(node)
                 node = node.parent
         order: list[Req] = []
-        stack = [self.tree_cache.root]
-        while stack:
-            node = stack.pop()
-            order.extend(reqs_at.get(node, []))
-            # pushed lightest first so the heaviest is visited next
-            stack.extend(sorted(children[node], key=lambda n: (weight[n], -n.last_access)))
+        stack: list[tuple[TreeNode, bool]] = [(self.tree_cache.root, False)]
+        while stack:  # post-order: a node's own requests after its subtrees'
+            node, expanded = stack.pop()
+            if expanded:
+                order.extend(reqs_at.get(node, []))
+                continue
+            stack.append((node, True))
+            # pushed lightest first so that the heaviest subtree is visited first
+            stack.extend((n, False) for n in sorted(children[node], key=lambda n: (weight[n], -n.last_access)))
         return order
 
 

@@ -1,0 +1,232 @@
+"""The in-process Engine API: chat, batches, streaming, `n` choices, stop conditions, logprobs, aborts,
+bad input, observability. Every test ends with the scheduler's idle self-check."""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+
+import pytest
+
+import vlm_serve
+from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.testing.media import make_image
+
+PROMPT = [{"role": "user", "content": "Tell me a story about a cat and a dog."}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_moe_dir):
+    engine = vlm_serve.Engine(model=tiny_moe_dir, dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def idle_after_each_test(request):
+    yield
+    if "engine" in request.fixturenames:
+        request.getfixturevalue("engine").scheduler.check_memory()
+
+
+def _image_messages(image) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe."}]}]
+
+
+def test_chat_returns_text_and_token_ids(engine):
+    out = engine.chat(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    assert out.text == engine.tokenizer.decode(out.token_ids)
+    assert out.prompt_tokens > 0 and len(out.choices) == 1
+
+
+def test_image_as_path_data_url_or_pil_gives_the_same_answer(engine, tmp_path):
+    image = make_image(128, 96, seed=7)
+    path = tmp_path / "img.png"
+    image.save(path)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    outs = [engine.chat(_image_messages(x), max_tokens=8, temperature=0) for x in (image, str(path), data_url)]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+    assert outs[1].cached_tokens > 0  # the same image: its pad value matches in the prefix cache
+
+
+def test_two_different_images_do_not_share_the_image_prefix(engine):
+    a = engine.chat(_image_messages(make_image(128, 96, seed=21)), max_tokens=4, temperature=0)
+    b = engine.chat(_image_messages(make_image(128, 96, seed=22)), max_tokens=4, temperature=0)
+    image_start = engine.processor.process_messages(_image_messages(make_image(128, 96, seed=22))).mm_items[0].spans[0][0]
+    assert b.cached_tokens <= image_start
+    assert a.prompt_tokens == b.prompt_tokens
+
+
+def test_batch_matches_single_calls(engine):
+    convs = [PROMPT, _image_messages(make_image(64, 64, seed=3)), [{"role": "user", "content": "Hi"}]]
+    together = engine.chat_batch(convs, max_tokens=6, temperature=0)
+    alone = [engine.chat(c, max_tokens=6, temperature=0) for c in convs]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+
+
+def test_stream_pieces_add_up_to_the_blocking_answer(engine):
+    full = engine.chat(PROMPT, max_tokens=10, temperature=0, ignore_eos=True)
+    chunks = list(engine.stream(PROMPT, max_tokens=10, temperature=0, ignore_eos=True))
+    assert "".join(c.text for c in chunks) == full.text
+    assert [t for c in chunks for t in c.token_ids] == full.token_ids
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_closing_a_stream_early_aborts_and_frees_everything(engine):
+    stream = engine.stream(PROMPT, max_tokens=50, temperature=0, ignore_eos=True)
+    next(stream)
+    stream.close()
+    assert engine.scheduler.is_idle()
+
+
+def _split_stop(engine) -> tuple[str, str]:
+    """A stop string made of the end of one generated token and the start of the next."""
+    out = engine.chat(PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+    pieces = [engine.tokenizer.decode([t]) for t in out.token_ids]
+    for k in range(2, len(pieces) - 1):
+        left, right = pieces[k].strip(), pieces[k + 1].strip()
+        if len(left) >= 2 and len(right) >= 2 and pieces[k + 1][0] != " ":
+            stop = left[-2:] + right[:2]
+            if stop not in "".join(pieces[: k + 1]):
+                return out.text, stop
+    pytest.skip("no adjacent pair of tokens to build a split stop string from")
+
+
+def test_stop_string_split_across_tokens_is_caught_and_trimmed(engine):
+    full_text, stop = _split_stop(engine)
+    out = engine.chat(PROMPT, max_tokens=16, temperature=0, ignore_eos=True, stop=[stop])
+    assert out.finish_reason == "stop" and out.choices[0].matched_stop == stop
+    assert out.text == full_text[: full_text.index(stop)]
+
+
+def test_streaming_never_shows_a_stop_string(engine):
+    full_text, stop = _split_stop(engine)
+    chunks = list(engine.stream(PROMPT, max_tokens=16, temperature=0, ignore_eos=True, stop=stop))
+    streamed = "".join(c.text for c in chunks)
+    assert streamed == full_text[: full_text.index(stop)]
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_stop_token_id_ends_the_answer_without_its_text(engine):
+    full = engine.chat(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    out = engine.chat(PROMPT, max_tokens=8, temperature=0, stop_token_ids=[stop_id])
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.choices[0].matched_stop == stop_id
+    assert out.text == engine.tokenizer.decode(full.token_ids[:first])
+
+
+def test_n_choices_share_the_prompt_and_seeds_reproduce(engine):
+    kwargs = dict(max_tokens=8, temperature=1.0, top_k=50, seed=1234, n=3, ignore_eos=True)
+    before = engine.scheduler.metrics.cached_prompt_tokens
+    out = engine.chat([{"role": "user", "content": "A brand new prompt about n choices " * 4}], **kwargs)
+    assert len(out.choices) == 3
+    assert len({tuple(c.token_ids) for c in out.choices}) > 1  # seeds seed, seed+1, seed+2 differ
+    # choices 2 and 3 waited one round and then reused the first one's prompt KV
+    assert engine.scheduler.metrics.cached_prompt_tokens - before >= 2 * (out.prompt_tokens - 1)
+    again = engine.chat([{"role": "user", "content": "A brand new prompt about n choices " * 4}], **kwargs)
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in out.choices]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    kwargs = dict(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True)
+    alone = engine.chat(PROMPT, **kwargs)
+    together = engine.chat_batch([[{"role": "user", "content": "Hello there"}], PROMPT], **kwargs)
+    assert together[1].token_ids == alone.token_ids
+
+
+def test_in_batch_prefix_caching_defers_a_request_sharing_an_uncached_prefix(engine):
+    system = {"role": "system", "content": "A long shared system prompt that nobody has cached yet. " * 3}
+    convs = [[system, {"role": "user", "content": q}] for q in ("First question?", "Second question?")]
+    outs = engine.chat_batch(convs, max_tokens=4, temperature=0)
+    assert outs[1].cached_tokens >= outs[0].cached_tokens + 32
+
+
+def test_logprobs_of_chosen_tokens_and_alternatives(engine):
+    out = engine.chat(PROMPT, max_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
+    choice = out.choices[0]
+    assert len(choice.logprobs) == len(choice.top_logprobs) == 6
+    for token, lp, top in zip(choice.token_ids, choice.logprobs, choice.top_logprobs):
+        assert len(top) == 3 and top[0][0] == token and top[0][1] == pytest.approx(lp)
+        assert top[0][1] >= top[1][1] >= top[2][1] and lp <= 0
+    assert engine.chat(PROMPT, max_tokens=2, temperature=0).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"max_tokens": 10**6}, "context length"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"top_logprobs": 3}, "logprobs"),
+    ],
+)
+def test_bad_sampling_values_are_rejected_and_the_engine_keeps_working(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.chat(PROMPT, **kwargs)
+    assert engine.chat(PROMPT, max_tokens=2, temperature=0).token_ids
+
+
+def test_unknown_arguments_are_type_errors(engine, tiny_moe_dir):
+    with pytest.raises(TypeError, match="max_new"):
+        engine.chat(PROMPT, max_new=3)
+    with pytest.raises(TypeError, match="chunk_size"):
+        vlm_serve.Engine(model=tiny_moe_dir, chunk_size=3)
+    with pytest.raises(ValueError, match="schedule_policy"):
+        vlm_serve.Engine(model=tiny_moe_dir, schedule_policy="shortest")
+
+
+def test_a_rejected_input_in_a_batch_leaves_nothing_queued(engine):
+    huge = [{"role": "user", "content": "word " * 5000}]
+    with pytest.raises(ValueError, match="context length|KV cache"):
+        engine.chat_batch([PROMPT, huge], max_tokens=4)
+    assert engine.scheduler.is_idle()
+
+
+def test_log_line_and_counters(tiny_moe_dir, caplog):
+    engine = vlm_serve.Engine(model=tiny_moe_dir, dtype="float32", log_interval=1)
+    with caplog.at_level(logging.INFO, logger="vlm_serve.llm.scheduler.scheduler"):
+        engine.chat_batch([PROMPT, PROMPT], max_tokens=5, temperature=0, ignore_eos=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("extend batch") for line in lines)
+    decode = [line for line in lines if line.startswith("decode batch")]
+    assert decode and "KV usage" in decode[0] and "cache hit rate" in decode[0] and "queued" in decode[0]
+    m = engine.scheduler.metrics
+    assert m.generated_tokens == 10 and m.num_finished == 2
+    assert m.time_forward > 0 and m.time_schedule > 0 and m.time_process > 0
+
+
+def _submit(engine, content: str, max_tokens: int) -> Req:
+    x = engine.processor.process_messages([{"role": "user", "content": content}])
+    return engine._submit(x, engine.sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True), 0)[0]
+
+
+@pytest.mark.parametrize("stage", ["waiting", "chunked", "running"])
+def test_abort_at_any_stage_frees_everything(tiny_moe_dir, stage):
+    engine = vlm_serve.Engine(model=tiny_moe_dir, dtype="float32", chunked_prefill_size=8, max_running_requests=2)
+    scheduler = engine.scheduler
+    other = _submit(engine, "A request that keeps running.", 12)
+    victim = _submit(engine, "The request that will be aborted, with a prompt long enough to be chunked.", 12)
+    third = _submit(engine, "A third one.", 12)  # waits: two rows only
+    for _ in range(200):
+        if stage == "waiting" and victim in scheduler.waiting_queue:
+            break
+        if stage == "chunked" and scheduler.chunked_req is victim:
+            break
+        if stage == "running" and victim in scheduler.running_batch.reqs and len(victim.output_ids) > 2:
+            break
+        scheduler.step()
+    else:
+        pytest.fail(f"the victim never reached stage {stage}")
+    scheduler.abort_request(victim.rid, "client went away")
+    while not all(r.finished for r in (other, victim, third)):
+        engine._step()
+    assert victim.finished_reason.kind == "abort" and victim.finished_reason.message == "client went away"
+    assert len(other.output_ids) == len(third.output_ids) == 12
+    scheduler.check_memory()
