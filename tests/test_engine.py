@@ -4,6 +4,7 @@ bad input, observability. Every test ends with the scheduler's idle self-check."
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import logging
 
@@ -230,3 +231,17 @@ def test_abort_at_any_stage_frees_everything(tiny_moe_dir, stage):
     assert victim.finished_reason.kind == "abort" and victim.finished_reason.message == "client went away"
     assert len(other.output_ids) == len(third.output_ids) == 12
     scheduler.check_memory()
+
+
+def test_requests_leaving_the_decode_batch_do_not_disturb_the_others(engine):
+    """Requests of different lengths finish one by one; the rest keep decoding on the same K/V."""
+    prompts = [[{"role": "user", "content": f"Question number {i}: why is the sky blue?"}] for i in range(4)]
+    alone = [engine.chat(p, max_tokens=12, temperature=0, ignore_eos=True).token_ids for p in prompts]
+    params = engine.sampling_params(temperature=0, ignore_eos=True)
+    reqs = []
+    for i, p in enumerate(prompts):
+        x = engine.processor.process_messages(p)
+        reqs += engine._submit(x, dataclasses.replace(params, max_new_tokens=3 + 3 * i), 0)
+    while not all(r.finished for r in reqs):
+        engine._step()
+    assert [r.output_ids for r in reqs] == [a[: 3 + 3 * i] for i, a in enumerate(alone)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(ns, "log_level", "warning").upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as e:

@@ -41,6 +41,7 @@ class ServerArgs:
     priority_scheduling_preemption_threshold: int = 10  # priority gap that lets a request preempt
     context_length: int | None = None  # None = the model's max_position_embeddings
     log_interval: int = 40  # scheduler steps between log lines
+    log_level: str = "warning"  # debug | info | warning | error (info shows the scheduler's log lines)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class ServerArgs:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= page_size, not {self.chunked_prefill_size}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
         if self.schedule_conservativeness <= 0:
             raise ValueError(f"schedule_conservativeness must be > 0, not {self.schedule_conservativeness}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

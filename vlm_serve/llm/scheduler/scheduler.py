@@ -165,6 +165,7 @@ class Scheduler:
             t3 = time.perf_counter()
             result = self.run_batch(batch, forward_batch)
             t4 = time.perf_counter()
+            num_reqs, new_tokens = len(batch.reqs), len(forward_batch.input_ids)
             if batch.forward_mode.is_decode():
                 self.process_batch_result_decode(batch, result)
             else:
@@ -174,7 +175,7 @@ class Scheduler:
             self.metrics.time_process += time.perf_counter() - t4
             self.forward_ct += 1
             if self.forward_ct % self.server_args.log_interval == 0:
-                self.log_stats(batch)
+                self.log_stats(batch.forward_mode, num_reqs, new_tokens)
         finished, self._finished = self._finished, []
         return finished
 
@@ -355,12 +356,10 @@ class Scheduler:
         if problems:
             raise RuntimeError("scheduler idle self-check failed: " + "; ".join(problems))
 
-    def log_stats(self, batch: ScheduleBatch) -> None:
+    def log_stats(self, mode: ForwardMode, num_reqs: int, new_tokens: int) -> None:
         used = self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
         logger.info(
             "%s batch: %d reqs, %d new tokens, KV usage %.2f, cache hit rate %.2f, running %d, queued %d",
-            batch.forward_mode.name.lower(), len(batch.reqs), sum(r.extend_len for r in batch.reqs)
-            if not batch.forward_mode.is_decode() else len(batch.reqs),
-            used / self.max_total_tokens, self.metrics.cache_hit_rate, len(self.running_batch.reqs),
-            len(self.waiting_queue),
+            mode.name.lower(), num_reqs, new_tokens, used / self.max_total_tokens, self.metrics.cache_hit_rate,
+            len(self.running_batch.reqs), len(self.waiting_queue),
         )
