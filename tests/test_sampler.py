@@ -53,6 +53,12 @@ def test_top_p_keeps_a_token_while_the_mass_before_it_is_strictly_below_top_p():
     assert filtered([P], [-1], [0.01], [0.0]) == [[0.0, 0.5, 0.0, 0.0]]  # the top token always stays
 
 
+def test_top_p_applies_to_what_top_k_left_like_transformers():
+    # top-2 leaves 0.5 and 0.25, i.e. 2/3 and 1/3 once renormalised: top_p 0.6 keeps only the first
+    assert filtered([P], [2], [0.6], [0.0]) == [[0.0, 0.5, 0.0, 0.0]]
+    assert filtered([P], [-1], [0.6], [0.0]) == [[0.0, 0.5, 0.0, 0.25]]
+
+
 def test_top_p_of_one_keeps_even_tokens_after_the_mass_has_rounded_to_one():
     probs = torch.softmax(torch.tensor([[0.0] + [-40.0] * 5]), dim=-1)  # the top token rounds to 1.0
     out = filter_probs(probs, torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0.0]))

@@ -127,15 +127,24 @@ def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -
     return counts.put_(flat, torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
 
 
+# When every sampled row has a top-k at most this, only the top-k candidates are sorted and drawn
+# from, instead of the whole vocabulary (the published checkpoints default to top_k 20).
+TOPK_CANDIDATES_MAX = 1024
+
+
 def _sample(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
     """One draw per row after temperature, top-k, top-p and min-p; seeded rows on their generators."""
     params = [r.sampling_params for r in reqs]
     device = logits.device
+    top_k = [p.top_k for p in params]
+    candidates = None
+    if all(0 < k <= TOPK_CANDIDATES_MAX for k in top_k):
+        logits, candidates = logits.topk(max(top_k), dim=-1)  # sorted, best first
     probs = torch.softmax(logits / _column([p.temperature for p in params], device), dim=-1)
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
         probs = filter_probs(
             probs,
-            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor(top_k, device=device),
             torch.tensor([p.top_p for p in params], device=device),
             torch.tensor([p.min_p for p in params], device=device),
         )
@@ -146,19 +155,28 @@ def _sample(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
         next_ids[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
     if seeded:
         cpu_probs = probs[seeded].cpu()
-        draws = [torch.multinomial(cpu_probs[j], 1, generator=reqs[i].generator) for j, i in enumerate(seeded)]
+        # each seeded row draws over its own top_k candidates only, so the batch cannot change it
+        draws = [
+            torch.multinomial(cpu_probs[j, : top_k[i]] if candidates is not None else cpu_probs[j], 1, generator=reqs[i].generator)
+            for j, i in enumerate(seeded)
+        ]
         next_ids[seeded] = torch.cat(draws).to(device)
+    if candidates is not None:
+        next_ids = candidates.gather(1, next_ids[:, None]).squeeze(1)
     return next_ids
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zeroes what top-k, top-p and min-p exclude (not renormalised). probs: (batch, vocab); top_k,
-    top_p, min_p: (batch,), with -1, 1 and 0 for off. Top-p keeps a token while the mass strictly
-    before it is below top_p; min-p keeps p >= min_p * p_max; the top token always stays."""
+    """Zeroes what top-k, top-p and min-p exclude (not renormalised). probs: (batch, n); top_k,
+    top_p, min_p: (batch,), with -1, 1 and 0 for off. As in transformers and vLLM, top-p applies to
+    what top-k left (renormalised): it keeps a token while the mass strictly before it is below
+    top_p. Min-p keeps p >= min_p * p_max; the top token always stays."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[1], device=probs.device)
     keep = (ranks < top_k[:, None]) | (top_k[:, None] < 0)
+    top_k_probs = sorted_probs * keep
+    top_k_probs = top_k_probs / top_k_probs.sum(dim=-1, keepdim=True)
     # top_p == 1 is off outright: rounding in the cumsum could otherwise drop tail tokens
-    keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep &= (top_k_probs.cumsum(dim=-1) - top_k_probs < top_p[:, None]) | (top_p[:, None] >= 1)
     keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
