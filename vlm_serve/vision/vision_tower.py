@@ -161,6 +161,33 @@ class Qwen3VLVisionModel(nn.Module):
                 deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
         return VisionOutput(self.merger(x), deepstack)
 
+    def encode(self, pixel_values: torch.Tensor, grids: list[Grid], max_patches: int) -> VisionOutput:
+        """`forward` in passes of at most `max_patches` patches (at least one temporal patch group),
+        so peak memory is bounded by the setting, not by a video's length. Attention never crosses a
+        temporal patch group, so cutting a video between groups gives the same embeddings."""
+        passes: list[list[tuple[int, Grid]]] = [[]]  # (first pixel row, grid) of each piece
+        size, row = 0, 0
+        for t, h, w in grids:
+            step = max(1, max_patches // (h * w))  # groups per piece
+            for start in range(0, t, step):
+                piece = (min(step, t - start), h, w)
+                patches = piece[0] * h * w
+                if size + patches > max_patches and passes[-1]:
+                    passes.append([])
+                    size = 0
+                passes[-1].append((row, piece))
+                size += patches
+                row += patches
+        outs = []
+        for pieces in passes:
+            rows = torch.cat([torch.arange(r, r + t * h * w) for r, (t, h, w) in pieces])
+            outs.append(self(pixel_values[rows], [g for _, g in pieces]))
+        if len(outs) == 1:
+            return outs[0]
+        return VisionOutput(
+            torch.cat([o.embeds for o in outs]), [torch.cat(layer) for layer in zip(*(o.deepstack for o in outs))]
+        )
+
     def _pos_embed(self, grid: Grid) -> torch.Tensor:
         """The learned square position table resampled bilinearly to the grid, in merge-block order."""
         t, h, w = grid
