@@ -37,9 +37,11 @@ class ServerArgs:
     schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random
     schedule_conservativeness: float = 1.0  # > 1 reserves more KV for running requests' outputs
     disable_radix_cache: bool = False
+    mm_cache_mb: int = 512  # processed-input cache budget (repeated images skip preprocessing); 0 = off
     enable_priority_scheduling: bool = False  # requests' `priority` (higher first) orders the queue
     priority_scheduling_preemption_threshold: int = 10  # priority gap that lets a request preempt
     context_length: int | None = None  # None = the model's max_position_embeddings
+    vit_max_patches_per_pass: int = 32768  # vision tower passes stay under this; long videos are cut
     log_interval: int = 40  # scheduler steps between log lines
     log_level: str = "warning"  # debug | info | warning | error (info shows the scheduler's log lines)
     seed: int = 0
@@ -51,7 +53,11 @@ class ServerArgs:
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention_backend must be auto, torch or flashinfer, not {self.attention_backend!r}")
-        for name in ("tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval"):
+        positive = (
+            "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
+            "vit_max_patches_per_pass",
+        )
+        for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, not {value}")
@@ -61,6 +67,8 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
+        if self.mm_cache_mb < 0:
+            raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
         if self.schedule_conservativeness <= 0:
             raise ValueError(f"schedule_conservativeness must be > 0, not {self.schedule_conservativeness}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

@@ -107,7 +107,7 @@ class Engine:
         self.server_args = ServerArgs(model=str(path), **options)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
-        self.processor = MultimodalProcessor.from_pretrained(path, self.tokenizer)
+        self.processor = MultimodalProcessor.from_pretrained(path, self.tokenizer, cache_mb=self.server_args.mm_cache_mb)
         runner = ModelRunner(self.server_args, self.model_config)
         self.scheduler = Scheduler(self.server_args, runner, self.tokenizer)
         self.default_sampling = _generation_defaults(path)

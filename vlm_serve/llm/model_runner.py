@@ -71,7 +71,8 @@ class ModelRunner:
         """Runs the vision tower once over all items of `reqs` and stores each request's embeddings."""
         items: list[MultimodalItem] = [item for req in reqs for item in req.mm_items]
         pixels = torch.cat([item.pixel_values for item in items])
-        out = self.model.visual(pixels.to(self.model.visual.dtype), [item.grid_thw for item in items])
+        grids = [item.grid_thw for item in items]
+        out = self.model.visual.encode(pixels, grids, self.server_args.vit_max_patches_per_pass)
         merge = self.model_config.vision.spatial_merge_size
         sizes = [sum(item.num_tokens(merge) for item in req.mm_items) for req in reqs]
         for req, embeds, *deepstack in zip(reqs, out.embeds.split(sizes), *(d.split(sizes) for d in out.deepstack)):

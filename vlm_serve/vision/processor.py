@@ -4,22 +4,28 @@ Each `<|image_pad|>` in the prompt becomes `t * h * w / merge²` image pad token
 becomes, per temporal patch group, `<{seconds:.1f} seconds><|vision_start|>` + pad tokens +
 `<|vision_end|>` — the text transformers' `Qwen3VLProcessor` produces. The expanded text is tokenized
 as a whole (as there), and each item's pad runs are recorded as its `spans`.
+
+Every item carries its content hash (`mm_cache.hashing.media_hash`). A processed-input cache keyed by
+it lets a repeated image or video (same bytes, same settings) skip decoding, resizing and normalising.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
+from vlm_serve.mm_cache.cache import MultimodalCache
+from vlm_serve.mm_cache.hashing import media_hash
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor
 from vlm_serve.vision.items import MultimodalItem, ProcessedInput
-from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaError, VideoSource, load_image
+from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaError, VideoSource, load_image, read_media
 from vlm_serve.vision.video import VideoProcessor
 
 IMAGE_PAD = "<|image_pad|>"
@@ -40,7 +46,10 @@ class MediaInput:
 
 
 class MultimodalProcessor:
-    """Builds model inputs from prompts and media, equal to transformers' Qwen3VLProcessor output."""
+    """Builds model inputs from prompts and media, equal to transformers' Qwen3VLProcessor output.
+
+    `cache_mb` is the processed-input cache's budget (0 disables it).
+    """
 
     def __init__(
         self,
@@ -49,12 +58,14 @@ class MultimodalProcessor:
         video_processor: VideoProcessor,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+        cache_mb: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.video_processor = video_processor
         self.max_image_pixels = max_image_pixels
         self.allowed_local_dirs = allowed_local_dirs
+        self.cache: MultimodalCache[MultimodalItem] = MultimodalCache(cache_mb << 20)
         self.image_token_id = _required_token_id(tokenizer, IMAGE_PAD)
         self.video_token_id = _required_token_id(tokenizer, VIDEO_PAD)
 
@@ -65,6 +76,7 @@ class MultimodalProcessor:
         tokenizer: Tokenizer,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+        cache_mb: int = 0,
     ) -> MultimodalProcessor:
         """Processors configured by the checkpoint's `preprocessor_config.json` / `video_preprocessor_config.json`."""
         return cls(
@@ -73,6 +85,7 @@ class MultimodalProcessor:
             VideoProcessor.from_pretrained(model_dir, max_frame_pixels=max_image_pixels),
             max_image_pixels=max_image_pixels,
             allowed_local_dirs=allowed_local_dirs,
+            cache_mb=cache_mb,
         )
 
     # -- public entry points -------------------------------------------------------------------------
@@ -150,13 +163,35 @@ class MultimodalProcessor:
         return ProcessedInput(input_ids=input_ids, mm_items=mm_items)
 
     def _image_item(self, item: MediaInput) -> MultimodalItem:
-        image = load_image(item.source, self.max_image_pixels, self.allowed_local_dirs)
-        return self.image_processor.preprocess(image, **item.options)
+        settings = self.image_processor.config.with_overrides(**item.options)
+        if isinstance(item.source, Image.Image):
+            data = load_image(item.source, self.max_image_pixels)  # upright, as it will be preprocessed
+        else:
+            data = read_media(item.source, "image", self.allowed_local_dirs)
+
+        def preprocess() -> MultimodalItem:
+            image = data if isinstance(data, Image.Image) else load_image(data, self.max_image_pixels)
+            return self.image_processor.preprocess(image, **item.options)
+
+        return self._cached(media_hash(data, "image", settings), preprocess)
 
     def _video_item(self, item: MediaInput) -> MultimodalItem:
         if not isinstance(item.source, (str, bytes, bytearray, memoryview, os.PathLike)):
             raise MediaError(f"unsupported video source of type {type(item.source).__name__}")
-        return self.video_processor.preprocess(item.source, allowed_local_dirs=self.allowed_local_dirs, **item.options)
+        settings = self.video_processor.config.with_overrides(**item.options)
+        data = read_media(item.source, "video", self.allowed_local_dirs)
+        return self._cached(
+            media_hash(data, "video", settings), lambda: self.video_processor.preprocess(data, **item.options)
+        )
+
+    def _cached(self, key: int, preprocess: Callable[[], MultimodalItem]) -> MultimodalItem:
+        """A fresh item (no spans yet) for the content hash `key`, preprocessed only on a cache miss."""
+        item = self.cache.get(key)
+        if item is None:
+            item = preprocess()
+            item.hash = key
+            self.cache.put(key, item, item.pixel_values.nbytes)
+        return replace(item, spans=[])
 
     def _expand(self, prompt: str, images: list[MultimodalItem], videos: list[MultimodalItem]) -> str:
         """`prompt` with every placeholder replaced by its item's full token text, in order."""
