@@ -247,3 +247,23 @@ def test_requests_leaving_the_decode_batch_do_not_disturb_the_others(engine):
     while not all(r.finished for r in reqs):
         engine._step()
     assert [r.output_ids for r in reqs] == [a[: 3 + 3 * i] for i, a in enumerate(alone)]
+
+
+def test_a_repeated_image_skips_preprocessing_and_the_vision_tower(engine):
+    """Text before the image keeps the prefix cache from covering it: the embedding cache serves it."""
+    runner, processor = engine.scheduler.runner, engine.processor
+    image = make_image(160, 128, seed=99)
+
+    def ask(question: str):
+        content = [{"type": "text", "text": question}, {"type": "image", "image": image}]
+        return engine.chat([{"role": "user", "content": content}], max_tokens=4, temperature=0)
+
+    ask("First, a question about this picture:")
+    forwards, embed_hits, pre_hits = runner.num_vision_forwards, runner.embedding_cache.hits, processor.cache.hits
+    second = ask("Another, different question:")
+    assert runner.num_vision_forwards == forwards
+    assert runner.embedding_cache.hits == embed_hits + 1
+    assert processor.cache.hits == pre_hits + 1
+    fresh = vlm_serve.Engine(model=engine.server_args.model, dtype="float32", mm_cache_mb=0)
+    content = [{"type": "text", "text": "Another, different question:"}, {"type": "image", "image": image}]
+    assert fresh.chat([{"role": "user", "content": content}], max_tokens=4, temperature=0).token_ids == second.token_ids
