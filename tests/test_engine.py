@@ -166,7 +166,7 @@ def test_logprobs_of_chosen_tokens_and_alternatives(engine):
         ({"max_tokens": 10**6}, "context length"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"n": 0}, "n"),
+        ({"n": 0}, "n must"),
         ({"top_logprobs": 3}, "logprobs"),
     ],
 )

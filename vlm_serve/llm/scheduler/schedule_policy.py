@@ -32,8 +32,9 @@ class SchedulePolicy:
         self.enable_priority = enable_priority
         self.rng = random.Random(seed)
 
-    def calc_priority(self, waiting_queue: list[Req]) -> None:
-        """Sorts `waiting_queue` in place (stable, so FCFS order breaks ties)."""
+    def calc_priority(self, waiting_queue: list[Req]) -> bool:
+        """Sorts `waiting_queue` in place (stable, so FCFS order breaks ties). Returns whether every
+        request's prefix was matched on the way (the prefix-aware policies need it)."""
         policy = self.policy
         if policy in ("lpm", "dfs-weight") and (len(waiting_queue) > LPM_FALLBACK_QUEUE_LEN or self.tree_cache.disable):
             policy = "fcfs"
@@ -50,6 +51,7 @@ class SchedulePolicy:
             self.rng.shuffle(waiting_queue)
         if self.enable_priority:
             waiting_queue.sort(key=lambda r: -r.priority)
+        return policy in ("lpm", "dfs-weight")
 
     def _dfs_weight_order(self, reqs: list[Req]) -> list[Req]:
         """Depth-first over the tree, heavier subtrees (more waiting requests below) first, so that

@@ -157,7 +157,7 @@ class Scheduler:
                 self._idle_checked = True
         else:
             t1 = time.perf_counter()
-            needs_vision = [r for r in batch.reqs if r.needs_vision()]
+            needs_vision = [] if batch.forward_mode.is_decode() else [r for r in batch.reqs if r.needs_vision()]
             if needs_vision:
                 self.runner.encode_vision(needs_vision)
             t2 = time.perf_counter()
@@ -211,7 +211,7 @@ class Scheduler:
         running = len(self.running_batch.reqs) + (self.chunked_req is not None)
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
-        self.policy.calc_priority(self.waiting_queue)
+        prefixes_matched = self.policy.calc_priority(self.waiting_queue)
         mixed_decode_tokens = len(self.running_batch.reqs) if self.enable_mixed_chunk else 0
         adder = PrefillAdder(
             self.tree_cache, self.running_batch, self.new_token_ratio, self.max_prefill_tokens,
@@ -224,7 +224,8 @@ class Scheduler:
         for req in list(self.waiting_queue):
             if running + len(adder.can_run_list) >= self.max_running_requests or adder.new_chunked_req or self.chunked_req:
                 break
-            req.match_prefix(self.tree_cache)
+            if not prefixes_matched:
+                req.match_prefix(self.tree_cache)
             if not self.tree_cache.disable and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 uncached = req.fill_ids[len(req.prefix_indices) :]
                 if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
