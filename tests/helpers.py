@@ -20,9 +20,11 @@ def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[Mu
     req = Req("prefill-logits", ids, SamplingParams(), list(mm_items))
     req.init_positions(runner.model_config.vision.spatial_merge_size)
     req.last_node, req.extend_len = tree_cache.root, req.seq_len
-    if req.needs_vision():
-        runner.encode_vision([req])
+    if mm_items and not scheduler.encoding.add(req, 0):
+        while req in scheduler.encoding:
+            scheduler.encoding.poll(timeout=0.1)
     batch = ScheduleBatch([req], runner.req_to_token_pool, runner.allocator, tree_cache, ForwardMode.EXTEND)
     logits = runner.compute_logits(runner.forward(batch.prepare_for_extend()))
     tree_cache.cache_finished_req(req)
+    scheduler.encoding.release(req)
     return logits

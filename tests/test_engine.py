@@ -251,19 +251,21 @@ def test_requests_leaving_the_decode_batch_do_not_disturb_the_others(engine):
 
 def test_a_repeated_image_skips_preprocessing_and_the_vision_tower(engine):
     """Text before the image keeps the prefix cache from covering it: the embedding cache serves it."""
-    runner, processor = engine.scheduler.runner, engine.processor
+    encoding, processor = engine.scheduler.encoding, engine.processor
     image = make_image(160, 128, seed=99)
 
     def ask(question: str):
         content = [{"type": "text", "text": question}, {"type": "image", "image": image}]
         return engine.chat([{"role": "user", "content": content}], max_tokens=4, temperature=0)
 
-    ask("First, a question about this picture:")
-    forwards, embed_hits, pre_hits = runner.num_vision_forwards, runner.embedding_cache.hits, processor.cache.hits
+    first = ask("First, a question about this picture:")
+    assert first.media_timings[0].embedding_source == "encoder" and not first.media_timings[0].processor_cache_hit
+    items, embed_hits, pre_hits = encoding.encoder.num_items, encoding.cache.hits, processor.cache.hits
     second = ask("Another, different question:")
-    assert runner.num_vision_forwards == forwards
-    assert runner.embedding_cache.hits == embed_hits + 1
+    assert encoding.encoder.num_items == items
+    assert encoding.cache.hits == embed_hits + 1
     assert processor.cache.hits == pre_hits + 1
-    fresh = vlm_serve.Engine(model=engine.server_args.model, dtype="float32", mm_cache_mb=0)
-    content = [{"type": "text", "text": "Another, different question:"}, {"type": "image", "image": image}]
-    assert fresh.chat([{"role": "user", "content": content}], max_tokens=4, temperature=0).token_ids == second.token_ids
+    assert second.media_timings[0].embedding_source == "cache" and second.media_timings[0].processor_cache_hit
+    with vlm_serve.Engine(model=engine.server_args.model, dtype="float32", mm_cache_mb=0) as fresh:
+        content = [{"type": "text", "text": "Another, different question:"}, {"type": "image", "image": image}]
+        assert fresh.chat([{"role": "user", "content": content}], max_tokens=4, temperature=0).token_ids == second.token_ids

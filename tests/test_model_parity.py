@@ -13,6 +13,7 @@ import transformers
 from helpers import prefill_logits
 
 from vlm_serve.engine import Engine
+from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.vision.items import ProcessedInput
 
@@ -99,14 +100,16 @@ def test_logits_and_greedy_tokens_match_transformers(pair, video_path, case):
 
 
 def test_vision_embeddings_and_deepstack_match_transformers(pair, video_path):
+    """The vision tower as an encoder rank loads it (from the checkpoint's vision weights alone)."""
     engine, hf = pair
+    visual = load_vision_model(engine.model_config, torch.device("cpu"), torch.float32)
     conv = _conversations(video_path)["image_and_video"]
     items = engine.processor.process_messages(conv, add_generation_prompt=True).mm_items
     grids = [it.grid_thw for it in items]
     pixels = torch.cat([it.pixel_values for it in items])
     with torch.no_grad():
         ref = hf.model.visual(pixels, grid_thw=torch.tensor(grids))
-        ours = engine.scheduler.runner.model.visual(pixels, grids)
+        ours = visual(pixels, grids)
     assert len(ours.deepstack) == len(ref.deepstack_features) > 0
     for a, b in zip([ours.embeds, *ours.deepstack], [ref.pooler_output, *ref.deepstack_features]):
         assert (a - b).abs().max() < 1e-5 * b.abs().max()

@@ -81,7 +81,9 @@ def _run(engine: Engine, inputs, **kwargs):
 
 
 SETTINGS = {
-    "default": {},
+    "default": {},  # one encoder pool process
+    "encoder_pool_2": {"vit_dp": 2},
+    "vit_inline": {"vit_dp": 0},  # the vision tower in the scheduler's process
     "small_chunks": {"chunked_prefill_size": 16},
     "page_size_16": {"page_size": 16, "chunked_prefill_size": 64},
     "no_chunking": {"chunked_prefill_size": -1},

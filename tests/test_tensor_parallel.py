@@ -24,7 +24,8 @@ PROMPT = [5, 17, 300, 42, 7, 901, 66, 12, 450, 3, 88, 1000, 23]
 def _run(model_dir: str, tp_size: int, ep_size: int) -> tuple[torch.Tensor, list[int]]:
     """Prefill logits of PROMPT and 8 greedy tokens after it."""
     config = ModelConfig.from_pretrained(model_dir)
-    args = ServerArgs(model=model_dir, tp_size=tp_size, ep_size=ep_size, max_total_tokens=1024)
+    # text only: no encoder pool processes
+    args = ServerArgs(model=model_dir, tp_size=tp_size, ep_size=ep_size, max_total_tokens=1024, vit_dp=0)
     runner = ModelRunner(args, config)
     scheduler = Scheduler(args, runner, Tokenizer.from_pretrained(model_dir))
     logits = prefill_logits(scheduler, PROMPT)

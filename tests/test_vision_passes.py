@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from vlm_serve.engine import Engine
+from vlm_serve.config import ModelConfig
+from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.testing.media import make_image, make_video
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.processor import MultimodalProcessor
 
 
 @pytest.fixture(scope="module")
 def items(tiny_moe_dir, tmp_path_factory):
-    engine = Engine(tiny_moe_dir, dtype="float32")
+    processor = MultimodalProcessor.from_pretrained(tiny_moe_dir, Tokenizer.from_pretrained(tiny_moe_dir))
+    visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), torch.device("cpu"), torch.float32)
     video = make_video(tmp_path_factory.mktemp("v") / "long.mp4", num_frames=48, fps=8, size=(64, 96))
     content = [
         {"type": "image", "image": make_image(96, 64, seed=1)},
@@ -19,8 +26,8 @@ def items(tiny_moe_dir, tmp_path_factory):
         {"type": "image", "image": make_image(64, 160, seed=2)},
         {"type": "text", "text": "Describe."},
     ]
-    x = engine.processor.process_messages([{"role": "user", "content": content}])
-    return engine.scheduler.runner.model.visual, x.mm_items
+    x = processor.process_messages([{"role": "user", "content": content}])
+    return visual, x.mm_items
 
 
 @pytest.mark.parametrize("max_patches", [1, 24, 50, 200])
@@ -43,3 +50,37 @@ def test_passes_give_the_embeddings_of_one_pass(items, max_patches):
     largest_group = max(h * w for _, h, w in grids)
     assert all(n <= max(max_patches, largest_group) for n in seen)
     assert len(seen) > 1
+
+
+# Peak memory of encoding a 300-group video, measured as the growth of the peak RSS of a fresh process.
+_PEAK_RSS_SCRIPT = """
+import resource, sys, torch
+from vlm_serve.config import ModelConfig
+from vlm_serve.llm.models.loader import load_vision_model
+torch.set_num_threads(1)
+visual = load_vision_model(ModelConfig.from_pretrained(sys.argv[1]), torch.device("cpu"), torch.float32)
+t, h, w = 300, 16, 16
+pixels = torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
+with torch.inference_mode():
+    visual.encode(pixels[: 2 * h * w], [(2, h, w)], 2 * h * w)  # first-call allocations happen here
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = visual.encode(pixels, [(t, h, w)], int(sys.argv[2]))
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+torch.save(out.embeds, sys.argv[3])
+print(grew)
+"""
+
+
+def test_a_long_video_in_frame_groups_takes_less_peak_memory(tiny_moe_dir, tmp_path):
+    """All 300 groups at once vs passes of 8 groups: equal embeddings, and the peak grows far less."""
+    grew = {}
+    for name, max_patches in (("whole", 10**9), ("groups", 8 * 16 * 16)):
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(tiny_moe_dir), str(max_patches), str(tmp_path / name)],
+            capture_output=True, text=True, check=True,
+        )
+        grew[name] = int(out.stdout.split()[-1])  # KiB
+    whole, groups = torch.load(tmp_path / "whole"), torch.load(tmp_path / "groups")
+    assert (whole - groups).abs().max() <= 1e-5 * whole.abs().max()
+    print(f"peak RSS growth: one pass {grew['whole'] / 1024:.0f} MiB, 8-group passes {grew['groups'] / 1024:.0f} MiB")
+    assert grew["groups"] * 4 < grew["whole"]

@@ -37,11 +37,13 @@ class ServerArgs:
     schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random
     schedule_conservativeness: float = 1.0  # > 1 reserves more KV for running requests' outputs
     disable_radix_cache: bool = False
-    mm_cache_mb: int = 512  # processed-input cache budget (repeated images skip preprocessing); 0 = off
+    mm_cache_mb: int = 512  # budget of each multimodal cache (processed inputs, vision embeddings); 0 = off
     enable_priority_scheduling: bool = False  # requests' `priority` (higher first) orders the queue
     priority_scheduling_preemption_threshold: int = 10  # priority gap that lets a request preempt
     context_length: int | None = None  # None = the model's max_position_embeddings
     vit_max_patches_per_pass: int = 32768  # vision tower passes stay under this; long videos are cut
+    vit_dp: int = 1  # encoder pool processes (GPU i each, or CPU threads); 0 = run the ViT in the scheduler loop
+    vit_threads: int | None = None  # CPU threads per encoder rank; None = an equal share with the LLM
     log_interval: int = 40  # scheduler steps between log lines
     log_level: str = "warning"  # debug | info | warning | error (info shows the scheduler's log lines)
     seed: int = 0
@@ -55,7 +57,7 @@ class ServerArgs:
             raise ValueError(f"attention_backend must be auto, torch or flashinfer, not {self.attention_backend!r}")
         positive = (
             "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
-            "vit_max_patches_per_pass",
+            "vit_max_patches_per_pass", "vit_threads",
         )
         for name in positive:
             value = getattr(self, name)
@@ -67,6 +69,8 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
+        if self.vit_dp < 0:
+            raise ValueError(f"vit_dp must be >= 0 (0 runs the vision tower in the scheduler), not {self.vit_dp}")
         if self.mm_cache_mb < 0:
             raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
         if self.schedule_conservativeness <= 0:

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.testing.tiny_model import default_model_path
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.items import ProcessedInput
+from vlm_serve.vision.items import MediaTimings, ProcessedInput
 from vlm_serve.vision.processor import MultimodalProcessor
 
 # OpenAI-style keyword -> SamplingParams field
@@ -57,6 +57,7 @@ class Completion:
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[float] | None = None  # of each chosen token, if asked
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), best first
+    message: str = ""  # why it was aborted (e.g. an image that could not be encoded)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class GenerateOutput:
     choices: list[Completion]
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    media_timings: list[MediaTimings] = field(default_factory=list)  # per image / video, in prompt order
 
     @property
     def text(self) -> str:
@@ -214,7 +216,7 @@ class Engine:
         if self.scheduler is None:
             raise RuntimeError("the engine was shut down")
         self.scheduler.step()
-        if self.scheduler.last_batch is None and not self.scheduler.is_idle():
+        if self.scheduler.last_batch is None and not self.scheduler.is_idle() and not self.scheduler.encoding.inflight:
             raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")
 
     def _completion(self, req: Req) -> Completion:
@@ -231,6 +233,7 @@ class Engine:
             text, list(req.output_ids), reason.kind, reason.matched,
             req.output_logprobs if params.logprobs else None,
             req.output_top_logprobs if params.top_logprobs else None,
+            reason.message,
         )
 
     def _output(self, reqs: list[Req]) -> GenerateOutput:
@@ -238,10 +241,20 @@ class Engine:
             [self._completion(r) for r in reqs],
             len(reqs[0].origin_input_ids),
             max(r.cached_tokens for r in reqs),
+            [item.timings for item in reqs[0].mm_items],
         )
 
     def shutdown(self) -> None:
-        self.scheduler = None  # type: ignore[assignment]
+        """Stops the encoder pool's processes; the engine takes no requests afterwards."""
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+            self.scheduler = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
 
 def _generation_defaults(path: Path) -> dict:

@@ -15,8 +15,6 @@ from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
 from vlm_serve.llm.scheduler.schedule_batch import Req
-from vlm_serve.mm_cache.cache import MultimodalCache
-from vlm_serve.vision.items import MultimodalItem
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +33,8 @@ class ModelRunner:
         self.dtype = server_args.resolved_dtype(model_config)
         init_parallel_state(server_args.tp_size, server_args.ep_size)
         torch.manual_seed(server_args.seed)
-        self.model = load_model(model_config, self.device, self.dtype)
+        # with an encoder pool the vision tower lives in the pool's processes only
+        self.model = load_model(model_config, self.device, self.dtype, with_vision=server_args.vit_dp == 0)
         self._init_memory_pools()
         attn = self.model.model.language_model.layers[0].self_attn
         self.attn_backend = create_attention_backend(
@@ -43,11 +42,6 @@ class ModelRunner:
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling,
         )
         self.sampler = Sampler(model_config.eos_token_ids)
-        # hash -> (embeddings, deepstack features); counters feed the metrics
-        self.embedding_cache: MultimodalCache[tuple[torch.Tensor, list[torch.Tensor]]] = MultimodalCache(
-            server_args.mm_cache_mb << 20
-        )
-        self.num_vision_forwards = 0
 
     def _init_memory_pools(self) -> None:
         text = self.model_config.text
@@ -71,36 +65,6 @@ class ModelRunner:
         )
         self.allocator = TokenToKVPoolAllocator(size, page_size, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), context %d", size, size * per_token / 2**20, self.context_len)
-
-    @torch.inference_mode()
-    def encode_vision(self, reqs: list[Req]) -> None:
-        """Stores each request's vision embeddings. Items found in the embedding cache (by content
-        hash) are not encoded again; the others go through the vision tower together, once per hash."""
-        entries: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        missing: dict[int, MultimodalItem] = {}
-        for item in (item for req in reqs for item in req.mm_items):
-            if item.hash in entries or item.hash in missing:
-                continue
-            cached = self.embedding_cache.get(item.hash)
-            if cached is not None:
-                entries[item.hash] = cached
-            else:
-                missing[item.hash] = item
-        if missing:
-            items = list(missing.values())
-            pixels = torch.cat([item.pixel_values for item in items])
-            grids = [item.grid_thw for item in items]
-            out = self.model.visual.encode(pixels, grids, self.server_args.vit_max_patches_per_pass)
-            self.num_vision_forwards += 1
-            merge = self.model_config.vision.spatial_merge_size
-            sizes = [item.num_tokens(merge) for item in items]
-            for item, embeds, *deepstack in zip(items, out.embeds.split(sizes), *(d.split(sizes) for d in out.deepstack)):
-                entries[item.hash] = (embeds, list(deepstack))
-                self.embedding_cache.put(item.hash, entries[item.hash], embeds.nbytes * (1 + len(deepstack)))
-        for req in reqs:
-            mine = [entries[item.hash] for item in req.mm_items]
-            req.mm_embeds = torch.cat([e[0] for e in mine])
-            req.deepstack_embeds = [torch.cat(layer) for layer in zip(*(e[1] for e in mine))]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

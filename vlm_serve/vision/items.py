@@ -8,6 +8,22 @@ from typing import Literal
 import torch
 
 Modality = Literal["image", "video"]
+EmbeddingSource = Literal["", "cache", "encoder", "prefix"]
+MEDIA_STAGES = ("read", "decode", "preprocess", "hash", "encoder_wait", "vit")  # the timed fields below
+
+
+@dataclass
+class MediaTimings:
+    """Where one media item's time went, in seconds, and which caches served it."""
+
+    read: float = 0.0  # resolve the source and read its bytes (data URL, local file)
+    decode: float = 0.0  # image / video decoding (for videos, frame decoding)
+    preprocess: float = 0.0  # resize, normalise, patchify
+    hash: float = 0.0  # content hash of the raw bytes
+    encoder_wait: float = 0.0  # from submission to the encoder until a rank started on it
+    vit: float = 0.0  # vision tower compute (its share of the pass it ran in)
+    processor_cache_hit: bool = False  # decode and preprocessing were skipped
+    embedding_source: EmbeddingSource = ""  # "cache" hit, "encoder" run, or covered by the "prefix" cache
 
 
 @dataclass
@@ -26,10 +42,16 @@ class MultimodalItem:
     spans: list[tuple[int, int]] = field(default_factory=list)
     timestamps: list[float] | None = None  # video: seconds of each temporal patch group
     hash: int | None = None  # content hash (set by mm_cache); keys the caches and the pad value
+    timings: MediaTimings = field(default_factory=MediaTimings)
 
     def num_tokens(self, merge_size: int) -> int:
         t, h, w = self.grid_thw
         return t * h * w // (merge_size * merge_size)
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
 
 
 @dataclass

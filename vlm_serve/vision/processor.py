@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.mm_cache.hashing import media_hash
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor
-from vlm_serve.vision.items import MultimodalItem, ProcessedInput
+from vlm_serve.vision.items import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaError, VideoSource, load_image, read_media
 from vlm_serve.vision.video import VideoProcessor
 
@@ -164,34 +166,59 @@ class MultimodalProcessor:
 
     def _image_item(self, item: MediaInput) -> MultimodalItem:
         settings = self.image_processor.config.with_overrides(**item.options)
+        timings = MediaTimings()
+        start = time.perf_counter()
         if isinstance(item.source, Image.Image):
             data = load_image(item.source, self.max_image_pixels)  # upright, as it will be preprocessed
+            timings.decode = time.perf_counter() - start
         else:
             data = read_media(item.source, "image", self.allowed_local_dirs)
+            if isinstance(data, Path):
+                data = data.read_bytes()  # read once: hashed, then decoded from memory
+            timings.read = time.perf_counter() - start
 
         def preprocess() -> MultimodalItem:
+            start = time.perf_counter()
             image = data if isinstance(data, Image.Image) else load_image(data, self.max_image_pixels)
-            return self.image_processor.preprocess(image, **item.options)
+            decoded = time.perf_counter()
+            processed = self.image_processor.preprocess(image, **item.options)
+            timings.decode += decoded - start
+            timings.preprocess = time.perf_counter() - decoded
+            return processed
 
-        return self._cached(media_hash(data, "image", settings), preprocess)
+        return self._cached(data, "image", settings, timings, preprocess)
 
     def _video_item(self, item: MediaInput) -> MultimodalItem:
         if not isinstance(item.source, (str, bytes, bytearray, memoryview, os.PathLike)):
             raise MediaError(f"unsupported video source of type {type(item.source).__name__}")
         settings = self.video_processor.config.with_overrides(**item.options)
-        data = read_media(item.source, "video", self.allowed_local_dirs)
-        return self._cached(
-            media_hash(data, "video", settings), lambda: self.video_processor.preprocess(data, **item.options)
-        )
+        timings = MediaTimings()
+        start = time.perf_counter()
+        data = read_media(item.source, "video", self.allowed_local_dirs)  # a local video is streamed, not read whole
+        timings.read = time.perf_counter() - start
 
-    def _cached(self, key: int, preprocess: Callable[[], MultimodalItem]) -> MultimodalItem:
-        """A fresh item (no spans yet) for the content hash `key`, preprocessed only on a cache miss."""
+        def preprocess() -> MultimodalItem:
+            processed = self.video_processor.preprocess(data, **item.options)
+            timings.decode, timings.preprocess = processed.timings.decode, processed.timings.preprocess
+            return processed
+
+        return self._cached(data, "video", settings, timings, preprocess)
+
+    def _cached(
+        self, data: Any, modality: str, settings: Any, timings: MediaTimings, preprocess: Callable[[], MultimodalItem]
+    ) -> MultimodalItem:
+        """A fresh item (no spans yet, its own `timings`) for the media `data`, preprocessed only when
+        the processed-input cache does not hold its content hash."""
+        start = time.perf_counter()
+        key = media_hash(data, modality, settings)
+        timings.hash = time.perf_counter() - start
         item = self.cache.get(key)
+        timings.processor_cache_hit = item is not None
         if item is None:
             item = preprocess()
             item.hash = key
             self.cache.put(key, item, item.pixel_values.nbytes)
-        return replace(item, spans=[])
+        return replace(item, spans=[], timings=timings)
 
     def _expand(self, prompt: str, images: list[MultimodalItem], videos: list[MultimodalItem]) -> str:
         """`prompt` with every placeholder replaced by its item's full token text, in order."""

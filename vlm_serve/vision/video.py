@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -223,6 +224,7 @@ class _Frames:
 
     pixels: list[torch.Tensor]
     decoded: int  # frames decoded in this pass
+    resize_seconds: float  # of the pass's time, spent resizing kept frames
 
 
 class VideoProcessor:
@@ -246,9 +248,11 @@ class VideoProcessor:
         max_frames: int | None = None,
         allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
     ) -> MultimodalItem:
-        """Decode `source` (bytes, path, `data:` URL), sample frames by fps and build the video item."""
+        """Decode `source` (bytes, path, `data:` URL), sample frames by fps and build the video item.
+        The item's `timings` get the decoding and the resizing/normalising time."""
         config = self.config.with_overrides(min_pixels, max_pixels, fps, max_frames)
         data = read_media(source, "video", allowed_local_dirs)
+        start = time.perf_counter()
         total_frames, video_fps = self._probe(data)
         indices = sample_frame_indices(total_frames, video_fps, config.fps, config.min_frames, config.max_frames)
         frames = self._decode(data, indices, config)
@@ -258,10 +262,16 @@ class VideoProcessor:
             indices = sample_frame_indices(
                 frames.decoded, video_fps, config.fps, config.min_frames, config.max_frames
             )
+            resized = frames.resize_seconds
             frames = self._decode(data, indices, config)
+            frames.resize_seconds += resized
             if len(frames.pixels) < len(indices):
                 raise MediaError("video decodes inconsistently: frames vanished between two decoding passes")
-        return self._build_item(frames.pixels, indices, video_fps, config)
+        decoded = time.perf_counter()
+        item = self._build_item(frames.pixels, indices, video_fps, config)
+        item.timings.decode = decoded - start - frames.resize_seconds
+        item.timings.preprocess = time.perf_counter() - decoded + frames.resize_seconds
+        return item
 
     def preprocess_frames(
         self,
@@ -316,6 +326,7 @@ class VideoProcessor:
         kept: dict[int, torch.Tensor] = {}
         size = (0, 0)
         decoded = 0
+        resize_seconds = 0.0
         with _open_container(data) as container:
             stream = _video_stream(container)
             stream.thread_type = "AUTO"
@@ -326,12 +337,14 @@ class VideoProcessor:
                         rgb = frame.to_ndarray(format="rgb24")
                         if not kept:
                             size = self._target_size(len(indices), rgb.shape[0], rgb.shape[1], config)
+                        resize_start = time.perf_counter()
                         kept[index] = resize_frame(rgb, *size)
+                        resize_seconds += time.perf_counter() - resize_start
                     if index >= indices[-1]:
                         break
             except av.FFmpegError:
                 pass  # a corrupt tail ends the stream; what decoded so far is used
-        return _Frames([kept[i] for i in indices if i in kept], decoded)
+        return _Frames([kept[i] for i in indices if i in kept], decoded, resize_seconds)
 
     def _build_item(
         self, pixels: list[torch.Tensor], indices: list[int], video_fps: float, config: VideoProcessorConfig

@@ -22,8 +22,34 @@ Grid = tuple[int, int, int]
 
 @dataclass
 class VisionOutput:
+    """Vision embeddings of one or more items (their rows concatenated), with the deepstack features."""
+
     embeds: torch.Tensor  # (merged tokens, out_hidden)
     deepstack: list[torch.Tensor]  # one (merged tokens, out_hidden) per deepstack index
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.nbytes + sum(d.nbytes for d in self.deepstack)
+
+    def rows(self, start: int, end: int) -> VisionOutput:
+        return VisionOutput(self.embeds[start:end], [d[start:end] for d in self.deepstack])
+
+    def split(self, sizes: list[int]) -> list[VisionOutput]:
+        """One output per item of `sizes` rows, each with its own storage (so each can be freed alone)."""
+        outputs, start = [], 0
+        for size in sizes:
+            piece = self.rows(start, start + size)
+            outputs.append(VisionOutput(piece.embeds.clone(), [d.clone() for d in piece.deepstack]))
+            start += size
+        return outputs
+
+    @staticmethod
+    def cat(outputs: list[VisionOutput]) -> VisionOutput:
+        if len(outputs) == 1:
+            return outputs[0]
+        return VisionOutput(
+            torch.cat([o.embeds for o in outputs]), [torch.cat(layer) for layer in zip(*(o.deepstack for o in outputs))]
+        )
 
 
 def _block_order(x: torch.Tensor, merge: int) -> torch.Tensor:
@@ -182,11 +208,7 @@ class Qwen3VLVisionModel(nn.Module):
         for pieces in passes:
             rows = torch.cat([torch.arange(r, r + t * h * w) for r, (t, h, w) in pieces])
             outs.append(self(pixel_values[rows], [g for _, g in pieces]))
-        if len(outs) == 1:
-            return outs[0]
-        return VisionOutput(
-            torch.cat([o.embeds for o in outs]), [torch.cat(layer) for layer in zip(*(o.deepstack for o in outs))]
-        )
+        return VisionOutput.cat(outs)
 
     def _pos_embed(self, grid: Grid) -> torch.Tensor:
         """The learned square position table resampled bilinearly to the grid, in merge-block order."""

@@ -11,6 +11,9 @@ from safetensors import safe_open
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from vlm_serve.vision.vision_tower import Qwen3VLVisionModel
+
+VISION_PREFIX = "model.visual."
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -48,14 +51,43 @@ def experts_transposed(files: list[Path], config: ModelConfig) -> bool:
     return False
 
 
-def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3VLForConditionalGeneration:
-    files = checkpoint_files(config.path)
+def _build(factory, device: torch.device, dtype: torch.dtype):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3VLForConditionalGeneration(config)
+            return factory()
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(iter_weights(files), experts_transposed(files, config))
+
+
+def load_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, with_vision: bool = True
+) -> Qwen3VLForConditionalGeneration:
+    """The whole model; without its vision tower (`model.visual` is None) when an encoder pool runs it."""
+    files = checkpoint_files(config.path)
+    model = _build(lambda: Qwen3VLForConditionalGeneration(config, with_vision), device, dtype)
+    weights = iter_weights(files)
+    if not with_vision:
+        weights = ((name, t) for name, t in weights if not name.startswith(VISION_PREFIX))
+    model.load_weights(weights, experts_transposed(files, config))
+    return model.eval()
+
+
+def load_vision_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3VLVisionModel:
+    """The vision tower alone, for an encoder rank."""
+    model = _build(lambda: Qwen3VLVisionModel(config.vision), device, dtype)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in iter_weights(checkpoint_files(config.path)):
+        if not name.startswith(VISION_PREFIX):
+            continue
+        target = name[len(VISION_PREFIX) :]
+        if target not in params or params[target].shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the vision tower")
+        params[target].data.copy_(tensor)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {missing[:5]}")
     return model.eval()

@@ -110,9 +110,9 @@ class Qwen3VLTextModel(nn.Module):
 
 
 class Qwen3VLModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, with_vision: bool = True) -> None:
         super().__init__()
-        self.visual = Qwen3VLVisionModel(config.vision)
+        self.visual = Qwen3VLVisionModel(config.vision) if with_vision else None
         self.language_model = Qwen3VLTextModel(config.text)
 
 
@@ -129,16 +129,16 @@ _STACKED = [
 class Qwen3VLForConditionalGeneration(nn.Module):
     """The whole model; `forward` returns final hidden states, `compute_logits` the vocabulary logits."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, with_vision: bool = True) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3VLModel(config)
+        self.model = Qwen3VLModel(config, with_vision)
         self.lm_head = ParallelLMHead(config.text.vocab_size, config.text.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
     @property
-    def visual(self) -> Qwen3VLVisionModel:
+    def visual(self) -> Qwen3VLVisionModel | None:
         return self.model.visual
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

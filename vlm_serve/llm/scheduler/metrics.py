@@ -1,8 +1,38 @@
-"""Counters the scheduler keeps, and its periodic log line."""
+"""Counters and histograms the scheduler keeps."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import bisect
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+from vlm_serve.vision.items import MEDIA_STAGES, MultimodalItem
+
+# upper bounds in seconds, from sub-millisecond cache hits to minute-long videos
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Histogram:
+    """Observations counted per bucket (`counts[i]`: values <= `buckets[i]` and above the bucket
+    before; the last count is above every bucket), with their sum, as Prometheus exposes them."""
+
+    buckets: tuple[float, ...] = SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+
+def _stage_histograms() -> dict[str, Histogram]:
+    return {stage: Histogram() for stage in MEDIA_STAGES}
 
 
 @dataclass
@@ -23,10 +53,18 @@ class SchedulerMetrics:
     time_schedule: float = 0.0
     time_forward: float = 0.0
     time_process: float = 0.0
+    media_items: int = 0  # images and videos of requests that passed the encoding stage
+    media_seconds: dict[str, Histogram] = field(default_factory=_stage_histograms)  # per MEDIA_STAGES stage
 
     def reset(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, f.default)
+            setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+
+    def observe_media(self, items: list[MultimodalItem]) -> None:
+        for item in items:
+            self.media_items += 1
+            for stage, histogram in self.media_seconds.items():
+                histogram.observe(getattr(item.timings, stage))
 
     @property
     def cache_hit_rate(self) -> float:

@@ -16,6 +16,7 @@ from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache, TreeNode
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.vision.vision_tower import VisionOutput
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -51,9 +52,9 @@ class Req:
     # multimodal
     mrope_positions: torch.Tensor | None = None  # (3, prompt len)
     mrope_delta: int = 0  # position of a generated token = its index + delta
-    mm_rows: torch.Tensor | None = None  # (prompt len,) row in mm_embeds, -1 for text
-    mm_embeds: torch.Tensor | None = None  # the items' vision embeddings, concatenated
-    deepstack_embeds: list[torch.Tensor] = field(default_factory=list)
+    mm_runs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (start, end, item, first row)
+    mm_embeds: list[VisionOutput | None] = field(default_factory=list)  # per item, held until prefill is done
+    mm_pins: list[int] = field(default_factory=list)  # embedding cache entries pinned for this request
     # sampling and output
     generator: torch.Generator | None = None
     output_logprobs: list[float] = field(default_factory=list)
@@ -67,13 +68,12 @@ class Req:
         self.mrope_positions, self.mrope_delta = mrope_positions(
             len(self.origin_input_ids), self.mm_items, spatial_merge_size
         )
-        rows = torch.full((len(self.origin_input_ids),), -1, dtype=torch.int64)
-        next_row = 0
-        for item in self.mm_items:
+        self.mm_runs = []
+        for i, item in enumerate(self.mm_items):
+            row = 0
             for start, end in item.spans:
-                rows[start:end] = torch.arange(next_row, next_row + end - start)
-                next_row += end - start
-        self.mm_rows = rows
+                self.mm_runs.append((start, end, i, row))
+                row += end - start
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
@@ -88,12 +88,6 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
-
-    def needs_vision(self) -> bool:
-        """Some image token still has to be computed and its embeddings are not here yet."""
-        if not self.mm_items or self.mm_embeds is not None:
-            return False
-        return any(end > len(self.prefix_indices) for item in self.mm_items for _, end in item.spans)
 
     def match_prefix(self, tree_cache: RadixCache) -> None:
         """Looks up the cached prefix; at least one token is always left to compute (its logits are
@@ -166,8 +160,7 @@ class ScheduleBatch:
         out_cache_loc = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
         if out_cache_loc is None:
             raise RuntimeError("KV cache is full: the scheduler admitted more than the pool holds")
-        ids, positions, mm_indices, mm_embeds = [], [], [], []
-        deepstack: list[list[torch.Tensor]] = []
+        ids, positions, mm_indices, mm_rows = [], [], [], []
         offset = 0
         for req, start, end in zip(self.reqs, prefix_lens, seq_lens):
             self.req_to_token_pool.write(req.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
@@ -175,20 +168,20 @@ class ScheduleBatch:
             ids.extend(req.origin_input_ids[start:end])
             ids.extend(req.output_ids[max(start - prompt_len, 0) : end - prompt_len])
             positions.append(_positions(req, start, end))
-            if req.mm_items and start < prompt_len:
-                rows = req.mm_rows[start:end]
-                in_chunk = (rows >= 0).nonzero().flatten()
-                if in_chunk.numel():
-                    mm_indices.append(in_chunk + offset)
-                    mm_embeds.append(req.mm_embeds[rows[in_chunk]])
-                    deepstack.append([d[rows[in_chunk]] for d in req.deepstack_embeds])
+            for run_start, run_end, i, row in req.mm_runs:  # this chunk's rows of each item's embeddings
+                lo, hi = max(run_start, start), min(run_end, end)
+                if lo < hi:
+                    if i >= len(req.mm_embeds) or req.mm_embeds[i] is None:
+                        raise RuntimeError(f"request {req.rid}: no embeddings for its item {i} at prefill")
+                    mm_indices.append(torch.arange(offset + lo - start, offset + hi - start))
+                    mm_rows.append(req.mm_embeds[i].rows(row + lo - run_start, row + hi - run_start))
             req.kv_len = end
             offset += end - start
         batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens)
         if mm_indices:
+            embeds = VisionOutput.cat(mm_rows)
             batch.mm_indices = torch.cat(mm_indices).to(self.device)
-            batch.mm_embeds = torch.cat(mm_embeds)
-            batch.deepstack_embeds = [torch.cat(layer) for layer in zip(*deepstack)]
+            batch.mm_embeds, batch.deepstack_embeds = embeds.embeds, embeds.deepstack
         return batch
 
     def prepare_for_decode(self) -> ForwardBatch:

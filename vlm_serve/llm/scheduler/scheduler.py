@@ -20,6 +20,7 @@ from vlm_serve.llm.forward_batch import ForwardMode
 from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import SchedulerMetrics
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from vlm_serve.llm.scheduler.schedule_policy import (
@@ -31,6 +32,8 @@ from vlm_serve.llm.scheduler.schedule_policy import (
 )
 from vlm_serve.mm_cache.hashing import pad_input_ids
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder import InlineEncoder, VisionEncoder
+from vlm_serve.vision.encoder_pool import EncoderPool
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,7 @@ INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens running requests are assum
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # the ratio decays to this fraction of its initial value
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minimum
 RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
+ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per step
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Scheduler:
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
         )
+        self.encoding = EncodingStage(self._create_encoder(), server_args.mm_cache_mb << 20)
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
@@ -87,6 +92,14 @@ class Scheduler:
         self._idle_checked = True
         self._finished: list[Req] = []
 
+    def _create_encoder(self) -> VisionEncoder:
+        if self.server_args.vit_dp == 0:
+            return InlineEncoder(self.runner.model.visual, self.server_args.vit_max_patches_per_pass)
+        return EncoderPool(self.server_args, self.runner.device)
+
+    def shutdown(self) -> None:
+        self.encoding.encoder.shutdown()
+
     def _new_batch(self, reqs: list[Req], mode: ForwardMode = ForwardMode.DECODE) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, mode)
 
@@ -101,6 +114,11 @@ class Scheduler:
             raise ValueError(f"request id {req.rid!r} is already in use")
         placeholder = [False] * prompt_len
         for item in req.mm_items:
+            if item.pixel_values.dim() != 2 or item.pixel_values.shape[0] != item.num_patches:
+                raise ValueError(
+                    f"{item.modality} pixel values of shape {tuple(item.pixel_values.shape)} do not match its grid "
+                    f"{item.grid_thw} ({item.num_patches} patches)"
+                )
             for start, end in item.spans:
                 placeholder[start:end] = [True] * (end - start)
         bad = [t for t, mm in zip(req.origin_input_ids, placeholder) if not mm and not 0 <= t < self.vocab_size]
@@ -121,21 +139,39 @@ class Scheduler:
         if req.sampling_params.stop:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.reqs[req.rid] = req
-        self.waiting_queue.append(req)
         self._idle_checked = False
+        if req.mm_items:
+            covered = len(self.tree_cache.match_prefix(req.origin_input_ids[:-1]).indices)
+            if not self.encoding.add(req, covered):
+                return  # it joins waiting_queue when its embeddings are ready
+            self.metrics.observe_media(req.mm_items)
+        self.waiting_queue.append(req)
+
+    def process_encoding_results(self, timeout: float = 0.0) -> None:
+        """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be."""
+        ready, failed = self.encoding.poll(timeout)
+        for req in ready:
+            self.metrics.observe_media(req.mm_items)
+            self.waiting_queue.append(req)
+        for req, error in failed:
+            self._finish(req, FinishReason("abort", message=error))
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         """Stops a request wherever it is; everything it holds is released by the next step."""
         req = self.reqs.get(rid)
         if req is None:
             return
-        if req in self.waiting_queue:
+        if req in self.encoding:
+            self.encoding.remove(req)
+            self._finish(req, FinishReason("abort", message=message))
+        elif req in self.waiting_queue:
             self.waiting_queue.remove(req)
             self._finish(req, FinishReason("abort", message=message))
         else:
             req.to_abort = message
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        self.encoding.release(req)
         req.finished_reason = reason
         del self.reqs[req.rid]
         self.metrics.num_finished += 1
@@ -148,6 +184,8 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """One iteration of the event loop (after receiving requests). Returns finished requests."""
+        if self.encoding.inflight:
+            self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
         t0 = time.perf_counter()
         batch = self.get_next_batch_to_run()
         self.last_batch = batch
@@ -157,27 +195,29 @@ class Scheduler:
                 self._idle_checked = True
         else:
             t1 = time.perf_counter()
-            needs_vision = [] if batch.forward_mode.is_decode() else [r for r in batch.reqs if r.needs_vision()]
-            if needs_vision:
-                self.runner.encode_vision(needs_vision)
-            t2 = time.perf_counter()
             forward_batch = batch.prepare_for_decode() if batch.forward_mode.is_decode() else batch.prepare_for_extend()
-            t3 = time.perf_counter()
+            t2 = time.perf_counter()
             result = self.run_batch(batch, forward_batch)
-            t4 = time.perf_counter()
+            t3 = time.perf_counter()
             num_reqs, new_tokens = len(batch.reqs), len(forward_batch.input_ids)
             if batch.forward_mode.is_decode():
                 self.process_batch_result_decode(batch, result)
             else:
                 self.process_batch_result_prefill(batch, result)
-            self.metrics.time_schedule += (t1 - t0) + (t3 - t2)
-            self.metrics.time_forward += (t2 - t1) + (t4 - t3)
-            self.metrics.time_process += time.perf_counter() - t4
+            self.metrics.time_schedule += t2 - t0
+            self.metrics.time_forward += t3 - t2
+            self.metrics.time_process += time.perf_counter() - t3
             self.forward_ct += 1
             if self.forward_ct % self.server_args.log_interval == 0:
                 self.log_stats(batch.forward_mode, num_reqs, new_tokens)
         finished, self._finished = self._finished, []
         return finished
+
+    def _has_work(self) -> bool:
+        """Whether a batch can run now (without waiting for the encoder)."""
+        return bool(self.waiting_queue or self.chunked_req or not self.running_batch.is_empty()) or (
+            self.last_batch is not None and not self.last_batch.forward_mode.is_decode()
+        )
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if self.last_batch is not None and not self.last_batch.forward_mode.is_decode():
@@ -226,6 +266,9 @@ class Scheduler:
                 break
             if not prefixes_matched:
                 req.match_prefix(self.tree_cache)
+            if req.mm_items and not self.encoding.add(req, len(req.prefix_indices)):
+                self.waiting_queue.remove(req)  # its cached prefix shrank: it needs embeddings after all
+                continue
             if not self.tree_cache.disable and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 uncached = req.fill_ids[len(req.prefix_indices) :]
                 if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
@@ -293,6 +336,8 @@ class Scheduler:
         else:
             self.metrics.num_prefill_batches += 1
         for i, req in enumerate(batch.reqs):
+            if req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
+                self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
             if req.kv_len < req.seq_len:  # a chunk that is not the last: nothing to sample yet
                 self.tree_cache.cache_unfinished_req(req)
                 continue

@@ -1,0 +1,160 @@
+"""The encoder pool: ranks in their own processes give the single-process tower's embeddings, share
+work by patch count, encode a repeated image once, and survive a rank being killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.engine import Engine
+from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.testing.media import make_image, make_video
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
+from vlm_serve.vision.encoder_pool import EncoderPool
+from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.vision.processor import MultimodalProcessor
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def media(tiny_moe_dir, tmp_path_factory) -> list[MultimodalItem]:
+    """Three images of different sizes and an 8-group video."""
+    processor = MultimodalProcessor.from_pretrained(tiny_moe_dir, Tokenizer.from_pretrained(tiny_moe_dir))
+    video = make_video(tmp_path_factory.mktemp("v") / "clip.mp4", num_frames=16, fps=4, size=(64, 96))
+    content = [
+        {"type": "image", "image": make_image(96, 64, seed=1)},
+        {"type": "video", "video": str(video)},
+        {"type": "image", "image": make_image(160, 128, seed=2)},
+        {"type": "image", "image": make_image(32, 32, seed=3)},
+        {"type": "text", "text": "Describe."},
+    ]
+    return processor.process_messages([{"role": "user", "content": content}]).mm_items
+
+
+def _tasks(items: list[MultimodalItem]) -> list[EncodeTask]:
+    return [EncodeTask(it.hash, it.grid_thw, it.pixel_values) for it in items]
+
+
+def _encode_all(encoder: VisionEncoder, items: list[MultimodalItem]) -> dict[int, EncodeResult]:
+    encoder.submit(_tasks(items))
+    results: dict[int, EncodeResult] = {}
+    deadline = time.monotonic() + 120
+    while len(results) < len(items) and time.monotonic() < deadline:
+        results.update((r.hash, r) for r in encoder.poll(timeout=0.1))
+    assert len(results) == len(items), "the encoder did not answer"
+    return results
+
+
+def _wait_until_ready(pool: EncoderPool) -> None:
+    deadline = time.monotonic() + 120
+    while not all(r.ready and r.alive for r in pool.ranks) and time.monotonic() < deadline:
+        pool.poll(timeout=0.1)
+    assert all(r.ready and r.alive for r in pool.ranks)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool((a - b).abs().max() <= 1e-5 * b.abs().max())
+
+
+def test_one_and_two_ranks_give_the_single_process_embeddings(tiny_moe_dir, media):
+    visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), CPU, torch.float32)
+    reference = {r.hash: r.output for r in encode_tasks(visual, _tasks(media), 10**9)}
+    for dp in (1, 2):
+        pool = EncoderPool(ServerArgs(model=str(tiny_moe_dir), vit_dp=dp), CPU)
+        processes = [r.process for r in pool.ranks]
+        try:
+            results = _encode_all(pool, media)
+        finally:
+            pool.shutdown()
+        assert not any(p.is_alive() for p in processes)
+        for key, result in results.items():
+            assert result.error is None and result.vit > 0 and result.wait >= 0
+            ours, ref = result.output, reference[key]
+            assert _close(ours.embeds, ref.embeds)
+            assert len(ours.deepstack) == len(ref.deepstack) > 0
+            assert all(_close(a, b) for a, b in zip(ours.deepstack, ref.deepstack))
+        ranks = {r.rank for r in results.values()}
+        assert ranks == set(range(dp))
+
+
+def test_work_is_balanced_by_patch_count_not_item_count(tiny_moe_dir):
+    """A 512-patch video outweighs three 64-patch images together: it gets a rank to itself."""
+    grids = [(8, 8, 8), (1, 8, 8), (1, 8, 8), (1, 8, 8)]
+    gen = torch.Generator().manual_seed(0)
+    items = [
+        MultimodalItem("video" if t > 1 else "image", torch.randn(t * h * w, 1536, generator=gen), (t, h, w), hash=i)
+        for i, (t, h, w) in enumerate(grids)
+    ]
+    pool = EncoderPool(ServerArgs(model=str(tiny_moe_dir), vit_dp=2), CPU)
+    try:
+        results = _encode_all(pool, items)
+    finally:
+        pool.shutdown()
+    ranks = [results[i].rank for i in range(4)]
+    assert ranks.count(ranks[0]) == 1 and len(set(ranks)) == 2
+
+
+def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_dir):
+    images = [make_image(64 + 32 * i, 96, seed=10 + i) for i in range(6)]
+    convs = [[{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "Describe."}]}]
+             for im in images]
+    with Engine(tiny_moe_dir, dtype="float32", vit_dp=0) as inline:
+        expected = [o.token_ids for o in inline.chat_batch(convs, max_tokens=4, temperature=0, ignore_eos=True)]
+
+    with Engine(tiny_moe_dir, dtype="float32", vit_dp=2) as engine:
+        scheduler, pool = engine.scheduler, engine.scheduler.encoding.encoder
+        params = engine.sampling_params(max_tokens=4, temperature=0, ignore_eos=True)
+        reqs = []
+        for i, conv in enumerate(convs):
+            x = engine.processor.process_messages(conv)
+            reqs.append(Req(f"r{i}", x.input_ids, params, x.mm_items))
+            scheduler.add_request(reqs[-1])
+        victim = pool.ranks[0]
+        assert victim.jobs  # it holds some of the images
+        os.kill(victim.process.pid, signal.SIGKILL)
+        while not all(r.finished for r in reqs):
+            engine._step()
+        assert [r.output_ids for r in reqs] == expected
+        assert pool.num_restarts == 1
+        _wait_until_ready(pool)
+        assert len(pool.ranks) == 2
+        scheduler.check_memory()
+
+
+def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, media):
+    pool = EncoderPool(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
+    try:
+        pool.submit(_tasks(media[:1]))
+        for attempt in range(2):
+            rank = pool.ranks[0]
+            os.kill(rank.process.pid, signal.SIGKILL)
+            rank.process.join()
+            results = pool.poll()
+        assert len(results) == 1 and results[0].output is None
+        assert "encoder ranks died 2 times" in results[0].error
+        assert pool.num_restarts == 2
+        _wait_until_ready(pool)  # and the pool still works
+        assert _encode_all(pool, media[:1])[media[0].hash].error is None
+    finally:
+        pool.shutdown()
+
+
+def test_two_concurrent_requests_with_one_new_image_encode_it_once(tiny_moe_dir):
+    image = make_image(128, 96, seed=42)
+    convs = [
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+        for question in ("What is this?", "Which colours do you see?")
+    ]
+    with Engine(tiny_moe_dir, dtype="float32") as engine:
+        encoder = engine.scheduler.encoding.encoder
+        outs = engine.chat_batch(convs, max_tokens=3, temperature=0)
+        assert encoder.num_items == 1
+        assert [o.media_timings[0].embedding_source for o in outs] == ["encoder", "encoder"]

@@ -1,0 +1,108 @@
+"""The encoding stage: where a request with images or videos waits for their embeddings, in front of
+`waiting_queue`.
+
+It owns the embedding cache (content hash -> vision embeddings and deepstack features). For each item a
+request needs, in this order: an item whose whole token span the prefix cache already covers is not
+needed at all; a cached item is taken from the cache; an item already being encoded for another request
+is waited for; anything else is submitted to the encoder. A request is ready when it holds every item
+it needs. From then until its prefill is done it keeps those cache entries pinned, so they cannot be
+evicted under it, and chunked prefill takes each chunk's rows straight from them.
+"""
+
+from __future__ import annotations
+
+from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.mm_cache.cache import MultimodalCache
+from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder
+from vlm_serve.vision.vision_tower import VisionOutput
+
+
+class EncodingStage:
+    """Requests waiting for vision embeddings; `poll` hands back the ready and the failed ones."""
+
+    def __init__(self, encoder: VisionEncoder, cache_bytes: int) -> None:
+        self.encoder = encoder
+        self.cache: MultimodalCache[VisionOutput] = MultimodalCache(cache_bytes)
+        self.inflight: dict[int, list[tuple[Req, int]]] = {}  # hash -> (request, item index) waiting on it
+        self.outstanding: dict[Req, int] = {}  # requests in the stage -> items still to arrive
+
+    def __len__(self) -> int:
+        return len(self.outstanding)
+
+    def __contains__(self, req: Req) -> bool:
+        return req in self.outstanding
+
+    def add(self, req: Req, covered: int) -> bool:
+        """Gathers the embeddings of `req`'s items that reach past its first `covered` tokens (those
+        before are in the prefix cache) and that it does not hold yet. Whether it is ready now."""
+        if len(req.mm_embeds) != len(req.mm_items):
+            req.mm_embeds = [None] * len(req.mm_items)
+        submit: list[EncodeTask] = []
+        missing = 0
+        for i, item in enumerate(req.mm_items):
+            if req.mm_embeds[i] is not None:
+                continue
+            if item.spans[-1][1] <= covered:
+                item.timings.embedding_source = "prefix"
+                continue
+            cached = self.cache.get(item.hash)
+            if cached is not None:
+                item.timings.embedding_source = "cache"
+                self._hold(req, i, cached)
+                continue
+            if item.hash not in self.inflight:
+                self.inflight[item.hash] = []
+                submit.append(EncodeTask(item.hash, item.grid_thw, item.pixel_values))
+            self.inflight[item.hash].append((req, i))
+            missing += 1
+        if submit:
+            self.encoder.submit(submit)
+        if missing:
+            self.outstanding[req] = missing
+        return not missing
+
+    def poll(self, timeout: float = 0.0) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """Takes the encoder's finished results: (requests now ready, (request, error) that failed)."""
+        ready: list[Req] = []
+        failed: list[tuple[Req, str]] = []
+        for result in self.encoder.poll(timeout):
+            waiters = [(r, i) for r, i in self.inflight.pop(result.hash, []) if r in self.outstanding]
+            if result.output is None:
+                for req, i in waiters:
+                    if req in self.outstanding:
+                        item = req.mm_items[i]
+                        failed.append((req, f"{item.modality} {i} of the request could not be encoded: {result.error}"))
+                        self.remove(req)
+                continue
+            self.cache.put(result.hash, result.output, result.output.nbytes)
+            for req, i in waiters:
+                self._arrived(req, i, result)
+                self.outstanding[req] -= 1
+                if self.outstanding[req] == 0:
+                    del self.outstanding[req]
+                    ready.append(req)
+        return ready, failed
+
+    def _arrived(self, req: Req, i: int, result: EncodeResult) -> None:
+        timings = req.mm_items[i].timings
+        timings.embedding_source = "encoder"
+        timings.encoder_wait, timings.vit = result.wait, result.vit
+        self._hold(req, i, result.output)
+
+    def _hold(self, req: Req, i: int, output: VisionOutput) -> None:
+        req.mm_embeds[i] = output
+        if req.mm_items[i].hash in self.cache:
+            self.cache.pin(req.mm_items[i].hash)
+            req.mm_pins.append(req.mm_items[i].hash)
+
+    def remove(self, req: Req) -> None:
+        """Takes `req` out of the stage (aborted or failed) and releases what it holds."""
+        self.outstanding.pop(req, None)
+        self.release(req)
+
+    def release(self, req: Req) -> None:
+        """After `req`'s prefill (or its end): unpins its entries and drops its references to them."""
+        for key in req.mm_pins:
+            self.cache.unpin(key)
+        req.mm_pins = []
+        req.mm_embeds = []
