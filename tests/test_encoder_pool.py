@@ -117,6 +117,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_d
             x = engine.processor.process_messages(conv)
             reqs.append(Req(f"r{i}", x.input_ids, params, x.mm_items))
             scheduler.add_request(reqs[-1])
+        scheduler.process_encoding_results()  # hands the six images to the ranks
         victim = pool.ranks[0]
         assert victim.jobs  # it holds some of the images
         os.kill(victim.process.pid, signal.SIGKILL)

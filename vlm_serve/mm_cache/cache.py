@@ -32,6 +32,11 @@ class MultimodalCache(Generic[V]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
     def __contains__(self, key: int) -> bool:
         return key in self._entries
 

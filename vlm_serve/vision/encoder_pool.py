@@ -4,7 +4,8 @@ Each rank holds a full replica of the (small) vision tower on its own device: GP
 of the cores (`--vit-threads`). A submitted batch is split across ranks balanced by patch count, the
 measure of ViT work (a video is one item). Pixel values and embeddings cross the process boundary as
 shared-memory tensors (CPU) or CUDA IPC handles copied on arrival (GPU); only small metadata goes
-through the pipe.
+through the channels. Jobs go out on a queue whose feeder thread does the writing and results come
+back on a pipe the parent reads at every poll, so neither side can block the other.
 
 A rank that dies (killed, out of memory) is restarted and its in-flight tasks are submitted again; a
 task whose ranks died `MAX_ATTEMPTS` times, or that the tower rejects, comes back as an error result.
@@ -15,11 +16,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 
 import torch
 import torch.multiprocessing as mp
@@ -35,6 +38,7 @@ MAX_ATTEMPTS = 2  # a task is given up after this many of its ranks died holding
 MAX_START_FAILURES = 3  # a rank that fails to start this many times in a row stays down
 STARTUP_TIMEOUT = 600.0  # seconds for the ranks to load their weights at pool start
 SHUTDOWN_TIMEOUT = 5.0
+PARENT_CHECK_SECONDS = 1.0  # an idle rank checks this often that its parent still lives
 
 
 @dataclass(eq=False)
@@ -43,7 +47,8 @@ class _Rank:
 
     index: int
     process: BaseProcess
-    conn: Connection
+    jobs_out: Queue  # parent -> rank: (job id, tasks), or None to stop
+    conn: Connection  # rank -> parent: ("ready",), ("error", message), ("done", job id, results)
     ready: bool = False
     start_failures: int = 0
     jobs: dict[int, list[EncodeTask]] = field(default_factory=dict)  # in flight, by job id
@@ -80,13 +85,14 @@ class EncoderPool(VisionEncoder):
     # ---- processes ---------------------------------------------------------------------------------
 
     def _start(self, index: int) -> _Rank:
-        parent, child = self._ctx.Pipe()
+        jobs = self._ctx.Queue()
+        receiver, sender = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
-            target=rank_main, args=(self.server_args, index, child), name=f"vit-rank-{index}", daemon=True
+            target=rank_main, args=(self.server_args, index, jobs, sender), name=f"vit-rank-{index}", daemon=True
         )
         process.start()
-        child.close()
-        return _Rank(index, process, parent)
+        sender.close()
+        return _Rank(index, process, jobs, receiver)
 
     def _await_ready(self, rank: _Rank, deadline: float) -> str | None:
         """Blocks until `rank` has loaded its weights; the reason when it cannot."""
@@ -107,7 +113,7 @@ class EncoderPool(VisionEncoder):
         for tasks in rank.jobs.values():
             self._orphans.extend(tasks)
         rank.jobs.clear()
-        rank.conn.close()
+        _close_channels(rank)
         if rank.process.is_alive():
             rank.process.kill()
         rank.process.join()
@@ -118,7 +124,7 @@ class EncoderPool(VisionEncoder):
             return
         logger.warning("encoder rank %d died (exit code %s); restarting it", rank.index, rank.process.exitcode)
         fresh = self._start(rank.index)
-        rank.process, rank.conn, rank.ready = fresh.process, fresh.conn, False
+        rank.process, rank.jobs_out, rank.conn, rank.ready = fresh.process, fresh.jobs_out, fresh.conn, False
         self.num_restarts += 1
 
     def _usable(self) -> list[_Rank]:
@@ -147,18 +153,15 @@ class EncoderPool(VisionEncoder):
         for rank, job in assigned.items():
             job_id = next(self._job_ids)
             rank.jobs[job_id] = job
-            try:
-                rank.conn.send((job_id, job))
-            except (OSError, ValueError):
-                pass  # the rank is dead; the next poll restarts it and resubmits the job
+            rank.jobs_out.put((job_id, job))  # if the rank is dead, the next poll resubmits the job
 
     def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
         results: list[EncodeResult] = []
-        waiting = [r for r in self.ranks if r.jobs or not r.ready]
+        waiting = [r for r in self._usable() if r.jobs or not r.ready]
         if waiting:
             handles = [r.conn for r in waiting] + [r.process.sentinel for r in waiting]
             wait(handles, timeout)
-        for rank in self.ranks:
+        for rank in self._usable():
             self._receive(rank, results)
         for rank in self._usable():
             if not rank.alive:
@@ -193,8 +196,8 @@ class EncoderPool(VisionEncoder):
                         results.append(result)
                 elif message[0] == "error":
                     logger.error("encoder rank %d cannot start: %s", rank.index, message[1])
-        except (EOFError, OSError, RuntimeError):
-            # a rank that died mid-message: make sure it is gone, the liveness check restarts it
+        except Exception:  # noqa: BLE001 - a message that cannot be read (e.g. its sender died mid-way)
+            # the rank is broken: make sure it is gone; the liveness check restarts it
             if rank.process.is_alive():
                 rank.process.kill()
                 rank.process.join()
@@ -215,18 +218,22 @@ class EncoderPool(VisionEncoder):
 def _stop_ranks(ranks: list[_Rank]) -> None:
     """Asks every rank to stop, then kills those still running after `SHUTDOWN_TIMEOUT`."""
     for rank in ranks:
-        try:
-            rank.conn.send(None)
-        except (OSError, ValueError):
-            pass
+        if rank.process.is_alive():
+            rank.jobs_out.put(None)
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT
     for rank in ranks:
         rank.process.join(max(deadline - time.monotonic(), 0))
         if rank.process.is_alive():
             rank.process.kill()
             rank.process.join()
-        rank.conn.close()
+        _close_channels(rank)
     ranks.clear()
+
+
+def _close_channels(rank: _Rank) -> None:
+    rank.conn.close()
+    rank.jobs_out.cancel_join_thread()  # jobs a dead rank never read must not hold up exit
+    rank.jobs_out.close()
 
 
 def rank_device(server_args: ServerArgs, index: int) -> torch.device:
@@ -243,7 +250,7 @@ def rank_threads(server_args: ServerArgs) -> int:
     return max(1, len(os.sched_getaffinity(0)) // (server_args.vit_dp + 1))
 
 
-def rank_main(server_args: ServerArgs, index: int, conn: Connection) -> None:
+def rank_main(server_args: ServerArgs, index: int, jobs: Queue, conn: Connection) -> None:
     """An encoder process: load the vision tower, then encode jobs until told to stop."""
     torch.set_num_threads(rank_threads(server_args))
     try:
@@ -254,12 +261,19 @@ def rank_main(server_args: ServerArgs, index: int, conn: Connection) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready",))
+    parent = mp.parent_process()
     while True:
         try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
+            message = jobs.get(timeout=PARENT_CHECK_SECONDS)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return  # the parent was killed without a chance to stop us
+            continue
         if message is None:
             return
         job_id, tasks = message
-        conn.send(("done", job_id, encode_tasks(visual, tasks, server_args.vit_max_patches_per_pass)))
+        results = encode_tasks(visual, tasks, server_args.vit_max_patches_per_pass)
+        try:
+            conn.send(("done", job_id, results))
+        except OSError:
+            return  # the parent is gone

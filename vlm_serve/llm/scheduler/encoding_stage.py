@@ -25,6 +25,7 @@ class EncodingStage:
         self.cache: MultimodalCache[VisionOutput] = MultimodalCache(cache_bytes)
         self.inflight: dict[int, list[tuple[Req, int]]] = {}  # hash -> (request, item index) waiting on it
         self.outstanding: dict[Req, int] = {}  # requests in the stage -> items still to arrive
+        self.to_submit: list[EncodeTask] = []  # new items, handed to the encoder together at the next poll
 
     def __len__(self) -> int:
         return len(self.outstanding)
@@ -37,7 +38,6 @@ class EncodingStage:
         before are in the prefix cache) and that it does not hold yet. Whether it is ready now."""
         if len(req.mm_embeds) != len(req.mm_items):
             req.mm_embeds = [None] * len(req.mm_items)
-        submit: list[EncodeTask] = []
         missing = 0
         for i, item in enumerate(req.mm_items):
             if req.mm_embeds[i] is not None:
@@ -52,11 +52,9 @@ class EncodingStage:
                 continue
             if item.hash not in self.inflight:
                 self.inflight[item.hash] = []
-                submit.append(EncodeTask(item.hash, item.grid_thw, item.pixel_values))
+                self.to_submit.append(EncodeTask(item.hash, item.grid_thw, item.pixel_values))
             self.inflight[item.hash].append((req, i))
             missing += 1
-        if submit:
-            self.encoder.submit(submit)
         if missing:
             self.outstanding[req] = missing
         return not missing
@@ -65,6 +63,9 @@ class EncodingStage:
         """Takes the encoder's finished results: (requests now ready, (request, error) that failed)."""
         ready: list[Req] = []
         failed: list[tuple[Req, str]] = []
+        if self.to_submit:
+            self.encoder.submit(self.to_submit)
+            self.to_submit = []
         for result in self.encoder.poll(timeout):
             waiters = [(r, i) for r, i in self.inflight.pop(result.hash, []) if r in self.outstanding]
             if result.output is None:

@@ -404,8 +404,11 @@ class Scheduler:
 
     def log_stats(self, mode: ForwardMode, num_reqs: int, new_tokens: int) -> None:
         used = self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        embeddings = self.encoding.cache
         logger.info(
-            "%s batch: %d reqs, %d new tokens, KV usage %.2f, cache hit rate %.2f, running %d, queued %d",
+            "%s batch: %d reqs, %d new tokens, KV usage %.2f, cache hit rate %.2f, running %d, queued %d, "
+            "encoding %d, embedding cache hit rate %.2f (%.1f MiB)",
             mode.name.lower(), num_reqs, new_tokens, used / self.max_total_tokens, self.metrics.cache_hit_rate,
-            len(self.running_batch.reqs), len(self.waiting_queue),
+            len(self.running_batch.reqs), len(self.waiting_queue), len(self.encoding), embeddings.hit_rate,
+            embeddings.usage_bytes / 2**20,
         )

@@ -1,0 +1,471 @@
+"""Vision encoder: encoder pool throughput, time to first token of a cached image, and decode latency
+while large images arrive (encoder pool vs the vision tower inline in the scheduler loop).
+
+The built-in tiny checkpoint's vision tower (hidden 32, depth 3) costs next to nothing, so the
+benchmark builds its own checkpoint: the tiny MoE model with a larger random vision tower (`VISION_*`
+below: hidden 256, depth 6; weights normal(0, 0.02), LayerNorms 1 and 0) and an image budget of
+`MAX_IMAGE_PIXELS` = 768x768 (a 1024x1024 image becomes 48x48 = 2304 patches, 576 LLM tokens). It is
+written to a temporary folder, or into `--model DIR` when DIR holds no checkpoint yet (a DIR with a
+config.json is used as it is). Everything runs in float32 on the CPU; all figures come from one run.
+
+1. Encode throughput. `--images` distinct images (448..768 px per side) are preprocessed once (not
+   timed) and encoded by `EncoderPool`s of one rank with one thread, two ranks with one thread each
+   (each rank's share of a 2-core machine) and one rank with two threads. Each image is submitted on
+   its own, all in one burst, as the scheduler does for a burst of single-image requests (one
+   `submit` per request); the time runs until the last result is polled. Pool startup and a warm-up
+   batch are not timed. Every round encodes fresh copies of the pixels, so that it pays for moving
+   them into shared memory as a server's new images do. The reference is `encode_tasks` in this
+   process with one thread, one image at a time: the one-rank pool's shortfall from it is the
+   inter-process overhead (pickling, shared memory, the pipe).
+2. TTFT. An `Engine` with its defaults (`vit_dp=1`), `stream()` with max_tokens=1, timed from the
+   call to the first chunk; the image is PNG bytes of 1024x1024 px. Three kinds of request: a new
+   image each trial (uncached); the same image with different text before it, so that the prefix
+   cache stops before the image and only the multimodal caches (processed input, embeddings) serve
+   it (cached); the same prompt again, so that the prefix cache covers the image too (repeated).
+   Medians over `--ttft-trials`, and the per-stage `media_timings` of one request of each kind.
+3. Decode inter-token latency (ITL) while large images arrive, with an encoder pool (`vit_dp=1`) and
+   inline (`vit_dp=0`: the vision tower runs inside the scheduler step, so decode waits for it). The
+   benchmark drives the scheduler itself: `--itl-requests` text-only requests decode (greedy, EOS
+   ignored); after `WARMUP_STEPS` of their tokens a request with a new 1024x1024 image (preprocessed
+   beforehand, one output token) arrives every `--itl-every` of their decode steps, `--itl-images` in
+   all. The ITL is the wall time between consecutive steps that give the text requests a token,
+   counted from the first image's arrival until the first token after the last image request is done
+   (then the text requests are aborted). The ITL before the first image is shown as a baseline.
+
+Caveats. On a 2-core machine the encoder process competes with the LLM for the cores (a rank with one
+thread next to the LLM's two), so with the pool decode still slows down while an image is encoded;
+with a GPU, or cores to spare, the ranks run beside the LLM. The image requests' own prefill stalls
+decode in both modes (chunked prefill bounds each stall; `--chunked-prefill-size` is kept modest so
+that what differs between the modes is the vision tower). Timing is noisy on small shared machines:
+the throughput settings alternate in `--rounds` rounds and each counts with its fastest round; TTFT
+figures are medians.
+
+    python benchmarks/bench_encoder.py [--model DIR] [--images 48] [--rounds 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.engine import Engine
+from vlm_serve.llm.models.loader import VISION_PREFIX, load_vision_model
+from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.testing.media import make_image
+from vlm_serve.testing.tiny_model import create_tiny_model
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder import EncodeTask, encode_tasks
+from vlm_serve.vision.encoder_pool import EncoderPool
+from vlm_serve.vision.items import MEDIA_STAGES, MediaTimings, MultimodalItem
+from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.vision.vision_tower import Qwen3VLVisionModel
+
+# The benchmark checkpoint's vision tower (the text model is the tiny MoE one).
+VISION_HIDDEN = 256
+VISION_INTERMEDIATE = 1024
+VISION_HEADS = 4
+VISION_DEPTH = 6
+VISION_POSITIONS = 48 * 48  # the learned position grid
+DEEPSTACK_INDEXES = [2, 4]  # as many as the tiny model's, within the depth
+INIT_STD = 0.02
+MAX_IMAGE_PIXELS = 768 * 768  # images are shrunk to at most this: 1024x1024 -> 48x48 patches
+
+LARGE_IMAGE = 1024  # side of the TTFT and decode-latency images
+THROUGHPUT_SIDES = (448, 768)  # side range of the throughput images
+WARMUP_IMAGES = 4  # untimed images encoded by each throughput setting first
+WARMUP_STEPS = 16  # text-only decode steps before the first image arrives
+IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"
+CPU = torch.device("cpu")
+
+
+# -- the benchmark checkpoint -----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def init_tower(tower: Qwen3VLVisionModel, seed: int) -> None:
+    """Seeded random weights: normal(0, INIT_STD) for linear, convolution and embedding weights, zero
+    biases, LayerNorms weight 1 and bias 0."""
+    generator = torch.Generator().manual_seed(seed)
+    for module in tower.modules():
+        if isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
+        elif isinstance(module, (nn.Linear, nn.Conv3d, nn.Embedding)):
+            module.weight.normal_(0.0, INIT_STD, generator=generator)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+
+
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def build_checkpoint(path: Path, seed: int) -> None:
+    """The tiny MoE checkpoint with the larger vision tower (its text weights kept) and image budget."""
+    create_tiny_model(path, arch="moe", seed=seed)
+    vision = {
+        "hidden_size": VISION_HIDDEN,
+        "intermediate_size": VISION_INTERMEDIATE,
+        "num_heads": VISION_HEADS,
+        "depth": VISION_DEPTH,
+        "num_position_embeddings": VISION_POSITIONS,
+        "deepstack_visual_indexes": DEEPSTACK_INDEXES,
+    }
+    edit_json(path / "config.json", lambda config: config["vision_config"].update(vision))
+    # the image budget is stored as pixel counts in `size` (transformers 5's form)
+    edit_json(path / "preprocessor_config.json", lambda config: config["size"].update(longest_edge=MAX_IMAGE_PIXELS))
+    tower = Qwen3VLVisionModel(ModelConfig.from_pretrained(path).vision)
+    init_tower(tower, seed)
+    weights_file = path / "model.safetensors"
+    tensors = {name: t for name, t in load_file(weights_file).items() if not name.startswith(VISION_PREFIX)}
+    tensors |= {VISION_PREFIX + name: t.contiguous() for name, t in tower.state_dict().items()}
+    save_file(tensors, str(weights_file), metadata={"format": "pt"})
+
+
+def describe_tower(path: Path) -> str:
+    vision = ModelConfig.from_pretrained(path).vision
+    return (
+        f"vision tower hidden {vision.hidden_size}, intermediate {vision.intermediate_size}, {vision.num_heads} heads, "
+        f"depth {vision.depth}, deepstack {vision.deepstack_visual_indexes}"
+    )
+
+
+# -- 1. encode throughput ---------------------------------------------------------------------------
+
+
+def throughput_items(path: Path, count: int, seed: int) -> list[MultimodalItem]:
+    """`count` distinct preprocessed images, sides uniform in THROUGHPUT_SIDES."""
+    processor = MultimodalProcessor.from_pretrained(path, Tokenizer.from_pretrained(path))
+    rng = np.random.default_rng(seed)
+    items = []
+    for k in range(count):
+        width, height = rng.integers(THROUGHPUT_SIDES[0], THROUGHPUT_SIDES[1] + 1, size=2)
+        image = make_image(int(width), int(height), seed=seed + k)
+        items.append(processor.process(IMAGE_PROMPT, images=[image]).mm_items[0])
+    return items
+
+
+def fresh_tasks(items: list[MultimodalItem]) -> list[EncodeTask]:
+    """Tasks with their own copy of the pixels (a pool moves each new tensor into shared memory)."""
+    return [EncodeTask(item.hash, item.grid_thw, item.pixel_values.clone()) for item in items]
+
+
+def encode_with_pool(pool: EncoderPool, tasks: list[EncodeTask]) -> float:
+    """Seconds from the first `submit` (one per image, in one burst) until the last result is polled."""
+    start = time.perf_counter()
+    for task in tasks:
+        pool.submit([task])
+    pending = {task.hash for task in tasks}
+    while pending:
+        for result in pool.poll(timeout=1.0):
+            if result.error is not None:
+                raise RuntimeError(result.error)
+            pending.discard(result.hash)
+    return time.perf_counter() - start
+
+
+def encode_in_process(visual: Qwen3VLVisionModel, max_patches: int, tasks: list[EncodeTask]) -> float:
+    """Seconds to encode `tasks` one at a time in this process, with one torch thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        for task in tasks:
+            [result] = encode_tasks(visual, [task], max_patches)
+            if result.error is not None:
+                raise RuntimeError(result.error)
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class EncodeSetting:
+    label: str
+    encode: Callable[[list[EncodeTask]], float]  # seconds to encode the tasks
+    seconds: list[float] = field(default_factory=list)
+
+    def rate(self, count: float) -> float:
+        """`count` (images or patches) per second in the fastest round."""
+        return count / min(self.seconds)
+
+
+POOL_SETTINGS = (("pool dp1 x 1 thread", 1, 1), ("pool dp2 x 1 thread", 2, 1), ("pool dp1 x 2 threads", 1, 2))
+
+
+def measure_throughput(path: Path, items: list[MultimodalItem], rounds: int) -> list[EncodeSetting]:
+    """The in-process reference and the pool settings, alternating in `rounds` rounds."""
+    server_args = ServerArgs(model=str(path))
+    visual = load_vision_model(ModelConfig.from_pretrained(path), CPU, torch.float32)
+    settings = [
+        EncodeSetting(
+            "in-process, 1 thread", lambda tasks: encode_in_process(visual, server_args.vit_max_patches_per_pass, tasks)
+        )
+    ]
+    pools: list[EncoderPool] = []
+    try:
+        for label, dp, threads in POOL_SETTINGS:
+            pool = EncoderPool(ServerArgs(model=str(path), vit_dp=dp, vit_threads=threads), CPU)
+            pools.append(pool)
+            settings.append(EncodeSetting(label, lambda tasks, pool=pool: encode_with_pool(pool, tasks)))
+        for setting in settings:
+            setting.encode(fresh_tasks(items[:WARMUP_IMAGES]))
+        for round_ in range(rounds):
+            for setting in settings:
+                setting.seconds.append(setting.encode(fresh_tasks(items)))
+            rates = " | ".join(f"{s.label} {len(items) / s.seconds[-1]:.2f}" for s in settings)
+            print(f"round {round_ + 1}: {rates} images/s")
+    finally:
+        for pool in pools:
+            pool.shutdown()
+    return settings
+
+
+# -- 2. time to first token -------------------------------------------------------------------------
+
+
+def png_bytes(side: int, seed: int) -> bytes:
+    buffer = io.BytesIO()
+    make_image(side, side, seed=seed).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def conversation(image: bytes | Image.Image, before: str) -> list[dict]:
+    """One user turn: `before`, the image, a question."""
+    content = [
+        {"type": "text", "text": before},
+        {"type": "image", "image": image},
+        {"type": "text", "text": "What is in this picture?"},
+    ]
+    return [{"role": "user", "content": content}]
+
+
+def time_to_first_token(engine: Engine, messages: list[dict]) -> float:
+    start = time.perf_counter()
+    with closing(engine.stream(messages, max_tokens=1, temperature=0)) as stream:
+        next(stream)
+        return time.perf_counter() - start
+
+
+@dataclass
+class TtftRun:
+    seconds: dict[str, list[float]]  # by kind: uncached, cached, repeated
+    timings: dict[str, MediaTimings]  # one request of each kind
+    prefix_cached: dict[str, int]  # prompt tokens served from the prefix cache, same requests
+    prompt_tokens: int
+
+    def median(self, kind: str) -> float:
+        return statistics.median(self.seconds[kind])
+
+
+TTFT_KINDS = ("uncached", "cached", "repeated")
+
+
+def ttft_prompts(image: bytes, k: int) -> dict[str, list[dict]]:
+    """The three kinds of request for picture `k`: the cached one's text differs before the image."""
+    first = conversation(image, f"Request {k}: please look carefully.")
+    return {"uncached": first, "cached": conversation(image, f"Another question on picture {k}."), "repeated": first}
+
+
+def measure_ttft(path: Path, trials: int, seed: int) -> TtftRun:
+    pictures = [png_bytes(LARGE_IMAGE, seed=seed + 1000 + k) for k in range(trials + 2)]
+    seconds: dict[str, list[float]] = {kind: [] for kind in TTFT_KINDS}
+    with Engine(path, dtype="float32") as engine:
+        engine.chat(conversation(pictures[0], "Warm-up."), max_tokens=1, temperature=0)
+        for k in range(trials):
+            for kind, messages in ttft_prompts(pictures[k + 1], k).items():
+                seconds[kind].append(time_to_first_token(engine, messages))
+        # the same three kinds once more through `chat`, for their media timings
+        outputs = {
+            kind: engine.chat(messages, max_tokens=1, temperature=0)
+            for kind, messages in ttft_prompts(pictures[-1], trials).items()
+        }
+    return TtftRun(
+        seconds,
+        {kind: out.media_timings[0] for kind, out in outputs.items()},
+        {kind: out.cached_tokens for kind, out in outputs.items()},
+        outputs["uncached"].prompt_tokens,
+    )
+
+
+def print_media_timings(run: TtftRun) -> None:
+    print(f"{'media timings (ms)':<30}" + "".join(f"{kind:>12}" for kind in TTFT_KINDS))
+    for stage in MEDIA_STAGES:
+        print(f"{stage:<30}" + "".join(f"{1000 * getattr(run.timings[kind], stage):12.1f}" for kind in TTFT_KINDS))
+    hits = ("yes" if run.timings[kind].processor_cache_hit else "no" for kind in TTFT_KINDS)
+    print(f"{'processor_cache_hit':<30}" + "".join(f"{hit:>12}" for hit in hits))
+    print(f"{'embedding_source':<30}" + "".join(f"{run.timings[kind].embedding_source:>12}" for kind in TTFT_KINDS))
+    tokens = (f"{run.prefix_cached[kind]}/{run.prompt_tokens}" for kind in TTFT_KINDS)
+    print(f"{'prompt tokens in prefix cache':<30}" + "".join(f"{t:>12}" for t in tokens))
+
+
+# -- 3. decode latency while images arrive ----------------------------------------------------------
+
+
+@dataclass
+class DecodeRun:
+    label: str
+    baseline: list[float]  # ITLs of the text requests before the first image arrived
+    window: list[float]  # ITLs from the first image's arrival until the images are done
+    images_done: int
+    images: int
+
+
+def latency_stats(gaps: list[float]) -> dict[str, float]:
+    """mean, p50, p99 and max in milliseconds."""
+    ms = 1000 * np.asarray(gaps)
+    return {"mean": ms.mean(), "p50": np.percentile(ms, 50), "p99": np.percentile(ms, 99), "max": ms.max()}
+
+
+def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) -> DecodeRun:
+    with Engine(path, dtype="float32", vit_dp=vit_dp, chunked_prefill_size=args.chunked_prefill_size) as engine:
+        texts_in = [
+            engine.processor.process_messages([{"role": "user", "content": f"Story {i}: tell me a long tale of the sea."}])
+            for i in range(args.itl_requests)
+        ]
+        images_in = [
+            engine.processor.process_messages(
+                conversation(make_image(LARGE_IMAGE, LARGE_IMAGE, seed=args.seed + 2000 + j), "Describe it.")
+            )
+            for j in range(args.itl_images + 1)
+        ]
+        warmup = images_in.pop()  # same size as the measured ones: warms the tower for that grid
+        engine.generate_processed([warmup, texts_in[0]], max_tokens=4, temperature=0, ignore_eos=True)
+
+        scheduler = engine.scheduler
+        text_params = engine.sampling_params(max_tokens=args.itl_max_tokens, temperature=0, ignore_eos=True)
+        image_params = engine.sampling_params(max_tokens=1, temperature=0)
+        texts = [Req(f"text-{i}", list(x.input_ids), text_params) for i, x in enumerate(texts_in)]
+        for req in texts:
+            scheduler.add_request(req)
+        images: list[Req] = []
+        token_times: list[float] = []  # end of each step that gave the text requests a token
+        first_arrival = 0  # index in token_times after which the first image arrived
+
+        def produced() -> int:
+            return sum(len(r.output_ids) for r in texts)
+
+        while not all(r.finished for r in texts):
+            images_done = len(images) == len(images_in) and all(r.finished for r in images)
+            before = produced()
+            scheduler.step()
+            if produced() == before:
+                continue
+            token_times.append(time.perf_counter())
+            if images_done:
+                break  # the first text token after the last image request finished closes the window
+            steps = len(token_times) - 1 - WARMUP_STEPS
+            if steps >= 0 and steps % args.itl_every == 0 and len(images) < len(images_in):
+                x = images_in[len(images)]
+                images.append(Req(f"image-{len(images)}", list(x.input_ids), image_params, list(x.mm_items)))
+                scheduler.add_request(images[-1])
+                first_arrival = first_arrival or len(token_times) - 1
+        finished_images = sum(r.finished for r in images)
+        for req in texts:
+            scheduler.abort_request(req.rid, "the measurement is over")
+        while not all(r.finished for r in texts + images):
+            scheduler.step()
+    gaps = np.diff(token_times).tolist()
+    label = f"pool (vit_dp={vit_dp})" if vit_dp else "inline (vit_dp=0)"
+    return DecodeRun(label, gaps[:first_arrival], gaps[first_arrival:], finished_images, len(images_in))
+
+
+def print_decode_run(run: DecodeRun) -> None:
+    base, window = latency_stats(run.baseline), latency_stats(run.window)
+    print(
+        f"{run.label:<20} ITL before images: p50 {base['p50']:.1f} ms, max {base['max']:.1f} ms | while "
+        f"{run.images_done}/{run.images} images arrive ({len(run.window)} gaps): mean {window['mean']:.1f}, "
+        f"p50 {window['p50']:.1f}, p99 {window['p99']:.1f}, max {window['max']:.1f} ms"
+    )
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: built in a temp dir)")
+    parser.add_argument("--images", type=int, default=48, help="distinct images of the throughput runs")
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds; each setting counts with its fastest")
+    parser.add_argument("--ttft-trials", type=int, default=5)
+    parser.add_argument("--itl-requests", type=int, default=8, help="text-only requests decoding")
+    parser.add_argument("--itl-images", type=int, default=6, help="image requests arriving while they decode")
+    parser.add_argument("--itl-every", type=int, default=24, help="decode steps between image arrivals")
+    parser.add_argument("--itl-max-tokens", type=int, default=1024, help="text requests' output cap")
+    parser.add_argument("--chunked-prefill-size", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="12 images x 2 rounds, 3 TTFT trials, 3 ITL images")
+    args = parser.parse_args()
+    if args.quick:
+        args.images, args.rounds, args.ttft_trials, args.itl_images = 12, 2, 3, 3
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-encoder-") as tmp:
+        path = args.model or Path(tmp) / "model"
+        if not (path / "config.json").is_file():
+            build_checkpoint(path, args.seed)
+        print(f"model {path}: {describe_tower(path)}; float32, {torch.get_num_threads()} torch threads in this process")
+
+        items = throughput_items(path, args.images, args.seed)
+        patches = [item.num_patches for item in items]
+        print(
+            f"\n[1] encode throughput: {len(items)} images, {min(patches)}..{max(patches)} patches "
+            f"(mean {statistics.mean(patches):.0f}), one submit per image in one burst, fastest of {args.rounds} rounds"
+        )
+        settings = measure_throughput(path, items, args.rounds)
+
+        print(f"\n[2] TTFT of a {LARGE_IMAGE}x{LARGE_IMAGE} PNG, engine defaults (vit_dp=1), medians of {args.ttft_trials}")
+        ttft = measure_ttft(path, args.ttft_trials, args.seed)
+        print_media_timings(ttft)
+
+        print(
+            f"\n[3] decode ITL: {args.itl_requests} text requests; a {LARGE_IMAGE}x{LARGE_IMAGE} image request every "
+            f"{args.itl_every} decode steps after {WARMUP_STEPS}, {args.itl_images} in all; chunked prefill "
+            f"{args.chunked_prefill_size}"
+        )
+        decode_runs = []
+        for vit_dp in (1, 0):
+            decode_runs.append(measure_decode_latency(path, vit_dp, args))
+            print_decode_run(decode_runs[-1])
+
+    total_patches = sum(patches)
+    rates = {s.label: s.rate(len(items)) for s in settings}
+    pool, inline = (latency_stats(run.window) for run in decode_runs)
+    print("\nsummary")
+    for s in settings:
+        print(f"  {s.label:<28}{s.rate(len(items)):7.2f} images/s {s.rate(total_patches):9.0f} patches/s")
+    dp1, dp2 = rates["pool dp1 x 1 thread"], rates["pool dp2 x 1 thread"]
+    print(f"  {'dp2 / dp1 (1 thread)':<28}{dp2 / dp1:7.2f}x (target >= 1.7x)")
+    print(f"  {'dp2 / dp1 (2 threads)':<28}{dp2 / rates['pool dp1 x 2 threads']:7.2f}x")
+    print(f"  {'dp1 pool / in-process':<28}{dp1 / rates['in-process, 1 thread']:7.2f}x (1 - this = IPC overhead)")
+    uncached = ttft.median("uncached")
+    print(f"  {'TTFT uncached image':<28}{1000 * uncached:7.1f} ms")
+    for kind in ("cached", "repeated"):
+        median = ttft.median(kind)
+        target = " (target <= 0.2x)" if kind == "cached" else ""
+        print(f"  {'TTFT ' + kind + ' image':<28}{1000 * median:7.1f} ms = {median / uncached:.3f}x uncached{target}")
+    for run, stats in zip(decode_runs, (pool, inline)):
+        figures = ", ".join(f"{name} {value:.1f}" for name, value in stats.items())
+        print(f"  {'ITL ' + run.label:<28}{figures} ms")
+    print(f"  {'ITL inline / pool':<28}p99 {inline['p99'] / pool['p99']:.2f}x, max {inline['max'] / pool['max']:.2f}x")
+    print(f"  {'total run time':<28}{time.perf_counter() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

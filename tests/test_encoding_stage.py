@@ -1,0 +1,154 @@
+"""The encoding stage in front of `waiting_queue`: which items get encoded, the embedding cache and its
+pins, errors, and the per-item timings."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from vlm_serve.config import ModelConfig
+from vlm_serve.engine import Engine
+from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
+from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.testing.media import make_image
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder import InlineEncoder
+from vlm_serve.vision.items import MEDIA_STAGES
+from vlm_serve.vision.processor import MultimodalProcessor
+
+
+def _conv(image, text: str = "Describe.", text_first: bool = False) -> list[dict]:
+    parts = [{"type": "image", "image": image}, {"type": "text", "text": text}]
+    return [{"role": "user", "content": parts[::-1] if text_first else parts}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_moe_dir):
+    with Engine(tiny_moe_dir, dtype="float32") as engine:
+        yield engine
+
+
+# ---- the stage alone -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def make_req(tiny_moe_dir):
+    processor = MultimodalProcessor.from_pretrained(tiny_moe_dir, Tokenizer.from_pretrained(tiny_moe_dir))
+
+    def make(seed: int) -> Req:
+        x = processor.process_messages(_conv(make_image(128, 128, seed=seed)))
+        req = Req(f"r{seed}", x.input_ids, SamplingParams(), x.mm_items)
+        req.init_positions(2)
+        return req
+
+    return make
+
+
+def test_a_tiny_cache_evicts_unpinned_entries_only(tiny_moe_dir, make_req):
+    visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), torch.device("cpu"), torch.float32)
+    probe = make_req(0)
+    entry = EncodingStage(InlineEncoder(visual, 10**9), 10**9)
+    entry.add(probe, 0)
+    entry.poll()
+    size = probe.mm_embeds[0].nbytes
+    stage = EncodingStage(InlineEncoder(visual, 10**9), 3 * size)  # room for three entries
+
+    held = make_req(1)  # ready, not yet prefilled: its entry is pinned
+    assert not stage.add(held, 0)
+    assert stage.poll() == ([held], [])
+    for seed in range(2, 9):  # requests that come and finish their prefill
+        req = make_req(seed)
+        stage.add(req, 0)
+        assert stage.poll() == ([req], [])
+        stage.release(req)
+        assert stage.cache.usage_bytes <= stage.cache.budget_bytes
+        assert held.mm_items[0].hash in stage.cache
+    assert stage.cache.evictions >= 4
+    stage.release(held)  # its prefill is done: now it may go
+    for seed in range(9, 12):
+        req = make_req(seed)
+        stage.add(req, 0)
+        stage.poll()
+        stage.release(req)
+    assert held.mm_items[0].hash not in stage.cache
+
+
+def test_an_item_the_encoder_rejects_fails_only_its_request(tiny_moe_dir, monkeypatch):
+    with Engine(tiny_moe_dir, dtype="float32", vit_dp=0) as engine:
+        good, bad = (engine.processor.process_messages(_conv(make_image(64 * k, 64, seed=k))) for k in (1, 2))
+        visual = engine.scheduler.runner.model.visual
+        encode = visual.encode
+
+        def fail_on_the_bad_grid(pixels, grids, max_patches):
+            if bad.mm_items[0].grid_thw in grids:
+                raise RuntimeError("out of memory")
+            return encode(pixels, grids, max_patches)
+
+        monkeypatch.setattr(visual, "encode", fail_on_the_bad_grid)
+        ok, failed = engine.generate_processed([good, bad], max_tokens=3, temperature=0)
+        assert ok.finish_reason in ("stop", "length")
+        assert failed.finish_reason == "abort"
+        assert failed.choices[0].message == "image 0 of the request could not be encoded: " \
+            "the vision encoder failed on this item: out of memory"
+        engine.scheduler.check_memory()
+
+
+def test_pixel_values_that_do_not_fit_the_grid_are_rejected(engine):
+    x = engine.processor.process_messages(_conv(make_image(64, 64)))
+    item = x.mm_items[0]
+    item.pixel_values = item.pixel_values[:-1]
+    with pytest.raises(ValueError, match=r"pixel values of shape .* do not match its grid"):
+        engine.generate_processed([x], max_tokens=1)
+
+
+# ---- through the engine ----------------------------------------------------------------------------
+
+
+def test_an_image_the_prefix_cache_covers_is_not_encoded(engine):
+    conv = _conv(make_image(96, 96, seed=31))
+    first = engine.chat(conv, max_tokens=3, temperature=0)
+    items = engine.scheduler.encoding.encoder.num_items
+    again = engine.chat(conv, max_tokens=3, temperature=0)
+    assert again.token_ids == first.token_ids
+    assert again.media_timings[0].embedding_source == "prefix"
+    assert engine.scheduler.encoding.encoder.num_items == items
+
+
+def test_a_request_whose_prefix_was_evicted_goes_back_to_the_encoder(tiny_moe_dir):
+    """Covered when it arrived, gone from the prefix cache when admitted: it is encoded then."""
+    conv = _conv(make_image(96, 96, seed=32))
+    with Engine(tiny_moe_dir, dtype="float32", mm_cache_mb=0) as engine:
+        first = engine.chat(conv, max_tokens=3, temperature=0)
+        scheduler, encoder = engine.scheduler, engine.scheduler.encoding.encoder
+        x = engine.processor.process_messages(conv)
+        req = Req("late", x.input_ids, engine.sampling_params(max_tokens=3, temperature=0), x.mm_items)
+        scheduler.add_request(req)
+        assert req.mm_items[0].timings.embedding_source == "prefix" and req in scheduler.waiting_queue
+        items = encoder.num_items
+        scheduler.tree_cache.evict(scheduler.max_total_tokens)
+        while not req.finished:
+            engine._step()
+        assert req.output_ids == first.token_ids
+        assert encoder.num_items == items + 1
+        scheduler.check_memory()
+
+
+def test_media_timings_show_where_the_time_went(engine):
+    buffer = io.BytesIO()
+    make_image(200, 150, seed=33).save(buffer, format="PNG")
+    metrics = engine.scheduler.metrics
+    counted = metrics.media_items
+    new = engine.chat(_conv(buffer.getvalue(), "First question."), max_tokens=2, temperature=0).media_timings[0]
+    assert all(getattr(new, stage) > 0 for stage in MEDIA_STAGES if stage != "encoder_wait")
+    assert new.encoder_wait >= 0 and not new.processor_cache_hit and new.embedding_source == "encoder"
+    # asked again after other text: both multimodal caches serve it, nothing is decoded or encoded
+    seen = engine.chat(_conv(buffer.getvalue(), "Second.", text_first=True), max_tokens=2, temperature=0)
+    timings = seen.media_timings[0]
+    assert timings.processor_cache_hit and timings.embedding_source == "cache"
+    assert timings.decode == timings.preprocess == timings.vit == 0 and timings.hash > 0
+    assert metrics.media_items == counted + 2
+    assert all(h.count == metrics.media_items for h in metrics.media_seconds.values())
