@@ -152,3 +152,26 @@ def test_media_timings_show_where_the_time_went(engine):
     assert timings.decode == timings.preprocess == timings.vit == 0 and timings.hash > 0
     assert metrics.media_items == counted + 2
     assert all(h.count == metrics.media_items for h in metrics.media_seconds.values())
+
+
+def test_with_a_1_mb_cache_usage_stays_under_budget_and_pinned_entries_stay(tiny_moe_dir):
+    """Twelve 448x448 images (about 150 KB of embeddings each) in three waves through a 1 MiB embedding
+    cache: entries pinned by requests not yet prefilled stay, the others are evicted for new ones."""
+    convs = [_conv(make_image(448, 448, seed=100 + i)) for i in range(12)]
+    with Engine(tiny_moe_dir, dtype="float32", mm_cache_mb=1, max_running_requests=4) as engine:
+        scheduler, cache = engine.scheduler, engine.scheduler.encoding.cache
+        step = scheduler.step
+
+        def checked_step():
+            finished = step()
+            assert cache.usage_bytes <= cache.budget_bytes == 2**20
+            held = [key for req in scheduler.reqs.values() for key in req.mm_pins]
+            assert all(key in cache for key in held)
+            return finished
+
+        scheduler.step = checked_step
+        outs = [o for wave in range(3) for o in engine.chat_batch(convs[4 * wave : 4 * wave + 4], max_tokens=2)]
+        assert all(o.finish_reason in ("stop", "length") for o in outs)
+        assert cache.evictions > 0 and len(cache) <= 6
+        assert not any(req.mm_pins for req in scheduler.reqs.values())
+        scheduler.check_memory()

@@ -71,6 +71,9 @@ class ServerArgs:
             raise ValueError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
         if self.vit_dp < 0:
             raise ValueError(f"vit_dp must be >= 0 (0 runs the vision tower in the scheduler), not {self.vit_dp}")
+        if self.tp_size > 1 and self.vit_dp > 0:
+            # each TP rank would run its own pool, and ranks could see requests become ready in different steps
+            raise ValueError("an encoder pool with tp_size > 1 is not supported yet: use vit_dp 0 (each TP rank runs the vision tower)")
         if self.mm_cache_mb < 0:
             raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
         if self.schedule_conservativeness <= 0:
