@@ -17,6 +17,7 @@ from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
+from vlm_serve.vision import encoder_pool
 from vlm_serve.vision.encoder_pool import EncoderPool
 from vlm_serve.vision.items import MultimodalItem
 from vlm_serve.vision.processor import MultimodalProcessor
@@ -144,6 +145,17 @@ def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, medi
         assert pool.num_restarts == 2
         _wait_until_ready(pool)  # and the pool still works
         assert _encode_all(pool, media[:1])[media[0].hash].error is None
+    finally:
+        pool.shutdown()
+
+
+def test_a_hung_rank_is_killed_and_replaced(tiny_moe_dir, media, monkeypatch):
+    monkeypatch.setattr(encoder_pool, "STALL_TIMEOUT", 1.0)
+    pool = EncoderPool(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
+    try:
+        os.kill(pool.ranks[0].process.pid, signal.SIGSTOP)  # alive, but never answers
+        assert _encode_all(pool, media[:1])[media[0].hash].error is None
+        assert pool.num_restarts == 1
     finally:
         pool.shutdown()
 

@@ -38,6 +38,7 @@ MAX_ATTEMPTS = 2  # a task is given up after this many of its ranks died holding
 MAX_START_FAILURES = 3  # a rank that fails to start this many times in a row stays down
 STARTUP_TIMEOUT = 600.0  # seconds for the ranks to load their weights at pool start
 SHUTDOWN_TIMEOUT = 5.0
+STALL_TIMEOUT = 600.0  # a rank with work that sends nothing for this long is taken as hung and killed
 PARENT_CHECK_SECONDS = 1.0  # an idle rank checks this often that its parent still lives
 
 
@@ -52,6 +53,7 @@ class _Rank:
     ready: bool = False
     start_failures: int = 0
     jobs: dict[int, list[EncodeTask]] = field(default_factory=dict)  # in flight, by job id
+    last_heard: float = 0.0  # time.monotonic() of its last message, or of being given work while idle
 
     @property
     def load(self) -> int:
@@ -139,8 +141,9 @@ class EncoderPool(VisionEncoder):
         self._dispatch(tasks)
 
     def _dispatch(self, tasks: list[EncodeTask]) -> None:
-        """Longest-first onto the least loaded rank (by patches in flight), one job per rank."""
-        ranks = self._usable()
+        """Longest-first onto the least loaded rank (by patches in flight), one job per rank. Ranks
+        still loading their weights (restarting) get work only when no rank is ready."""
+        ranks = [r for r in self._usable() if r.ready] or self._usable()
         if not ranks:
             self._orphans.extend(tasks)
             return
@@ -151,6 +154,8 @@ class EncoderPool(VisionEncoder):
             loads[rank] += task.num_patches
             assigned.setdefault(rank, []).append(task)
         for rank, job in assigned.items():
+            if not rank.jobs:
+                rank.last_heard = time.monotonic()
             job_id = next(self._job_ids)
             rank.jobs[job_id] = job
             rank.jobs_out.put((job_id, job))  # if the rank is dead, the next poll resubmits the job
@@ -163,7 +168,12 @@ class EncoderPool(VisionEncoder):
             wait(handles, timeout)
         for rank in self._usable():
             self._receive(rank, results)
+        now = time.monotonic()
         for rank in self._usable():
+            if rank.ready and rank.jobs and now - rank.last_heard > STALL_TIMEOUT and rank.alive:
+                logger.error("encoder rank %d made no progress for %.0f s; killing it", rank.index, STALL_TIMEOUT)
+                rank.process.kill()
+                rank.process.join()
             if not rank.alive:
                 self._restart(rank)
         if self._orphans:
@@ -171,8 +181,11 @@ class EncoderPool(VisionEncoder):
             retry = []
             for task in orphans:
                 task.attempts += 1
-                if task.attempts >= MAX_ATTEMPTS or not self._usable():
-                    results.append(EncodeResult(task.hash, None, f"encoder ranks died {task.attempts} times while encoding it"))
+                if not self._usable():
+                    results.append(EncodeResult(task.hash, None, "no encoder rank is running (they fail to start)"))
+                elif task.attempts >= MAX_ATTEMPTS:
+                    error = f"encoder ranks died {task.attempts} times while encoding it"
+                    results.append(EncodeResult(task.hash, None, error))
                 else:
                     retry.append(task)
             self._dispatch(retry)
@@ -182,6 +195,7 @@ class EncoderPool(VisionEncoder):
         try:
             while rank.conn.poll():
                 message = rank.conn.recv()
+                rank.last_heard = time.monotonic()
                 if message[0] == "ready":
                     rank.ready, rank.start_failures = True, 0
                 elif message[0] == "done":
