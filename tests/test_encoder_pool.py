@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -171,3 +173,19 @@ def test_two_concurrent_requests_with_one_new_image_encode_it_once(tiny_moe_dir)
         outs = engine.chat_batch(convs, max_tokens=3, temperature=0)
         assert encoder.num_items == 1
         assert [o.media_timings[0].embedding_source for o in outs] == ["encoder", "encoder"]
+
+
+def test_a_script_without_a_main_guard_can_start_the_pool(tiny_moe_dir, tmp_path):
+    """Spawned ranks do not re-run the user's script (which would start engines recursively)."""
+    script = tmp_path / "caption.py"
+    script.write_text(
+        "from vlm_serve import Engine\n"
+        "from vlm_serve.testing.media import make_image\n"
+        f"engine = Engine({str(tiny_moe_dir)!r}, dtype='float32')\n"
+        "parts = [{'type': 'image', 'image': make_image(64, 64)}, {'type': 'text', 'text': 'Describe.'}]\n"
+        "out = engine.chat([{'role': 'user', 'content': parts}], max_tokens=2, ignore_eos=True)\n"
+        "print('finish:', out.finish_reason, out.media_timings[0].embedding_source)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("finish:") == 1 and "finish: length encoder" in done.stdout

@@ -13,10 +13,12 @@ task whose ranks died `MAX_ATTEMPTS` times, or that the tower rejects, comes bac
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import queue
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -92,7 +94,8 @@ class EncoderPool(VisionEncoder):
         process = self._ctx.Process(
             target=rank_main, args=(self.server_args, index, jobs, sender), name=f"vit-rank-{index}", daemon=True
         )
-        process.start()
+        with _main_module_hidden():
+            process.start()
         sender.close()
         return _Rank(index, process, jobs, receiver)
 
@@ -248,6 +251,22 @@ def _close_channels(rank: _Rank) -> None:
     rank.conn.close()
     rank.jobs_out.cancel_join_thread()  # jobs a dead rank never read must not hold up exit
     rank.jobs_out.close()
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """A spawned process first re-runs the parent's `__main__` script, found through its `__spec__` and
+    `__file__`. A rank needs nothing from it, and re-running a script without an `if __name__ ==
+    "__main__"` guard (or stdin, or a notebook) would fail or start engines recursively."""
+    main = sys.modules["__main__"]
+    saved_spec, saved_file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not None:
+            main.__file__ = saved_file
 
 
 def rank_device(server_args: ServerArgs, index: int) -> torch.device:
