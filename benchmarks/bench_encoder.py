@@ -10,13 +10,15 @@ config.json is used as it is). Everything runs in float32 on the CPU; all figure
 
 1. Encode throughput. `--images` distinct images (448..768 px per side) are preprocessed once (not
    timed) and encoded by `EncoderPool`s of one rank with one thread, two ranks with one thread each
-   (each rank's share of a 2-core machine) and one rank with two threads. Each image is submitted on
-   its own, all in one burst, as the scheduler does for a burst of single-image requests (one
-   `submit` per request); the time runs until the last result is polled. Pool startup and a warm-up
-   batch are not timed. Every round encodes fresh copies of the pixels, so that it pays for moving
-   them into shared memory as a server's new images do. The reference is `encode_tasks` in this
-   process with one thread, one image at a time: the one-rank pool's shortfall from it is the
-   inter-process overhead (pickling, shared memory, the pipe).
+   (each rank's share of a 2-core machine) and one rank with two threads. All images go in one
+   `submit`, as the scheduler hands over the new items of a burst of requests that arrive together
+   (the pool splits them across its ranks by patch count, one job per rank); the time runs until the
+   last result is polled. Pool startup and a warm-up batch are not timed. Every round encodes fresh
+   copies of the pixels, so that it pays for moving them into shared memory as a server's new images
+   do. The reference is `encode_tasks` on all images in this process with one thread, which is what
+   a one-rank pool runs: the pool's time outside the vision tower (its wall time minus the results'
+   `vit` seconds) is the inter-process overhead (shared memory, pickling, the channels). The CPU time
+   of the encoding processes per wall second ("cores busy") shows whether the ranks got their cores.
 2. TTFT. An `Engine` with its defaults (`vit_dp=1`), `stream()` with max_tokens=1, timed from the
    call to the first chunk; the image is PNG bytes of 1024x1024 px. Three kinds of request: a new
    image each trial (uncached); the same image with different text before it, so that the prefix
@@ -26,17 +28,20 @@ config.json is used as it is). Everything runs in float32 on the CPU; all figure
 3. Decode inter-token latency (ITL) while large images arrive, with an encoder pool (`vit_dp=1`) and
    inline (`vit_dp=0`: the vision tower runs inside the scheduler step, so decode waits for it). The
    benchmark drives the scheduler itself: `--itl-requests` text-only requests decode (greedy, EOS
-   ignored); after `WARMUP_STEPS` of their tokens a request with a new 1024x1024 image (preprocessed
-   beforehand, one output token) arrives every `--itl-every` of their decode steps, `--itl-images` in
-   all. The ITL is the wall time between consecutive steps that give the text requests a token,
-   counted from the first image's arrival until the first token after the last image request is done
-   (then the text requests are aborted). The ITL before the first image is shown as a baseline.
+   ignored, at most `--itl-max-tokens`); after `WARMUP_STEPS` of their tokens a request with a new
+   1024x1024 image (preprocessed beforehand, one output token) arrives every `--itl-every` of their
+   decode steps, `--itl-images` in all, so both modes get the same images per decoded token. The ITL
+   is the wall time between consecutive steps that give the text requests a token, counted from the
+   first image's arrival until the first such step after the last image request is done (then the
+   text requests are aborted). The window is longer with the pool, as decode goes on while the images
+   queue for the encoder. The ITL before the first image is shown as a baseline.
 
-Caveats. On a 2-core machine the encoder process competes with the LLM for the cores (a rank with one
-thread next to the LLM's two), so with the pool decode still slows down while an image is encoded;
-with a GPU, or cores to spare, the ranks run beside the LLM. The image requests' own prefill stalls
-decode in both modes (chunked prefill bounds each stall; `--chunked-prefill-size` is kept modest so
-that what differs between the modes is the vision tower). Timing is noisy on small shared machines:
+Caveats. On CPU an engine with a pool splits the cores: each rank takes its share and the LLM the
+rest (on 2 cores, one each), while inline the LLM and its vision tower use every core in turn. With
+a GPU the ranks run beside the LLM. The image requests' own prefill stalls decode in both modes
+(chunked prefill bounds each stall; `--chunked-prefill-size` is kept modest so that what differs
+between the modes is the vision tower). `--threads` sets the torch threads of this process (default:
+all cores) for the throughput reference and the inline engine. Timing is noisy on small shared machines:
 the throughput settings alternate in `--rounds` rounds and each counts with its fastest round; TTFT
 figures are medians.
 
@@ -70,7 +75,7 @@ from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.encoder import EncodeTask, encode_tasks
+from vlm_serve.vision.encoder import EncodeResult, EncodeTask, encode_tasks
 from vlm_serve.vision.encoder_pool import EncoderPool
 from vlm_serve.vision.items import MEDIA_STAGES, MediaTimings, MultimodalItem
 from vlm_serve.vision.processor import MultimodalProcessor
@@ -181,34 +186,37 @@ def rank_cpu_seconds(pool: EncoderPool) -> float:
 class EncodeRound:
     seconds: float
     cpu_seconds: float  # used by the processes that encoded: the ranks, or this one
+    vit_seconds: float  # in vision tower forwards (the results' `vit`, summed)
+
+
+def checked(results: list[EncodeResult]) -> list[EncodeResult]:
+    for result in results:
+        if result.error is not None:
+            raise RuntimeError(result.error)
+    return results
 
 
 def encode_with_pool(pool: EncoderPool, tasks: list[EncodeTask]) -> EncodeRound:
-    """From the first `submit` (one per image, in one burst) until the last result is polled."""
+    """One `submit` of all tasks, then polls until the last result is back."""
     cpu = rank_cpu_seconds(pool)
     start = time.perf_counter()
-    for task in tasks:
-        pool.submit([task])
-    pending = {task.hash for task in tasks}
-    while pending:
-        for result in pool.poll(timeout=1.0):
-            if result.error is not None:
-                raise RuntimeError(result.error)
-            pending.discard(result.hash)
-    return EncodeRound(time.perf_counter() - start, rank_cpu_seconds(pool) - cpu)
+    pool.submit(tasks)
+    results: list[EncodeResult] = []
+    while len(results) < len(tasks):
+        results += checked(pool.poll(timeout=1.0))
+    seconds = time.perf_counter() - start
+    return EncodeRound(seconds, rank_cpu_seconds(pool) - cpu, sum(r.vit for r in results))
 
 
 def encode_in_process(visual: Qwen3VLVisionModel, max_patches: int, tasks: list[EncodeTask]) -> EncodeRound:
-    """`tasks` encoded one at a time in this process, with one torch thread."""
+    """`encode_tasks` on all tasks in this process with one torch thread, as a rank runs its job."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         cpu, start = time.process_time(), time.perf_counter()
-        for task in tasks:
-            [result] = encode_tasks(visual, [task], max_patches)
-            if result.error is not None:
-                raise RuntimeError(result.error)
-        return EncodeRound(time.perf_counter() - start, time.process_time() - cpu)
+        results = checked(encode_tasks(visual, tasks, max_patches))
+        seconds = time.perf_counter() - start
+        return EncodeRound(seconds, time.process_time() - cpu, sum(r.vit for r in results))
     finally:
         torch.set_num_threads(threads)
 
@@ -348,6 +356,7 @@ def print_media_timings(run: TtftRun) -> None:
 @dataclass
 class DecodeRun:
     label: str
+    llm_threads: int  # torch threads of the LLM (this process) during the run
     baseline: list[float]  # ITLs of the text requests before the first image arrived
     window: list[float]  # ITLs from the first image's arrival until the images are done
     images_done: int
@@ -361,9 +370,14 @@ def latency_stats(gaps: list[float]) -> dict[str, float]:
 
 
 def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) -> DecodeRun:
+    """Text requests decode while image requests arrive every `args.itl_every` of their steps. Inline,
+    the LLM (and its vision tower) get this process's threads; with a pool, the engine leaves the
+    LLM the cores its ranks do not take."""
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     with Engine(path, dtype="float32", vit_dp=vit_dp, chunked_prefill_size=args.chunked_prefill_size) as engine:
+        llm_threads = torch.get_num_threads()
         texts_in = [
-            engine.processor.process_messages([{"role": "user", "content": f"Story {i}: tell me a long tale of the sea."}])
+            engine.processor.process_messages([{"role": "user", "content": f"Story {i}: a long tale of the sea."}])
             for i in range(args.itl_requests)
         ]
         images_in = [
@@ -383,7 +397,7 @@ def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) ->
             scheduler.add_request(req)
         images: list[Req] = []
         token_times: list[float] = []  # end of each step that gave the text requests a token
-        first_arrival = 0  # index in token_times after which the first image arrived
+        first_arrival: int | None = None  # index in token_times after which the first image arrived
 
         def produced() -> int:
             return sum(len(r.output_ids) for r in texts)
@@ -402,7 +416,10 @@ def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) ->
                 x = images_in[len(images)]
                 images.append(Req(f"image-{len(images)}", list(x.input_ids), image_params, list(x.mm_items)))
                 scheduler.add_request(images[-1])
-                first_arrival = first_arrival or len(token_times) - 1
+                if first_arrival is None:
+                    first_arrival = len(token_times) - 1
+        if first_arrival is None:
+            raise SystemExit("the text requests ended before the first image arrived: raise --itl-max-tokens")
         finished_images = sum(r.finished for r in images)
         for req in texts:
             scheduler.abort_request(req.rid, "the measurement is over")
@@ -410,13 +427,13 @@ def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) ->
             scheduler.step()
     gaps = np.diff(token_times).tolist()
     label = f"pool (vit_dp={vit_dp})" if vit_dp else "inline (vit_dp=0)"
-    return DecodeRun(label, gaps[:first_arrival], gaps[first_arrival:], finished_images, len(images_in))
+    return DecodeRun(label, llm_threads, gaps[:first_arrival], gaps[first_arrival:], finished_images, len(images_in))
 
 
 def print_decode_run(run: DecodeRun) -> None:
     base, window = latency_stats(run.baseline), latency_stats(run.window)
     print(
-        f"{run.label:<20} ITL before images: p50 {base['p50']:.1f} ms, max {base['max']:.1f} ms | while "
+        f"{run.label:<20} LLM threads {run.llm_threads}, ITL before images: p50 {base['p50']:.1f} ms, max {base['max']:.1f} ms | while "
         f"{run.images_done}/{run.images} images arrive ({len(run.window)} gaps): mean {window['mean']:.1f}, "
         f"p50 {window['p50']:.1f}, p99 {window['p99']:.1f}, max {window['max']:.1f} ms"
     )
@@ -427,41 +444,48 @@ def print_decode_run(run: DecodeRun) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: built in a temp dir)")
+    parser.add_argument("--model", type=Path, help="checkpoint dir, built there if it has none (default: a temp dir)")
     parser.add_argument("--images", type=int, default=48, help="distinct images of the throughput runs")
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds; each setting counts with its fastest")
     parser.add_argument("--ttft-trials", type=int, default=5)
     parser.add_argument("--itl-requests", type=int, default=8, help="text-only requests decoding")
-    parser.add_argument("--itl-images", type=int, default=6, help="image requests arriving while they decode")
-    parser.add_argument("--itl-every", type=int, default=24, help="decode steps between image arrivals")
-    parser.add_argument("--itl-max-tokens", type=int, default=1024, help="text requests' output cap")
+    parser.add_argument("--itl-images", type=int, default=4, help="image requests arriving while they decode")
+    parser.add_argument("--itl-every", type=int, default=32, help="decode steps between image arrivals")
+    parser.add_argument("--itl-max-tokens", type=int, default=3072, help="text requests' output cap")
     parser.add_argument("--chunked-prefill-size", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of this process (the LLM's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="12 images x 2 rounds, 3 TTFT trials, 3 ITL images")
+    parser.add_argument("--quick", action="store_true", help="12 images x 2 rounds, 3 TTFT trials, 2 ITL images")
     args = parser.parse_args()
     if args.quick:
-        args.images, args.rounds, args.ttft_trials, args.itl_images = 12, 2, 3, 3
+        args.images, args.rounds, args.ttft_trials, args.itl_images = 12, 2, 3, 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-encoder-") as tmp:
         path = args.model or Path(tmp) / "model"
         if not (path / "config.json").is_file():
             build_checkpoint(path, args.seed)
-        print(f"model {path}: {describe_tower(path)}; float32, {torch.get_num_threads()} torch threads in this process")
+        print(
+            f"model {path}: {describe_tower(path)}; float32, {torch.get_num_threads()} torch threads in this "
+            f"process, {len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.2f} at start"
+        )
 
         items = throughput_items(path, args.images, args.seed)
         patches = [item.num_patches for item in items]
         print(
             f"\n[1] encode throughput: {len(items)} images, {min(patches)}..{max(patches)} patches "
-            f"(mean {statistics.mean(patches):.0f}), one submit per image in one burst, fastest of {args.rounds} rounds"
+            f"(mean {statistics.mean(patches):.0f}), all in one submit, fastest of {args.rounds} rounds"
         )
         settings = measure_throughput(path, items, args.rounds)
 
-        print(f"\n[2] TTFT of a {LARGE_IMAGE}x{LARGE_IMAGE} PNG, engine defaults (vit_dp=1), medians of {args.ttft_trials}")
+        side = f"{LARGE_IMAGE}x{LARGE_IMAGE}"
+        print(f"\n[2] TTFT of a {side} PNG, engine defaults (vit_dp=1), medians of {args.ttft_trials}")
         ttft = measure_ttft(path, args.ttft_trials, args.seed)
         print_media_timings(ttft)
 
         print(
-            f"\n[3] decode ITL: {args.itl_requests} text requests; a {LARGE_IMAGE}x{LARGE_IMAGE} image request every "
+            f"\n[3] decode ITL: {args.itl_requests} text requests; a {side} image request every "
             f"{args.itl_every} decode steps after {WARMUP_STEPS}, {args.itl_images} in all; chunked prefill "
             f"{args.chunked_prefill_size}"
         )
@@ -472,6 +496,7 @@ def main() -> None:
 
     total_patches = sum(patches)
     rates = {s.label: s.rate(len(items)) for s in settings}
+    outside = {s.label: (s.best.seconds - s.best.vit_seconds) / len(items) for s in settings}
     pool, inline = (latency_stats(run.window) for run in decode_runs)
     print("\nsummary")
     for s in settings:
@@ -482,7 +507,11 @@ def main() -> None:
     dp1, dp2 = rates["pool dp1 x 1 thread"], rates["pool dp2 x 1 thread"]
     print(f"  {'dp2 / dp1 (1 thread)':<28}{dp2 / dp1:7.2f}x (target >= 1.7x)")
     print(f"  {'dp2 / dp1 (2 threads)':<28}{dp2 / rates['pool dp1 x 2 threads']:7.2f}x")
-    print(f"  {'dp1 pool / in-process':<28}{dp1 / rates['in-process, 1 thread']:7.2f}x (1 - this = IPC overhead)")
+    print(f"  {'dp1 pool / in-process':<28}{dp1 / rates['in-process, 1 thread']:7.2f}x")
+    print(
+        f"  {'time outside the tower':<28}{1000 * outside['pool dp1 x 1 thread']:7.1f} ms per image with the dp1 pool, "
+        f"{1000 * outside['in-process, 1 thread']:.1f} ms in-process (the difference is the IPC overhead)"
+    )
     uncached = ttft.median("uncached")
     print(f"  {'TTFT uncached image':<28}{1000 * uncached:7.1f} ms")
     for kind in ("cached", "repeated"):
@@ -491,7 +520,8 @@ def main() -> None:
         print(f"  {'TTFT ' + kind + ' image':<28}{1000 * median:7.1f} ms = {median / uncached:.3f}x uncached{target}")
     for run, stats in zip(decode_runs, (pool, inline)):
         figures = ", ".join(f"{name} {value:.1f}" for name, value in stats.items())
-        print(f"  {'ITL ' + run.label:<28}{figures} ms")
+        before = latency_stats(run.baseline)["p50"]
+        print(f"  {'ITL ' + run.label:<28}{figures} ms (before the images: p50 {before:.1f} ms)")
     print(f"  {'ITL inline / pool':<28}p99 {inline['p99'] / pool['p99']:.2f}x, max {inline['max'] / pool['max']:.2f}x")
     print(f"  {'total run time':<28}{time.perf_counter() - began:.0f} s")
 

@@ -15,6 +15,7 @@ from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
 from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.vision.encoder_pool import llm_threads
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class ModelRunner:
         self.dtype = server_args.resolved_dtype(model_config)
         init_parallel_state(server_args.tp_size, server_args.ep_size)
         torch.manual_seed(server_args.seed)
+        if self.device.type == "cpu" and server_args.vit_dp > 0:
+            torch.set_num_threads(llm_threads(server_args))  # the encoder ranks take the other cores
         # with an encoder pool the vision tower lives in the pool's processes only
         self.model = load_model(model_config, self.device, self.dtype, with_vision=server_args.vit_dp == 0)
         self._init_memory_pools()

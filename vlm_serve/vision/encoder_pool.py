@@ -159,6 +159,11 @@ class EncoderPool(VisionEncoder):
         for rank, job in assigned.items():
             if not rank.jobs:
                 rank.last_heard = time.monotonic()
+            for task in job:
+                # Moved to shared memory here, not by the queue's feeder thread: torch work on a second
+                # thread starts a second OpenMP pool, and the oversubscribed cores then slow every
+                # later LLM step several-fold.
+                task.pixel_values.share_memory_()
             job_id = next(self._job_ids)
             rank.jobs[job_id] = job
             rank.jobs_out.put((job_id, job))  # if the rank is dead, the next poll resubmits the job
@@ -281,6 +286,11 @@ def rank_threads(server_args: ServerArgs) -> int:
     if server_args.vit_threads is not None:
         return server_args.vit_threads
     return max(1, len(os.sched_getaffinity(0)) // (server_args.vit_dp + 1))
+
+
+def llm_threads(server_args: ServerArgs) -> int:
+    """CPU threads left to the LLM process next to the pool's ranks (at least one)."""
+    return max(1, len(os.sched_getaffinity(0)) - server_args.vit_dp * rank_threads(server_args))
 
 
 def rank_main(server_args: ServerArgs, index: int, jobs: Queue, conn: Connection) -> None:
