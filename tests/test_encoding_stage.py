@@ -12,6 +12,7 @@ from vlm_serve.config import ModelConfig
 from vlm_serve.engine import Engine
 from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
+from vlm_serve.llm.scheduler.metrics import Histogram
 from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.testing.media import make_image
@@ -175,3 +176,11 @@ def test_with_a_1_mb_cache_usage_stays_under_budget_and_pinned_entries_stay(tiny
         assert cache.evictions > 0 and len(cache) <= 6
         assert not any(req.mm_pins for req in scheduler.reqs.values())
         scheduler.check_memory()
+
+
+def test_a_histogram_counts_each_value_in_the_first_bucket_it_fits():
+    histogram = Histogram(buckets=(0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 2.0):
+        histogram.observe(value)
+    assert histogram.counts == [2, 1, 1]  # <= 0.1, <= 1.0, above
+    assert histogram.count == 4 and histogram.sum == pytest.approx(2.65)
