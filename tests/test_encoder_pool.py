@@ -125,7 +125,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_d
         assert victim.jobs  # it holds some of the images
         os.kill(victim.process.pid, signal.SIGKILL)
         while not all(r.finished for r in reqs):
-            engine._step()
+            engine.step()
         assert [r.output_ids for r in reqs] == expected
         assert pool.num_restarts == 1
         _wait_until_ready(pool)

@@ -132,7 +132,7 @@ def test_a_request_whose_prefix_was_evicted_goes_back_to_the_encoder(tiny_moe_di
         items = encoder.num_items
         scheduler.tree_cache.evict(scheduler.max_total_tokens)
         while not req.finished:
-            engine._step()
+            engine.step()
         assert req.output_ids == first.token_ids
         assert encoder.num_items == items + 1
         scheduler.check_memory()

@@ -229,7 +229,7 @@ def test_abort_at_any_stage_frees_everything(tiny_moe_dir, stage):
         pytest.fail(f"the victim never reached stage {stage}")
     scheduler.abort_request(victim.rid, "client went away")
     while not all(r.finished for r in (other, victim, third)):
-        engine._step()
+        engine.step()
     assert victim.finished_reason.kind == "abort" and victim.finished_reason.message == "client went away"
     assert len(other.output_ids) == len(third.output_ids) == 12
     scheduler.check_memory()
@@ -245,7 +245,7 @@ def test_requests_leaving_the_decode_batch_do_not_disturb_the_others(engine):
         x = engine.processor.process_messages(p)
         reqs += engine._submit(x, dataclasses.replace(params, max_new_tokens=3 + 3 * i), 0)
     while not all(r.finished for r in reqs):
-        engine._step()
+        engine.step()
     assert [r.output_ids for r in reqs] == [a[: 3 + 3 * i] for i, a in enumerate(alone)]
 
 
@@ -269,3 +269,12 @@ def test_a_repeated_image_skips_preprocessing_and_the_vision_tower(engine):
     with vlm_serve.Engine(model=engine.server_args.model, dtype="float32", mm_cache_mb=0) as fresh:
         content = [{"type": "text", "text": "Another, different question:"}, {"type": "image", "image": image}]
         assert fresh.chat([{"role": "user", "content": content}], max_tokens=4, temperature=0).token_ids == second.token_ids
+
+
+def test_submit_returns_at_once_and_step_drives_it(engine):
+    job = engine.submit(engine.processor.process_messages(PROMPT), max_tokens=3, temperature=0)
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.result(job)
+    while not job.done:
+        engine.step()
+    assert engine.result(job).token_ids == engine.chat(PROMPT, max_tokens=3, temperature=0).token_ids

@@ -161,7 +161,7 @@ def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference
         scheduler.step()
     high = [engine._submit(x, params, priority=10)[0] for x in inputs]
     while not all(r.finished for r in low + high):
-        engine._step()
+        engine.step()
     scheduler.check_memory()
     assert scheduler.metrics.num_preemptions > 0
     assert [r.output_ids for r in low] == reference

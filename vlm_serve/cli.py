@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from vlm_serve.config import ServerArgs
 
@@ -51,6 +52,23 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_caption(ns: argparse.Namespace) -> int:
+    from vlm_serve.caption import DEFAULT_PROMPT, caption_images, collect_images
+    from vlm_serve.engine import Engine
+
+    paths = collect_images(ns.inputs)
+    with Engine(ns.model, **server_args_from(ns)) as engine:
+        summary = caption_images(
+            engine, paths, Path(ns.output), ns.prompt or DEFAULT_PROMPT, ns.batch_size, ns.resume,
+            max_tokens=ns.max_tokens, temperature=ns.temperature,
+        )  # fmt: skip
+    print(
+        f"{summary.captioned} captioned, {summary.failed} failed, {summary.skipped} already in {ns.output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
     from vlm_serve.testing.tiny_model import create_tiny_model
 
@@ -71,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
     gen.set_defaults(func=cmd_generate)
+
+    cap = sub.add_parser("caption", help="caption every image of files, folders or path lists into JSON lines")
+    add_server_args(cap)
+    cap.add_argument("inputs", nargs="+", metavar="INPUT", help="image file, folder (recursive) or text file of paths")
+    cap.add_argument("--output", required=True, help="JSON-lines file: path, caption, tokens, time (and error)")
+    cap.add_argument("--prompt", default=None, help="what to ask about each image (default: a one-sentence description)")
+    cap.add_argument("--batch-size", type=int, default=64, help="images in flight at once")
+    cap.add_argument("--max-tokens", type=int, default=64)
+    cap.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
+    cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
+    cap.set_defaults(func=cmd_caption)
 
     tiny = sub.add_parser("create-tiny-model", help="write a small random Qwen3-VL checkpoint")
     tiny.add_argument("out_dir")

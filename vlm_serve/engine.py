@@ -92,6 +92,17 @@ class StreamChunk:
     finish_reason: str | None = None
 
 
+@dataclass(eq=False)
+class Submission:
+    """A prompt queued with `Engine.submit`: its `n` choices' requests."""
+
+    reqs: list[Req]
+
+    @property
+    def done(self) -> bool:
+        return all(r.finished for r in self.reqs)
+
+
 class Engine:
     """`Engine(model=path, dtype="float32").chat(messages, max_tokens=16, temperature=0).text`.
 
@@ -142,8 +153,20 @@ class Engine:
             raise
         pending = [r for g in groups for r in g]
         while not all(r.finished for r in pending):
-            self._step()
+            self.step()
         return [self._output(g) for g in groups]
+
+    # ---- driving the scheduler yourself ------------------------------------------------------------
+
+    def submit(self, x: ProcessedInput, priority: int = 0, **sampling: Any) -> Submission:
+        """Queues one prompt and returns at once: call `step()` until `done`, then `result()`. Prompts
+        submitted this way are batched continuously with everything else in flight."""
+        return Submission(self._submit(x, self.sampling_params(**sampling), priority))
+
+    def result(self, submission: Submission) -> GenerateOutput:
+        if not submission.done:
+            raise ValueError("the submission has not finished yet")
+        return self._output(submission.reqs)
 
     # ---- streaming ---------------------------------------------------------------------------------
 
@@ -158,7 +181,7 @@ class Engine:
         holdback = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
         try:
             while not all(done):
-                self._step()
+                self.step()
                 for i, req in enumerate(reqs):
                     if done[i] or len(req.output_ids) == sent_ids[i] and not req.finished:
                         continue
@@ -210,9 +233,10 @@ class Engine:
             if not req.finished:
                 self.scheduler.abort_request(req.rid, message)
         while not all(r.finished for r in reqs):
-            self._step()
+            self.step()
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One scheduler step (waits briefly when only media encoding is under way)."""
         if self.scheduler is None:
             raise RuntimeError("the engine was shut down")
         self.scheduler.step()

@@ -1,0 +1,135 @@
+"""`vlm-serve caption`: a caption for every image of some files, folders and lists of paths.
+
+The in-process engine does the work. Images are preprocessed one by one and submitted as they are
+ready, keeping up to `batch_size` in flight, so the scheduler batches them continuously. Each finished
+image becomes one JSON line: `{"path", "caption", "tokens", "time"}`, plus `"error"` when it could not
+be captioned (an unreadable image is reported in its line and the run goes on). With `resume`, images
+already in the output file are skipped and new lines are appended.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from vlm_serve.engine import Engine, Submission
+from vlm_serve.vision.media import MediaError
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+DEFAULT_PROMPT = "Describe this image in one sentence."
+
+
+@dataclass
+class CaptionSummary:
+    captioned: int = 0
+    failed: int = 0
+    skipped: int = 0  # already in the output (resume)
+
+
+def collect_images(inputs: Sequence[str]) -> list[Path]:
+    """Image files as given, the images under folders (recursively, by extension, sorted) and the paths
+    listed in other files (one per line; blank lines and `#` comments ignored), each path once."""
+    paths: list[Path] = []
+    for raw in inputs:
+        path = Path(raw)
+        if path.is_dir():
+            paths += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+        elif path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS:
+            paths.append(path)
+        elif path.is_file():
+            lines = (line.strip() for line in path.read_text().splitlines())
+            paths += [Path(line) for line in lines if line and not line.startswith("#")]
+        else:
+            raise FileNotFoundError(f"{raw}: no such file or folder")
+    return list(dict.fromkeys(paths))
+
+
+def captioned_paths(output: Path) -> set[str]:
+    """Paths that already have a complete line in `output`."""
+    if not output.is_file():
+        return set()
+    done = set()
+    for line in output.read_text().splitlines():
+        try:
+            done.add(json.loads(line)["path"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return done
+
+
+def caption_images(
+    engine: Engine,
+    paths: Sequence[Path],
+    output: Path,
+    prompt: str = DEFAULT_PROMPT,
+    batch_size: int = 64,
+    resume: bool = False,
+    progress: bool = True,
+    **sampling: Any,
+) -> CaptionSummary:
+    """Captions `paths` into the JSON-lines file `output` (see the module docstring)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, not {batch_size}")
+    engine.sampling_params(**sampling)  # bad sampling arguments fail before any work
+    if resume:
+        _drop_partial_line(output)
+    done = captioned_paths(output) if resume else set()
+    todo = [p for p in paths if str(p) not in done]
+    summary = CaptionSummary(skipped=len(paths) - len(todo))
+    pending: dict[Submission, tuple[Path, float]] = {}
+    with output.open("a" if resume else "w") as out, tqdm(total=len(todo), unit="img", disable=not progress) as bar:
+
+        def write(path: Path, start: float, caption: str | None, tokens: int, error: str | None) -> None:
+            seconds = round(time.perf_counter() - start, 4)
+            record = {"path": str(path), "caption": caption, "tokens": tokens, "time": seconds}
+            if error is not None:
+                record["error"] = error
+                summary.failed += 1
+            else:
+                summary.captioned += 1
+            _write_line(out, record)
+            bar.update(1)
+
+        def drain(limit: int) -> None:
+            while len(pending) > limit:
+                engine.step()
+                for submission in [s for s in pending if s.done]:
+                    path, start = pending.pop(submission)
+                    result = engine.result(submission)
+                    if result.finish_reason == "abort":
+                        write(path, start, None, len(result.token_ids), result.choices[0].message or "aborted")
+                    else:
+                        write(path, start, result.text, len(result.token_ids), None)
+
+        for path in todo:
+            drain(batch_size - 1)
+            start = time.perf_counter()
+            content = [{"type": "image", "image": str(path)}, {"type": "text", "text": prompt}]
+            try:
+                x = engine.processor.process_messages([{"role": "user", "content": content}])
+                pending[engine.submit(x, **sampling)] = (path, start)
+            except (MediaError, ValueError, OSError) as exc:
+                write(path, start, None, 0, str(exc))
+        drain(0)
+    return summary
+
+
+def _drop_partial_line(output: Path) -> None:
+    """Cuts a last line left unfinished by an interrupted run, so appended lines start on their own."""
+    if not output.is_file():
+        return
+    data = output.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with output.open("r+b") as file:
+            file.truncate(data.rfind(b"\n") + 1)
+
+
+def _write_line(out: TextIO, record: dict) -> None:
+    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    out.flush()  # a line per finished image survives an interruption, for --resume
