@@ -74,11 +74,10 @@ def _forward(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: i
 
 
 class VisionEncoder(ABC):
-    """Accepts tasks with `submit`; `poll` returns the results that are done. `num_forwards` counts
-    vision tower batches run and `num_items` the items encoded (each result with embeddings)."""
+    """Accepts tasks with `submit`; `poll` returns the results that are done. `num_items` counts the
+    items encoded (results with embeddings)."""
 
     def __init__(self) -> None:
-        self.num_forwards = 0
         self.num_items = 0
 
     @abstractmethod
@@ -112,6 +111,5 @@ class InlineEncoder(VisionEncoder):
             return []
         tasks, self.pending = self.pending, []
         results = encode_tasks(self.visual, tasks, self.max_patches)
-        self.num_forwards += 1
         self.num_items += sum(r.output is not None for r in results)
         return results

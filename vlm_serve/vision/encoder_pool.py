@@ -209,7 +209,6 @@ class EncoderPool(VisionEncoder):
                 elif message[0] == "done":
                     _, job_id, job_results = message
                     rank.jobs.pop(job_id, None)
-                    self.num_forwards += 1
                     for result in job_results:
                         result.rank = rank.index
                         if result.output is not None:
