@@ -15,7 +15,7 @@ from PIL import Image
 
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor, ImageProcessorConfig
-from vlm_serve.vision.media import MediaError, load_image, read_media
+from vlm_serve.vision.media import MediaAccess, MediaError, load_image, read_media
 from vlm_serve.vision.processor import MultimodalProcessor
 from vlm_serve.vision.video import VideoProcessor, VideoProcessorConfig
 
@@ -84,7 +84,7 @@ def test_media_error_is_a_value_error():
         ("data:image/png;base64,@@not base64@@", "invalid base64 data in image data URL"),
         ("data:image/png;base64,", "image data URL holds no data"),
         ("data:image/png;base64", "malformed data URL for image"),
-        ("https://example.com/cat.png", "remote image URLs are not supported"),
+        ("https://example.com/cat.png", "--allowed-media-domains"),
         ("", "image source is an empty string"),
         (12345, "unsupported image source of type int"),
     ],
@@ -113,11 +113,11 @@ def test_paths_outside_allowed_dirs(tmp_path):
     other.mkdir()
     (allowed / "a.png").write_bytes(png_bytes())
     (other / "b.png").write_bytes(png_bytes())
-    assert load_image(allowed / "a.png", allowed_local_dirs=[allowed]).size == (8, 8)
+    assert load_image(allowed / "a.png", access=MediaAccess(local_dirs=(str(allowed),))).size == (8, 8)
     with pytest.raises(MediaError, match="outside the allowed local directories"):
-        load_image(str(other / "b.png"), allowed_local_dirs=[allowed])
+        load_image(str(other / "b.png"), access=MediaAccess(local_dirs=(str(allowed),)))
     with pytest.raises(MediaError, match="outside the allowed local directories"):
-        load_image(str(allowed / ".." / "other" / "b.png"), allowed_local_dirs=[allowed])
+        load_image(str(allowed / ".." / "other" / "b.png"), access=MediaAccess(local_dirs=(str(allowed),)))
 
 
 # -- images ------------------------------------------------------------------------------------------

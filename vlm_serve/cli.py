@@ -9,6 +9,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from vlm_serve.config import ServerArgs
 
@@ -17,18 +20,52 @@ _FLAG_TYPES = {"int": int, "float": float, "str": str}
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per `ServerArgs` field (`--page-size` for `page_size`), with its default."""
+    """One flag per `ServerArgs` field (`--page-size` for `page_size`), with its default, and `--config`
+    (a YAML file of fields; flags given on the command line win over it)."""
+    parser.add_argument("--config", default=None, help="YAML file of settings (flags win over it)")
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if f.type == "bool":
-            parser.add_argument(flag, action="store_true", default=f.default, dest=f.name)
-            continue
-        kind = _FLAG_TYPES[str(f.type).split("|")[0].strip()]  # annotations are strings: "int | None"
-        parser.add_argument(flag, type=kind, default=f.default, dest=f.name)
+            parser.add_argument(flag, action="store_true", default=default, dest=f.name)
+        elif str(f.type).startswith("list["):
+            parser.add_argument(flag, nargs="*", default=default, dest=f.name)
+        else:
+            kind = _FLAG_TYPES[str(f.type).split("|")[0].strip()]  # annotations are strings: "int | None"
+            parser.add_argument(flag, type=kind, default=default, dest=f.name)
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """`ServerArgs` fields from a YAML mapping (keys may use - or _)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read the config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"the config file {path} must hold a mapping of settings")
+    known = {f.name for f in dataclasses.fields(ServerArgs)}
+    settings = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) in {path}: {', '.join(unknown)}")
+    return settings
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line flags over the `--config` file's settings over the defaults."""
+    ns = parser.parse_args(argv)
+    if getattr(ns, "config", None):
+        ns.subparser.set_defaults(**load_config(ns.config))
+        ns = parser.parse_args(argv)
+    return ns
 
 
 def server_args_from(ns: argparse.Namespace) -> dict:
     return {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name != "model"}
+
+
+def server_args_of(ns: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(model=ns.model, **server_args_from(ns))
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -69,6 +106,12 @@ def cmd_caption(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from vlm_serve.server.http_server import launch_server
+
+    return launch_server(server_args_of(ns))
+
+
 def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
     from vlm_serve.testing.tiny_model import create_tiny_model
 
@@ -81,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm-serve", description="Serve Qwen3-VL vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (default http://127.0.0.1:30000)")
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve, subparser=serve)
+
     gen = sub.add_parser("generate", help="answer one prompt (with images/videos) offline and print it")
     add_server_args(gen)
     gen.add_argument("--prompt", required=True)
@@ -88,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--video", action="append", default=[], help="video file (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, subparser=gen)
 
     cap = sub.add_parser("caption", help="caption every image of files, folders or path lists into JSON lines")
     add_server_args(cap)
@@ -99,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--max-tokens", type=int, default=64)
     cap.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
     cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
-    cap.set_defaults(func=cmd_caption)
+    cap.set_defaults(func=cmd_caption, subparser=cap)
 
     tiny = sub.add_parser("create-tiny-model", help="write a small random Qwen3-VL checkpoint")
     tiny.add_argument("out_dir")
@@ -111,7 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    try:
+        ns = parse_args(parser, argv)
+    except ValueError as e:
+        print(f"vlm-serve: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=getattr(ns, "log_level", "warning").upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -44,6 +44,21 @@ class ServerArgs:
     vit_max_patches_per_pass: int = 32768  # vision tower passes stay under this; long videos are cut
     vit_dp: int = 1  # encoder pool processes (GPU i each, or CPU threads); 0 = run the ViT in the scheduler loop
     vit_threads: int | None = None  # CPU threads per encoder rank; None = an equal share with the LLM
+    # the HTTP server and what requests may ask of it
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None  # every endpoint but /health then needs "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # the model's name in the API; None = the checkpoint folder's name
+    allowed_local_media_path: str | None = None  # requests may name local media files under this folder only
+    allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from; none = off
+    media_fetch_timeout: float = 10.0  # seconds for a whole remote download
+    max_media_mb: int = 64  # largest image or video file a request may send, fetch or name
+    limit_mm_per_prompt: int = 16  # images + videos in one request
+    mm_max_image_pixels: int = 16_777_216  # the most a request's per-image min/max_pixels may ask
+    mm_max_video_pixels: int = 33_554_432  # the same for a whole video clip
+    mm_max_fps: float = 8.0  # the highest video sampling rate a request may ask
+    mm_max_frames: int = 768  # the most frames a request may ask to sample
+    tokenizer_workers: int = 4  # threads rendering, loading and preprocessing requests in the HTTP process
     log_interval: int = 40  # scheduler steps between log lines
     log_level: str = "warning"  # debug | info | warning | error (info shows the scheduler's log lines)
     seed: int = 0
@@ -57,7 +72,8 @@ class ServerArgs:
             raise ValueError(f"attention_backend must be auto, torch or flashinfer, not {self.attention_backend!r}")
         positive = (
             "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
-            "vit_max_patches_per_pass", "vit_threads",
+            "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "limit_mm_per_prompt", "mm_max_image_pixels",
+            "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers",
         )
         for name in positive:
             value = getattr(self, name)
@@ -76,6 +92,11 @@ class ServerArgs:
             raise ValueError("an encoder pool with tp_size > 1 is not supported yet: use vit_dp 0 (each TP rank runs the vision tower)")
         if self.mm_cache_mb < 0:
             raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], not {self.port}")
+        for name in ("media_fetch_timeout", "mm_max_fps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
         if self.schedule_conservativeness <= 0:
             raise ValueError(f"schedule_conservativeness must be > 0, not {self.schedule_conservativeness}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

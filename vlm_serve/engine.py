@@ -8,44 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.detokenizer import IncrementalDetokenizer
+from vlm_serve.detokenizer import TextStream, final_text, stop_holdback
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.llm.scheduler.scheduler import Scheduler
-from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
 from vlm_serve.testing.tiny_model import default_model_path
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.items import MediaTimings, ProcessedInput
 from vlm_serve.vision.processor import MultimodalProcessor
-
-# OpenAI-style keyword -> SamplingParams field
-_SAMPLING_KEYS = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",
-    "min_tokens": "min_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "seed": "seed",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "n": "n",
-    "logprobs": "logprobs",
-    "top_logprobs": "top_logprobs",
-}
-
 
 @dataclass
 class Completion:
@@ -123,7 +100,7 @@ class Engine:
         self.processor = MultimodalProcessor.from_pretrained(path, self.tokenizer, cache_mb=self.server_args.mm_cache_mb)
         runner = ModelRunner(self.server_args, self.model_config)
         self.scheduler = Scheduler(self.server_args, runner, self.tokenizer)
-        self.default_sampling = _generation_defaults(path)
+        self.default_sampling = generation_defaults(path)
         self._ids = itertools.count()
 
     # ---- blocking calls ----------------------------------------------------------------------------
@@ -174,11 +151,9 @@ class Engine:
         """Chat with the answer arriving piece by piece. Closing the iterator early aborts the request."""
         params = self.sampling_params(**sampling)
         reqs = self._submit(self.processor.process_messages(messages, add_generation_prompt=True), params, priority)
-        detoks = [IncrementalDetokenizer(self.tokenizer) for _ in reqs]
+        streams = [TextStream(self.tokenizer, stop_holdback(params.stop)) for _ in reqs]
         sent_ids = [0] * len(reqs)
-        sent_text = [""] * len(reqs)
         done = [False] * len(reqs)
-        holdback = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
         try:
             while not all(done):
                 self.step()
@@ -186,15 +161,13 @@ class Engine:
                     if done[i] or len(req.output_ids) == sent_ids[i] and not req.finished:
                         continue
                     if req.finished:
-                        text = self._completion(req).text
+                        text = streams[i].finish(req.output_ids, req.finished_reason.matched, req.output_text)
                     else:
-                        detoks[i].update(req.output_ids)
-                        text = detoks[i].text[: max(len(detoks[i].text) - holdback, len(sent_text[i]))]
+                        text = streams[i].update(req.output_ids)
                     chunk = StreamChunk(
-                        i, text[len(sent_text[i]) :], req.output_ids[sent_ids[i] :],
-                        req.finished_reason.kind if req.finished else None,
+                        i, text, req.output_ids[sent_ids[i] :], req.finished_reason.kind if req.finished else None
                     )
-                    sent_ids[i], sent_text[i], done[i] = len(req.output_ids), text, req.finished
+                    sent_ids[i], done[i] = len(req.output_ids), req.finished
                     if chunk.text or chunk.token_ids or chunk.finish_reason:
                         yield chunk
         finally:
@@ -204,22 +177,16 @@ class Engine:
 
     def sampling_params(self, **sampling: Any) -> SamplingParams:
         """OpenAI-named sampling keywords over the checkpoint's generation defaults."""
-        unknown = set(sampling) - set(_SAMPLING_KEYS)
-        if unknown:
-            raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
-        fields = dict(self.default_sampling)
-        fields.update({_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None})
-        return SamplingParams(**fields)
+        return sampling_params_from_openai(self.default_sampling, sampling)
 
     def _submit(self, x: ProcessedInput, params: SamplingParams, priority: int) -> list[Req]:
-        """Queues the request's `n` choices; with a seed, choice i uses seed + i."""
+        """Queues the request's `n` choices."""
         if self.scheduler is None:
             raise RuntimeError("the engine was shut down")
         base = str(next(self._ids))
         reqs: list[Req] = []
         try:
-            for i in range(params.n):
-                choice = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+            for i, choice in enumerate(params.per_choice()):
                 req = Req(f"{base}-{i}", list(x.input_ids), choice, list(x.mm_items), priority=priority)
                 self.scheduler.add_request(req)
                 reqs.append(req)
@@ -245,16 +212,9 @@ class Engine:
 
     def _completion(self, req: Req) -> Completion:
         reason = req.finished_reason
-        if req.output_text is not None:
-            text = req.output_text
-        else:
-            ids = req.output_ids
-            if isinstance(reason.matched, int) and ids and ids[-1] == reason.matched:
-                ids = ids[:-1]  # the stop token itself is not part of the answer
-            text = self.tokenizer.decode(ids)
         params = req.sampling_params
         return Completion(
-            text, list(req.output_ids), reason.kind, reason.matched,
+            final_text(self.tokenizer, req.output_ids, reason.matched, req.output_text), list(req.output_ids), reason.kind, reason.matched,
             req.output_logprobs if params.logprobs else None,
             req.output_top_logprobs if params.top_logprobs else None,
             reason.message,
@@ -279,14 +239,3 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-def _generation_defaults(path: Path) -> dict:
-    """Sampling defaults from the checkpoint's generation_config.json, as vLLM and SGLang apply them."""
-    gen_file = path / "generation_config.json"
-    if not gen_file.is_file():
-        return {}
-    gen = json.loads(gen_file.read_text())
-    if not gen.get("do_sample", False):
-        return {"temperature": 0.0}
-    return {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}

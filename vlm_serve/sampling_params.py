@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -60,6 +64,12 @@ class SamplingParams:
         if self.top_logprobs > 0 and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
 
+    def per_choice(self) -> list[SamplingParams]:
+        """The settings of each of the `n` choices: with a seed, choice i uses seed + i."""
+        if self.seed is None:
+            return [self] * self.n
+        return [dataclasses.replace(self, seed=self.seed + i) for i in range(self.n)]
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
@@ -67,3 +77,46 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+# OpenAI-style keyword -> SamplingParams field
+_SAMPLING_KEYS = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "n": "n",
+    "logprobs": "logprobs",
+    "top_logprobs": "top_logprobs",
+}
+
+
+def sampling_params_from_openai(defaults: dict[str, Any], sampling: dict[str, Any]) -> SamplingParams:
+    """OpenAI-named sampling keywords (None = not given) over `defaults` (SamplingParams fields)."""
+    unknown = set(sampling) - set(_SAMPLING_KEYS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
+    fields = dict(defaults)
+    fields.update({_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None})
+    return SamplingParams(**fields)
+
+
+def generation_defaults(path: Path) -> dict:
+    """Sampling defaults from the checkpoint's generation_config.json, as vLLM and SGLang apply them."""
+    gen_file = path / "generation_config.json"
+    if not gen_file.is_file():
+        return {}
+    gen = json.loads(gen_file.read_text())
+    if not gen.get("do_sample", False):
+        return {"temperature": 0.0}
+    return {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
@@ -15,7 +16,7 @@ class MultimodalCache(Generic[V]):
     counted (two `pin`s need two `unpin`s). An entry that would not fit even after evicting every
     unpinned entry is not stored, and nothing is evicted for it. A budget of 0 disables the cache:
     nothing is stored and every `get` is a miss. `hits`, `misses`, `evictions` and `usage_bytes` are
-    for metrics.
+    for metrics. Safe to share between threads (the HTTP server preprocesses on several).
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -28,6 +29,7 @@ class MultimodalCache(Generic[V]):
         self.usage_bytes = 0
         self._entries: OrderedDict[int, tuple[V, int]] = OrderedDict()  # (value, nbytes), LRU first
         self._pins: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,41 +44,51 @@ class MultimodalCache(Generic[V]):
 
     def get(self, key: int) -> V | None:
         """The value stored under `key` (now the most recently used), or None."""
-        if key not in self._entries:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
-        return self._entries[key][0]
+        with self._lock:
+            if key not in self._entries:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return self._entries[key][0]
 
     def put(self, key: int, value: V, nbytes: int) -> bool:
         """Store `value` under `key`, evicting as needed; whether it is stored. A key already present
         keeps its value (equal hashes mean equal content) and becomes the most recently used."""
-        if key in self._entries:
-            self._entries.move_to_end(key)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+            pinned_bytes = sum(self._entries[k][1] for k in self._pins)
+            if self.budget_bytes == 0 or nbytes > self.budget_bytes - pinned_bytes:
+                return False
+            victims = (k for k in list(self._entries) if k not in self._pins)
+            while self.usage_bytes + nbytes > self.budget_bytes:
+                self.usage_bytes -= self._entries.pop(next(victims))[1]
+                self.evictions += 1
+            self._entries[key] = (value, nbytes)
+            self.usage_bytes += nbytes
             return True
-        pinned_bytes = sum(self._entries[k][1] for k in self._pins)
-        if self.budget_bytes == 0 or nbytes > self.budget_bytes - pinned_bytes:
-            return False
-        victims = (k for k in list(self._entries) if k not in self._pins)
-        while self.usage_bytes + nbytes > self.budget_bytes:
-            self.usage_bytes -= self._entries.pop(next(victims))[1]
-            self.evictions += 1
-        self._entries[key] = (value, nbytes)
-        self.usage_bytes += nbytes
-        return True
 
     def pin(self, key: int) -> None:
         """Keep the stored entry `key` from eviction until a matching `unpin`."""
-        if key not in self._entries:
-            raise KeyError(f"cannot pin {key:#x}: not in the cache")
-        self._pins[key] = self._pins.get(key, 0) + 1
+        with self._lock:
+            if key not in self._entries:
+                raise KeyError(f"cannot pin {key:#x}: not in the cache")
+            self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, key: int) -> None:
-        count = self._pins.get(key)
-        if count is None:
-            raise KeyError(f"cannot unpin {key:#x}: not pinned")
-        if count == 1:
-            del self._pins[key]
-        else:
-            self._pins[key] = count - 1
+        with self._lock:
+            count = self._pins.get(key)
+            if count is None:
+                raise KeyError(f"cannot unpin {key:#x}: not pinned")
+            if count == 1:
+                del self._pins[key]
+            else:
+                self._pins[key] = count - 1
+
+    def clear(self) -> None:
+        """Drop every unpinned entry."""
+        with self._lock:
+            for key in [k for k in self._entries if k not in self._pins]:
+                self.usage_bytes -= self._entries.pop(key)[1]

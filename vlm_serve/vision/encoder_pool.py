@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import queue
+import signal
 import sys
 import time
 import weakref
@@ -294,6 +295,7 @@ def llm_threads(server_args: ServerArgs) -> int:
 
 def rank_main(server_args: ServerArgs, index: int, jobs: Queue, conn: Connection) -> None:
     """An encoder process: load the vision tower, then encode jobs until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
     torch.set_num_threads(rank_threads(server_args))
     try:
         device = rank_device(server_args, index)

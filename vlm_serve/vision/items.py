@@ -9,14 +9,14 @@ import torch
 
 Modality = Literal["image", "video"]
 EmbeddingSource = Literal["", "cache", "encoder", "prefix"]
-MEDIA_STAGES = ("read", "decode", "preprocess", "hash", "encoder_wait", "vit")  # the timed fields below
+MEDIA_STAGES = ("fetch", "decode", "preprocess", "hash", "encoder_wait", "vit")  # the timed fields below
 
 
 @dataclass
 class MediaTimings:
     """Where one media item's time went, in seconds, and which caches served it."""
 
-    read: float = 0.0  # resolve the source and read its bytes (data URL, local file)
+    fetch: float = 0.0  # resolve the source and get its bytes (data URL, local file, download)
     decode: float = 0.0  # image / video decoding (for videos, frame decoding)
     preprocess: float = 0.0  # resize, normalise, patchify
     hash: float = 0.0  # content hash of the raw bytes

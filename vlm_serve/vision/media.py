@@ -11,7 +11,8 @@ import base64
 import binascii
 import io
 import os
-from collections.abc import Sequence
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -21,6 +22,8 @@ DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _EXIF_ORIENTATION = 0x0112
 _DATA_URL_MEDIA_TYPES = {"image": ("image/",), "video": ("video/",)}
 _GENERIC_MEDIA_TYPE = "application/octet-stream"
+_URL_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+DEFAULT_MAX_FETCH_BYTES = 64 << 20
 
 ImageSource = str | os.PathLike | bytes | bytearray | memoryview | Image.Image
 VideoSource = str | os.PathLike | bytes | bytearray | memoryview
@@ -30,37 +33,59 @@ class MediaError(ValueError):
     """An image or video that cannot be used: unreadable, undecodable, too large or malformed."""
 
 
-def read_media(
-    source: str | os.PathLike | bytes | bytearray | memoryview,
-    kind: str,
-    allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
-) -> bytes | Path:
-    """Resolve `source` to raw bytes (bytes, `data:` URL) or an existing local file (path, `file://` URL).
+@dataclass(frozen=True)
+class MediaAccess:
+    """Where a request's media may come from, and how large it may be.
 
-    `kind` ("image" or "video") is only used in messages and to check a data URL's media type. When
-    `allowed_local_dirs` is given, a local path must lie inside one of them.
+    `local_dirs` None allows any local path (the in-process engine); a tuple allows paths inside those
+    folders only (empty: none). `domains` are the hosts http(s) URLs may name (empty: no fetching; see
+    `vision.fetch`). `max_bytes` bounds every source: data URLs, files and downloads.
     """
+
+    local_dirs: tuple[str, ...] | None = None
+    domains: tuple[str, ...] = ()
+    max_bytes: int | None = None
+    fetch_timeout: float = 10.0
+
+
+def read_media(
+    source: str | os.PathLike | bytes | bytearray | memoryview, kind: str, access: MediaAccess = MediaAccess()
+) -> bytes | Path:
+    """Resolve `source` to raw bytes (bytes, `data:` URL, allowed http(s) URL) or an existing local file
+    (path, `file://` URL), within `access`. `kind` ("image" or "video") is used in messages and to check
+    a data URL's media type."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if not data:
             raise MediaError(f"{kind} data is empty")
+        _check_bytes(len(data), kind, access)
         return data
     if isinstance(source, os.PathLike):
-        return _local_file(Path(source), kind, allowed_local_dirs)
+        return _local_file(Path(source), kind, access)
     if not isinstance(source, str):
         raise MediaError(f"unsupported {kind} source of type {type(source).__name__}")
     if source.startswith("data:"):
-        return _decode_data_url(source, kind)
+        return _decode_data_url(source, kind, access)
     if source.startswith("file://"):
-        return _local_file(Path(source[len("file://") :]), kind, allowed_local_dirs)
+        return _local_file(Path(source[len("file://") :]), kind, access)
     if source.startswith(("http://", "https://")):
-        raise MediaError(f"remote {kind} URLs are not supported here; fetch the {kind} and pass its bytes")
+        from vlm_serve.vision.fetch import fetch_url  # noqa: PLC0415 - only servers fetch
+
+        max_bytes = access.max_bytes if access.max_bytes is not None else DEFAULT_MAX_FETCH_BYTES
+        return fetch_url(source, kind, access.domains, max_bytes, access.fetch_timeout)
     if not source:
         raise MediaError(f"{kind} source is an empty string")
-    return _local_file(Path(source), kind, allowed_local_dirs)
+    if _URL_SCHEME.match(source):
+        raise MediaError(f"unsupported {kind} URL scheme {source.split(':', 1)[0]!r}: use data:, http(s): or a file path")
+    return _local_file(Path(source), kind, access)
 
 
-def _decode_data_url(url: str, kind: str) -> bytes:
+def _check_bytes(size: int, kind: str, access: MediaAccess) -> None:
+    if access.max_bytes is not None and size > access.max_bytes:
+        raise MediaError(f"{kind} is too large: {size} bytes exceeds the limit of {access.max_bytes} bytes")
+
+
+def _decode_data_url(url: str, kind: str, access: MediaAccess) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep:
         raise MediaError(f"malformed data URL for {kind}: no ',' separates the header from the data")
@@ -70,6 +95,7 @@ def _decode_data_url(url: str, kind: str) -> bytes:
         raise MediaError(f"unsupported data URL for {kind}: only base64-encoded data URLs are supported")
     if media_type and media_type != _GENERIC_MEDIA_TYPE and not media_type.startswith(_DATA_URL_MEDIA_TYPES[kind]):
         raise MediaError(f"unsupported data URL for {kind}: media type {media_type!r} is not {kind}/*")
+    _check_bytes(len(payload) * 3 // 4 - 2, kind, access)  # before decoding it
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -79,10 +105,15 @@ def _decode_data_url(url: str, kind: str) -> bytes:
     return data
 
 
-def _local_file(path: Path, kind: str, allowed_local_dirs: Sequence[str | os.PathLike] | None) -> Path:
-    if allowed_local_dirs is not None:
+def _local_file(path: Path, kind: str, access: MediaAccess) -> Path:
+    if access.local_dirs is not None:
+        if not access.local_dirs:
+            raise MediaError(
+                f"local {kind} files are not allowed (the server allows them under --allowed-local-media-path); "
+                f"send a data: URL instead"
+            )
         resolved = path.resolve()
-        if not any(resolved.is_relative_to(Path(d).resolve()) for d in allowed_local_dirs):
+        if not any(resolved.is_relative_to(Path(d).resolve()) for d in access.local_dirs):
             raise MediaError(f"{kind} path {str(path)!r} is outside the allowed local directories")
     if not path.exists():
         raise MediaError(f"{kind} file {str(path)!r} does not exist")
@@ -90,13 +121,14 @@ def _local_file(path: Path, kind: str, allowed_local_dirs: Sequence[str | os.Pat
         raise MediaError(f"{kind} path {str(path)!r} is not a regular file")
     if path.stat().st_size == 0:
         raise MediaError(f"{kind} file {str(path)!r} is empty")
+    _check_bytes(path.stat().st_size, kind, access)
     return path
 
 
 def load_image(
     source: ImageSource,
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-    allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+    access: MediaAccess = MediaAccess(),
 ) -> Image.Image:
     """Decode `source` into a PIL image with its EXIF orientation applied (the mode is left as stored).
 
@@ -105,7 +137,7 @@ def load_image(
     if isinstance(source, Image.Image):
         check_image_size(source.width, source.height, max_pixels)
         return apply_exif_orientation(source)
-    data = read_media(source, "image", allowed_local_dirs)
+    data = read_media(source, "image", access)
     try:
         image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
     except Image.DecompressionBombError as exc:

@@ -27,7 +27,9 @@ from vlm_serve.mm_cache.hashing import media_hash
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor
 from vlm_serve.vision.items import MediaTimings, MultimodalItem, ProcessedInput
-from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaError, VideoSource, load_image, read_media
+from vlm_serve.vision.media import (
+    DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaAccess, MediaError, VideoSource, load_image, read_media,
+)
 from vlm_serve.vision.video import VideoProcessor
 
 IMAGE_PAD = "<|image_pad|>"
@@ -59,14 +61,14 @@ class MultimodalProcessor:
         image_processor: ImageProcessor,
         video_processor: VideoProcessor,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-        allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+        access: MediaAccess = MediaAccess(),
         cache_mb: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.video_processor = video_processor
         self.max_image_pixels = max_image_pixels
-        self.allowed_local_dirs = allowed_local_dirs
+        self.access = access
         self.cache: MultimodalCache[MultimodalItem] = MultimodalCache(cache_mb << 20)
         self.image_token_id = _required_token_id(tokenizer, IMAGE_PAD)
         self.video_token_id = _required_token_id(tokenizer, VIDEO_PAD)
@@ -77,7 +79,7 @@ class MultimodalProcessor:
         model_dir: str | os.PathLike,
         tokenizer: Tokenizer,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-        allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+        access: MediaAccess = MediaAccess(),
         cache_mb: int = 0,
     ) -> MultimodalProcessor:
         """Processors configured by the checkpoint's `preprocessor_config.json` / `video_preprocessor_config.json`."""
@@ -86,7 +88,7 @@ class MultimodalProcessor:
             ImageProcessor.from_pretrained(model_dir),
             VideoProcessor.from_pretrained(model_dir, max_frame_pixels=max_image_pixels),
             max_image_pixels=max_image_pixels,
-            allowed_local_dirs=allowed_local_dirs,
+            access=access,
             cache_mb=cache_mb,
         )
 
@@ -172,10 +174,10 @@ class MultimodalProcessor:
             data = load_image(item.source, self.max_image_pixels)  # upright, as it will be preprocessed
             timings.decode = time.perf_counter() - start
         else:
-            data = read_media(item.source, "image", self.allowed_local_dirs)
+            data = read_media(item.source, "image", self.access)
             if isinstance(data, Path):
                 data = data.read_bytes()  # read once: hashed, then decoded from memory
-            timings.read = time.perf_counter() - start
+            timings.fetch = time.perf_counter() - start
 
         def preprocess() -> MultimodalItem:
             start = time.perf_counter()
@@ -194,8 +196,8 @@ class MultimodalProcessor:
         settings = self.video_processor.config.with_overrides(**item.options)
         timings = MediaTimings()
         start = time.perf_counter()
-        data = read_media(item.source, "video", self.allowed_local_dirs)  # a local video is streamed, not read whole
-        timings.read = time.perf_counter() - start
+        data = read_media(item.source, "video", self.access)  # a local video is streamed, not read whole
+        timings.fetch = time.perf_counter() - start
 
         def preprocess() -> MultimodalItem:
             processed = self.video_processor.preprocess(data, **item.options)

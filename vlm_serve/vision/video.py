@@ -38,7 +38,7 @@ from vlm_serve.vision.image_processor import (
     validate_pixel_settings,
 )
 from vlm_serve.vision.items import MultimodalItem
-from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, MediaError, VideoSource, read_media
+from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, MediaAccess, MediaError, VideoSource, read_media
 
 DEFAULT_VIDEO_FPS = 24.0  # assumed when a stream states no frame rate, as transformers does
 
@@ -246,12 +246,12 @@ class VideoProcessor:
         max_pixels: int | None = None,
         fps: float | None = None,
         max_frames: int | None = None,
-        allowed_local_dirs: Sequence[str | os.PathLike] | None = None,
+        access: MediaAccess = MediaAccess(),
     ) -> MultimodalItem:
         """Decode `source` (bytes, path, `data:` URL), sample frames by fps and build the video item.
         The item's `timings` get the decoding and the resizing/normalising time."""
         config = self.config.with_overrides(min_pixels, max_pixels, fps, max_frames)
-        data = read_media(source, "video", allowed_local_dirs)
+        data = read_media(source, "video", access)
         start = time.perf_counter()
         total_frames, video_fps = self._probe(data)
         indices = sample_frame_indices(total_frames, video_fps, config.fps, config.min_frames, config.max_frames)

@@ -194,7 +194,6 @@ class Scheduler:
                 self.check_memory()
                 self._idle_checked = True
         else:
-            t1 = time.perf_counter()
             forward_batch = batch.prepare_for_decode() if batch.forward_mode.is_decode() else batch.prepare_for_extend()
             t2 = time.perf_counter()
             result = self.run_batch(batch, forward_batch)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
-
 from vlm_serve.llm.layers.attention.base import AttentionBackend
 from vlm_serve.llm.layers.attention.torch_backend import TorchAttnBackend
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool

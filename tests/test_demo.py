@@ -1,0 +1,172 @@
+"""The Gradio demo: the history -> messages conversion, and the page itself driven by headless Chromium
+(upload an image, send a message, the streamed answer equals the engine's greedy answer)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from vlm_serve.demo import to_openai_messages, user_turn
+from vlm_serve.testing.media import make_image
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+PROMPT = "What is in this picture?"
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from vlm_serve.engine import Engine
+
+    engine = Engine(dtype="float32", vit_dp=0)  # the built-in tiny model; vit_dp=0: no encoder processes
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def image(tmp_path):
+    path = tmp_path / "picture.png"
+    make_image(128, 96, seed=7).save(path)
+    return path
+
+
+def _conversation(image) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": str(image)}, {"type": "text", "text": PROMPT}]}]
+
+
+def test_history_and_new_message_become_openai_messages():
+    history = [
+        {"role": "user", "content": [{"type": "file", "file": {"path": "/up/a.png", "mime_type": "image/png"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}]},  # one turn, two bubbles
+        {"role": "assistant", "content": [{"type": "text", "text": " A cat"}, {"type": "text", "text": "."}]},
+        {"role": "user", "content": "And this?"},  # a plain string, as Gradio 5 and hand-made histories have
+        {"role": "user", "content": {"path": "/up/clip.MP4"}},  # no MIME type: from the extension
+    ]
+    message = {"text": "Compare them.", "files": ["/up/b.jpg"]}
+    assert to_openai_messages(history, message) == [
+        {"role": "user", "content": [{"type": "image", "image": "/up/a.png"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": " A cat."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "And this?"},
+                {"type": "video", "video": "/up/clip.MP4"},
+                {"type": "image", "image": "/up/b.jpg"},
+                {"type": "text", "text": "Compare them."},
+            ],
+        },
+    ]
+    assert to_openai_messages([], {"text": "", "files": []}) == []
+    with pytest.raises(ValueError, match="neither an image nor a video"):
+        to_openai_messages([], {"text": "Read this.", "files": ["/up/notes.pdf"]})
+
+
+def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, image, tmp_path):
+    pytest.importorskip("gradio")
+    from vlm_serve.demo import _responder
+
+    respond = _responder(engine, threading.Lock())
+    controls = (GREEDY["max_tokens"], GREEDY["temperature"], 1.0, 0, 1.0, None)  # top_k 0 = off, no seed
+    history = [user_turn({"text": PROMPT, "files": [str(image)]})]
+    updates = list(respond(history, *controls))
+    answers = [h[-1]["content"][0]["text"] for h in updates]
+    assert len(updates) > 1 and all(h[:-1] == history and h[-1]["role"] == "assistant" for h in updates)
+    assert all(b.startswith(a) for a, b in zip(answers, answers[1:]))  # each update extends the last
+    assert answers[-1] == engine.chat(_conversation(image), **GREEDY).text
+
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a PNG")
+    history = [*updates[-1], user_turn({"text": "And this one?", "files": [str(broken)]})]
+    with pytest.warns(UserWarning, match="The message was not sent"):  # gr.Warning outside a page
+        assert list(respond(history, *controls)) == [updates[-1]]  # the rejected turn is taken back
+    engine.scheduler.check_memory()
+
+
+# ---- the page in a browser ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def browser() -> Iterator:
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+    if missing:
+        pytest.skip(f"no headless browser: {', '.join(missing)} missing")
+    if importlib.util.find_spec("gradio") is None or importlib.util.find_spec("selenium") is None:
+        pytest.skip("gradio or selenium is not installed")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)  # an explicit driver: no Selenium Manager
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated")  # pandas 3, in Gradio's queue
+@pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")
+def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, image, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from vlm_serve.demo import build_demo
+
+    expected = engine.chat(_conversation(image), **GREEDY).text
+    assert expected.strip()
+    image_hits = engine.processor.cache.hits
+    demo = build_demo(engine, GREEDY)
+    try:
+        port = _free_port()
+        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait = WebDriverWait(browser, 60)
+
+        upload = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chat-input input[type=file]")))
+        upload.send_keys(str(image))
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chat-input .thumbnail-item img")))  # uploaded
+        textbox = browser.find_element(By.CSS_SELECTOR, "#chat-input textarea")
+        textbox.send_keys(PROMPT)
+        browser.find_element(By.CSS_SELECTOR, "#chat-input button.submit-button").click()
+
+        # The user's turn shows the image; the answer streams into a bot bubble; the textbox, locked
+        # while the answer is generated, unlocks when it is done.
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chatbot [data-testid=user] img")))
+        wait.until(lambda d: any(el.text.strip() for el in d.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=bot]")))
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#chat-input textarea").is_enabled())
+
+        bots = browser.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=bot]")
+        assert len(bots) == 1
+        # The bubble's aria-label holds the raw text ("bot's message: ..."); its rendering is Markdown.
+        label = bots[0].get_attribute("aria-label")
+        assert label == "bot's message: " + expected
+        assert engine.processor.cache.hits == image_hits + 1  # the uploaded bytes reached the processor
+
+        # A file that is no image: a warning, and the turn is taken back; the conversation goes on.
+        broken = tmp_path / "broken.png"
+        broken.write_bytes(b"not a PNG")
+        browser.find_element(By.CSS_SELECTOR, "#chat-input input[type=file]").send_keys(str(broken))
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chat-input .thumbnail-item")))
+        browser.find_element(By.CSS_SELECTOR, "#chat-input textarea").send_keys("And this one?")
+        browser.find_element(By.CSS_SELECTOR, "#chat-input button.submit-button").click()
+        wait.until(lambda d: "The message was not sent" in d.find_element(By.TAG_NAME, "body").text)
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#chat-input textarea").is_enabled())
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=user]")) == 2)
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=bot]")) == 1
+        engine.scheduler.check_memory()
+    finally:
+        demo.close()

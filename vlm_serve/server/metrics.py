@@ -1,0 +1,90 @@
+"""`/metrics` in Prometheus' text format: the HTTP process's latencies plus the scheduler's gauges."""
+
+from __future__ import annotations
+
+from vlm_serve.llm.scheduler.metrics import Histogram
+from vlm_serve.mm_cache.cache import MultimodalCache
+from vlm_serve.server.io_struct import StatsOut
+from vlm_serve.server.tokenizer_manager import ServerMetrics
+
+PREFIX = "vlm_serve:"
+
+
+class _Exposition:
+    """Collects metric families as text lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def _family(self, name: str, kind: str, help_text: str) -> str:
+        name = PREFIX + name
+        self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        return name
+
+    def gauge(self, name: str, value: float, help_text: str) -> None:
+        self.lines.append(f"{self._family(name, 'gauge', help_text)} {value}")
+
+    def counter(self, name: str, value: float, help_text: str) -> None:
+        self.lines.append(f"{self._family(name + '_total', 'counter', help_text)} {value}")
+
+    def labelled(self, name: str, kind: str, values: dict[str, float], label: str, help_text: str) -> None:
+        name = self._family(name, kind, help_text)
+        self.lines += [f'{name}{{{label}="{key}"}} {value}' for key, value in values.items()]
+
+    def histograms(self, name: str, histograms: dict[str, Histogram], label: str, help_text: str) -> None:
+        name = self._family(name, "histogram", help_text)
+        for key, h in histograms.items():
+            labels = f'{label}="{key}",' if label else ""
+            cumulative = 0
+            for bound, count in zip((*h.buckets, "+Inf"), h.counts):
+                cumulative += count
+                self.lines.append(f'{name}_bucket{{{labels}le="{bound}"}} {cumulative}')
+            braces = f"{{{labels.rstrip(',')}}}" if labels else ""
+            self.lines += [f"{name}_sum{braces} {h.sum}", f"{name}_count{braces} {h.count}"]
+
+
+def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: MultimodalCache) -> str:
+    out = _Exposition()
+    out.gauge("num_requests_running", stats.num_running, "Requests in the running batch.")
+    out.gauge("num_requests_waiting", stats.num_waiting, "Requests in the waiting queue.")
+    out.gauge("num_requests_encoding", stats.num_encoding, "Requests waiting for their images/videos to be encoded.")
+    out.gauge("kv_cache_usage", stats.kv_usage, "Share of KV cache slots held by requests.")
+    out.gauge("max_total_tokens", stats.max_total_tokens, "KV cache size in tokens.")
+    out.gauge("prefix_cache_hit_rate", stats.prefix_cache_hit_rate, "Share of prompt tokens served from the prefix cache.")
+    out.counter("prompt_tokens_cached", stats.cached_prompt_tokens, "Prompt tokens served from the prefix cache.")
+    out.counter("prompt_tokens_computed", stats.computed_prompt_tokens, "Prompt tokens run through the model.")
+    out.counter("generation_tokens", stats.generated_tokens, "Tokens generated.")
+    out.counter("retractions", stats.num_retractions, "Requests retracted when the KV cache ran out.")
+    embeddings = stats.embedding_cache
+    for cache_name, counters in (
+        ("embedding_cache", embeddings),
+        ("processor_cache", {
+            "hits": processor_cache.hits, "misses": processor_cache.misses,
+            "evictions": processor_cache.evictions, "usage_bytes": processor_cache.usage_bytes,
+        }),
+    ):  # fmt: skip
+        what = "vision embeddings" if cache_name == "embedding_cache" else "preprocessed images/videos"
+        lookups = counters["hits"] + counters["misses"]
+        out.counter(f"{cache_name}_hits", counters["hits"], f"Lookups of {what} that hit.")
+        out.counter(f"{cache_name}_misses", counters["misses"], f"Lookups of {what} that missed.")
+        out.counter(f"{cache_name}_evictions", counters["evictions"], f"Cached {what} evicted.")
+        out.gauge(f"{cache_name}_usage_bytes", counters["usage_bytes"], f"Bytes of cached {what}.")
+        out.gauge(f"{cache_name}_hit_rate", counters["hits"] / lookups if lookups else 0.0, f"Hit rate of cached {what}.")
+    out.labelled(
+        "encoder_load_patches", "gauge", {str(i): load for i, load in enumerate(stats.encoder_load)}, "rank",
+        "Patches in flight per encoder pool rank.",
+    )  # fmt: skip
+    out.counter("encoder_restarts", stats.encoder_restarts, "Encoder pool ranks restarted after dying.")
+    out.counter("media_items", stats.media_items, "Images and videos that passed the encoding stage.")
+    out.histograms(
+        "media_stage_seconds", {k: Histogram(**v) for k, v in stats.media_seconds.items()}, "stage",
+        "Time per image/video in each stage: fetch, decode, preprocess, hash, encoder_wait, vit.",
+    )  # fmt: skip
+    out.counter("requests", server.num_requests, "Requests received (a request with n choices counts once).")
+    out.labelled("requests_finished_total", "counter", server.num_finished, "reason", "Choices finished, by reason.")
+    out.counter("requests_rejected", server.num_rejected, "Requests the scheduler refused.")
+    out.counter("prompt_tokens", server.prompt_tokens, "Prompt tokens of finished choices.")
+    out.histograms("time_to_first_token_seconds", {"": server.ttft}, "", "Time to the first generated token.")
+    out.histograms("inter_token_latency_seconds", {"": server.itl}, "", "Time between generated tokens.")
+    out.histograms("e2e_request_latency_seconds", {"": server.e2e}, "", "Time from arrival to the last token.")
+    return "\n".join(out.lines) + "\n"

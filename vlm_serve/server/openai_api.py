@@ -1,0 +1,258 @@
+"""Chat and text completions in OpenAI's shapes, on top of the TokenizerManager.
+
+`chat_completion` / `completion` return a response body, or an async iterator of SSE lines when the
+request streams. Every problem with the request raises ValueError (the app turns it into a 400).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from vlm_serve.config import ServerArgs
+from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.server.io_struct import StrOut
+from vlm_serve.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ImagePart,
+    MediaTokens,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    VideoPart,
+    new_id,
+    now,
+)
+from vlm_serve.server.tokenizer_manager import TokenizerManager
+from vlm_serve.vision.items import ProcessedInput
+
+_SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "n", "ignore_eos", "min_tokens",
+)  # fmt: skip
+
+
+class OpenAIServing:
+    """The /v1 endpoints' logic for one served model."""
+
+    def __init__(self, tm: TokenizerManager, server_args: ServerArgs, model_name: str) -> None:
+        self.tm = tm
+        self.server_args = server_args
+        self.model_name = model_name
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise LookupError(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
+
+    # ---- chat --------------------------------------------------------------------------------------
+
+    async def chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        check_media_parts(request, self.server_args)
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        x = await self.tm.process_messages(messages)
+        sampling = _sampling(request)
+        if request.max_completion_tokens is not None:
+            sampling["max_tokens"] = request.max_completion_tokens
+        sampling.update(logprobs=request.logprobs, top_logprobs=request.top_logprobs)
+        params = self.tm.sampling_params(len(x.input_ids), **sampling)
+        if request.stream:
+            return self._chat_stream(request, x, params)
+        choices: list[ChatChoice] = [None] * params.n  # type: ignore[list-item]
+        texts = [""] * params.n
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
+        completion_tokens = 0
+        last: StrOut | None = None
+        async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
+            async for i, out in outputs:
+                completion_tokens += len(out.new_ids)
+                texts[i] += out.text
+                if params.logprobs:
+                    logprobs[i] += self._token_logprobs(out)
+                if out.finish_reason is not None:
+                    choices[i] = ChatChoice(
+                        index=i, message=ChatMessageOut(content=texts[i]),
+                        logprobs=ChoiceLogprobs(content=logprobs[i]) if params.logprobs else None,
+                        finish_reason=out.finish_reason, matched_stop=out.matched_stop,
+                    )  # fmt: skip
+                    last = out
+        return ChatCompletionResponse(
+            id=new_id("chatcmpl"), created=now(), model=self.model_name, choices=choices,
+            usage=self._usage(x, last, completion_tokens),
+        )  # fmt: skip
+
+    async def _chat_stream(
+        self, request: ChatCompletionRequest, x: ProcessedInput, params: SamplingParams
+    ) -> AsyncIterator[str]:
+        rid, created = new_id("chatcmpl"), now()
+
+        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+            return _sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage))
+
+        started = [False] * params.n
+        completion_tokens = 0
+        last: StrOut | None = None
+        async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
+            async for i, out in outputs:
+                completion_tokens += len(out.new_ids)
+                if not started[i]:
+                    started[i] = True
+                    yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                if out.text or out.finish_reason is not None or (params.logprobs and out.new_ids):
+                    logprobs = ChoiceLogprobs(content=self._token_logprobs(out)) if params.logprobs else None
+                    delta = DeltaMessage(content=out.text or None)
+                    yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason)])
+                if out.finish_reason is not None:
+                    last = out
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], self._usage(x, last, completion_tokens))
+        yield "data: [DONE]\n\n"
+
+    # ---- text completions --------------------------------------------------------------------------
+
+    async def completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        x = self.tm.tokenize(request.prompt)
+        sampling = _sampling(request)
+        top = request.logprobs
+        sampling.update(logprobs=top is not None, top_logprobs=top or 0)
+        params = self.tm.sampling_params(len(x.input_ids), **sampling)
+        if request.stream:
+            return self._completion_stream(request, x, params)
+        texts = [""] * params.n
+        logprobs = [CompletionLogprobs() for _ in range(params.n)]
+        choices: list[CompletionChoice] = [None] * params.n  # type: ignore[list-item]
+        completion_tokens = 0
+        last: StrOut | None = None
+        async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
+            async for i, out in outputs:
+                completion_tokens += len(out.new_ids)
+                if params.logprobs:
+                    self._add_completion_logprobs(logprobs[i], out, len(texts[i]))
+                texts[i] += out.text
+                if out.finish_reason is not None:
+                    choices[i] = CompletionChoice(
+                        index=i, text=texts[i], logprobs=logprobs[i] if params.logprobs else None,
+                        finish_reason=out.finish_reason, matched_stop=out.matched_stop,
+                    )  # fmt: skip
+                    last = out
+        return CompletionResponse(
+            id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices,
+            usage=self._usage(x, last, completion_tokens),
+        )  # fmt: skip
+
+    async def _completion_stream(
+        self, request: CompletionRequest, x: ProcessedInput, params: SamplingParams
+    ) -> AsyncIterator[str]:
+        rid, created = new_id("cmpl"), now()
+        completion_tokens = 0
+        last: StrOut | None = None
+        offsets = [0] * params.n
+        async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
+            async for i, out in outputs:
+                completion_tokens += len(out.new_ids)
+                logprobs = None
+                if params.logprobs:
+                    logprobs = CompletionLogprobs()
+                    self._add_completion_logprobs(logprobs, out, offsets[i])
+                offsets[i] += len(out.text)
+                if out.text or out.finish_reason is not None:
+                    choice = CompletionChoice(index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason)
+                    yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice]))
+                if out.finish_reason is not None:
+                    last = out
+        if request.stream_options is not None and request.stream_options.include_usage:
+            usage = self._usage(x, last, completion_tokens)
+            yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
+        yield "data: [DONE]\n\n"
+
+    # ---- pieces ------------------------------------------------------------------------------------
+
+    def _usage(self, x: ProcessedInput, last: StrOut | None, completion_tokens: int) -> Usage:
+        merge = self.tm.processor.image_processor.config.merge_size
+        media = [MediaTokens(type=item.modality, tokens=item.num_tokens(merge)) for item in x.mm_items]
+        prompt_tokens = len(x.input_ids)
+        cached = last.cached_tokens if last is not None else 0
+        return Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, media=media),
+        )  # fmt: skip
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tm.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _token_logprobs(self, out: StrOut) -> list[TokenLogprob]:
+        result = []
+        for j, token_id in enumerate(out.new_ids):
+            text = self._token_text(token_id)
+            top = out.top_logprobs[j] if j < len(out.top_logprobs) else []
+            alternatives = [
+                TopLogprob(token=(t := self._token_text(tid)), logprob=lp, bytes=list(t.encode())) for tid, lp in top
+            ]
+            result.append(
+                TokenLogprob(token=text, logprob=out.logprobs[j], bytes=list(text.encode()), top_logprobs=alternatives)
+            )
+        return result
+
+    def _add_completion_logprobs(self, logprobs: CompletionLogprobs, out: StrOut, offset: int) -> None:
+        for j, token_id in enumerate(out.new_ids):
+            text = self._token_text(token_id)
+            logprobs.tokens.append(text)
+            logprobs.token_logprobs.append(out.logprobs[j])
+            top = out.top_logprobs[j] if j < len(out.top_logprobs) else []
+            logprobs.top_logprobs.append({self._token_text(tid): lp for tid, lp in top})
+            logprobs.text_offset.append(offset)
+            offset += len(text)
+
+
+def _sampling(request: Any) -> dict[str, Any]:
+    return {name: getattr(request, name) for name in _SAMPLING_FIELDS}
+
+
+def _sse(body: BaseModel) -> str:
+    return f"data: {json.dumps(body.model_dump(exclude_none=True), ensure_ascii=False)}\n\n"
+
+
+def check_media_parts(request: ChatCompletionRequest, server_args: ServerArgs) -> None:
+    """At most `limit_mm_per_prompt` images and videos, each asking no more than the server's caps."""
+    parts = [
+        part
+        for message in request.messages
+        if isinstance(message.content, list)
+        for part in message.content
+        if isinstance(part, (ImagePart, VideoPart))
+    ]
+    if len(parts) > server_args.limit_mm_per_prompt:
+        raise ValueError(
+            f"the request has {len(parts)} images and videos; this server accepts at most "
+            f"{server_args.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)"
+        )
+    for part in parts:
+        kind = "image" if isinstance(part, ImagePart) else "video"
+        pixel_cap = server_args.mm_max_image_pixels if kind == "image" else server_args.mm_max_video_pixels
+        caps = {"min_pixels": pixel_cap, "max_pixels": pixel_cap}
+        if kind == "video":
+            caps.update(fps=server_args.mm_max_fps, max_frames=server_args.mm_max_frames)
+        for name, cap in caps.items():
+            value = getattr(part, name)
+            if value is not None and value > cap:
+                raise ValueError(f"{kind} {name}={value} exceeds this server's limit of {cap}")
+        if part.min_pixels is not None and part.max_pixels is not None and part.min_pixels > part.max_pixels:
+            raise ValueError(f"{kind} min_pixels={part.min_pixels} is larger than max_pixels={part.max_pixels}")

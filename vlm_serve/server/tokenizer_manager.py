@@ -1,0 +1,209 @@
+"""The HTTP process's side of a request: messages -> model inputs -> scheduler, and text back.
+
+Rendering the chat template, loading media and preprocessing run on a thread pool, off the event
+loop. Each request's choices go to the scheduler as `TokenizedGenerateReq`s; their text arrives from
+the detokenizer and is handed to the waiting handler through a per-request queue. A handler that goes
+away (client disconnect) aborts its unfinished choices, so their KV cache is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import pickle
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from vlm_serve.config import ServerArgs
+from vlm_serve.llm.scheduler.metrics import Histogram
+from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
+from vlm_serve.server.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetStatsReq,
+    PortArgs,
+    StatsOut,
+    StrOut,
+    TokenizedGenerateReq,
+    send_pyobj,
+)
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.items import ProcessedInput
+from vlm_serve.vision.media import MediaAccess
+from vlm_serve.vision.processor import MultimodalProcessor
+
+logger = logging.getLogger(__name__)
+
+# inter-token latencies are short; requests' end-to-end times are long
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class RequestError(ValueError):
+    """The scheduler refused a request (it can never fit, a duplicate id, ...): a 400 for the client."""
+
+
+@dataclass
+class ServerMetrics:
+    """What the HTTP process measures: request counts and latencies as clients see them."""
+
+    num_requests: int = 0
+    num_finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    num_rejected: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: Histogram = field(default_factory=Histogram)
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+
+
+@dataclass
+class _Pending:
+    """The choices of one request in flight, sharing one queue of outputs."""
+
+    rids: list[str]
+    queue: asyncio.Queue[StrOut] = field(default_factory=asyncio.Queue)
+    unfinished: set[str] = field(default_factory=set)
+
+
+class TokenizerManager:
+    """Turns API requests into scheduler requests and streams their outputs back."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, limits: dict[str, int]) -> None:
+        self.server_args = server_args
+        self.limits = limits  # from the scheduler: max_total_tokens, context_length, page_size, ...
+        path = Path(server_args.model)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        access = MediaAccess(
+            local_dirs=(server_args.allowed_local_media_path,) if server_args.allowed_local_media_path else (),
+            domains=tuple(server_args.allowed_media_domains),
+            max_bytes=server_args.max_media_mb << 20,
+            fetch_timeout=server_args.media_fetch_timeout,
+        )
+        self.processor = MultimodalProcessor.from_pretrained(
+            path, self.tokenizer, access=access, cache_mb=server_args.mm_cache_mb
+        )
+        self.default_sampling = generation_defaults(path)
+        self.executor = ThreadPoolExecutor(server_args.tokenizer_workers, thread_name_prefix="preprocess")
+        self.send_to_scheduler = zmq.Context.instance().socket(zmq.PUSH)  # sends never wait: no high-water mark
+        self.send_to_scheduler.setsockopt(zmq.SNDHWM, 0)
+        self.send_to_scheduler.connect(port_args.scheduler_input)
+        self.recv_from_detokenizer = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        self.recv_from_detokenizer.bind(port_args.tokenizer_input)
+        self.pending: dict[str, _Pending] = {}  # by choice rid
+        self.metrics = ServerMetrics()
+        self._ids = itertools.count()
+        self._control_lock = asyncio.Lock()  # one control request (stats, flush) at a time
+        self._reply: asyncio.Future | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Starts receiving outputs; call from the server's event loop."""
+        self._loop_task = asyncio.get_running_loop().create_task(self.handle_loop())
+
+    async def handle_loop(self) -> None:
+        while True:
+            message = pickle.loads(await self.recv_from_detokenizer.recv())
+            if isinstance(message, BatchStrOut):
+                for out in message.outs:
+                    pending = self.pending.get(out.rid)
+                    if pending is not None:
+                        pending.queue.put_nowait(out)
+            elif self._reply is not None and not self._reply.done():
+                self._reply.set_result(message)
+
+    # ---- inputs ------------------------------------------------------------------------------------
+
+    async def process_messages(self, messages: list[dict[str, Any]]) -> ProcessedInput:
+        """Chat template, media and preprocessing, on the thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._process_messages, messages)
+
+    def _process_messages(self, messages: list[dict[str, Any]]) -> ProcessedInput:
+        processed = self.processor.process_messages(messages, add_generation_prompt=True)
+        for item in processed.mm_items:
+            item.pixel_values.share_memory_()  # the scheduler maps these pages instead of copying them
+        return processed
+
+    def tokenize(self, prompt: str | list[int]) -> ProcessedInput:
+        if isinstance(prompt, str):
+            return ProcessedInput(self.tokenizer.encode(prompt))
+        return ProcessedInput(list(prompt))
+
+    def sampling_params(self, prompt_len: int, **sampling: Any) -> SamplingParams:
+        """OpenAI-named settings over the checkpoint's defaults; without max_tokens, an answer may run
+        to the context length (or what the KV pool can hold)."""
+        if sampling.get("max_tokens") is None and sampling.get("max_completion_tokens") is None:
+            room = min(self.limits["context_length"], self.limits["max_total_tokens"] - self.limits["page_size"])
+            sampling["max_tokens"] = max(room - prompt_len, 1)
+        try:
+            return sampling_params_from_openai(self.default_sampling, sampling)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from exc
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    async def generate(
+        self, x: ProcessedInput, params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[tuple[int, StrOut]]:
+        """Yields (choice index, output) as the `n` choices progress. Raises `RequestError` if the
+        scheduler refuses the request. Leaving early (a disconnect) aborts the unfinished choices."""
+        base = f"req{next(self._ids)}"
+        rids = [f"{base}-{i}" for i in range(params.n)]
+        pending = _Pending(rids, unfinished=set(rids))
+        index = {rid: i for i, rid in enumerate(rids)}
+        for rid, choice in zip(rids, params.per_choice()):
+            self.pending[rid] = pending
+            send_pyobj(self.send_to_scheduler, TokenizedGenerateReq(rid, x.input_ids, choice, x.mm_items, priority))
+        self.metrics.num_requests += 1
+        start = last = time.perf_counter()
+        first = True
+        try:
+            while pending.unfinished:
+                out = await pending.queue.get()
+                if out.error is not None:
+                    self.metrics.num_rejected += 1
+                    raise RequestError(out.error)
+                now = time.perf_counter()
+                if out.new_ids:
+                    (self.metrics.ttft if first else self.metrics.itl).observe(now - (start if first else last))
+                    first, last = False, now
+                    self.metrics.generation_tokens += len(out.new_ids)
+                if out.finish_reason is not None:
+                    pending.unfinished.discard(out.rid)
+                    self.pending.pop(out.rid, None)
+                    self.metrics.num_finished[out.finish_reason] += 1
+                    self.metrics.prompt_tokens += out.prompt_tokens
+                yield index[out.rid], out
+            self.metrics.e2e.observe(time.perf_counter() - start)
+        finally:
+            for rid in rids:
+                if self.pending.pop(rid, None) is not None and rid in pending.unfinished:
+                    send_pyobj(self.send_to_scheduler, AbortReq(rid, "the client went away"))
+
+    # ---- control -----------------------------------------------------------------------------------
+
+    async def _control(self, request: Any) -> Any:
+        async with self._control_lock:
+            self._reply = asyncio.get_running_loop().create_future()
+            send_pyobj(self.send_to_scheduler, request)
+            return await asyncio.wait_for(self._reply, timeout=30)
+
+    async def get_stats(self) -> StatsOut:
+        return await self._control(GetStatsReq())
+
+    async def flush_cache(self) -> FlushCacheOut:
+        out: FlushCacheOut = await self._control(FlushCacheReq())
+        if out.success:
+            self.processor.cache.clear()
+        return out
