@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardMode
@@ -28,3 +37,61 @@ def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[Mu
     tree_cache.cache_finished_req(req)
     scheduler.encoding.release(req)
     return logits
+
+
+# ---- a real `vlm-serve serve` subprocess ------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below `pid` (children, grandchildren, ...)."""
+    found = []
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return found
+    for child in map(int, children):
+        found += [child, *descendants(child)]
+    return found
+
+
+@dataclass
+class ServerProcess:
+    """A server started by `start_server`: its process and base URL."""
+
+    process: subprocess.Popen
+    url: str
+    output: list[str]
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerProcess:
+    """Runs `vlm-serve serve` on a free loopback port and returns once it prints where it listens."""
+    port = free_port()
+    command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model_dir), "--port", str(port), *flags]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in process.stdout:
+            output.append(line)
+            if "serving" in line and f":{port}" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.2):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError("the server did not start:\n" + "".join(output))
+    return ServerProcess(process, f"http://127.0.0.1:{port}", output)

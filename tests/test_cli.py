@@ -1,4 +1,4 @@
-"""The `vlm-serve` command: creating a tiny model and answering a prompt offline."""
+"""The `vlm-serve` command: creating a tiny model, answering a prompt offline, and its settings."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from vlm_serve.cli import build_parser, parse_args, server_args_of
 from vlm_serve.testing.media import make_image
 
 
@@ -44,3 +45,14 @@ def test_generate_reports_a_missing_image_clearly(tmp_path):
                         env_cache=tmp_path / "cache")
     assert result.returncode == 2
     assert "nope.png" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_settings_come_from_the_config_file_and_command_line_flags_win(tmp_path):
+    config = tmp_path / "deploy.yaml"
+    config.write_text("max-running-requests: 8\nport: 31000\nallowed_media_domains: [example.com, .cdn.org]\n")
+    ns = parse_args(build_parser(), ["serve", "--config", str(config), "--port", "32000"])
+    args = server_args_of(ns)
+    assert (args.max_running_requests, args.port, args.host) == (8, 32000, "127.0.0.1")
+    assert args.allowed_media_domains == ["example.com", ".cdn.org"]
+    flags = server_args_of(parse_args(build_parser(), ["serve", "--allowed-media-domains", "a.com", "b.com"]))
+    assert flags.allowed_media_domains == ["a.com", "b.com"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import socket
 import threading
@@ -16,6 +17,7 @@ from vlm_serve.testing.media import make_image
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 PROMPT = "What is in this picture?"
+BOT = "#chatbot [data-testid=bot]"  # an assistant bubble of the page
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
@@ -49,7 +51,10 @@ def test_history_and_new_message_become_openai_messages():
     ]
     message = {"text": "Compare them.", "files": ["/up/b.jpg"]}
     assert to_openai_messages(history, message) == [
-        {"role": "user", "content": [{"type": "image", "image": "/up/a.png"}, {"type": "text", "text": "What is this?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": "/up/a.png"}, {"type": "text", "text": "What is this?"}],
+        },
         {"role": "assistant", "content": " A cat."},
         {
             "role": "user",
@@ -76,7 +81,7 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, image, tmp
     updates = list(respond(history, *controls))
     answers = [h[-1]["content"][0]["text"] for h in updates]
     assert len(updates) > 1 and all(h[:-1] == history and h[-1]["role"] == "assistant" for h in updates)
-    assert all(b.startswith(a) for a, b in zip(answers, answers[1:]))  # each update extends the last
+    assert all(b.startswith(a) for a, b in itertools.pairwise(answers))  # each update extends the last
     assert answers[-1] == engine.chat(_conversation(image), **GREEDY).text
 
     broken = tmp_path / "broken.png"
@@ -146,10 +151,10 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, im
         # The user's turn shows the image; the answer streams into a bot bubble; the textbox, locked
         # while the answer is generated, unlocks when it is done.
         wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chatbot [data-testid=user] img")))
-        wait.until(lambda d: any(el.text.strip() for el in d.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=bot]")))
+        wait.until(lambda d: any(el.text.strip() for el in d.find_elements(By.CSS_SELECTOR, BOT)))
         wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#chat-input textarea").is_enabled())
 
-        bots = browser.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=bot]")
+        bots = browser.find_elements(By.CSS_SELECTOR, BOT)
         assert len(bots) == 1
         # The bubble's aria-label holds the raw text ("bot's message: ..."); its rendering is Markdown.
         label = bots[0].get_attribute("aria-label")
@@ -166,7 +171,7 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, im
         wait.until(lambda d: "The message was not sent" in d.find_element(By.TAG_NAME, "body").text)
         wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#chat-input textarea").is_enabled())
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=user]")) == 2)
-        assert len(browser.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=bot]")) == 1
+        assert len(browser.find_elements(By.CSS_SELECTOR, BOT)) == 1
         engine.scheduler.check_memory()
     finally:
         demo.close()

@@ -112,6 +112,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return launch_server(server_args_of(ns))
 
 
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from vlm_serve.demo import run_demo
+    from vlm_serve.engine import Engine
+
+    with Engine(ns.model, **server_args_from(ns)) as engine:
+        run_demo(engine, ns.host, ns.port)
+    return 0
+
+
 def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
     from vlm_serve.testing.tiny_model import create_tiny_model
 
@@ -127,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (default http://127.0.0.1:30000)")
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve, subparser=serve)
+
+    demo = sub.add_parser("demo", help="a Gradio chat page (images, short videos, streamed answers)")
+    add_server_args(demo)
+    demo.set_defaults(func=cmd_demo, subparser=demo, port=7860)
 
     gen = sub.add_parser("generate", help="answer one prompt (with images/videos) offline and print it")
     add_server_args(gen)

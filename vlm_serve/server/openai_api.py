@@ -227,7 +227,8 @@ def _sampling(request: Any) -> dict[str, Any]:
 
 
 def _sse(body: BaseModel) -> str:
-    return f"data: {json.dumps(body.model_dump(exclude_none=True), ensure_ascii=False)}\n\n"
+    data = json.dumps(body.model_dump(exclude_none=True), ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
 
 
 def check_media_parts(request: ChatCompletionRequest, server_args: ServerArgs) -> None:

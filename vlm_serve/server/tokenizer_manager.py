@@ -190,6 +190,7 @@ class TokenizerManager:
             for rid in rids:
                 if self.pending.pop(rid, None) is not None and rid in pending.unfinished:
                     send_pyobj(self.send_to_scheduler, AbortReq(rid, "the client went away"))
+                    self.metrics.num_finished["abort"] += 1
 
     # ---- control -----------------------------------------------------------------------------------
 

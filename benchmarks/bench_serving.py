@@ -1,0 +1,508 @@
+"""Online serving benchmark: an OpenAI-API load generator for `vlm-serve serve` (or any server that
+speaks `/v1/chat/completions` with image parts), in the spirit of SGLang's `bench_serving` and vLLM's
+`benchmark_serving`.
+
+Point it at a running server with `--base-url`, or let it start one with `--launch` (on a free port,
+with `--server-args` passed through to `vlm-serve serve`; it waits for the "serving ... on" line and
+stops the server with SIGTERM at the end).
+
+Workload (reproducible with `--seed`): `--num-prompts` chat requests, each `--images-per-request`
+random-noise PNG images (sizes drawn from `--image-size`, encoded once per distinct image) followed
+by `--input-len` random words, asking for exactly `--output-len` tokens (`max_tokens` with
+`ignore_eos`). `--repeat-image-ratio` of the requests take their images from a pool of
+`--image-pool-size` images instead of fresh ones; the pool images are sent once before the timed run
+(a short untimed warm-up), so that reusing them measures the multimodal caches. The images come
+first in the message unless `--text-first`. Mind that an image whose tokens the prefix cache already
+holds needs no embedding at all, so it is not looked up in the embedding cache: with the images
+first, a repeated image is a processor cache hit and a prefix cache hit but no embedding cache
+lookup; with `--text-first` (a distinct prefix before it) or a server started with
+`--disable-radix-cache`, it is an embedding cache hit. Requests arrive as a
+Poisson process at `--request-rate` per second (inf: all at once), at most `--max-concurrency` in
+flight.
+
+Every request streams (SSE). Per request: TTFT (time to the first content chunk), ITL (gaps between
+content chunks), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e latency; token counts come from
+the final usage chunk. The report gives throughputs, mean / median / p99 of each latency, and the
+cache hit rates from the deltas of the server's `/metrics` counters over the timed run: vision
+embedding cache, processor (preprocessed image) cache and prefix cache (prompt tokens cached vs
+computed). `--output-json FILE` also writes the summary, the settings and every request's numbers.
+
+    python benchmarks/bench_serving.py --launch --num-prompts 40 --image-size 224x224 \\
+        --repeat-image-ratio 0.5 --output-len 16 --max-concurrency 8
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \\
+        --image-size 448x448,896x672 --request-rate 4 --output-json result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import math
+import queue
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import httpx
+import numpy as np
+from PIL import Image
+
+READY_LINE = re.compile(r"vlm-serve: serving (\S+) on (http://\S+)")
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they this which are be have one "
+    "had not but what all were when we there can an your their said if do will each about how up out "
+    "them then she many some so these would other into has more two like him see time could no make "
+    "than first been its who now people my made over did down only way find use may water long little "
+    "very after words called just where most know get through back much before go good new write our "
+    "used me man too any day same right look think also around another came come work three word must "
+    "because does part even place well such here take why things help put years different away again "
+    "off went old number great tell men say small every found still between name should home big give "
+    "air line set own under read last never us left end along while might next sound below saw something"
+).split()
+COUNTERS = {
+    "embedding_hits": "vlm_serve:embedding_cache_hits_total",
+    "embedding_misses": "vlm_serve:embedding_cache_misses_total",
+    "processor_hits": "vlm_serve:processor_cache_hits_total",
+    "processor_misses": "vlm_serve:processor_cache_misses_total",
+    "prompt_cached": "vlm_serve:prompt_tokens_cached_total",
+    "prompt_computed": "vlm_serve:prompt_tokens_computed_total",
+}
+
+
+# ---- workload ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchRequest:
+    prompt: str
+    images: list[str]  # data: URLs
+    repeated: bool  # images from the shared pool
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    image_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def parse_sizes(values: list[str]) -> list[tuple[int, int]]:
+    """`["448x448", "224x224,896x672"]` -> [(448, 448), (224, 224), (896, 672)] (width x height)."""
+    sizes = []
+    for value in values:
+        for item in value.split(","):
+            match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", item)
+            if not match:
+                raise argparse.ArgumentTypeError(f"image size {item!r} is not WIDTHxHEIGHT")
+            sizes.append((int(match[1]), int(match[2])))
+    return sizes
+
+
+def noise_png_url(rng: np.random.Generator, size: tuple[int, int]) -> str:
+    width, height = size
+    pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def random_text(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choices(WORDS, k=num_words))
+
+
+def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], list[str]]:
+    """The timed requests and the image pool (empty when no request repeats images)."""
+    rng = random.Random(args.seed)
+    pixels = np.random.default_rng(args.seed)
+    sizes = args.image_size
+    num_repeated = round(args.repeat_image_ratio * args.num_prompts) if args.images_per_request else 0
+    pool = [noise_png_url(pixels, sizes[i % len(sizes)]) for i in range(args.image_pool_size if num_repeated else 0)]
+    repeated = set(rng.sample(range(args.num_prompts), num_repeated))
+    requests = []
+    for i in range(args.num_prompts):
+        if i in repeated:
+            images = [rng.choice(pool) for _ in range(args.images_per_request)]
+        else:
+            images = [noise_png_url(pixels, rng.choice(sizes)) for _ in range(args.images_per_request)]
+        requests.append(BenchRequest(random_text(rng, args.input_len), images, i in repeated))
+    return requests, pool
+
+
+# ---- one streamed request ---------------------------------------------------------------------------
+
+
+def chat_payload(model: str, request: BenchRequest, output_len: int, text_first: bool) -> dict[str, Any]:
+    images: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
+    text = [{"type": "text", "text": request.prompt}]
+    content = text + images if text_first else images + text
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def read_usage(result: RequestResult, usage: dict[str, Any]) -> None:
+    details = usage.get("prompt_tokens_details") or {}
+    result.prompt_tokens = usage.get("prompt_tokens", 0)
+    result.output_tokens = usage.get("completion_tokens", 0)
+    result.cached_tokens = details.get("cached_tokens", 0)
+    result.image_tokens = sum(m.get("tokens", 0) for m in details.get("media", []) if m.get("type") == "image")
+
+
+async def send_request(
+    client: httpx.AsyncClient, model: str, request: BenchRequest, output_len: int, text_first: bool
+) -> RequestResult:
+    result = RequestResult()
+    start = last = time.perf_counter()
+    done = False
+    try:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat_payload(model, request, output_len, text_first)
+        ) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"error in stream: {chunk['error']}"
+                    return result
+                now = time.perf_counter()
+                if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    read_usage(result, chunk["usage"])
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - start
+    if not done:
+        result.error = "the stream ended without [DONE]"
+    elif result.output_tokens == 0:
+        result.error = "no usage chunk (or no output tokens)"
+    elif result.ttft == 0.0:
+        result.error = "no content chunk"
+    result.success = not result.error
+    return result
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+async def fetch_counters(client: httpx.AsyncClient) -> dict[str, float]:
+    """The `COUNTERS` from `/metrics` (Prometheus text; unlabelled samples only)."""
+    resp = await client.get("/metrics")
+    resp.raise_for_status()
+    samples = {}
+    for line in resp.text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#"):
+            samples[parts[0]] = float(parts[1])
+    return {key: samples.get(name, 0.0) for key, name in COUNTERS.items()}
+
+
+async def served_model(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+async def warm_pool(client: httpx.AsyncClient, model: str, pool: list[str], text_first: bool) -> None:
+    """One short request per pool image, so that the timed run's reuse of it can hit the caches."""
+    for i, url in enumerate(pool):
+        result = await send_request(client, model, BenchRequest(f"warm-up {i}", [url], True), 2, text_first)
+        if not result.success:
+            raise RuntimeError(f"the warm-up request failed: {result.error}")
+
+
+def arrival_gaps(rng: random.Random, rate: float, count: int) -> list[float]:
+    """Seconds to wait before sending each request (none before the first): Poisson arrivals at
+    `rate`/s, or all at once at inf."""
+    return [0.0 if i == 0 or math.isinf(rate) else rng.expovariate(rate) for i in range(count)]
+
+
+async def run_requests(
+    client: httpx.AsyncClient, model: str, requests: list[BenchRequest], args: argparse.Namespace
+) -> tuple[list[RequestResult], float]:
+    """Sends every request on schedule; the results in request order and the run's duration."""
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+    async def one(request: BenchRequest) -> RequestResult:
+        if limit is None:
+            return await send_request(client, model, request, args.output_len, args.text_first)
+        async with limit:
+            return await send_request(client, model, request, args.output_len, args.text_first)
+
+    gaps = arrival_gaps(random.Random(args.seed + 1), args.request_rate, len(requests))
+    tasks = []
+    start = time.perf_counter()
+    for request, gap in zip(requests, gaps, strict=True):
+        if gap:
+            await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(one(request)))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+async def benchmark(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    requests, pool = build_workload(args)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency or None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=httpx.Timeout(args.timeout), limits=limits
+    ) as client:
+        model = args.model or await served_model(client)
+        await warm_pool(client, model, pool, args.text_first)
+        before = await fetch_counters(client)
+        results, duration = await run_requests(client, model, requests, args)
+        after = await fetch_counters(client)
+    delta = {key: after[key] - before[key] for key in COUNTERS}
+    return summarize(model, results, duration, delta) | {
+        "requests": [request_record(q, r) for q, r in zip(requests, results, strict=True)]
+    }
+
+
+# ---- report -----------------------------------------------------------------------------------------
+
+
+def ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole else None
+
+
+def latency_stats(values_s: list[float]) -> dict[str, float | None]:
+    if not values_s:
+        return {"mean_ms": None, "median_ms": None, "p99_ms": None}
+    ms = np.asarray(values_s) * 1000.0
+    return {"mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)), "p99_ms": float(np.percentile(ms, 99))}
+
+
+def summarize(model: str, results: list[RequestResult], duration: float, delta: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "model": model,
+        "successful_requests": len(ok),
+        "failed_requests": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_image_tokens": sum(r.image_tokens for r in ok),
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": input_tokens / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "ttft": latency_stats([r.ttft for r in ok]),
+        "tpot": latency_stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl": latency_stats([gap for r in ok for gap in r.itl]),
+        "e2e": latency_stats([r.e2e for r in ok]),
+        "embedding_cache_hit_rate": ratio(delta["embedding_hits"], delta["embedding_hits"] + delta["embedding_misses"]),
+        "processor_cache_hit_rate": ratio(delta["processor_hits"], delta["processor_hits"] + delta["processor_misses"]),
+        "prefix_cache_hit_rate": ratio(delta["prompt_cached"], delta["prompt_cached"] + delta["prompt_computed"]),
+        "metrics_delta": delta,
+        "errors": sorted({r.error for r in results if r.error}),
+    }
+
+
+def request_record(request: BenchRequest, result: RequestResult) -> dict[str, Any]:
+    return {"repeated_images": request.repeated, **asdict(result), "tpot": result.tpot}
+
+
+def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    def row(label: str, value: object, fmt: str = "") -> str:
+        text = "n/a" if value is None else format(value, fmt)
+        return f"{label:<40} {text:>12}"
+
+    lines = [
+        f"{' Serving Benchmark Result ':=^53}",
+        row("Model:", summary["model"]),
+        row("Request rate (req/s):", "inf" if math.isinf(args.request_rate) else args.request_rate, ""),
+        row("Max concurrency:", args.max_concurrency or "none"),
+        row("Successful requests:", summary["successful_requests"]),
+        row("Failed requests:", summary["failed_requests"]),
+        row("Benchmark duration (s):", summary["duration_s"], ".2f"),
+        row("Total input tokens:", summary["total_input_tokens"]),
+        row("  of which image tokens:", summary["total_image_tokens"]),
+        row("  of which cached (usage):", summary["total_cached_tokens"]),
+        row("Total generated tokens:", summary["total_output_tokens"]),
+        row("Request throughput (req/s):", summary["request_throughput"], ".2f"),
+        row("Input token throughput (tok/s):", summary["input_throughput"], ".2f"),
+        row("Output token throughput (tok/s):", summary["output_throughput"], ".2f"),
+        row("Total token throughput (tok/s):", summary["total_token_throughput"], ".2f"),
+    ]
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2e", "End-to-end Latency")):  # fmt: skip
+        lines.append(f"{' ' + title + ' ':-^53}")
+        name = key.upper()
+        for stat, label in (("mean_ms", "Mean"), ("median_ms", "Median"), ("p99_ms", "P99")):
+            lines.append(row(f"{label} {name} (ms):", summary[key][stat], ".2f"))
+    lines.append(f"{' Cache Hit Rates (/metrics delta) ':-^53}")
+    for key, label in (("embedding_cache_hit_rate", "Vision embedding cache:"),
+                       ("processor_cache_hit_rate", "Processor cache:"),
+                       ("prefix_cache_hit_rate", "Prefix cache (prompt tokens):")):  # fmt: skip
+        lines.append(row(label, summary[key], ".1%"))
+    lines.append("=" * 53)
+    return "\n".join(lines)
+
+
+# ---- server ----------------------------------------------------------------------------------------
+
+
+def forward_output(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    """Hands the server's stdout lines to `lines` (None at its end) and echoes them to stderr."""
+    for line in stream:
+        sys.stderr.write(f"[server] {line}")
+        lines.put(line)
+    lines.put(None)
+
+
+@contextlib.contextmanager
+def launched_server(server_args: str, startup_timeout: float) -> Iterator[str]:
+    """Starts `vlm-serve serve` on a free port (`--port` in `server_args` wins); yields its URL."""
+    cmd = [sys.executable, "-m", "vlm_serve.cli", "serve", "--port", "0", *shlex.split(server_args)]
+    print(f"launching: {shlex.join(cmd)}", file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=forward_output, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"the server was not ready after {startup_timeout:.0f} s") from None
+            if line is None:
+                raise RuntimeError(f"the server exited during start-up (status {proc.wait()})")
+            match = READY_LINE.search(line)
+            if match:
+                yield match[2].replace("//0.0.0.0:", "//127.0.0.1:")
+                return
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as it is, and every option's default."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--base-url", help="URL of a running server, e.g. http://127.0.0.1:30000")
+    target.add_argument("--launch", action="store_true", help="start `vlm-serve serve` on a free port, stop it after")
+    parser.add_argument("--server-args", default="", help='flags for the launched server, e.g. "--vit-dp 2"')
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the launched server")
+    parser.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--num-prompts", type=int, default=40, help="timed requests")
+    parser.add_argument(
+        "--image-size", action="append", default=None,
+        help="WIDTHxHEIGHT of the random images; repeatable or a comma list (None: 448x448)",
+    )  # fmt: skip
+    parser.add_argument("--images-per-request", type=int, default=1, help="images in each request")
+    parser.add_argument(
+        "--repeat-image-ratio", type=float, default=0.0,
+        help="share of requests whose images come from the shared pool instead of fresh ones",
+    )  # fmt: skip
+    parser.add_argument("--image-pool-size", type=int, default=4, help="distinct images in the shared pool")
+    parser.add_argument("--input-len", type=int, default=64, help="random words of text per request (~tokens)")
+    parser.add_argument(
+        "--text-first", action="store_true",
+        help="put the text before the images (the default puts the images first)",
+    )  # fmt: skip
+    parser.add_argument("--output-len", type=int, default=32, help="tokens to generate per request (EOS ignored)")
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrival rate, req/s (inf: all at once)"
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the images, texts, repeats and arrivals")
+    parser.add_argument("--output-json", default=None, help="also write the summary, settings and per-request numbers")
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    args.image_size = parse_sizes(args.image_size or ["448x448"])
+    if args.num_prompts < 1 or args.images_per_request < 0 or args.input_len < 0 or args.output_len < 1:
+        parser.error("need --num-prompts >= 1, --output-len >= 1, --images-per-request >= 0, --input-len >= 0")
+    if not 0.0 <= args.repeat_image_ratio <= 1.0:
+        parser.error("--repeat-image-ratio must be within [0, 1]")
+    if args.image_pool_size < 1 or args.request_rate <= 0 or (args.max_concurrency or 1) < 1:
+        parser.error("--image-pool-size, --request-rate and --max-concurrency must be positive")
+
+
+def main() -> int:
+    parser = build_parser()
+    args = parser.parse_args()
+    try:
+        check_args(parser, args)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    try:
+        with contextlib.ExitStack() as stack:
+            base_url = args.base_url
+            if args.launch:
+                base_url = stack.enter_context(launched_server(args.server_args, args.startup_timeout))
+            summary = asyncio.run(benchmark(base_url.rstrip("/"), args))
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(summary, args))
+    for error in summary["errors"][:5]:
+        print(f"error: {error}", file=sys.stderr)
+    if args.output_json:
+        settings = {k: v for k, v in vars(args).items() if k != "api_key"}
+        settings["request_rate"] = str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate
+        with open(args.output_json, "w") as f:
+            json.dump({"settings": settings} | summary, f, indent=2)
+    return 0 if summary["failed_requests"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
