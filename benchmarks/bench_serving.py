@@ -7,18 +7,18 @@ with `--server-args` passed through to `vlm-serve serve`; it waits for the "serv
 stops the server with SIGTERM at the end).
 
 Workload (reproducible with `--seed`): `--num-prompts` chat requests, each `--images-per-request`
-random-noise PNG images (sizes drawn from `--image-size`, encoded once per distinct image) followed
-by `--input-len` random words, asking for exactly `--output-len` tokens (`max_tokens` with
-`ignore_eos`). `--repeat-image-ratio` of the requests take their images from a pool of
-`--image-pool-size` images instead of fresh ones; the pool images are sent once before the timed run
-(a short untimed warm-up), so that reusing them measures the multimodal caches. The images come
-first in the message unless `--text-first`. Mind that an image whose tokens the prefix cache already
-holds needs no embedding at all, so it is not looked up in the embedding cache: with the images
-first, a repeated image is a processor cache hit and a prefix cache hit but no embedding cache
-lookup; with `--text-first` (a distinct prefix before it) or a server started with
-`--disable-radix-cache`, it is an embedding cache hit. Requests arrive as a
-Poisson process at `--request-rate` per second (inf: all at once), at most `--max-concurrency` in
-flight.
+random-noise PNG images (sizes drawn from `--image-size`, encoded once per distinct image) and
+`--input-len` random words, asking for exactly `--output-len` tokens (`max_tokens` with
+`ignore_eos`). Requests arrive as a Poisson process at `--request-rate` per second (inf: all at
+once), at most `--max-concurrency` in flight.
+
+`--repeat-image-ratio` of the requests take their images from a pool of `--image-pool-size` images
+instead of fresh ones; each pool image is sent once before the timed run (an untimed warm-up), so
+that reusing it measures the multimodal caches. The images come before the text unless
+`--text-first`. An image whose tokens the prefix cache already holds needs no embedding, so it is
+not looked up in the embedding cache: with the images first, a repeated image is a processor cache
+hit and a prefix cache hit but no embedding cache lookup; with `--text-first` (a distinct prefix in
+front of it), or a server started with `--disable-radix-cache`, it is an embedding cache hit.
 
 Every request streams (SSE). Per request: TTFT (time to the first content chunk), ITL (gaps between
 content chunks), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e latency; token counts come from
@@ -427,43 +427,29 @@ def launched_server(server_args: str, startup_timeout: float) -> Iterator[str]:
 # ---- command line ----------------------------------------------------------------------------------
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as it is, and every option's default."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--base-url", help="URL of a running server, e.g. http://127.0.0.1:30000")
     target.add_argument("--launch", action="store_true", help="start `vlm-serve serve` on a free port, stop it after")
-    parser.add_argument("--server-args", default="", help='flags for the launched server, e.g. "--vit-dp 2"')
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the launched server")
-    parser.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
-    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--num-prompts", type=int, default=40, help="timed requests")
-    parser.add_argument(
-        "--image-size", action="append", default=None,
-        help="WIDTHxHEIGHT of the random images; repeatable or a comma list (None: 448x448)",
-    )  # fmt: skip
-    parser.add_argument("--images-per-request", type=int, default=1, help="images in each request")
-    parser.add_argument(
-        "--repeat-image-ratio", type=float, default=0.0,
-        help="share of requests whose images come from the shared pool instead of fresh ones",
-    )  # fmt: skip
-    parser.add_argument("--image-pool-size", type=int, default=4, help="distinct images in the shared pool")
-    parser.add_argument("--input-len", type=int, default=64, help="random words of text per request (~tokens)")
-    parser.add_argument(
-        "--text-first", action="store_true",
-        help="put the text before the images (the default puts the images first)",
-    )  # fmt: skip
-    parser.add_argument("--output-len", type=int, default=32, help="tokens to generate per request (EOS ignored)")
-    parser.add_argument(
-        "--request-rate", type=float, default=math.inf, help="Poisson arrival rate, req/s (inf: all at once)"
-    )
-    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the images, texts, repeats and arrivals")
-    parser.add_argument("--output-json", default=None, help="also write the summary, settings and per-request numbers")
+    add("--server-args", default="", help='flags for the launched server, e.g. "--vit-dp 2 --mm-cache-mb 1024"')
+    add("--startup-timeout", type=float, default=600.0, help="seconds to wait for the launched server (600)")
+    add("--model", default=None, help="model name to send (default: the first one of /v1/models)")
+    add("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    add("--num-prompts", type=int, default=40, help="timed requests (40)")
+    add("--image-size", action="append", default=None, help="WIDTHxHEIGHT, repeatable or a comma list (448x448)")
+    add("--images-per-request", type=int, default=1, help="images in each request (1)")
+    add("--repeat-image-ratio", type=float, default=0.0, help="share of requests with pool images (0)")
+    add("--image-pool-size", type=int, default=4, help="distinct images in the pool (4)")
+    add("--input-len", type=int, default=64, help="random words of text per request, about a token each (64)")
+    add("--text-first", action="store_true", help="put the text before the images")
+    add("--output-len", type=int, default=32, help="tokens to generate per request, EOS ignored (32)")
+    add("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    add("--max-concurrency", type=int, default=None, help="requests in flight at most (no limit)")
+    add("--timeout", type=float, default=600.0, help="seconds per request (600)")
+    add("--seed", type=int, default=0, help="seeds the images, texts, repeats and arrivals (0)")
+    add("--output-json", default=None, help="also write the summary, settings and per-request numbers here")
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import socket
 import subprocess
@@ -74,11 +75,20 @@ class ServerProcess:
         return self.process.wait(timeout)
 
 
+def _stop_with_parent() -> None:
+    """In the server's process before exec: SIGTERM it when the test process dies (a killed pytest
+    must not leave servers behind)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerProcess:
     """Runs `vlm-serve serve` on a free loopback port and returns once it prints where it listens."""
     port = free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model_dir), "--port", str(port), *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_stop_with_parent
+    )
     output: list[str] = []
     ready = threading.Event()
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from vlm_serve.cli import build_parser, parse_args, server_args_of
 from vlm_serve.testing.media import make_image
@@ -56,3 +57,10 @@ def test_settings_come_from_the_config_file_and_command_line_flags_win(tmp_path)
     assert args.allowed_media_domains == ["example.com", ".cdn.org"]
     flags = server_args_of(parse_args(build_parser(), ["serve", "--allowed-media-domains", "a.com", "b.com"]))
     assert flags.allowed_media_domains == ["a.com", "b.com"]
+
+
+def test_every_shipped_config_file_is_valid():
+    configs = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
+    assert configs
+    for config in configs:
+        server_args_of(parse_args(build_parser(), ["serve", "--config", str(config)]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import logging
 import mimetypes
+import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -177,8 +178,13 @@ def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.
 
 
 def run_demo(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> None:
-    """Serves the page on http://host:port until interrupted."""
+    """Serves the page on http://host:port until Ctrl-C or SIGTERM."""
+    signal.signal(signal.SIGTERM, _interrupt)  # Gradio stops on KeyboardInterrupt only
     build_demo(engine).launch(server_name=host, server_port=port, show_error=True, max_file_size="200mb")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _add_user_turn(history: list[dict], message: dict | None) -> tuple[list[dict], Any]:
