@@ -2,9 +2,10 @@
 speaks `/v1/chat/completions` with image parts), in the spirit of SGLang's `bench_serving` and vLLM's
 `benchmark_serving`.
 
-Point it at a running server with `--base-url`, or let it start one with `--launch` (on a free port,
-with `--server-args` passed through to `vlm-serve serve`; it waits for the "serving ... on" line and
-stops the server with SIGTERM at the end).
+Point it at a running server with `--base-url`, or let it start one with `--launch`: `vlm-serve
+serve` on a free port with the flags of `--server-args` (write `--server-args='--vit-dp 2'`, with the
+`=`, as argparse takes a lone `--flag` value for an option), waiting for its "serving ... on" line
+and stopping it with SIGTERM at the end.
 
 Workload (reproducible with `--seed`): `--num-prompts` chat requests, each `--images-per-request`
 random-noise PNG images (sizes drawn from `--image-size`, encoded once per distinct image) and
@@ -354,7 +355,7 @@ def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         f"{' Serving Benchmark Result ':=^53}",
         row("Model:", summary["model"]),
-        row("Request rate (req/s):", "inf" if math.isinf(args.request_rate) else args.request_rate, ""),
+        row("Request rate (req/s):", "inf" if math.isinf(args.request_rate) else args.request_rate),
         row("Max concurrency:", args.max_concurrency or "none"),
         row("Successful requests:", summary["successful_requests"]),
         row("Failed requests:", summary["failed_requests"]),
@@ -433,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--base-url", help="URL of a running server, e.g. http://127.0.0.1:30000")
     target.add_argument("--launch", action="store_true", help="start `vlm-serve serve` on a free port, stop it after")
-    add("--server-args", default="", help='flags for the launched server, e.g. "--vit-dp 2 --mm-cache-mb 1024"')
+    add("--server-args", default="", help="flags for the launched server, e.g. --server-args='--vit-dp 2'")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for the launched server (600)")
     add("--model", default=None, help="model name to send (default: the first one of /v1/models)")
     add("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
-import socket
 import threading
 from collections.abc import Iterator
 
 import pytest
+from helpers import free_port
 
 from vlm_serve.demo import to_openai_messages, user_turn
 from vlm_serve.testing.media import make_image
@@ -116,12 +116,6 @@ def browser() -> Iterator:
         driver.quit()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated")  # pandas 3, in Gradio's queue
 @pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")
 def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, image, tmp_path):
@@ -136,7 +130,7 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, im
     image_hits = engine.processor.cache.hits
     demo = build_demo(engine, GREEDY)
     try:
-        port = _free_port()
+        port = free_port()
         demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
         browser.get(f"http://127.0.0.1:{port}/")
         wait = WebDriverWait(browser, 60)

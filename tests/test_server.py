@@ -297,6 +297,14 @@ async def events(response: httpx.Response):
             yield json.loads(line[len("data: ") :])
 
 
+def test_a_client_that_gives_up_waiting_for_a_whole_answer_frees_its_request(server, model):
+    body = {"model": model, "messages": ask(text="Take your time."), "max_tokens": 3000, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=1.5)
+    wait_until_idle(server)
+
+
 # ---- load ---------------------------------------------------------------------------------------------
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import prefill_logits
+from helpers import free_port, prefill_logits
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
@@ -47,12 +46,6 @@ def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, re
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     "arch,ep_size", [("dense", 1), ("moe", 1), ("moe", 2)], ids=["dense-tp2", "moe-tp2", "moe-tp2-ep2"]
 )
@@ -60,7 +53,7 @@ def test_two_ranks_match_one(arch, ep_size, tiny_moe_dir, tiny_dense_dir):
     model_dir = str(tiny_moe_dir if arch == "moe" else tiny_dense_dir)
     ref_logits, ref_tokens = _run(model_dir, 1, 1)
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), model_dir, 2, ep_size, results), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), model_dir, 2, ep_size, results), nprocs=2)
     for rank in range(2):
         logits, tokens = results[rank]
         assert torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max())

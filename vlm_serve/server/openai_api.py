@@ -74,27 +74,18 @@ class OpenAIServing:
         params = self.tm.sampling_params(len(x.input_ids), **sampling)
         if request.stream:
             return self._chat_stream(request, x, params)
-        choices: list[ChatChoice] = [None] * params.n  # type: ignore[list-item]
-        texts = [""] * params.n
-        logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
-        completion_tokens = 0
-        last: StrOut | None = None
-        async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
-            async for i, out in outputs:
-                completion_tokens += len(out.new_ids)
-                texts[i] += out.text
-                if params.logprobs:
-                    logprobs[i] += self._token_logprobs(out)
-                if out.finish_reason is not None:
-                    choices[i] = ChatChoice(
-                        index=i, message=ChatMessageOut(content=texts[i]),
-                        logprobs=ChoiceLogprobs(content=logprobs[i]) if params.logprobs else None,
-                        finish_reason=out.finish_reason, matched_stop=out.matched_stop,
-                    )  # fmt: skip
-                    last = out
+        per_choice = await self._collect(x, params, request.priority)
+        choices = []
+        for i, outs in enumerate(per_choice):
+            logprobs = [t for out in outs for t in self._token_logprobs(out)] if params.logprobs else None
+            choices.append(ChatChoice(
+                index=i, message=ChatMessageOut(content="".join(out.text for out in outs)),
+                logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
+                finish_reason=outs[-1].finish_reason, matched_stop=outs[-1].matched_stop,
+            ))  # fmt: skip
         return ChatCompletionResponse(
             id=new_id("chatcmpl"), created=now(), model=self.model_name, choices=choices,
-            usage=self._usage(x, last, completion_tokens),
+            usage=self._usage(x, per_choice),
         )  # fmt: skip
 
     async def _chat_stream(
@@ -106,11 +97,10 @@ class OpenAIServing:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage))
 
         started = [False] * params.n
-        completion_tokens = 0
-        last: StrOut | None = None
+        per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
         async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
             async for i, out in outputs:
-                completion_tokens += len(out.new_ids)
+                per_choice[i].append(out)
                 if not started[i]:
                     started[i] = True
                     yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
@@ -118,10 +108,8 @@ class OpenAIServing:
                     logprobs = ChoiceLogprobs(content=self._token_logprobs(out)) if params.logprobs else None
                     delta = DeltaMessage(content=out.text or None)
                     yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason)])
-                if out.finish_reason is not None:
-                    last = out
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk([], self._usage(x, last, completion_tokens))
+            yield chunk([], self._usage(x, per_choice))
         yield "data: [DONE]\n\n"
 
     # ---- text completions --------------------------------------------------------------------------
@@ -135,38 +123,32 @@ class OpenAIServing:
         params = self.tm.sampling_params(len(x.input_ids), **sampling)
         if request.stream:
             return self._completion_stream(request, x, params)
-        texts = [""] * params.n
-        logprobs = [CompletionLogprobs() for _ in range(params.n)]
-        choices: list[CompletionChoice] = [None] * params.n  # type: ignore[list-item]
-        completion_tokens = 0
-        last: StrOut | None = None
-        async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
-            async for i, out in outputs:
-                completion_tokens += len(out.new_ids)
-                if params.logprobs:
-                    self._add_completion_logprobs(logprobs[i], out, len(texts[i]))
-                texts[i] += out.text
-                if out.finish_reason is not None:
-                    choices[i] = CompletionChoice(
-                        index=i, text=texts[i], logprobs=logprobs[i] if params.logprobs else None,
-                        finish_reason=out.finish_reason, matched_stop=out.matched_stop,
-                    )  # fmt: skip
-                    last = out
+        per_choice = await self._collect(x, params, request.priority)
+        choices = []
+        for i, outs in enumerate(per_choice):
+            logprobs = None
+            if params.logprobs:
+                logprobs, offset = CompletionLogprobs(), 0
+                for out in outs:
+                    self._add_completion_logprobs(logprobs, out, offset)
+                    offset += len(out.text)
+            choices.append(CompletionChoice(
+                index=i, text="".join(out.text for out in outs), logprobs=logprobs,
+                finish_reason=outs[-1].finish_reason, matched_stop=outs[-1].matched_stop,
+            ))  # fmt: skip
         return CompletionResponse(
-            id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices,
-            usage=self._usage(x, last, completion_tokens),
-        )  # fmt: skip
+            id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices, usage=self._usage(x, per_choice)
+        )
 
     async def _completion_stream(
         self, request: CompletionRequest, x: ProcessedInput, params: SamplingParams
     ) -> AsyncIterator[str]:
         rid, created = new_id("cmpl"), now()
-        completion_tokens = 0
-        last: StrOut | None = None
+        per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
         offsets = [0] * params.n
         async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
             async for i, out in outputs:
-                completion_tokens += len(out.new_ids)
+                per_choice[i].append(out)
                 logprobs = None
                 if params.logprobs:
                     logprobs = CompletionLogprobs()
@@ -175,20 +157,28 @@ class OpenAIServing:
                 if out.text or out.finish_reason is not None:
                     choice = CompletionChoice(index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason)
                     yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice]))
-                if out.finish_reason is not None:
-                    last = out
         if request.stream_options is not None and request.stream_options.include_usage:
-            usage = self._usage(x, last, completion_tokens)
+            usage = self._usage(x, per_choice)
             yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
     # ---- pieces ------------------------------------------------------------------------------------
 
-    def _usage(self, x: ProcessedInput, last: StrOut | None, completion_tokens: int) -> Usage:
+    async def _collect(self, x: ProcessedInput, params: SamplingParams, priority: int) -> list[list[StrOut]]:
+        """Every output of each choice, in order (the last one finishes it)."""
+        per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
+        async with contextlib.aclosing(self.tm.generate(x, params, priority)) as outputs:
+            async for i, out in outputs:
+                per_choice[i].append(out)
+        return per_choice
+
+    def _usage(self, x: ProcessedInput, outputs: list[list[StrOut]]) -> Usage:
+        """Usage of a request whose choices produced `outputs`."""
         merge = self.tm.processor.image_processor.config.merge_size
         media = [MediaTokens(type=item.modality, tokens=item.num_tokens(merge)) for item in x.mm_items]
         prompt_tokens = len(x.input_ids)
-        cached = last.cached_tokens if last is not None else 0
+        completion_tokens = sum(len(out.new_ids) for outs in outputs for out in outs)
+        cached = max((outs[-1].cached_tokens for outs in outputs if outs), default=0)
         return Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
