@@ -284,10 +284,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(server, model):
                     if event["choices"][0]["delta"].get("content"):
                         break  # leave after the first words
 
-    before = metrics(server)['vlm_serve:requests_finished_total{reason="abort"}']
+    aborted = 'vlm_serve:requests_finished_total{reason="abort"}'
+    before = metrics(server)[aborted]
     asyncio.run(run())
-    assert metrics(server)['vlm_serve:requests_finished_total{reason="abort"}'] == before + 1
-    wait_until_idle(server)
+    wait_until_idle(server)  # the server notices the closed connection at its next write
+    assert metrics(server)[aborted] == before + 1
 
 
 async def events(response: httpx.Response):
@@ -295,14 +296,6 @@ async def events(response: httpx.Response):
     async for line in response.aiter_lines():
         if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[len("data: ") :])
-
-
-def test_a_client_that_gives_up_waiting_for_a_whole_answer_frees_its_request(server, model):
-    body = {"model": model, "messages": ask(text="Take your time."), "max_tokens": 3000, "ignore_eos": True}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=1.5)
-    wait_until_idle(server)
 
 
 # ---- load ---------------------------------------------------------------------------------------------

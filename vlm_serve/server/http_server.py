@@ -47,7 +47,6 @@ STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint take
 WATCHDOG_SECONDS = 0.5  # how often the children's health is checked
 UNHEALTHY_GRACE_SECONDS = 2.0  # /health answers 503 this long before a server with a dead child stops
 CHILD_STOP_TIMEOUT = 10.0
-DISCONNECT_POLL_SECONDS = 0.5
 
 
 @dataclass
@@ -56,8 +55,22 @@ class ServerState:
     failure: str = ""  # why the server is unhealthy
 
 
-class ClientGone(Exception):
-    """The client closed the connection before its (non-streaming) answer was ready."""
+class ApiKeyCheck:
+    """Requires `Authorization: Bearer <key>` on every path but /health. A plain ASGI middleware:
+    Starlette's `BaseHTTPMiddleware` would hide client disconnects from the handlers."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                message = "missing or invalid API key (send 'Authorization: Bearer <key>')"
+                response = JSONResponse(error_body(message, 401, "AuthenticationError"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState, api_key: str | None) -> FastAPI:
@@ -66,12 +79,8 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     def error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
         return JSONResponse(error_body(message, status, kind), status_code=status)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):  # noqa: ANN202
-        if api_key is not None and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -84,10 +93,6 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
         return error(400, str(exc))
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, exc: ClientGone) -> JSONResponse:
-        return error(499, "the client closed the connection; the request was aborted", "ClientClosedRequest")
 
     @app.exception_handler(LookupError)
     async def unknown_model(request: Request, exc: LookupError) -> JSONResponse:
@@ -109,12 +114,12 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
         return ModelList(data=[card])
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await _respond(serving.chat_completion(body), raw)
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        return await _respond(serving.chat_completion(body))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await _respond(serving.completion(body), raw)
+    async def completions(body: CompletionRequest) -> Any:
+        return await _respond(serving.completion(body))
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -131,18 +136,10 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     return app
 
 
-async def _respond(work: Awaitable[Any], raw: Request) -> Any:
-    """Runs a handler; a streaming answer becomes SSE once its first event exists (so a refusal is
-    still a 400); a non-streaming one is cancelled, aborting its request, if the client leaves."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-        if done:
-            break
-        if await raw.is_disconnected():
-            task.cancel()
-            raise ClientGone()
-    result = task.result()
+async def _respond(work: Awaitable[Any]) -> Any:
+    """Runs a handler; a streaming answer becomes SSE once its first event exists, so a refusal is
+    still a 400."""
+    result = await work
     if not isinstance(result, AsyncIterator):
         return result
     first = await anext(result)  # raises (-> 400) if the request is refused
