@@ -236,10 +236,7 @@ async def warmup(tm: TokenizerManager) -> None:
     """One short request with an image through every process (raises if it does not finish)."""
     image = Image.new("RGB", (64, 64), (120, 30, 200))
     content = [{"type": "image", "image": image}, {"type": "text", "text": "Describe."}]
-    loop = asyncio.get_running_loop()
-    x = await loop.run_in_executor(tm.executor, tm.processor.process_messages, [{"role": "user", "content": content}])
-    for item in x.mm_items:
-        item.pixel_values.share_memory_()
+    x = await tm.process_messages([{"role": "user", "content": content}])
     params = tm.sampling_params(len(x.input_ids), max_tokens=2, temperature=0)
     async with contextlib.aclosing(tm.generate(x, params)) as outputs:
         async for _, out in outputs:
