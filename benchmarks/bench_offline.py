@@ -45,7 +45,7 @@ import transformers
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import default_model_path
-from vlm_serve.vision.items import ProcessedInput
+from vlm_serve.multimodal import ProcessedInput
 
 HF_CLASSES = {
     "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,

@@ -19,7 +19,7 @@ from vlm_serve.llm.scheduler.schedule_batch import Req, ScheduleBatch
 from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.mm_cache.hashing import pad_input_ids
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.multimodal import MultimodalItem
 
 
 def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[MultimodalItem] = ()) -> torch.Tensor:
@@ -34,7 +34,9 @@ def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[Mu
         while req in scheduler.encoding:
             scheduler.encoding.poll(timeout=0.1)
     batch = ScheduleBatch([req], runner.req_to_token_pool, runner.allocator, tree_cache, ForwardMode.EXTEND)
-    logits = runner.compute_logits(runner.forward(batch.prepare_for_extend()))
+    forward_batch = batch.prepare_for_extend()
+    runner.init_forward_metadata(forward_batch)
+    logits = runner.compute_logits(runner.forward(forward_batch))
     tree_cache.cache_finished_req(req)
     scheduler.encoding.release(req)
     return logits

@@ -14,14 +14,14 @@ import torch
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.engine import Engine
-from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.vision.vision_tower import load_vision_model
 from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
 from vlm_serve.vision import encoder_pool
 from vlm_serve.vision.encoder_pool import EncoderPool
-from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.vision.processor import MultimodalProcessor
 
 CPU = torch.device("cpu")

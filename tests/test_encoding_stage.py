@@ -10,7 +10,7 @@ import torch
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.engine import Engine
-from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.vision.vision_tower import load_vision_model
 from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import Histogram
 from vlm_serve.llm.scheduler.schedule_batch import Req
@@ -18,7 +18,7 @@ from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import InlineEncoder
-from vlm_serve.vision.items import MEDIA_STAGES
+from vlm_serve.multimodal import MEDIA_STAGES
 from vlm_serve.vision.processor import MultimodalProcessor
 
 
@@ -81,7 +81,7 @@ def test_a_tiny_cache_evicts_unpinned_entries_only(tiny_moe_dir, make_req):
 def test_an_item_the_encoder_rejects_fails_only_its_request(tiny_moe_dir, monkeypatch):
     with Engine(tiny_moe_dir, dtype="float32", vit_dp=0) as engine:
         good, bad = (engine.processor.process_messages(_conv(make_image(64 * k, 64, seed=k))) for k in (1, 2))
-        visual = engine.scheduler.runner.model.visual
+        visual = engine.scheduler.encoding.encoder.visual
         encode = visual.encode
 
         def fail_on_the_bad_grid(pixels, grids, max_patches):
@@ -161,16 +161,15 @@ def test_with_a_1_mb_cache_usage_stays_under_budget_and_pinned_entries_stay(tiny
     convs = [_conv(make_image(448, 448, seed=100 + i)) for i in range(12)]
     with Engine(tiny_moe_dir, dtype="float32", mm_cache_mb=1, max_running_requests=4) as engine:
         scheduler, cache = engine.scheduler, engine.scheduler.encoding.cache
-        step = scheduler.step
+        iteration = scheduler.run_iteration
 
-        def checked_step():
-            finished = step()
+        def checked_iteration():
+            iteration()
             assert cache.usage_bytes <= cache.budget_bytes == 2**20
             held = [key for req in scheduler.reqs.values() for key in req.mm_pins]
             assert all(key in cache for key in held)
-            return finished
 
-        scheduler.step = checked_step
+        scheduler.run_iteration = checked_iteration
         outs = [o for wave in range(3) for o in engine.chat_batch(convs[4 * wave : 4 * wave + 4], max_tokens=2)]
         assert all(o.finish_reason in ("stop", "length") for o in outs)
         assert cache.evictions > 0 and len(cache) <= 6

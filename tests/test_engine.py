@@ -4,14 +4,12 @@ bad input, observability. Every test ends with the scheduler's idle self-check."
 from __future__ import annotations
 
 import base64
-import dataclasses
 import io
 import logging
 
 import pytest
 
 import vlm_serve
-from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a cat and a dog."}]
@@ -205,48 +203,58 @@ def test_log_line_and_counters(tiny_moe_dir, caplog):
     assert m.time_forward > 0 and m.time_schedule > 0 and m.time_process > 0
 
 
-def _submit(engine, content: str, max_tokens: int) -> Req:
+def _submit(engine, content: str, max_tokens: int):
     x = engine.processor.process_messages([{"role": "user", "content": content}])
-    return engine._submit(x, engine.sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True), 0)[0]
+    return engine.submit(x, max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("stage", ["waiting", "chunked", "running"])
-def test_abort_at_any_stage_frees_everything(tiny_moe_dir, stage):
-    engine = vlm_serve.Engine(model=tiny_moe_dir, dtype="float32", chunked_prefill_size=8, max_running_requests=2)
+def test_abort_at_any_stage_frees_everything(tiny_moe_dir, stage, overlap):
+    engine = vlm_serve.Engine(
+        model=tiny_moe_dir, dtype="float32", chunked_prefill_size=8, max_running_requests=2,
+        disable_overlap_schedule=not overlap,
+    )
     scheduler = engine.scheduler
     other = _submit(engine, "A request that keeps running.", 12)
     victim = _submit(engine, "The request that will be aborted, with a prompt long enough to be chunked.", 12)
     third = _submit(engine, "A third one.", 12)  # waits: two rows only
     for _ in range(200):
-        if stage == "waiting" and victim in scheduler.waiting_queue:
+        engine.step()
+        req = scheduler.reqs.get(victim.rids[0])
+        if stage == "waiting" and req in scheduler.waiting_queue:
             break
-        if stage == "chunked" and scheduler.chunked_req is victim:
+        if stage == "chunked" and scheduler.chunked_req is req:
             break
-        if stage == "running" and victim in scheduler.running_batch.reqs and len(victim.output_ids) > 2:
+        if stage == "running" and req in scheduler.running_batch.reqs and len(req.output_ids) > 2:
             break
-        scheduler.step()
     else:
         pytest.fail(f"the victim never reached stage {stage}")
-    scheduler.abort_request(victim.rid, "client went away")
-    while not all(r.finished for r in (other, victim, third)):
+    engine.abort(victim, "client went away")
+    while not (other.done and victim.done and third.done):
         engine.step()
-    assert victim.finished_reason.kind == "abort" and victim.finished_reason.message == "client went away"
-    assert len(other.output_ids) == len(third.output_ids) == 12
+    aborted = engine.result(victim).choices[0]
+    assert aborted.finish_reason == "abort" and aborted.message == "client went away"
+    assert len(engine.result(other).token_ids) == len(engine.result(third).token_ids) == 12
+    while not scheduler.is_idle():
+        engine.step()
     scheduler.check_memory()
+    engine.shutdown()
 
 
 def test_requests_leaving_the_decode_batch_do_not_disturb_the_others(engine):
     """Requests of different lengths finish one by one; the rest keep decoding on the same K/V."""
     prompts = [[{"role": "user", "content": f"Question number {i}: why is the sky blue?"}] for i in range(4)]
     alone = [engine.chat(p, max_tokens=12, temperature=0, ignore_eos=True).token_ids for p in prompts]
-    params = engine.sampling_params(temperature=0, ignore_eos=True)
-    reqs = []
-    for i, p in enumerate(prompts):
-        x = engine.processor.process_messages(p)
-        reqs += engine._submit(x, dataclasses.replace(params, max_new_tokens=3 + 3 * i), 0)
-    while not all(r.finished for r in reqs):
+    jobs = [
+        engine.submit(engine.processor.process_messages(p), max_tokens=3 + 3 * i, temperature=0, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    while not all(job.done for job in jobs):
         engine.step()
-    assert [r.output_ids for r in reqs] == [a[: 3 + 3 * i] for i, a in enumerate(alone)]
+    assert [engine.result(job).token_ids for job in jobs] == [a[: 3 + 3 * i] for i, a in enumerate(alone)]
+    while not engine.scheduler.is_idle():
+        engine.step()
 
 
 def test_a_repeated_image_skips_preprocessing_and_the_vision_tower(engine):

@@ -21,7 +21,7 @@ from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.mm_cache.hashing import media_hash
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.vision.processor import MediaInput, MultimodalProcessor
 
 ONE_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

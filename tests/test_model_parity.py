@@ -13,9 +13,9 @@ import transformers
 from helpers import prefill_logits
 
 from vlm_serve.engine import Engine
-from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.vision.vision_tower import load_vision_model
 from vlm_serve.testing.media import make_image, make_video
-from vlm_serve.vision.items import ProcessedInput
+from vlm_serve.multimodal import ProcessedInput
 
 HF_CLASSES = {
     "moe": transformers.Qwen3VLMoeForConditionalGeneration,

@@ -12,7 +12,7 @@ from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.mm_cache.hashing import pad_input_ids, pad_value
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.multimodal import MultimodalItem
 
 CPU = torch.device("cpu")
 POOL_SIZE = 64

@@ -23,6 +23,10 @@ class FakeReq:
     origin_input_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
 
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_ids)
+
 
 def make_req(prompt: Sequence[int] = (), output: Sequence[int] = (), **params) -> FakeReq:
     p = SamplingParams(**params)
@@ -87,7 +91,7 @@ def test_sampled_tokens_come_only_from_what_the_filters_keep():
     logits = torch.log(torch.tensor([P] * 300))
     reqs = [make_req(top_k=2)] * 100 + [make_req(top_p=0.5)] * 100
     reqs += [make_req(min_p=0.3125, seed=i) for i in range(100)]
-    ids = Sampler([])(logits, reqs).next_token_ids
+    ids = Sampler([])(logits, reqs).tolist()
     assert set(ids[:100]) == {1, 3}
     assert set(ids[100:200]) == {1}
     assert set(ids[200:]) == {0, 1, 3}
@@ -97,7 +101,7 @@ def run_steps(sampler: Sampler, logits: torch.Tensor, reqs: list[FakeReq], steps
     """Decode `steps` tokens on fixed logits, appending each request's token to its output."""
     for _ in range(steps):
         out = sampler(logits.clone(), reqs)
-        for r, t in zip(reqs, out.next_token_ids):
+        for r, t in zip(reqs, out.tolist()):
             r.output_ids.append(t)
 
 
@@ -128,10 +132,10 @@ def test_a_seed_gives_the_same_tokens_alone_or_in_any_batch():
 
 def test_unseeded_draws_follow_the_distribution_and_the_temperature():
     logits = torch.log(torch.tensor([[0.8, 0.2]])).expand(2000, 2).contiguous()
-    ids = Sampler([])(logits.clone(), [make_req()] * 2000).next_token_ids
+    ids = Sampler([])(logits.clone(), [make_req()] * 2000).tolist()
     assert 1500 < ids.count(0) < 1700  # expected 1600, sd ~18
     # temperature 2 flattens 0.8/0.2 to 2/3 and 1/3
-    ids = Sampler([])(logits.clone(), [make_req(temperature=2.0)] * 2000).next_token_ids
+    ids = Sampler([])(logits.clone(), [make_req(temperature=2.0)] * 2000).tolist()
     assert 1233 < ids.count(0) < 1433  # expected 1333, sd ~21
 
 
@@ -139,7 +143,7 @@ def test_greedy_rows_take_the_argmax():
     logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 4.0]])
     for params in ({"temperature": 0}, {"top_k": 1, "temperature": 5.0}):
         out = Sampler([EOS])(logits.clone(), [make_req(**params), make_req(**params)])
-        assert out.next_token_ids == [1, 0]
+        assert out.tolist() == [1, 0]
         assert out.logprobs == [None, None] and out.top_logprobs == [None, None]
 
 
@@ -151,7 +155,7 @@ def test_greedy_rows_take_the_argmax():
 def test_each_feature_takes_effect_in_an_otherwise_greedy_batch(feature, greedy):
     logits = torch.tensor([[2.0, 1.9, -5.0, -5.0]] * 2)
     reqs = [make_req(prompt=[0], output=[0], **greedy), make_req(prompt=[0], output=[0], **greedy, **feature)]
-    assert Sampler([0])(logits, reqs).next_token_ids == [0, 1]  # token 0 is also EOS here
+    assert Sampler([0])(logits, reqs).tolist() == [0, 1]  # token 0 is also EOS here
 
 
 def all_logprobs(sampler: Sampler, logits: list[float], **kwargs) -> list[float]:
@@ -172,7 +176,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     got = all_logprobs(sampler, logits, prompt=[0], output=[2], repetition_penalty=2.0)
     assert got == pytest.approx(expected([1.0, 1.5, -2.0, -1.2]))
     out = sampler(torch.tensor([logits]), [make_req(prompt=[0], temperature=0, repetition_penalty=2.0)])
-    assert out.next_token_ids == [1]
+    assert out.tolist() == [1]
 
 
 def test_frequency_and_presence_penalties_count_output_tokens_only():
@@ -190,7 +194,7 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
     assert got == pytest.approx(expected([-0.25, 1.0, -2.75, 0.25]))
     # a negative frequency penalty rewards repeats: token 2 (-1 + 3 * 1.5 = 3.5) beats token 0 (2)
     out = sampler(torch.tensor([logits]), [make_req(output=[2, 2, 2], temperature=0, frequency_penalty=-1.5)])
-    assert out.next_token_ids == [2]
+    assert out.tolist() == [2]
 
 
 def test_penalties_leave_other_rows_alone():
@@ -200,7 +204,7 @@ def test_penalties_leave_other_rows_alone():
         make_req(output=[0, 0], temperature=0, logprobs=True, top_logprobs=4),
     ]
     out = Sampler([])(logits.clone(), reqs)
-    assert out.next_token_ids == [1, 0]
+    assert out.tolist() == [1, 0]
     assert [lp for _, lp in sorted(out.top_logprobs[1])] == pytest.approx(expected(logits[1].tolist()))
 
 
@@ -214,20 +218,20 @@ def test_min_new_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[0.0, 1.0, 5.0, 10.0]])  # EOS (3) first, then stop id 2
     req = make_req(temperature=0, min_new_tokens=2, stop_token_ids=[2], logprobs=True, top_logprobs=4)
     out = sampler(logits.clone(), [req])
-    assert out.next_token_ids == [1]
+    assert out.tolist() == [1]
     assert dict(out.top_logprobs[0])[2] == dict(out.top_logprobs[0])[3] == -math.inf
     req.output_ids = [1]
-    assert sampler(logits.clone(), [req]).next_token_ids == [1]
+    assert sampler(logits.clone(), [req]).tolist() == [1]
     req.output_ids = [1, 1]
-    assert sampler(logits.clone(), [req]).next_token_ids == [EOS]
+    assert sampler(logits.clone(), [req]).tolist() == [EOS]
     # ignore_eos alone masks nothing
-    assert sampler(logits.clone(), [make_req(temperature=0, ignore_eos=True)]).next_token_ids == [EOS]
+    assert sampler(logits.clone(), [make_req(temperature=0, ignore_eos=True)]).tolist() == [EOS]
 
 
 def test_min_new_tokens_mask_holds_for_sampled_rows():
     logits = torch.tensor([[0.0, 0.0, 8.0, 8.0]] * 200)
     reqs = [make_req(min_new_tokens=1, stop_token_ids=[2])] * 200
-    assert set(Sampler([EOS])(logits, reqs).next_token_ids) == {0, 1}
+    assert set(Sampler([EOS])(logits, reqs).tolist()) == {0, 1}
 
 
 def test_logprobs_are_log_softmax_before_temperature_and_filters():
@@ -240,8 +244,8 @@ def test_logprobs_are_log_softmax_before_temperature_and_filters():
     out = Sampler([EOS])(logits.clone(), reqs)
     ref = torch.log_softmax(logits, dim=-1)
     for i in (0, 2):
-        assert out.logprobs[i] == pytest.approx(ref[i, out.next_token_ids[i]].item())
-    assert out.next_token_ids[2] == logits[2].argmax().item()
+        assert out.logprobs[i] == pytest.approx(ref[i, out.tolist()[i]].item())
+    assert out.tolist()[2] == logits[2].argmax().item()
     values, ids = ref[0].topk(5)
     assert [t for t, _ in out.top_logprobs[0]] == ids.tolist()
     assert [lp for _, lp in out.top_logprobs[0]] == pytest.approx(values.tolist())

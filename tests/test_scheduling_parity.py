@@ -3,8 +3,10 @@
 One mixed workload (text only, one image, a repeated image, two images, a shared system prompt,
 different lengths) runs through the Engine under each scheduling setting: small prefill chunks that
 end inside images, prefix-cache hits, a KV pool small enough to force retraction, page sizes 1 and
-16, every policy, mixed chunks, priorities, and the prefix cache disabled. After each run the
-scheduler's own idle self-check has passed (it raises on a leak) and is run once more here.
+16, every policy, mixed chunks, priorities, and the prefix cache disabled. Every setting runs under
+both event loops: `event_loop_normal` and `event_loop_overlap` (batch N+1 launched before batch N's
+result is processed). After each run the scheduler's own idle self-check has passed (it raises on a
+leak) and is run once more here.
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ def reference(long_reference) -> list[list[int]]:
     return [tokens[:MAX_TOKENS] for tokens in long_reference]
 
 
+LOOPS = {"normal": {"disable_overlap_schedule": True}, "overlap": {"disable_overlap_schedule": False}}
+
+
+@pytest.fixture(params=list(LOOPS))
+def loop(request) -> dict:
+    """The event loop an engine runs: keyword arguments for `Engine`."""
+    return LOOPS[request.param]
+
+
 def _run(engine: Engine, inputs, **kwargs):
     outs = engine.generate_processed(inputs, max_tokens=MAX_TOKENS, temperature=0, **kwargs)
     engine.scheduler.check_memory()
@@ -98,8 +109,8 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_every_setting_matches_transformers(tiny_moe_dir, inputs, reference, name):
-    engine = Engine(tiny_moe_dir, dtype="float32", **SETTINGS[name])
+def test_every_setting_matches_transformers(tiny_moe_dir, inputs, reference, name, loop):
+    engine = Engine(tiny_moe_dir, dtype="float32", **SETTINGS[name], **loop)
     first = _run(engine, inputs)
     assert [o.token_ids for o in first] == reference
     # the same prompts again: served from the prefix cache, same tokens
@@ -113,9 +124,9 @@ def test_every_setting_matches_transformers(tiny_moe_dir, inputs, reference, nam
         assert engine.scheduler.metrics.cached_prompt_tokens == 0
 
 
-def test_small_chunks_cut_through_images(tiny_moe_dir, inputs, reference):
+def test_small_chunks_cut_through_images(tiny_moe_dir, inputs, reference, loop):
     """With 16-token chunks every image (more than 16 tokens) is split across prefill chunks."""
-    engine = Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=16)
+    engine = Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=16, **loop)
     longest = max(len(x.input_ids) for x in inputs)
     assert any(end - start > 16 for x in inputs for it in x.mm_items for start, end in it.spans)
     outs = _run(engine, inputs)
@@ -123,21 +134,22 @@ def test_small_chunks_cut_through_images(tiny_moe_dir, inputs, reference):
     assert engine.scheduler.metrics.num_prefill_batches >= longest // 16
 
 
-def test_mixed_chunk_runs_decodes_inside_prefill_chunks(tiny_moe_dir, inputs, reference):
-    engine = Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=32, enable_mixed_chunk=True)
+def test_mixed_chunk_runs_decodes_inside_prefill_chunks(tiny_moe_dir, inputs, reference, loop):
+    engine = Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=32, enable_mixed_chunk=True, **loop)
     assert [o.token_ids for o in _run(engine, inputs)] == reference
     assert engine.scheduler.metrics.num_mixed_batches > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_tiny_kv_pool_retracts_and_still_matches(tiny_moe_dir, inputs, long_reference, page_size):
+def test_tiny_kv_pool_retracts_and_still_matches(tiny_moe_dir, inputs, long_reference, page_size, loop):
     """A small pool, filled by admitting requests with almost no room reserved for their outputs
     (low schedule_conservativeness), forces retraction; retracted requests are prefilled again later
     and still produce their own tokens."""
     longest = max(len(x.input_ids) for x in inputs) + RETRACT_MAX_TOKENS
     pool = (longest // page_size + 4) * page_size
     engine = Engine(
-        tiny_moe_dir, dtype="float32", max_total_tokens=pool, page_size=page_size, schedule_conservativeness=0.05
+        tiny_moe_dir, dtype="float32", max_total_tokens=pool, page_size=page_size, schedule_conservativeness=0.05,
+        **loop,
     )
     outs = engine.generate_processed(inputs * 2, max_tokens=RETRACT_MAX_TOKENS, temperature=0)
     engine.scheduler.check_memory()
@@ -145,24 +157,25 @@ def test_tiny_kv_pool_retracts_and_still_matches(tiny_moe_dir, inputs, long_refe
     assert engine.scheduler.metrics.num_retractions > 0
 
 
-def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference):
+def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference, loop):
     """Low-priority requests are running when high-priority ones arrive in a full pool: they are
     preempted, requeued, and still finish with their own tokens. (No prefix cache, so the
     high-priority copies of the same prompts need memory of their own.)"""
     longest = max(len(x.input_ids) for x in inputs) + MAX_TOKENS
     engine = Engine(
         tiny_moe_dir, dtype="float32", max_total_tokens=longest * 2, enable_priority_scheduling=True,
-        priority_scheduling_preemption_threshold=0, disable_radix_cache=True,
-    )
-    scheduler = engine.scheduler
-    params = engine.sampling_params(max_tokens=MAX_TOKENS, temperature=0)
-    low = [engine._submit(x, params, priority=0)[0] for x in inputs]
+        priority_scheduling_preemption_threshold=0, disable_radix_cache=True, **loop,
+    )  # fmt: skip
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    low = [engine.submit(x, priority=0, **sampling) for x in inputs]
     for _ in range(3):
-        scheduler.step()
-    high = [engine._submit(x, params, priority=10)[0] for x in inputs]
-    while not all(r.finished for r in low + high):
         engine.step()
-    scheduler.check_memory()
-    assert scheduler.metrics.num_preemptions > 0
-    assert [r.output_ids for r in low] == reference
-    assert [r.output_ids for r in high] == reference
+    high = [engine.submit(x, priority=10, **sampling) for x in inputs]
+    while not all(job.done for job in low + high):
+        engine.step()
+    while not engine.scheduler.is_idle():
+        engine.step()
+    engine.scheduler.check_memory()
+    assert engine.scheduler.metrics.num_preemptions > 0
+    assert [engine.result(job).token_ids for job in low] == reference
+    assert [engine.result(job).token_ids for job in high] == reference

@@ -1,8 +1,11 @@
-"""Tensor- and expert-parallel shards (2 CPU ranks over gloo) compute what one rank computes."""
+"""Tensor- and expert-parallel shards (2 CPU ranks over gloo) compute what one rank computes, under
+both event loops: with overlap, each rank's forward thread runs the model's collectives while its
+scheduler thread broadcasts the next inputs."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -13,48 +16,70 @@ from helpers import free_port, prefill_logits
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.scheduler import Scheduler
-from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.server.io_struct import BatchTokenIdOut, TokenizedGenerateReq
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder_pool import create_encoder
 
 PROMPT = [5, 17, 300, 42, 7, 901, 66, 12, 450, 3, 88, 1000, 23]
+NEW_TOKENS = 8
+ITERATIONS = NEW_TOKENS + 6  # every rank runs the same number of loop iterations; the last ones idle
 
 
-def _run(model_dir: str, tp_size: int, ep_size: int) -> tuple[torch.Tensor, list[int]]:
-    """Prefill logits of PROMPT and 8 greedy tokens after it."""
+class _ListIO:
+    """Rank 0's scheduler I/O: one request in, outputs kept."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self.messages, self.sent = messages, []
+
+    def recv(self, block: bool) -> list[Any]:
+        messages, self.messages = self.messages, []
+        return messages
+
+    def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+
+def _run(model_dir: str, tp_size: int, ep_size: int, overlap: bool) -> tuple[torch.Tensor, list[int]]:
+    """Prefill logits of PROMPT and NEW_TOKENS greedy tokens after it (those on rank 0 only)."""
     config = ModelConfig.from_pretrained(model_dir)
-    # text only: no encoder pool processes
-    args = ServerArgs(model=model_dir, tp_size=tp_size, ep_size=ep_size, max_total_tokens=1024, vit_dp=0)
+    args = ServerArgs(
+        model=model_dir, tp_size=tp_size, ep_size=ep_size, max_total_tokens=1024, vit_dp=0,
+        disable_overlap_schedule=not overlap,
+    )  # fmt: skip
     runner = ModelRunner(args, config)
-    scheduler = Scheduler(args, runner, Tokenizer.from_pretrained(model_dir))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    io = _ListIO([TokenizedGenerateReq("gen", list(PROMPT), params)])
+    scheduler = Scheduler(args, runner, Tokenizer.from_pretrained(model_dir), create_encoder(args, config, runner.device), io)
     logits = prefill_logits(scheduler, PROMPT)
-    gen = Req("gen", list(PROMPT), SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
-    scheduler.add_request(gen)
-    while not gen.finished:
-        scheduler.step()
-    return logits, gen.output_ids
+    for _ in range(ITERATIONS):
+        scheduler.run_iteration()
+    scheduler.shutdown()
+    tokens = [t for m in io.sent if isinstance(m, BatchTokenIdOut) for out in m.outs for t in out.new_ids]
+    return logits, tokens
 
 
-def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, results) -> None:
+def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, overlap: bool, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp_size)
     try:
-        logits, tokens = _run(model_dir, tp_size, ep_size)
-        results[rank] = (logits, tokens)
+        results[rank] = _run(model_dir, tp_size, ep_size, overlap)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize(
     "arch,ep_size", [("dense", 1), ("moe", 1), ("moe", 2)], ids=["dense-tp2", "moe-tp2", "moe-tp2-ep2"]
 )
-def test_two_ranks_match_one(arch, ep_size, tiny_moe_dir, tiny_dense_dir):
+def test_two_ranks_match_one(arch, ep_size, overlap, tiny_moe_dir, tiny_dense_dir):
     model_dir = str(tiny_moe_dir if arch == "moe" else tiny_dense_dir)
-    ref_logits, ref_tokens = _run(model_dir, 1, 1)
+    ref_logits, ref_tokens = _run(model_dir, 1, 1, overlap)
+    assert len(ref_tokens) == NEW_TOKENS
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), model_dir, 2, ep_size, results), nprocs=2)
-    for rank in range(2):
-        logits, tokens = results[rank]
-        assert torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max())
-        assert tokens == ref_tokens
+    mp.spawn(_worker, args=(free_port(), model_dir, 2, ep_size, overlap, results), nprocs=2)
+    logits, tokens = results[0]
+    assert torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max())
+    assert tokens == ref_tokens
+    assert torch.allclose(results[1][0], ref_logits, atol=1e-4 * ref_logits.abs().max())

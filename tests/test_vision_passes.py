@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vlm_serve.config import ModelConfig
-from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.vision.vision_tower import load_vision_model
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.processor import MultimodalProcessor
@@ -52,20 +52,22 @@ def test_passes_give_the_embeddings_of_one_pass(items, max_patches):
     assert len(seen) > 1
 
 
-# Peak memory of encoding a 300-group video, measured as the growth of the peak RSS of a fresh process.
+# Peak memory of encoding a 300-group video, measured as the growth of the peak RSS of a fresh process
+# (VmHWM: ru_maxrss would start from the forking test process's size).
 _PEAK_RSS_SCRIPT = """
-import resource, sys, torch
+import re, sys, torch
 from vlm_serve.config import ModelConfig
-from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.vision.vision_tower import load_vision_model
 torch.set_num_threads(1)
 visual = load_vision_model(ModelConfig.from_pretrained(sys.argv[1]), torch.device("cpu"), torch.float32)
 t, h, w = 300, 16, 16
 pixels = torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
 with torch.inference_mode():
     visual.encode(pixels[: 2 * h * w], [(2, h, w)], 2 * h * w)  # first-call allocations happen here
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+    before = peak()
     out = visual.encode(pixels, [(t, h, w)], int(sys.argv[2]))
-    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    grew = peak() - before
 torch.save(out.embeds, sys.argv[3])
 print(grew)
 """

@@ -101,7 +101,11 @@ def caption_images(
                 engine.step()
                 for submission in [s for s in pending if s.done]:
                     path, start = pending.pop(submission)
-                    result = engine.result(submission)
+                    try:
+                        result = engine.result(submission)
+                    except ValueError as exc:  # refused by the scheduler (e.g. too long for the context)
+                        write(path, start, None, 0, str(exc))
+                        continue
                     if result.finish_reason == "abort":
                         write(path, start, None, len(result.token_ids), result.choices[0].message or "aborted")
                     else:

@@ -34,6 +34,7 @@ class ServerArgs:
     max_prefill_tokens: int = 16384  # new tokens per prefill batch (clipped to the KV pool)
     chunked_prefill_size: int = 8192  # longest prefill chunk; -1 = no chunking
     enable_mixed_chunk: bool = False  # run running requests' decode inside prefill chunks
+    disable_overlap_schedule: bool = False  # process each batch's result before launching the next
     schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random
     schedule_conservativeness: float = 1.0  # > 1 reserves more KV for running requests' outputs
     disable_radix_cache: bool = False

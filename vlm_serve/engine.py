@@ -1,28 +1,35 @@
-"""The in-process engine: chat template, media preprocessing and the scheduler, without HTTP.
+"""The in-process engine: chat template, media preprocessing, the scheduler and the detokenizer, without
+HTTP.
 
-Single-threaded: each call drives the scheduler until its own requests finish. Requests submitted in
-one call (a batch, or `n` > 1) are scheduled together with continuous batching.
+It is a front end like the server's TokenizerManager: requests become `GenerateReqInput`s, then
+scheduler messages, handed over in a queue; the scheduler runs its own event loop one iteration per
+`step()`, and its outputs come back as text through the same `DetokenizerManager` the server's
+detokenizer process runs. Each blocking call steps until its own requests finish; requests submitted
+together (a batch, or `n` > 1) are scheduled together with continuous batching.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.detokenizer import TextStream, final_text, stop_holdback
 from vlm_serve.llm.model_runner import ModelRunner
-from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.llm.scheduler.scheduler import Scheduler
+from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
+from vlm_serve.server.detokenizer_manager import DetokenizerManager
+from vlm_serve.server.io_struct import AbortReq, BatchTokenIdOut, GenerateReqInput, StrOut
 from vlm_serve.testing.tiny_model import default_model_path
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.items import MediaTimings, ProcessedInput
+from vlm_serve.vision.encoder_pool import create_encoder
 from vlm_serve.vision.processor import MultimodalProcessor
+
 
 @dataclass
 class Completion:
@@ -70,14 +77,59 @@ class StreamChunk:
 
 
 @dataclass(eq=False)
-class Submission:
-    """A prompt queued with `Engine.submit`: its `n` choices' requests."""
+class _Choice:
+    """The outputs of one choice as they arrive from the detokenizer."""
 
-    reqs: list[Req]
+    rid: str
+    outs: list[StrOut] = field(default_factory=list)
+    unread: int = 0  # outputs before this were handed out by a stream
+
+    @property
+    def error(self) -> str | None:
+        return self.outs[-1].error if self.outs else None
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.outs) and (self.outs[-1].finish_reason is not None or self.outs[-1].error is not None)
+
+    def completion(self) -> Completion:
+        last = self.outs[-1]
+        return Completion(
+            "".join(o.text for o in self.outs), [t for o in self.outs for t in o.new_ids], last.finish_reason,
+            last.matched_stop, [lp for o in self.outs for lp in o.logprobs] or None,
+            [top for o in self.outs for top in o.top_logprobs] or None, last.message,
+        )  # fmt: skip
+
+
+@dataclass(eq=False)
+class Submission:
+    """A prompt queued with `Engine.submit`: its `n` choices."""
+
+    choices: list[_Choice]
 
     @property
     def done(self) -> bool:
-        return all(r.finished for r in self.reqs)
+        return all(c.finished for c in self.choices)
+
+    @property
+    def rids(self) -> list[str]:
+        return [c.rid for c in self.choices]
+
+
+class _QueueIO:
+    """The scheduler's I/O inside `Engine`: requests in a queue, outputs collected in a list."""
+
+    def __init__(self) -> None:
+        self.inbox: deque[Any] = deque()
+        self.outbox: list[Any] = []
+
+    def recv(self, block: bool) -> list[Any]:
+        messages = list(self.inbox)
+        self.inbox.clear()
+        return messages
+
+    def send(self, message: Any) -> None:
+        self.outbox.append(message)
 
 
 class Engine:
@@ -85,7 +137,8 @@ class Engine:
 
     `model=None` uses the built-in tiny MoE checkpoint. Other keywords are `ServerArgs` fields
     (`chunked_prefill_size`, `schedule_policy`, `page_size`, `max_total_tokens`, ...). Sampling keywords
-    are named as in the OpenAI API (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n`, ...).
+    are named as in the OpenAI API (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n`, ...);
+    without `max_tokens` an answer may run to the context length, as in the server.
     """
 
     def __init__(self, model: str | Path | None = None, **options: Any) -> None:
@@ -99,8 +152,12 @@ class Engine:
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.processor = MultimodalProcessor.from_pretrained(path, self.tokenizer, cache_mb=self.server_args.mm_cache_mb)
         runner = ModelRunner(self.server_args, self.model_config)
-        self.scheduler = Scheduler(self.server_args, runner, self.tokenizer)
+        self._io = _QueueIO()
+        encoder = create_encoder(self.server_args, self.model_config, runner.device)
+        self.scheduler = Scheduler(self.server_args, runner, self.tokenizer, encoder, self._io)
+        self.detokenizer = DetokenizerManager(self.tokenizer)
         self.default_sampling = generation_defaults(path)
+        self._choices: dict[str, _Choice] = {}  # by rid, until finished
         self._ids = itertools.count()
 
     # ---- blocking calls ----------------------------------------------------------------------------
@@ -119,59 +176,85 @@ class Engine:
         return self.generate_processed([processed], **kwargs)[0]
 
     def generate_processed(self, inputs: list[ProcessedInput], priority: int = 0, **sampling: Any) -> list[GenerateOutput]:
-        """Already tokenized and preprocessed inputs, all scheduled together."""
-        params = self.sampling_params(**sampling)
-        groups: list[list[Req]] = []
-        try:
-            for x in inputs:
-                groups.append(self._submit(x, params, priority))
-        except ValueError:
-            self._abort_and_wait([r for g in groups for r in g], "another input of the same call was rejected")
-            raise
-        pending = [r for g in groups for r in g]
-        while not all(r.finished for r in pending):
-            self.step()
-        return [self._output(g) for g in groups]
+        """Already tokenized and preprocessed inputs, all scheduled together. If the scheduler refuses
+        one, the others are aborted and ValueError says why."""
+        submissions = [self.submit(x, priority, **sampling) for x in inputs]
+        choices = [c for s in submissions for c in s.choices]
+        self._wait(choices)
+        refused = next((c.error for c in choices if c.error is not None), None)
+        if refused is not None:
+            self._abort_and_wait(choices, "another input of the same call was rejected")
+            raise ValueError(refused)
+        return [self.result(s) for s in submissions]
 
     # ---- driving the scheduler yourself ------------------------------------------------------------
 
     def submit(self, x: ProcessedInput, priority: int = 0, **sampling: Any) -> Submission:
         """Queues one prompt and returns at once: call `step()` until `done`, then `result()`. Prompts
-        submitted this way are batched continuously with everything else in flight."""
-        return Submission(self._submit(x, self.sampling_params(**sampling), priority))
+        submitted this way are batched continuously with everything else in flight. Bad sampling values
+        raise here; a refusal by the scheduler (too long, ...) is raised by `result()`."""
+        if self.scheduler is None:
+            raise RuntimeError("the engine was shut down")
+        request = GenerateReqInput(x, sampling, priority)
+        messages = request.normalize(f"req{next(self._ids)}", self.default_sampling, self.scheduler.limits)
+        choices = [_Choice(m.rid) for m in messages]
+        self._choices.update((c.rid, c) for c in choices)
+        self._io.inbox.extend(messages)
+        return Submission(choices)
 
     def result(self, submission: Submission) -> GenerateOutput:
         if not submission.done:
             raise ValueError("the submission has not finished yet")
-        return self._output(submission.reqs)
+        refused = next((c.error for c in submission.choices if c.error is not None), None)
+        if refused is not None:
+            raise ValueError(refused)
+        first = submission.choices[0].outs[-1]
+        return GenerateOutput(
+            [c.completion() for c in submission.choices], first.prompt_tokens,
+            max(c.outs[-1].cached_tokens for c in submission.choices), first.media_timings,
+        )  # fmt: skip
+
+    def abort(self, submission: Submission, message: str = "aborted") -> None:
+        """Stops the submission's unfinished choices (they finish with "abort" at the next step)."""
+        self._io.inbox.extend(AbortReq(c.rid, message) for c in submission.choices if not c.finished)
+
+    def step(self) -> None:
+        """One iteration of the scheduler's event loop (it waits briefly when only media encoding is
+        under way); the outputs it produced reach their submissions."""
+        if self.scheduler is None:
+            raise RuntimeError("the engine was shut down")
+        scheduler = self.scheduler
+        scheduler.run_iteration()
+        for message in self._io.outbox:
+            if isinstance(message, BatchTokenIdOut):
+                for out in self.detokenizer.detokenize(message).outs:
+                    choice = self._choices.get(out.rid)
+                    if choice is not None:
+                        choice.outs.append(out)
+                        if choice.finished:
+                            del self._choices[out.rid]
+        self._io.outbox.clear()
+        stalled = scheduler.last_batch is None and not scheduler.result_queue and not scheduler.encoding.inflight
+        if stalled and scheduler.reqs and not self._io.inbox:
+            raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")
 
     # ---- streaming ---------------------------------------------------------------------------------
 
     def stream(self, messages: list[dict], priority: int = 0, **sampling: Any) -> Iterator[StreamChunk]:
         """Chat with the answer arriving piece by piece. Closing the iterator early aborts the request."""
-        params = self.sampling_params(**sampling)
-        reqs = self._submit(self.processor.process_messages(messages, add_generation_prompt=True), params, priority)
-        streams = [TextStream(self.tokenizer, stop_holdback(params.stop)) for _ in reqs]
-        sent_ids = [0] * len(reqs)
-        done = [False] * len(reqs)
+        submission = self.submit(self.processor.process_messages(messages, add_generation_prompt=True), priority, **sampling)
         try:
-            while not all(done):
+            while not submission.done:
                 self.step()
-                for i, req in enumerate(reqs):
-                    if done[i] or len(req.output_ids) == sent_ids[i] and not req.finished:
-                        continue
-                    if req.finished:
-                        text = streams[i].finish(req.output_ids, req.finished_reason.matched, req.output_text)
-                    else:
-                        text = streams[i].update(req.output_ids)
-                    chunk = StreamChunk(
-                        i, text, req.output_ids[sent_ids[i] :], req.finished_reason.kind if req.finished else None
-                    )
-                    sent_ids[i], done[i] = len(req.output_ids), req.finished
-                    if chunk.text or chunk.token_ids or chunk.finish_reason:
-                        yield chunk
+                for i, choice in enumerate(submission.choices):
+                    if choice.error is not None:
+                        raise ValueError(choice.error)
+                    new, choice.unread = choice.outs[choice.unread :], len(choice.outs)
+                    for out in new:
+                        if out.text or out.new_ids or out.finish_reason:
+                            yield StreamChunk(i, out.text, list(out.new_ids), out.finish_reason)
         finally:
-            self._abort_and_wait(reqs, "the stream was closed")
+            self._abort_and_wait(submission.choices, "the stream was closed")
 
     # ---- plumbing ----------------------------------------------------------------------------------
 
@@ -179,57 +262,23 @@ class Engine:
         """OpenAI-named sampling keywords over the checkpoint's generation defaults."""
         return sampling_params_from_openai(self.default_sampling, sampling)
 
-    def _submit(self, x: ProcessedInput, params: SamplingParams, priority: int) -> list[Req]:
-        """Queues the request's `n` choices."""
-        if self.scheduler is None:
-            raise RuntimeError("the engine was shut down")
-        base = str(next(self._ids))
-        reqs: list[Req] = []
-        try:
-            for i, choice in enumerate(params.per_choice()):
-                req = Req(f"{base}-{i}", list(x.input_ids), choice, list(x.mm_items), priority=priority)
-                self.scheduler.add_request(req)
-                reqs.append(req)
-        except ValueError:
-            self._abort_and_wait(reqs, "rejected")
-            raise
-        return reqs
-
-    def _abort_and_wait(self, reqs: list[Req], message: str) -> None:
-        for req in reqs:
-            if not req.finished:
-                self.scheduler.abort_request(req.rid, message)
-        while not all(r.finished for r in reqs):
+    def _wait(self, choices: list[_Choice]) -> None:
+        """Steps until `choices` finish (or one is refused); then, if nothing else is in flight, until
+        the scheduler is idle (under overlap a batch may still be running for requests that ended)."""
+        while not all(c.finished for c in choices) and not any(c.error is not None for c in choices):
+            self.step()
+        while not self._choices and not self._io.inbox and not self.scheduler.is_idle():
             self.step()
 
-    def step(self) -> None:
-        """One scheduler step (waits briefly when only media encoding is under way)."""
-        if self.scheduler is None:
-            raise RuntimeError("the engine was shut down")
-        self.scheduler.step()
-        if self.scheduler.last_batch is None and not self.scheduler.is_idle() and not self.scheduler.encoding.inflight:
-            raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")
-
-    def _completion(self, req: Req) -> Completion:
-        reason = req.finished_reason
-        params = req.sampling_params
-        return Completion(
-            final_text(self.tokenizer, req.output_ids, reason.matched, req.output_text), list(req.output_ids), reason.kind, reason.matched,
-            req.output_logprobs if params.logprobs else None,
-            req.output_top_logprobs if params.top_logprobs else None,
-            reason.message,
-        )
-
-    def _output(self, reqs: list[Req]) -> GenerateOutput:
-        return GenerateOutput(
-            [self._completion(r) for r in reqs],
-            len(reqs[0].origin_input_ids),
-            max(r.cached_tokens for r in reqs),
-            [item.timings for item in reqs[0].mm_items],
-        )
+    def _abort_and_wait(self, choices: list[_Choice], message: str) -> None:
+        self._io.inbox.extend(AbortReq(c.rid, message) for c in choices if not c.finished)
+        while not all(c.finished for c in choices):
+            self.step()
+        self._wait(choices)
 
     def shutdown(self) -> None:
-        """Stops the encoder pool's processes; the engine takes no requests afterwards."""
+        """Stops the forward thread and the encoder pool's processes; the engine takes no requests
+        afterwards."""
         if self.scheduler is not None:
             self.scheduler.shutdown()
             self.scheduler = None  # type: ignore[assignment]

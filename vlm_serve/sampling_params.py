@@ -79,8 +79,8 @@ class SamplingParams:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
 
-# OpenAI-style keyword -> SamplingParams field
-_SAMPLING_KEYS = {
+# OpenAI-named sampling keyword -> SamplingParams field (what every front end accepts)
+OPENAI_SAMPLING_KEYS = {
     "max_tokens": "max_new_tokens",
     "max_completion_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
@@ -103,11 +103,11 @@ _SAMPLING_KEYS = {
 
 def sampling_params_from_openai(defaults: dict[str, Any], sampling: dict[str, Any]) -> SamplingParams:
     """OpenAI-named sampling keywords (None = not given) over `defaults` (SamplingParams fields)."""
-    unknown = set(sampling) - set(_SAMPLING_KEYS)
+    unknown = set(sampling) - set(OPENAI_SAMPLING_KEYS)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
     fields = dict(defaults)
-    fields.update({_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None})
+    fields.update({OPENAI_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None})
     return SamplingParams(**fields)
 
 

@@ -21,7 +21,9 @@ class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
     ep_size: int = 1
-    tp_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None  # the model's collectives (NCCL on GPU)
+    # the scheduler's broadcasts (gloo): a group of its own, as the forward may run at the same time
+    tp_cpu_group: dist.ProcessGroup | None = None
 
     @property
     def moe_tp_size(self) -> int:
@@ -52,7 +54,10 @@ def init_parallel_state(tp_size: int = 1, ep_size: int = 1) -> ParallelState:
         raise RuntimeError("tp_size > 1 needs torch.distributed to be initialised first")
     if dist.get_world_size() != tp_size:
         raise ValueError(f"world size {dist.get_world_size()} does not match tp_size {tp_size}")
-    _state = ParallelState(dist.get_rank(), tp_size, ep_size, dist.new_group(list(range(tp_size))))
+    ranks = list(range(tp_size))
+    _state = ParallelState(
+        dist.get_rank(), tp_size, ep_size, dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+    )
     return _state
 
 

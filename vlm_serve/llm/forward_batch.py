@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from vlm_serve.llm.layers.attention.base import AttentionBackend
+    from vlm_serve.llm.layers.sampler import SampleRow
 
 
 class ForwardMode(IntEnum):
@@ -24,12 +24,17 @@ class ForwardMode(IntEnum):
 
 @dataclass
 class ForwardBatch:
-    """A flattened batch: the new tokens of all requests back to back.
+    """A flattened batch: the new tokens of all requests back to back, and how to sample after them.
 
     `seq_lens[i]` is request i's length after this forward, of which `prefix_lens[i]` are already in the
     KV cache and `extend_lens[i]` are new. The new tokens' K/V go to `out_cache_loc`. Vision embeddings
     replace the token embeddings at `mm_indices` (rows of the flattened batch); `deepstack_embeds[k]` is
-    added at the same rows after decoder layer k.
+    added at the same rows after decoder layer k. A negative input id is a token still being sampled by
+    the batch before: FutureMap slot `-id - 1`. The sampled tokens go to FutureMap slots
+    `future_start ...`, one per request.
+
+    Everything here is built by the scheduler before the forward is launched and only read afterwards,
+    so the scheduler can go on changing its pools while the forward runs.
     """
 
     forward_mode: ForwardMode
@@ -44,7 +49,10 @@ class ForwardBatch:
     mm_indices: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
     deepstack_embeds: list[torch.Tensor] = field(default_factory=list)
+    sampling: list[SampleRow] = field(default_factory=list)  # one per request
+    future_start: int = 0
     attn_backend: AttentionBackend | None = None
+    attn_metadata: Any = None  # the backend's index tensors for this batch (`init_forward_metadata`)
 
     @property
     def batch_size(self) -> int:

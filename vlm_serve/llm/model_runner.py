@@ -1,4 +1,4 @@
-"""Owns the model, its KV pools and its attention backend: batch in, next tokens out."""
+"""Owns the language model, its KV pools and its attention backend: batch in, next tokens out."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
-from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.llm.overlap import FutureMap
 from vlm_serve.vision.encoder_pool import llm_threads
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,9 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 class ModelRunner:
-    """Owns the model, its KV pools and its attention backend: batch in, next tokens out."""
+    """Owns the language model, its KV pools and its attention backend: batch in, next tokens out.
+
+    The vision tower is not here: the encoders (`vision/`) run it and hand the scheduler embeddings."""
 
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
         self.server_args = server_args
@@ -36,15 +38,16 @@ class ModelRunner:
         torch.manual_seed(server_args.seed)
         if self.device.type == "cpu" and server_args.vit_dp > 0:
             torch.set_num_threads(llm_threads(server_args))  # the encoder ranks take the other cores
-        # with an encoder pool the vision tower lives in the pool's processes only
-        self.model = load_model(model_config, self.device, self.dtype, with_vision=server_args.vit_dp == 0)
+        self.model = load_model(model_config, self.device, self.dtype)
         self._init_memory_pools()
         attn = self.model.model.language_model.layers[0].self_attn
         self.attn_backend = create_attention_backend(
             server_args.attention_backend, self.req_to_token_pool, self.token_to_kv_pool,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling,
-        )
+        )  # fmt: skip
         self.sampler = Sampler(model_config.eos_token_ids)
+        # a batch has at most one row per request, and the chunked request's on top in a mixed batch
+        self.future_map = FutureMap(self.req_to_token_pool.size + 1, self.device)
 
     def _init_memory_pools(self) -> None:
         text = self.model_config.text
@@ -69,11 +72,15 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(size, page_size, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), context %d", size, size * per_token / 2**20, self.context_len)
 
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """On the scheduler's side, when the batch is built: the attention backend's index tensors."""
+        batch.attn_backend = self.attn_backend
+        batch.attn_metadata = self.attn_backend.init_forward_metadata(batch)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every new token."""
-        batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
+        self.attn_backend.begin_forward(batch)
         return self.model(batch)
 
     @torch.inference_mode()
@@ -81,5 +88,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
-        return self.sampler(logits, reqs)
+    def forward_batch_generation(self, batch: ForwardBatch) -> SampleOutput:
+        """Forward, logits and sampling of one launched batch, in launch order: its future ids are
+        resolved first, and its sampled tokens stored in the FutureMap for the batch after it."""
+        self.future_map.resolve(batch)
+        hidden = self.forward(batch)
+        out = self.sampler(self.compute_logits(hidden[batch.last_token_indices()]), batch.sampling)
+        self.future_map.store(batch.future_start, out.next_token_ids)
+        return out

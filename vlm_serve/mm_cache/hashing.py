@@ -19,7 +19,7 @@ import torch
 import xxhash
 from PIL import Image
 
-from vlm_serve.vision.items import Modality, MultimodalItem
+from vlm_serve.multimodal import Modality, MultimodalItem
 
 PAD_VALUE_BITS = 62
 _READ_CHUNK = 1 << 20

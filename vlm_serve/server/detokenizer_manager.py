@@ -1,7 +1,8 @@
-"""The detokenizer process: token ids from the scheduler in, text pieces out to the HTTP process.
+"""The detokenizer: token ids from the scheduler in, text pieces out to the front end.
 
 Each request's text grows through a `TextStream` (incremental decoding, stop strings held back), so
-the scheduler never spends its loop on decoding and the HTTP process only forwards text.
+the scheduler never spends its loop on decoding. The server runs `DetokenizerManager` in a process of
+its own, between the scheduler and the HTTP process; `Engine` runs it in-process.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class DetokenizerManager:
                 del self.streams[out.rid]
         return StrOut(
             out.rid, text, out.new_ids, out.logprobs, out.top_logprobs, out.finish_reason, out.matched_stop,
-            out.message, out.prompt_tokens, out.cached_tokens, out.error,
+            out.message, out.prompt_tokens, out.cached_tokens, out.media_timings, out.error,
         )  # fmt: skip
 
 

@@ -33,7 +33,7 @@ from PIL import Image
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
-from vlm_serve.server.io_struct import PortArgs
+from vlm_serve.server.io_struct import GenerateReqInput, PortArgs, SchedulerLimits
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
 from vlm_serve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, now
@@ -109,7 +109,7 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(
-            id=serving.model_name, created=now(), root=tm.server_args.model, max_model_len=tm.limits["context_length"]
+            id=serving.model_name, created=now(), root=tm.server_args.model, max_model_len=tm.limits.context_length
         )
         return ModelList(data=[card])
 
@@ -212,9 +212,9 @@ def _start_children(server_args: ServerArgs, port_args: PortArgs) -> tuple[_Chil
     return _Children(schedulers, detokenizer), readies
 
 
-def _await_ready(children: _Children, readies: list[Connection]) -> dict[str, int]:
+def _await_ready(children: _Children, readies: list[Connection]) -> SchedulerLimits:
     """Rank 0's limits once every rank has loaded the model; RuntimeError if one fails."""
-    limits: list[dict[str, int]] = []
+    limits: list[SchedulerLimits] = []
     deadline = time.monotonic() + STARTUP_TIMEOUT
     for rank, conn in enumerate(readies):
         while not conn.poll(0.2):
@@ -237,8 +237,8 @@ async def warmup(tm: TokenizerManager) -> None:
     image = Image.new("RGB", (64, 64), (120, 30, 200))
     content = [{"type": "image", "image": image}, {"type": "text", "text": "Describe."}]
     x = await tm.process_messages([{"role": "user", "content": content}])
-    params = tm.sampling_params(len(x.input_ids), max_tokens=2, temperature=0)
-    async with contextlib.aclosing(tm.generate(x, params)) as outputs:
+    choices = tm.normalize(GenerateReqInput(x, {"max_tokens": 2, "temperature": 0}))
+    async with contextlib.aclosing(tm.generate(choices)) as outputs:
         async for _, out in outputs:
             if out.finish_reason == "abort":
                 raise RuntimeError(f"the warm-up request failed: {out.message}")

@@ -1,11 +1,13 @@
-"""The typed messages the server's processes exchange over ZMQ.
+"""The typed messages between the front ends, the scheduler and the detokenizer.
 
-HTTP process (TokenizerManager) -> scheduler: `TokenizedGenerateReq`, `AbortReq`, `FlushCacheReq`,
-`GetStatsReq`. Scheduler -> detokenizer: `BatchTokenIdOut` (new token ids of the step's requests) and
-replies (`FlushCacheOut`, `StatsOut`), which the detokenizer passes on. Detokenizer -> HTTP process:
-`BatchStrOut` (text deltas). Pixel tensors inside a `TokenizedGenerateReq` travel as shared memory
-(`send_pyobj` / `recv_pyobj` below use multiprocessing's pickler, which shares tensors instead of
-copying them into the message).
+A front end (the HTTP process's TokenizerManager, or the in-process `Engine`) turns a
+`GenerateReqInput` into one `TokenizedGenerateReq` per choice. Front end -> scheduler:
+`TokenizedGenerateReq`, `AbortReq`, `FlushCacheReq`, `GetStatsReq`. Scheduler -> detokenizer:
+`BatchTokenIdOut` (new token ids of the iteration's requests) and replies (`FlushCacheOut`,
+`StatsOut`), which the detokenizer passes on. Detokenizer -> front end: `BatchStrOut` (text deltas).
+In the server they cross processes over ZMQ; pixel tensors inside a `TokenizedGenerateReq` travel as
+shared memory (`send_pyobj` / `recv_pyobj` below use multiprocessing's pickler, which shares tensors
+instead of copying them into the message). In `Engine` they are handed over in queues.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Any
 
 import zmq
 
-from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.multimodal import MediaTimings, MultimodalItem, ProcessedInput
+from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
 
 
 @dataclass
@@ -29,6 +31,50 @@ class PortArgs:
     scheduler_input: str  # HTTP process -> scheduler rank 0
     detokenizer_input: str  # scheduler rank 0 -> detokenizer
     tokenizer_input: str  # detokenizer -> HTTP process
+
+
+@dataclass
+class SchedulerLimits:
+    """What the scheduler can take, reported when it is ready: front ends check requests against it."""
+
+    max_total_tokens: int  # KV pool size
+    context_length: int  # longest prompt + output
+    max_running_requests: int
+    page_size: int
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest prompt + output that can ever run: the context, or what the KV pool holds."""
+        return min(self.context_length, self.max_total_tokens - self.page_size)
+
+
+@dataclass
+class GenerateReqInput:
+    """A generation request as a front end receives it: a processed prompt, OpenAI-named sampling
+    settings (`max_tokens`, `temperature`, `n`, ...) and a priority. The HTTP server and `Engine` both
+    turn it into scheduler messages with `normalize`, so they agree on defaults and on choices."""
+
+    input: ProcessedInput
+    sampling: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+
+    def sampling_params(self, defaults: dict[str, Any], limits: SchedulerLimits) -> SamplingParams:
+        """The settings over `defaults` (the checkpoint's generation config). Without max_tokens an
+        answer may run to the context length, or what the KV pool can hold, as in vLLM. Unknown names
+        raise TypeError, bad values ValueError."""
+        sampling = dict(self.sampling)
+        if sampling.get("max_tokens") is None and sampling.get("max_completion_tokens") is None:
+            sampling["max_tokens"] = max(limits.max_sequence_tokens - len(self.input.input_ids), 1)
+        return sampling_params_from_openai(defaults, sampling)
+
+    def normalize(self, rid: str, defaults: dict[str, Any], limits: SchedulerLimits) -> list[TokenizedGenerateReq]:
+        """One message per choice, with ids `{rid}-{i}` (choice i of a seeded request uses seed + i)."""
+        params = self.sampling_params(defaults, limits)
+        x = self.input
+        return [
+            TokenizedGenerateReq(f"{rid}-{i}", x.input_ids, choice, x.mm_items, self.priority)
+            for i, choice in enumerate(params.per_choice())
+        ]
 
 
 @dataclass
@@ -100,6 +146,7 @@ class TokenIdOut:
     stop_holdback: int = 0  # characters a stop string could still take back from the text so far
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    media_timings: list[MediaTimings] = field(default_factory=list)  # per image / video, when finished
     error: str | None = None
 
 
@@ -122,6 +169,7 @@ class StrOut:
     message: str
     prompt_tokens: int
     cached_tokens: int
+    media_timings: list[MediaTimings] = field(default_factory=list)
     error: str | None = None
 
 

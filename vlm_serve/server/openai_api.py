@@ -14,8 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.server.io_struct import StrOut
+from vlm_serve.server.io_struct import GenerateReqInput, StrOut, TokenizedGenerateReq
 from vlm_serve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -40,13 +39,7 @@ from vlm_serve.server.protocol import (
     now,
 )
 from vlm_serve.server.tokenizer_manager import TokenizerManager
-from vlm_serve.vision.items import ProcessedInput
-
-_SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "n", "ignore_eos", "min_tokens",
-)  # fmt: skip
-
+from vlm_serve.multimodal import ProcessedInput
 
 class OpenAIServing:
     """The /v1 endpoints' logic for one served model."""
@@ -67,14 +60,11 @@ class OpenAIServing:
         check_media_parts(request, self.server_args)
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         x = await self.tm.process_messages(messages)
-        sampling = _sampling(request)
-        if request.max_completion_tokens is not None:
-            sampling["max_tokens"] = request.max_completion_tokens
-        sampling.update(logprobs=request.logprobs, top_logprobs=request.top_logprobs)
-        params = self.tm.sampling_params(len(x.input_ids), **sampling)
+        choices = self.tm.normalize(GenerateReqInput(x, request.sampling(), request.priority))
+        params = choices[0].sampling_params
         if request.stream:
-            return self._chat_stream(request, x, params)
-        per_choice = await self._collect(x, params, request.priority)
+            return self._chat_stream(request, x, choices)
+        per_choice = await self._collect(choices)
         choices = []
         for i, outs in enumerate(per_choice):
             logprobs = [t for out in outs for t in self._token_logprobs(out)] if params.logprobs else None
@@ -89,16 +79,16 @@ class OpenAIServing:
         )  # fmt: skip
 
     async def _chat_stream(
-        self, request: ChatCompletionRequest, x: ProcessedInput, params: SamplingParams
+        self, request: ChatCompletionRequest, x: ProcessedInput, choices: list[TokenizedGenerateReq]
     ) -> AsyncIterator[str]:
-        rid, created = new_id("chatcmpl"), now()
+        rid, created, params = new_id("chatcmpl"), now(), choices[0].sampling_params
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage))
 
         started = [False] * params.n
         per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
-        async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
+        async with contextlib.aclosing(self.tm.generate(choices)) as outputs:
             async for i, out in outputs:
                 per_choice[i].append(out)
                 if not started[i]:
@@ -117,13 +107,14 @@ class OpenAIServing:
     async def completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
         x = self.tm.tokenize(request.prompt)
-        sampling = _sampling(request)
+        sampling = request.sampling()
         top = request.logprobs
-        sampling.update(logprobs=top is not None, top_logprobs=top or 0)
-        params = self.tm.sampling_params(len(x.input_ids), **sampling)
+        sampling.update(logprobs=top is not None, top_logprobs=top or 0)  # the legacy API's integer logprobs
+        choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority))
+        params = choices[0].sampling_params
         if request.stream:
-            return self._completion_stream(request, x, params)
-        per_choice = await self._collect(x, params, request.priority)
+            return self._completion_stream(request, x, choices)
+        per_choice = await self._collect(choices)
         choices = []
         for i, outs in enumerate(per_choice):
             logprobs = None
@@ -141,12 +132,12 @@ class OpenAIServing:
         )
 
     async def _completion_stream(
-        self, request: CompletionRequest, x: ProcessedInput, params: SamplingParams
+        self, request: CompletionRequest, x: ProcessedInput, choices: list[TokenizedGenerateReq]
     ) -> AsyncIterator[str]:
-        rid, created = new_id("cmpl"), now()
+        rid, created, params = new_id("cmpl"), now(), choices[0].sampling_params
         per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
         offsets = [0] * params.n
-        async with contextlib.aclosing(self.tm.generate(x, params, request.priority)) as outputs:
+        async with contextlib.aclosing(self.tm.generate(choices)) as outputs:
             async for i, out in outputs:
                 per_choice[i].append(out)
                 logprobs = None
@@ -164,10 +155,10 @@ class OpenAIServing:
 
     # ---- pieces ------------------------------------------------------------------------------------
 
-    async def _collect(self, x: ProcessedInput, params: SamplingParams, priority: int) -> list[list[StrOut]]:
+    async def _collect(self, choices: list[TokenizedGenerateReq]) -> list[list[StrOut]]:
         """Every output of each choice, in order (the last one finishes it)."""
-        per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
-        async with contextlib.aclosing(self.tm.generate(x, params, priority)) as outputs:
+        per_choice: list[list[StrOut]] = [[] for _ in choices]
+        async with contextlib.aclosing(self.tm.generate(choices)) as outputs:
             async for i, out in outputs:
                 per_choice[i].append(out)
         return per_choice
@@ -210,10 +201,6 @@ class OpenAIServing:
             logprobs.top_logprobs.append({self._token_text(tid): lp for tid, lp in top})
             logprobs.text_offset.append(offset)
             offset += len(text)
-
-
-def _sampling(request: Any) -> dict[str, Any]:
-    return {name: getattr(request, name) for name in _SAMPLING_FIELDS}
 
 
 def _sse(body: BaseModel) -> str:

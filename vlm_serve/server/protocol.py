@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS
+from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, OPENAI_SAMPLING_KEYS
 
 
 class _Strict(BaseModel):
@@ -85,6 +85,10 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0
+
+    def sampling(self) -> dict[str, Any]:
+        """The OpenAI-named sampling settings of the request (None where not given)."""
+        return {name: getattr(self, name, None) for name in OPENAI_SAMPLING_KEYS}
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -24,21 +24,23 @@ import zmq.asyncio
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.llm.scheduler.metrics import Histogram
-from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
+from vlm_serve.sampling_params import generation_defaults
 from vlm_serve.server.io_struct import (
     AbortReq,
     BatchStrOut,
     FlushCacheOut,
     FlushCacheReq,
+    GenerateReqInput,
     GetStatsReq,
     PortArgs,
+    SchedulerLimits,
     StatsOut,
     StrOut,
     TokenizedGenerateReq,
     send_pyobj,
 )
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.items import ProcessedInput
+from vlm_serve.multimodal import ProcessedInput
 from vlm_serve.vision.media import MediaAccess
 from vlm_serve.vision.processor import MultimodalProcessor
 
@@ -79,9 +81,9 @@ class _Pending:
 class TokenizerManager:
     """Turns API requests into scheduler requests and streams their outputs back."""
 
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, limits: dict[str, int]) -> None:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, limits: SchedulerLimits) -> None:
         self.server_args = server_args
-        self.limits = limits  # from the scheduler: max_total_tokens, context_length, page_size, ...
+        self.limits = limits
         path = Path(server_args.model)
         self.tokenizer = Tokenizer.from_pretrained(path)
         access = MediaAccess(
@@ -140,31 +142,22 @@ class TokenizerManager:
             return ProcessedInput(self.tokenizer.encode(prompt))
         return ProcessedInput(list(prompt))
 
-    def sampling_params(self, prompt_len: int, **sampling: Any) -> SamplingParams:
-        """OpenAI-named settings over the checkpoint's defaults; without max_tokens, an answer may run
-        to the context length (or what the KV pool can hold)."""
-        if sampling.get("max_tokens") is None and sampling.get("max_completion_tokens") is None:
-            room = min(self.limits["context_length"], self.limits["max_total_tokens"] - self.limits["page_size"])
-            sampling["max_tokens"] = max(room - prompt_len, 1)
-        try:
-            return sampling_params_from_openai(self.default_sampling, sampling)
-        except TypeError as exc:
-            raise ValueError(str(exc)) from exc
+    def normalize(self, request: GenerateReqInput) -> list[TokenizedGenerateReq]:
+        """The scheduler messages of a request, one per choice; ValueError names a bad setting."""
+        return request.normalize(f"req{next(self._ids)}", self.default_sampling, self.limits)
 
     # ---- generation --------------------------------------------------------------------------------
 
-    async def generate(
-        self, x: ProcessedInput, params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[tuple[int, StrOut]]:
-        """Yields (choice index, output) as the `n` choices progress. Raises `RequestError` if the
-        scheduler refuses the request. Leaving early (a disconnect) aborts the unfinished choices."""
-        base = f"req{next(self._ids)}"
-        rids = [f"{base}-{i}" for i in range(params.n)]
+    async def generate(self, choices: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, StrOut]]:
+        """Sends a request's choices and yields (choice index, output) as they progress. Raises
+        `RequestError` if the scheduler refuses the request. Leaving early (a disconnect) aborts the
+        unfinished choices."""
+        rids = [c.rid for c in choices]
         pending = _Pending(rids, unfinished=set(rids))
         index = {rid: i for i, rid in enumerate(rids)}
-        for rid, choice in zip(rids, params.per_choice()):
-            self.pending[rid] = pending
-            send_pyobj(self.send_to_scheduler, TokenizedGenerateReq(rid, x.input_ids, choice, x.mm_items, priority))
+        for choice in choices:
+            self.pending[choice.rid] = pending
+            send_pyobj(self.send_to_scheduler, choice)
         self.metrics.num_requests += 1
         start = last = time.perf_counter()
         first = True

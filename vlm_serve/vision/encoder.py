@@ -79,6 +79,12 @@ class VisionEncoder(ABC):
 
     def __init__(self) -> None:
         self.num_items = 0
+        self.num_restarts = 0  # encoder processes replaced after dying
+
+    @property
+    def load(self) -> list[int]:
+        """Patches in flight per encoder process (none for an encoder in the scheduler's process)."""
+        return []
 
     @abstractmethod
     def submit(self, tasks: list[EncodeTask]) -> None: ...

@@ -31,8 +31,8 @@ import torch
 import torch.multiprocessing as mp
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.llm.models.loader import load_vision_model
-from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
+from vlm_serve.vision.vision_tower import load_vision_model
+from vlm_serve.vision.encoder import EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 from vlm_serve.vision.vision_tower import VisionOutput
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ class EncoderPool(VisionEncoder):
         super().__init__()
         self.server_args = server_args
         self.device = device
-        self.num_restarts = 0
         self._ctx = mp.get_context("spawn")
         self._job_ids = itertools.count()
         self._orphans: list[EncodeTask] = []  # tasks of dead ranks waiting for a live one
@@ -132,6 +131,10 @@ class EncoderPool(VisionEncoder):
         fresh = self._start(rank.index)
         rank.process, rank.jobs_out, rank.conn, rank.ready = fresh.process, fresh.jobs_out, fresh.conn, False
         self.num_restarts += 1
+
+    @property
+    def load(self) -> list[int]:
+        return [rank.load for rank in self.ranks]
 
     def _usable(self) -> list[_Rank]:
         return [r for r in self.ranks if r.start_failures < MAX_START_FAILURES]
@@ -272,6 +275,15 @@ def _main_module_hidden():
         main.__spec__ = saved_spec
         if saved_file is not None:
             main.__file__ = saved_file
+
+
+def create_encoder(server_args: ServerArgs, model_config: ModelConfig, device: torch.device) -> VisionEncoder:
+    """The encoder `server_args` asks for: a pool of `vit_dp` processes, or (`vit_dp` 0) the vision
+    tower on `device` in this process."""
+    if server_args.vit_dp > 0:
+        return EncoderPool(server_args, device)
+    visual = load_vision_model(model_config, device, server_args.resolved_dtype(model_config))
+    return InlineEncoder(visual, server_args.vit_max_patches_per_pass)
 
 
 def rank_device(server_args: ServerArgs, index: int) -> torch.device:

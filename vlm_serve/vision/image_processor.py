@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.vision.media import MediaError, check_image_size, has_transparency, to_rgb
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -26,7 +26,7 @@ from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.mm_cache.hashing import media_hash
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor
-from vlm_serve.vision.items import MediaTimings, MultimodalItem, ProcessedInput
+from vlm_serve.multimodal import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.vision.media import (
     DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaAccess, MediaError, VideoSource, load_image, read_media,
 )

@@ -37,7 +37,7 @@ from vlm_serve.vision.image_processor import (
     reject_disabled_steps,
     validate_pixel_settings,
 )
-from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, MediaAccess, MediaError, VideoSource, read_media
 
 DEFAULT_VIDEO_FPS = 24.0  # assumed when a stream states no frame rate, as transformers does

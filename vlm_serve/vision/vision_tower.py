@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_serve.config import VisionConfig
-from vlm_serve.llm.layers.rotary import rotate_half
+from vlm_serve.checkpoint import build_module, checkpoint_files, iter_weights
+from vlm_serve.config import ModelConfig, VisionConfig
 
 Grid = tuple[int, int, int]
+VISION_PREFIX = "model.visual."  # the tower's tensors in a Qwen3-VL checkpoint
 
 
 @dataclass
@@ -96,8 +97,7 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = torch.empty_like(q)
         # segments: (start, length, count) runs of `count` equal-length frames stored back to back
         for start, length, count in segments:
@@ -107,6 +107,13 @@ class VisionAttention(nn.Module):
             o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
             out[start:end] = o.transpose(1, 2).reshape(end - start, self.num_heads, self.head_dim)
         return self.proj(out.view(n, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (tokens, heads, dim) by angles whose cos/sin are (tokens, 1, dim / 2):
+    dimension i turns with dimension i + dim / 2. Computed in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -177,8 +184,7 @@ class Qwen3VLVisionModel(nn.Module):
         x = self.patch_embed(pixel_values.to(device))
         x = x + torch.cat([self._pos_embed(g) for g in grids]).to(x.dtype)
         angles = torch.cat([self._rope_angles(g) for g in grids]).to(device)
-        emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = angles.cos(), angles.sin()
         segments = self._segments(grids)
         deepstack = []
         for i, block in enumerate(self.blocks):
@@ -251,3 +257,21 @@ class Qwen3VLVisionModel(nn.Module):
             start += t * h * w
         return segments
 
+
+def load_vision_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3VLVisionModel:
+    """The vision tower alone (for an encoder rank, or rank 0's inline encoder)."""
+    model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in iter_weights(checkpoint_files(config.path)):
+        if not name.startswith(VISION_PREFIX):
+            continue
+        target = name[len(VISION_PREFIX) :]
+        if target not in params or params[target].shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the vision tower")
+        params[target].data.copy_(tensor)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {missing[:5]}")
+    return model.eval()

@@ -11,19 +11,47 @@ from vlm_serve.sampling_params import SamplingParams
 
 
 class SamplingRequest(Protocol):
-    """What the sampler reads from a request (the scheduler's `Req` has it)."""
+    """What the sampler reads of a request."""
 
     sampling_params: SamplingParams
     generator: torch.Generator | None  # set when sampling_params.seed is not None
     origin_input_ids: list[int]  # prompt ids; ids >= vocab size (image pads) are ignored
+    output_ids: list[int]  # read for penalties only
+    num_outputs: int  # tokens generated before the one being sampled
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """A request's `SamplingRequest`, taken when its batch is built: the request goes on changing while
+    the batch runs. `output_ids` is copied only when penalties need it; its last id may be a FutureMap
+    slot (negative), for the token the batch before is still producing."""
+
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    origin_input_ids: list[int]
     output_ids: list[int]
+    num_outputs: int
 
 
 @dataclass
 class SampleOutput:
-    next_token_ids: list[int]
+    next_token_ids: torch.Tensor  # (batch,) int64, on the model's device (or the host, after `to_host`)
     logprobs: list[float | None]  # per row: the chosen token's log-prob, None where not asked
     top_logprobs: list[list[tuple[int, float]] | None]  # per row: (token id, log-prob) best first, None where not asked
+    copy_done: torch.cuda.Event | None = None  # recorded after the copy `to_host` started
+
+    def to_host(self) -> None:
+        """Starts copying the tokens to pinned host memory without waiting (CUDA); `tolist` waits."""
+        if self.next_token_ids.is_cuda:
+            host = torch.empty(self.next_token_ids.shape, dtype=torch.int64, pin_memory=True)
+            self.next_token_ids = host.copy_(self.next_token_ids, non_blocking=True)
+            self.copy_done = torch.cuda.Event()
+            self.copy_done.record()
+
+    def tolist(self) -> list[int]:
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        return self.next_token_ids.tolist()
 
 
 class Sampler:
@@ -42,7 +70,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> SampleOutput:
         """logits: (batch, vocab) float32, one row per request."""
         if all(_plain_greedy(r) for r in reqs):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * len(reqs), [None] * len(reqs))
+            return SampleOutput(logits.argmax(dim=-1), [None] * len(reqs), [None] * len(reqs))
         params = [r.sampling_params for r in reqs]
 
         self._apply_penalties(logits, reqs)
@@ -54,7 +82,7 @@ class Sampler:
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sample_rows:
             next_ids[sample_rows] = _sample(logits[sample_rows], [reqs[i] for i in sample_rows])
-        out = SampleOutput(next_ids.tolist(), [None] * len(reqs), [None] * len(reqs))
+        out = SampleOutput(next_ids, [None] * len(reqs), [None] * len(reqs))
 
         if logprobs is not None:
             chosen = logprobs.gather(1, next_ids[logprob_rows].unsqueeze(1)).squeeze(1).tolist()
@@ -92,7 +120,7 @@ class Sampler:
         rows, cols = [], []
         for i, r in enumerate(reqs):
             p = r.sampling_params
-            if len(r.output_ids) < p.min_new_tokens:
+            if r.num_outputs < p.min_new_tokens:
                 ids = {t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]}
                 rows += [i] * len(ids)
                 cols += ids
@@ -107,7 +135,7 @@ def _plain_greedy(req: SamplingRequest) -> bool:
     return (
         (p.temperature == 0 or p.top_k == 1)
         and not (p.logprobs or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1)
-        and len(req.output_ids) >= p.min_new_tokens
+        and req.num_outputs >= p.min_new_tokens
     )
 
 

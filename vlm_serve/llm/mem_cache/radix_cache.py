@@ -4,7 +4,8 @@ A radix tree over token ids (image tokens appear as their pad values, so equal k
 content). Each node holds a run of ids (`key`) and the KV slots of those tokens (`value`). Keys are
 matched and stored in whole pages. A node locked by a running request (`lock_ref` > 0, counted up the
 whole path to the root) is protected; unlocked leaves are evicted least recently used first, their
-slots going back to the allocator. Only prefixes whose KV has been computed are ever inserted.
+slots going back to the allocator. A prefix is inserted once the forward that computes its KV is
+launched: forwards run in launch order, so every forward that reads it runs after that one.
 
 With `disable=True` nothing is shared: every match is empty and a finished request frees its KV.
 """

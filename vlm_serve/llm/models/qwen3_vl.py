@@ -21,7 +21,6 @@ from vlm_serve.llm.layers.linear import MergedColumnParallelLinear, QKVParallelL
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.layers.norm import RMSNorm
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding, apply_rotary
-from vlm_serve.vision.vision_tower import Qwen3VLVisionModel
 
 
 class Qwen3VLAttention(nn.Module):
@@ -110,9 +109,11 @@ class Qwen3VLTextModel(nn.Module):
 
 
 class Qwen3VLModel(nn.Module):
-    def __init__(self, config: ModelConfig, with_vision: bool = True) -> None:
+    """The checkpoint's `model.` part that the LLM runs; `model.visual` (the vision tower) is loaded by the
+    encoders (`vision.vision_tower.load_vision_model`), which hand the LLM its embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.visual = Qwen3VLVisionModel(config.vision) if with_vision else None
         self.language_model = Qwen3VLTextModel(config.text)
 
 
@@ -127,19 +128,15 @@ _STACKED = [
 
 
 class Qwen3VLForConditionalGeneration(nn.Module):
-    """The whole model; `forward` returns final hidden states, `compute_logits` the vocabulary logits."""
+    """The language model with its vision embedding slots; `forward` returns final hidden states, `compute_logits` the vocabulary logits."""
 
-    def __init__(self, config: ModelConfig, with_vision: bool = True) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3VLModel(config, with_vision)
+        self.model = Qwen3VLModel(config)
         self.lm_head = ParallelLMHead(config.text.vocab_size, config.text.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
-
-    @property
-    def visual(self) -> Qwen3VLVisionModel | None:
-        return self.model.visual
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.language_model(batch)

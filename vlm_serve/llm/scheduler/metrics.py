@@ -6,7 +6,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from vlm_serve.vision.items import MEDIA_STAGES, MultimodalItem
+from vlm_serve.multimodal import MEDIA_STAGES, MultimodalItem
 
 # upper bounds in seconds, from sub-millisecond cache hits to minute-long videos
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -11,14 +11,16 @@ import torch
 from vlm_serve.detokenizer import IncrementalDetokenizer
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode
 from vlm_serve.llm.layers.rotary import mrope_positions
+from vlm_serve.llm.layers.sampler import SampleRow
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache, TreeNode
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.vision.items import MultimodalItem
+from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.vision.vision_tower import VisionOutput
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_DISCARDED_ROW = SampleRow(SamplingParams(temperature=0), None, [], [], 0)  # greedy, and thrown away
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Req:
     output_text: str | None = None  # the text cut before the stop string that ended the request
     first_token_time: float | None = None
     to_abort: str | None = None  # set by an abort; the scheduler releases the request next step
+    # overlap scheduling and streaming
+    future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none
+    send_token_offset: int = 0  # output_ids before this were already reported
 
     def init_positions(self, spatial_merge_size: int) -> None:
         self.mrope_positions, self.mrope_delta = mrope_positions(
@@ -88,6 +93,34 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def num_outputs(self) -> int:
+        """Tokens generated so far, the one still being sampled included."""
+        return len(self.output_ids) + (self.future_token != 0)
+
+    @property
+    def needs_decode(self) -> bool:
+        """Whether another decode step can add to its answer (the token in flight may be its last)."""
+        return self.num_outputs < self.sampling_params.max_new_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Ids of positions start..end-1 of `fill_ids`; position `seq_len` is the token in flight."""
+        ids = self.fill_ids[start:end]
+        if end > self.seq_len:
+            ids.append(self.future_token)
+        return ids
+
+    def sample_row(self, samples: bool) -> SampleRow:
+        """What the sampler needs of it for the batch being built; a chunk before the prompt's end
+        samples nothing that is kept, so it draws nothing from the request's generator either."""
+        params = self.sampling_params
+        if not samples:
+            return _DISCARDED_ROW
+        outputs = []
+        if params.has_penalties:
+            outputs = self.output_ids + [self.future_token] if self.future_token else list(self.output_ids)
+        return SampleRow(params, self.generator, self.origin_input_ids, outputs, self.num_outputs)
 
     def match_prefix(self, tree_cache: RadixCache) -> None:
         """Looks up the cached prefix; at least one token is always left to compute (its logits are
@@ -123,6 +156,7 @@ class ScheduleBatch:
         self.tree_cache = tree_cache
         self.forward_mode = forward_mode
         self.num_prefill_reqs = len(reqs) if forward_mode == ForwardMode.EXTEND else 0
+        self.samples = [True] * len(reqs)  # whether each request's sampled token is kept (set when prepared)
         self.device = req_to_token_pool.req_to_token.device
 
     def is_empty(self) -> bool:
@@ -135,11 +169,11 @@ class ScheduleBatch:
 
     # ---- building the forward ----------------------------------------------------------------------
 
-    def mix_with_running(self, running: ScheduleBatch) -> None:
-        """Adds every running request to this prefill, each computing its next token."""
-        for req in running.reqs:
+    def mix_with_running(self, running: list[Req]) -> None:
+        """Adds running requests to this prefill, each computing its next token."""
+        for req in running:
             req.extend_len = 1
-        self.reqs = self.reqs + running.reqs
+        self.reqs = self.reqs + running
         self.forward_mode = ForwardMode.MIXED
 
     def prepare_for_extend(self) -> ForwardBatch:
@@ -162,11 +196,10 @@ class ScheduleBatch:
             raise RuntimeError("KV cache is full: the scheduler admitted more than the pool holds")
         ids, positions, mm_indices, mm_rows = [], [], [], []
         offset = 0
+        self.samples = [end >= req.seq_len for req, end in zip(self.reqs, seq_lens)]
         for req, start, end in zip(self.reqs, prefix_lens, seq_lens):
             self.req_to_token_pool.write(req.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
-            prompt_len = len(req.origin_input_ids)
-            ids.extend(req.origin_input_ids[start:end])
-            ids.extend(req.output_ids[max(start - prompt_len, 0) : end - prompt_len])
+            ids.extend(req.token_ids(start, end))
             positions.append(_positions(req, start, end))
             for run_start, run_end, i, row in req.mm_runs:  # this chunk's rows of each item's embeddings
                 lo, hi = max(run_start, start), min(run_end, end)
@@ -201,7 +234,8 @@ class ScheduleBatch:
         self.req_to_token_pool.req_to_token[pool_idx, prefix_t] = out_cache_loc.to(torch.int32)
         for req in self.reqs:
             req.kv_len += 1
-        ids = [r.output_ids[-1] for r in self.reqs]
+        self.samples = [True] * len(self.reqs)
+        ids = [r.future_token or r.output_ids[-1] for r in self.reqs]
         deltas = torch.tensor([r.mrope_delta for r in self.reqs], device=self.device)
         positions = (prefix_t + deltas).expand(3, -1)
         return self._forward_batch(ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx)
@@ -210,6 +244,7 @@ class ScheduleBatch:
         if pool_idx is None:
             pool_idx = torch.tensor([r.req_pool_idx for r in self.reqs], device=self.device)
         return ForwardBatch(
+            sampling=[r.sample_row(samples) for r, samples in zip(self.reqs, self.samples)],
             forward_mode=self.forward_mode,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions=positions.to(self.device),

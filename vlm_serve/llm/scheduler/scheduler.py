@@ -1,25 +1,39 @@
-"""The scheduler: owns `waiting_queue`, `running_batch` and the RadixCache, and decides every step what
-the model runs.
+"""The scheduler: owns `waiting_queue`, `running_batch` and the RadixCache, decides every iteration what
+the model runs, and runs its own event loop.
 
-One step of `event_loop_normal`: merge the last prefill batch into `running_batch`, try a new prefill
-(`get_new_batch_prefill`, which may continue the `chunked_req`), otherwise decode the running batch
-(retracting requests when decode memory runs out); run it; process the result.
+An iteration reads as SGLang's: `recv_requests` → `process_input_requests` → `get_next_batch_to_run`
+(merge the last prefill into `running_batch`; a new prefill if one fits, continuing the `chunked_req`;
+else decode the running batch, retracting requests when decode memory runs out) → `run_batch` →
+`process_batch_result` → `stream_output`. `event_loop_normal` processes each batch's result right after
+its forward. `event_loop_overlap` launches batch N+1 before processing batch N's result, so the
+scheduler's own work overlaps the model's (see `llm/overlap.py`).
+
+Its I/O is injected (`SchedulerIO`): ZMQ sockets in the server's scheduler process, queues in `Engine`,
+which drives the same loop one iteration at a time (`run_iteration`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop
+from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardMode
 from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.overlap import ForwardThread, FutureMap
 from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import SchedulerMetrics
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
@@ -31,9 +45,19 @@ from vlm_serve.llm.scheduler.schedule_policy import (
     SchedulePolicy,
 )
 from vlm_serve.mm_cache.hashing import pad_input_ids
+from vlm_serve.server.io_struct import (
+    AbortReq,
+    BatchTokenIdOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetStatsReq,
+    SchedulerLimits,
+    StatsOut,
+    TokenIdOut,
+    TokenizedGenerateReq,
+)
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.encoder import InlineEncoder, VisionEncoder
-from vlm_serve.vision.encoder_pool import EncoderPool
+from vlm_serve.vision.encoder import VisionEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -41,26 +65,52 @@ INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens running requests are assum
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # the ratio decays to this fraction of its initial value
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minimum
 RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
-ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per step
+ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per iteration
+
+
+class SchedulerIO(Protocol):
+    """Where TP rank 0's scheduler reads requests and sends its outputs."""
+
+    def recv(self, block: bool) -> list[Any]:
+        """Every message waiting now; with `block`, waits a while (not forever) for the first one."""
+
+    def send(self, message: Any) -> None: ...
 
 
 @dataclass
-class BatchResult:
-    next_token_ids: list[int]
-    sample: SampleOutput
+class LaunchedBatch:
+    """A batch whose forward was launched: what `process_batch_result` needs once it has run."""
+
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    num_prefill_reqs: int  # the first rows; the others (a mixed batch) were decoding
+    samples: list[bool]  # per row: whether its sampled token is an output (not for a chunk before the end)
+    future_start: int  # FutureMap slot of row 0's token
+    result: Future[SampleOutput]
 
 
 class Scheduler:
-    """Turns requests into batches. `step()` runs one batch and returns the requests it finished."""
+    """Turns requests into batches and batches into outputs, one `run_iteration` at a time."""
 
-    def __init__(self, server_args: ServerArgs, runner: ModelRunner, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        encoder: VisionEncoder,
+        io: SchedulerIO | None = None,
+    ) -> None:
         self.server_args = server_args
         self.runner = runner
         self.tokenizer = tokenizer
+        self.io = io
+        parallel = get_parallel_state()
+        self.tp_rank, self.tp_size, self.tp_cpu_group = parallel.tp_rank, parallel.tp_size, parallel.tp_cpu_group
         self.vocab_size = runner.model_config.text.vocab_size
         self.eos_token_ids = set(runner.model_config.eos_token_ids)
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.allocator
+        self.future_map: FutureMap = runner.future_map
         self.page_size = server_args.page_size
         self.max_total_tokens = runner.max_total_tokens
         self.max_running_requests = self.req_to_token_pool.size
@@ -75,7 +125,7 @@ class Scheduler:
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
         )
-        self.encoding = EncodingStage(self._create_encoder(), server_args.mm_cache_mb << 20)
+        self.encoding = EncodingStage(encoder, server_args.mm_cache_mb << 20)
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
@@ -87,23 +137,114 @@ class Scheduler:
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
 
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self.forward_thread = ForwardThread(runner) if self.enable_overlap else None
+        if self.forward_thread is not None:  # a scheduler dropped without shutdown() frees its model too
+            weakref.finalize(self, self.forward_thread.stop)
+        self.result_queue: deque[LaunchedBatch] = deque()  # launched, result not processed yet
+        self.event_loop: Callable[[], None] = self.event_loop_overlap if self.enable_overlap else self.event_loop_normal
+        self.run_iteration: Callable[[], None] = (
+            self.run_iteration_overlap if self.enable_overlap else self.run_iteration_normal
+        )
         self.metrics = SchedulerMetrics()
         self.forward_ct = 0
         self._idle_checked = True
-        self._finished: list[Req] = []
-
-    def _create_encoder(self) -> VisionEncoder:
-        if self.server_args.vit_dp == 0:
-            return InlineEncoder(self.runner.model.visual, self.server_args.vit_max_patches_per_pass)
-        return EncoderPool(self.server_args, self.runner.device)
+        self._finished: list[Req] = []  # finished this iteration, reported by stream_output
+        self._outputs: list[TokenIdOut] = []  # refusals, reported by stream_output
+        self._replies: list[Any] = []  # answers to control requests
 
     def shutdown(self) -> None:
+        if self.forward_thread is not None:
+            self.forward_thread.shutdown()
+            self.forward_thread = None
         self.encoding.encoder.shutdown()
 
     def _new_batch(self, reqs: list[Req], mode: ForwardMode = ForwardMode.DECODE) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, mode)
 
-    # ---- requests in and out -----------------------------------------------------------------------
+    @property
+    def limits(self) -> SchedulerLimits:
+        return SchedulerLimits(
+            self.max_total_tokens, self.runner.context_len, self.max_running_requests, self.page_size
+        )
+
+    # ---- the event loops ---------------------------------------------------------------------------
+
+    def event_loop_normal(self) -> None:
+        """Each batch's result is processed right after its forward (--disable-overlap-schedule)."""
+        while True:
+            self.run_iteration_normal()
+
+    def run_iteration_normal(self) -> None:
+        recv_reqs = self.recv_requests()
+        self.process_input_requests(recv_reqs)
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            launched = self.run_batch(batch)
+            self.process_batch_result(launched)
+        else:
+            self.self_check_when_idle()
+        self.last_batch = batch
+        self.stream_output()
+
+    def event_loop_overlap(self) -> None:
+        """Batch N+1 is prepared and launched while batch N runs; N's result is processed after that,
+        while N+1 runs."""
+        while True:
+            self.run_iteration_overlap()
+
+    def run_iteration_overlap(self) -> None:
+        recv_reqs = self.recv_requests()
+        self.process_input_requests(recv_reqs)
+        batch = self.get_next_batch_to_run()
+        if batch is None and self.result_queue:
+            # what could run next waits for the batch in flight (its requests' last tokens)
+            self.process_batch_result(self.result_queue.popleft())
+            self.last_batch = None  # merged into running_batch already
+            batch = self.get_next_batch_to_run()
+        launched = self.run_batch(batch) if batch is not None else None
+        if self.result_queue:
+            self.process_batch_result(self.result_queue.popleft())  # the previous batch, while this one runs
+        if launched is not None:
+            self.result_queue.append(launched)
+        else:
+            self.self_check_when_idle()
+        self.last_batch = batch
+        self.stream_output()
+
+    # ---- requests in -------------------------------------------------------------------------------
+
+    def recv_requests(self) -> list[Any]:
+        """Rank 0 reads every waiting message (an idle scheduler waits a while for the first one); with
+        TP it broadcasts them, so every rank applies the same requests before the same step."""
+        messages = self.io.recv(block=self.is_idle()) if self.tp_rank == 0 else []
+        if self.tp_size > 1:
+            box = [messages]
+            dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
+            messages = box[0]
+        return messages
+
+    def process_input_requests(self, recv_reqs: list[Any]) -> None:
+        for message in recv_reqs:
+            if isinstance(message, TokenizedGenerateReq):
+                self.handle_generate_request(message)
+            elif isinstance(message, AbortReq):
+                self.abort_request(message.rid, message.message)
+            elif isinstance(message, FlushCacheReq):
+                self._replies.append(self.flush_cache())
+            elif isinstance(message, GetStatsReq):
+                self._replies.append(self.get_stats())
+            else:
+                logger.error("unknown message %s ignored", type(message).__name__)
+        if self.encoding.inflight:
+            self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
+
+    def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
+        req = Req(message.rid, message.input_ids, message.sampling_params, message.mm_items, priority=message.priority)
+        try:
+            self.add_request(req)
+        except ValueError as exc:
+            self._outputs.append(TokenIdOut(message.rid, error=str(exc)))
 
     def add_request(self, req: Req) -> None:
         """Validates and queues a request; a request that can never run raises ValueError."""
@@ -157,7 +298,7 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message=error))
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
-        """Stops a request wherever it is; everything it holds is released by the next step."""
+        """Stops a request wherever it is; what it holds is released when the next batch is built."""
         req = self.reqs.get(rid)
         if req is None:
             return
@@ -178,45 +319,15 @@ class Scheduler:
         self._finished.append(req)
 
     def is_idle(self) -> bool:
-        return not self.reqs
-
-    # ---- the loop ----------------------------------------------------------------------------------
-
-    def step(self) -> list[Req]:
-        """One iteration of the event loop (after receiving requests). Returns finished requests."""
-        if self.encoding.inflight:
-            self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
-        t0 = time.perf_counter()
-        batch = self.get_next_batch_to_run()
-        self.last_batch = batch
-        if batch is None:
-            if self.is_idle() and not self._idle_checked:
-                self.check_memory()
-                self._idle_checked = True
-        else:
-            forward_batch = batch.prepare_for_decode() if batch.forward_mode.is_decode() else batch.prepare_for_extend()
-            t2 = time.perf_counter()
-            result = self.run_batch(batch, forward_batch)
-            t3 = time.perf_counter()
-            num_reqs, new_tokens = len(batch.reqs), len(forward_batch.input_ids)
-            if batch.forward_mode.is_decode():
-                self.process_batch_result_decode(batch, result)
-            else:
-                self.process_batch_result_prefill(batch, result)
-            self.metrics.time_schedule += t2 - t0
-            self.metrics.time_forward += t3 - t2
-            self.metrics.time_process += time.perf_counter() - t3
-            self.forward_ct += 1
-            if self.forward_ct % self.server_args.log_interval == 0:
-                self.log_stats(batch.forward_mode, num_reqs, new_tokens)
-        finished, self._finished = self._finished, []
-        return finished
+        return not self.reqs and not self.result_queue
 
     def _has_work(self) -> bool:
-        """Whether a batch can run now (without waiting for the encoder)."""
-        return bool(self.waiting_queue or self.chunked_req or not self.running_batch.is_empty()) or (
+        """Whether a batch can run now (without waiting for the encoder), or one is running."""
+        return bool(self.waiting_queue or self.chunked_req or self.running_batch.reqs or self.result_queue) or (
             self.last_batch is not None and not self.last_batch.forward_mode.is_decode()
         )
+
+    # ---- choosing the next batch -------------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if self.last_batch is not None and not self.last_batch.forward_mode.is_decode():
@@ -227,22 +338,21 @@ class Scheduler:
         batch = self.get_new_batch_prefill()
         if batch is not None:
             return batch
-        if self.running_batch.is_empty():
-            return None
-        self.update_running_batch()
-        return self.running_batch if not self.running_batch.is_empty() else None
+        return self.update_running_batch()
 
     def _release_aborted(self) -> None:
+        """Releases aborted requests and drops finished ones from the running batch. A request may be in
+        the batch still running (overlap): its KV is read by that forward and written only by later
+        ones, which run after it."""
         if self.chunked_req is not None and self.chunked_req.to_abort is not None:
             self.tree_cache.cache_finished_req(self.chunked_req)
             self._finish(self.chunked_req, FinishReason("abort", message=self.chunked_req.to_abort))
             self.chunked_req = None
-        aborted = [r for r in self.running_batch.reqs if r.to_abort is not None]
-        for req in aborted:
-            self.tree_cache.cache_finished_req(req)
-            self._finish(req, FinishReason("abort", message=req.to_abort))
-        if aborted:
-            self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished]
+        for req in self.running_batch.reqs:
+            if req.to_abort is not None and not req.finished:
+                self.tree_cache.cache_finished_req(req)
+                self._finish(req, FinishReason("abort", message=req.to_abort))
+        self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished]
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
@@ -251,11 +361,11 @@ class Scheduler:
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
         prefixes_matched = self.policy.calc_priority(self.waiting_queue)
-        mixed_decode_tokens = len(self.running_batch.reqs) if self.enable_mixed_chunk else 0
+        mixed = [r for r in self.running_batch.reqs if r.needs_decode] if self.enable_mixed_chunk else []
         adder = PrefillAdder(
             self.tree_cache, self.running_batch, self.new_token_ratio, self.max_prefill_tokens,
-            self.chunked_prefill_size, mixed_decode_tokens,
-        )
+            self.chunked_prefill_size, len(mixed),
+        )  # fmt: skip
         if self.chunked_req is not None:
             self.chunked_req.extend_len = self.chunked_req.seq_len - self.chunked_req.kv_len
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
@@ -280,6 +390,7 @@ class Scheduler:
                 if preempted:
                     self.metrics.num_preemptions += len(preempted)
                     self.waiting_queue.extend(preempted)
+                    mixed = [r for r in mixed if r not in preempted]
                     result = adder.add_one_req(req)
             if req in adder.can_run_list and not self.tree_cache.disable:
                 uncached = req.fill_ids[len(req.prefix_indices) :]
@@ -298,15 +409,18 @@ class Scheduler:
                 self.metrics.cached_prompt_tokens += len(req.prefix_indices)
             self.metrics.computed_prompt_tokens += req.extend_len
         batch = self._new_batch(adder.can_run_list, ForwardMode.EXTEND)
-        if self.enable_mixed_chunk and not self.running_batch.is_empty():
-            batch.mix_with_running(self.running_batch)
-            self.running_batch = self._new_batch([])
+        if mixed:
+            batch.mix_with_running(mixed)
+            self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.needs_decode]
         return batch
 
-    def update_running_batch(self) -> None:
-        """Before a decode: retract requests if the KV cache cannot hold one more token each, else
-        let `new_token_ratio` decay back towards its minimum."""
+    def update_running_batch(self) -> ScheduleBatch | None:
+        """The decode batch: running requests that can still grow. Before it, retract requests if the
+        KV cache cannot hold one more token each, else let `new_token_ratio` decay back towards its
+        minimum."""
         batch = self.running_batch
+        if not batch.reqs:
+            return None
         if not batch.check_decode_mem():
             retracted = batch.retract_decode(RETRACT_DECODE_STEPS)
             self.metrics.num_retractions += len(retracted)
@@ -317,54 +431,86 @@ class Scheduler:
             logger.warning(
                 "KV cache full: retracted %d request(s); new_token_ratio is now %.2f",
                 len(retracted), self.new_token_ratio,
-            )
+            )  # fmt: skip
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        decoding = [r for r in batch.reqs if r.needs_decode]  # the others' last token is in flight
+        return self._new_batch(decoding) if decoding else None
 
-    def run_batch(self, batch: ScheduleBatch, forward_batch) -> BatchResult:
-        hidden = self.runner.forward(forward_batch)
-        logits = self.runner.compute_logits(hidden[forward_batch.last_token_indices()])
-        sample = self.runner.sample(logits, batch.reqs)
-        return BatchResult(sample.next_token_ids, sample)
+    # ---- running a batch ---------------------------------------------------------------------------
+
+    def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        """Builds the batch's tensors and launches its forward: on the forward thread with overlap (the
+        result arrives later), else here and now. Requests whose token it samples get a future id."""
+        t0 = time.perf_counter()
+        forward_batch = batch.prepare_for_decode() if batch.forward_mode.is_decode() else batch.prepare_for_extend()
+        forward_batch.future_start = self.future_map.alloc(len(batch.reqs))
+        self.runner.init_forward_metadata(forward_batch)
+        for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
+            if samples:
+                req.future_token = FutureMap.future_id(forward_batch.future_start + i)
+        for req in batch.reqs[: batch.num_prefill_reqs]:
+            # share the prompt (or chunk) at once: every forward that could read its KV runs after this one
+            self.tree_cache.cache_unfinished_req(req)
+        launched = LaunchedBatch(
+            list(batch.reqs), batch.forward_mode, batch.num_prefill_reqs, list(batch.samples),
+            forward_batch.future_start, Future(),
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        self.metrics.time_schedule += t1 - t0
+        if self.forward_thread is not None:
+            launched.result = self.forward_thread.launch(forward_batch)
+        else:
+            launched.result.set_result(self.runner.forward_batch_generation(forward_batch))
+            self.metrics.time_forward += time.perf_counter() - t1
+        self.forward_ct += 1
+        if self.forward_ct % self.server_args.log_interval == 0:
+            self.log_stats(batch.forward_mode, len(batch.reqs), len(forward_batch.input_ids))
+        return launched
 
     # ---- results -----------------------------------------------------------------------------------
 
-    def process_batch_result_prefill(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        if batch.forward_mode == ForwardMode.MIXED:
+    def process_batch_result(self, batch: LaunchedBatch) -> None:
+        """Appends each request's sampled token and checks whether it finished. Under overlap a request
+        may have changed since the batch was launched: aborted (skipped), or retracted or preempted
+        (its token is kept; it re-prefills with it)."""
+        out = batch.result.result()  # waits for the forward
+        t0 = time.perf_counter()
+        next_token_ids = out.tolist()
+        if batch.forward_mode == ForwardMode.DECODE:
+            self.metrics.num_decode_batches += 1
+        elif batch.forward_mode == ForwardMode.MIXED:
             self.metrics.num_mixed_batches += 1
         else:
             self.metrics.num_prefill_batches += 1
         for i, req in enumerate(batch.reqs):
-            if req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
-                self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
-            if req.kv_len < req.seq_len:  # a chunk that is not the last: nothing to sample yet
-                self.tree_cache.cache_unfinished_req(req)
+            if req.finished:
                 continue
-            self._append_token(req, result, i)
+            if i < batch.num_prefill_reqs and req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
+                self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
+            if not batch.samples[i]:  # a chunk that is not the last: nothing to sample yet
+                continue
+            if req.future_token == FutureMap.future_id(batch.future_start + i):
+                req.future_token = 0  # (a later batch may already have given it the next one)
+            self._append_token(req, next_token_ids[i], out, i)
             if req.finished:
-                self.tree_cache.cache_finished_req(req)
-            elif i < batch.num_prefill_reqs:
-                self.tree_cache.cache_unfinished_req(req)  # share the prompt while it decodes
+                if req.req_pool_idx is not None:
+                    self.tree_cache.cache_finished_req(req)
+                else:  # released while the batch ran: it waits to be prefilled again
+                    self.waiting_queue.remove(req)
+        self.metrics.time_process += time.perf_counter() - t0
+        if self.forward_thread is not None:
+            self.metrics.time_forward = self.forward_thread.busy_seconds
 
-    def process_batch_result_decode(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        self.metrics.num_decode_batches += 1
-        for i, req in enumerate(batch.reqs):
-            self._append_token(req, result, i)
-            if req.finished:
-                self.tree_cache.cache_finished_req(req)
-        if any(r.finished for r in batch.reqs):
-            batch.reqs = [r for r in batch.reqs if not r.finished]
-
-    def _append_token(self, req: Req, result: BatchResult, i: int) -> None:
-        token = result.next_token_ids[i]
+    def _append_token(self, req: Req, token: int, out: SampleOutput, i: int) -> None:
         req.output_ids.append(token)
         self.metrics.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if req.sampling_params.logprobs:
-            req.output_logprobs.append(result.sample.logprobs[i])
+            req.output_logprobs.append(out.logprobs[i])
             if req.sampling_params.top_logprobs:
-                req.output_top_logprobs.append(result.sample.top_logprobs[i])
+                req.output_top_logprobs.append(out.top_logprobs[i])
         reason = self._check_finished(req, token)
         if reason is not None:
             self._finish(req, reason)
@@ -385,15 +531,83 @@ class Scheduler:
             return FinishReason("length")
         return None
 
-    # ---- health ------------------------------------------------------------------------------------
+    # ---- outputs -----------------------------------------------------------------------------------
+
+    def stream_output(self) -> None:
+        """Reports what each request produced since its last report, in one message (rank 0), and the
+        answers to control requests."""
+        finished, self._finished = self._finished, []
+        if self.tp_rank != 0:
+            self._outputs, self._replies = [], []
+            return
+        outs, self._outputs = self._outputs, []
+        for req in [*self.reqs.values(), *finished]:
+            if req.send_token_offset < len(req.output_ids) or req.finished:
+                outs.append(self._token_out(req))
+        if outs:
+            self.io.send(BatchTokenIdOut(outs))
+        for reply in self._replies:
+            self.io.send(reply)
+        self._replies = []
+
+    def _token_out(self, req: Req) -> TokenIdOut:
+        start, req.send_token_offset = req.send_token_offset, len(req.output_ids)
+        params = req.sampling_params
+        out = TokenIdOut(
+            req.rid, req.output_ids[start:], stop_holdback=stop_holdback(params.stop),
+            prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_tokens,
+        )  # fmt: skip
+        if params.logprobs:
+            out.logprobs = req.output_logprobs[start:]
+            out.top_logprobs = req.output_top_logprobs[start:]
+        if req.finished:
+            reason = req.finished_reason
+            out.finish_reason, out.matched_stop, out.message = reason.kind, reason.matched, reason.message
+            out.output_text = req.output_text
+            out.media_timings = [item.timings for item in req.mm_items]
+        return out
+
+    # ---- control and health ------------------------------------------------------------------------
+
+    def flush_cache(self) -> FlushCacheOut:
+        """Empties the prefix cache and the embedding cache; refused while requests are in flight."""
+        if not self.is_idle():
+            return FlushCacheOut(False, f"{len(self.reqs)} request(s) in flight; flush when idle")
+        self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.encoding.cache.clear()
+        return FlushCacheOut(True)
+
+    @property
+    def num_used_tokens(self) -> int:
+        """KV slots held by requests (free and evictable cache slots are not counted)."""
+        return self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+
+    def get_stats(self) -> StatsOut:
+        m, cache, encoder = self.metrics, self.encoding.cache, self.encoding.encoder
+        return StatsOut(
+            num_running=len(self.running_batch.reqs), num_waiting=len(self.waiting_queue),
+            num_encoding=len(self.encoding), kv_usage=self.num_used_tokens / self.max_total_tokens,
+            max_total_tokens=self.max_total_tokens, prefix_cache_hit_rate=m.cache_hit_rate,
+            cached_prompt_tokens=m.cached_prompt_tokens, computed_prompt_tokens=m.computed_prompt_tokens,
+            generated_tokens=m.generated_tokens, num_retractions=m.num_retractions,
+            embedding_cache={
+                "hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "usage_bytes": cache.usage_bytes,
+            },
+            encoder_load=encoder.load, encoder_restarts=encoder.num_restarts,
+            media_items=m.media_items, media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
+        )  # fmt: skip
+
+    def self_check_when_idle(self) -> None:
+        if self.is_idle() and not self._idle_checked:
+            self.check_memory()
+            self._idle_checked = True
 
     def check_memory(self) -> None:
         """Idle self-check: every KV slot is free or held by the tree, no lock is held and every
         request row is free. A failure is a leak, i.e. a bug."""
-        free = self.allocator.available_size() + self.tree_cache.evictable_size()
         problems = []
-        if free != self.max_total_tokens:
-            problems.append(f"{self.max_total_tokens - free} KV slots leaked")
+        if self.num_used_tokens != 0:
+            problems.append(f"{self.num_used_tokens} KV slots leaked")
         if self.tree_cache.protected_size() != 0 or any(self.tree_cache.lock_counts()):
             problems.append(f"{self.tree_cache.protected_size()} tokens still locked in the prefix cache")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
@@ -402,12 +616,11 @@ class Scheduler:
             raise RuntimeError("scheduler idle self-check failed: " + "; ".join(problems))
 
     def log_stats(self, mode: ForwardMode, num_reqs: int, new_tokens: int) -> None:
-        used = self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
         embeddings = self.encoding.cache
         logger.info(
             "%s batch: %d reqs, %d new tokens, KV usage %.2f, cache hit rate %.2f, running %d, queued %d, "
             "encoding %d, embedding cache hit rate %.2f (%.1f MiB)",
-            mode.name.lower(), num_reqs, new_tokens, used / self.max_total_tokens, self.metrics.cache_hit_rate,
-            len(self.running_batch.reqs), len(self.waiting_queue), len(self.encoding), embeddings.hit_rate,
-            embeddings.usage_bytes / 2**20,
-        )
+            mode.name.lower(), num_reqs, new_tokens, self.num_used_tokens / self.max_total_tokens,
+            self.metrics.cache_hit_rate, len(self.running_batch.reqs), len(self.waiting_queue), len(self.encoding),
+            embeddings.hit_rate, embeddings.usage_bytes / 2**20,
+        )  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -13,8 +14,11 @@ from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 class AttentionBackend(ABC):
     """Computes causal attention of a batch's new tokens over their requests' cached K/V.
 
-    `init_forward_metadata` runs once per forward (index tensors, planning); `forward` runs per layer:
-    it stores the new K/V in the pool, then attends over prefix + new tokens.
+    Three calls per forward. `init_forward_metadata` runs when the scheduler builds the batch and returns
+    its index tensors (stored as `batch.attn_metadata`): it is the only one that reads `req_to_token`,
+    which the scheduler goes on changing while earlier batches run. `begin_forward` runs just before the
+    model does, in launch order (state kept between forwards belongs here). `forward` runs per layer: it
+    stores the new K/V in the pool, then attends over prefix + new tokens.
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool) -> None:
@@ -22,7 +26,10 @@ class AttentionBackend(ABC):
         self.token_to_kv_pool = token_to_kv_pool
 
     @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+    def init_forward_metadata(self, batch: ForwardBatch) -> Any: ...
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        """Called right before the model runs `batch`."""
 
     @abstractmethod
     def forward(

@@ -8,6 +8,9 @@ sequence, which is exactly "prefix + new tokens up to itself"); decode runs its 
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardBatch
@@ -17,7 +20,18 @@ from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
+@dataclass
+class _Metadata:
+    kv_indptr: torch.Tensor  # (batch + 1,) host
+    kv_indices: torch.Tensor  # KV slots of every request, back to back (device)
+    last_page_len: torch.Tensor  # (batch,) host: pages of one slot are always full
+    qo_indptr: torch.Tensor | None  # (batch + 1,) host; None for decode
+
+
 class FlashInferAttnBackend(AttentionBackend):
+    """Plans FlashInfer's wrappers in `begin_forward`, on the forward's stream, from index tensors the
+    scheduler gathered when it built the batch."""
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
@@ -37,25 +51,29 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        device = batch.seq_lens.device
+    def init_forward_metadata(self, batch: ForwardBatch) -> _Metadata:
         rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
         kv_indices = torch.cat([rows[i, :n] for i, n in enumerate(batch.seq_lens_cpu)]).to(torch.int32)
-        kv_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=device)
-        kv_indptr[1:] = torch.cumsum(batch.seq_lens, 0)
-        last_page_len = torch.ones(batch.batch_size, dtype=torch.int32, device=device)
+        # index pointers are built on the host: FlashInfer's planning reads them there
+        kv_indptr = torch.tensor([0, *itertools.accumulate(batch.seq_lens_cpu)], dtype=torch.int32)
+        qo_indptr = None
+        if not batch.forward_mode.is_decode():
+            qo_indptr = torch.tensor([0, *itertools.accumulate(batch.extend_lens_cpu)], dtype=torch.int32)
+        return _Metadata(kv_indptr, kv_indices, torch.ones(batch.batch_size, dtype=torch.int32), qo_indptr)
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        meta: _Metadata = batch.attn_metadata
         dtype = self.token_to_kv_pool.dtype
-        if batch.forward_mode.is_decode():
+        if meta.qo_indptr is None:
             self.decode.plan(
-                kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
-                sm_scale=self.scaling, q_data_type=dtype, kv_data_type=dtype,
+                meta.kv_indptr, meta.kv_indices, meta.last_page_len, self.num_heads, self.num_kv_heads,
+                self.head_dim, 1, sm_scale=self.scaling, q_data_type=dtype, kv_data_type=dtype,
             )
             return
-        qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=device)
-        qo_indptr[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, device=device), 0)
         self.prefill.plan(
-            qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
-            causal=True, sm_scale=self.scaling, q_data_type=dtype, kv_data_type=dtype,
+            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.last_page_len, self.num_heads,
+            self.num_kv_heads, self.head_dim, 1, causal=True, sm_scale=self.scaling, q_data_type=dtype,
+            kv_data_type=dtype,
         )
 
     def forward(self, q, k, v, layer_id, scaling, batch):

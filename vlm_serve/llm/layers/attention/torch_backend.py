@@ -1,7 +1,7 @@
 """Pure-torch attention over the paged KV pool: gather each request's K/V by slot, then SDPA.
 
 Used on CPU and as the reference for the GPU backends. Decode batches keep a dense mirror of their
-K/V between steps (see `_DecodeMirror`), which doubles the running batch's KV memory: fine on CPU.
+K/V between steps (see `TorchAttnBackend`), which doubles the running batch's KV memory: fine on CPU.
 """
 
 from __future__ import annotations
@@ -14,71 +14,105 @@ import torch.nn.functional as F
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.layers.attention.base import AttentionBackend
 
-
 MIRROR_SPARE_TOKENS = 64  # room to grow, so that most decode steps only append to the mirror
 
 
 @dataclass
-class _DecodeMirror:
-    """A dense copy of the decode batch's K/V, per layer (batch, capacity, kv_heads, head_dim).
+class _ExtendMetadata:
+    slots: list[torch.Tensor]  # per request: the KV slots of its prefix and new tokens
+    masks: list[torch.Tensor]  # per request: (new tokens, all tokens) causal mask
 
-    Gathering every request's K/V out of the paged pool costs a full copy per layer per step; the
-    mirror is gathered once and then only receives each step's new token. A prefix's K/V never
-    changes, so the copy stays exact while the batch keeps the same requests (or loses some).
-    """
+
+@dataclass
+class _DecodeMetadata:
+    index: tuple[torch.Tensor, torch.Tensor]  # (mirror row, position) of each request's new token
+    max_len: int
+    mask: torch.Tensor  # (batch, 1, 1, max_len): which mirror positions each request attends to
+    capacity: int  # positions per mirror row
+    build_slots: torch.Tensor | None  # pool slots to gather a fresh mirror from, (batch * longest,)
+    keep: torch.Tensor | None  # rows of the current mirror to keep, in batch order (requests left)
+
+
+@dataclass
+class _MirrorPlan:
+    """What the mirror will hold once the last planned forward has run: the scheduler plans the next
+    forward against it, before the forwards already launched have run."""
 
     rows: list[int]  # request rows, in batch order
     lens: list[int]  # tokens held per request
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1]
+    capacity: int
 
 
 class TorchAttnBackend(AttentionBackend):
-    """Gathers K/V by slot and runs SDPA; decode batches read a `_DecodeMirror` instead of the pool."""
+    """Gathers K/V by slot and runs SDPA; decode batches read a dense mirror instead of the pool.
 
-    mirror: _DecodeMirror | None = None
+    Gathering every request's K/V out of the paged pool costs a full copy per layer per step; the
+    mirror (per layer `(batch, capacity, kv_heads, head_dim)`) is gathered once and then only receives
+    each step's new token. A prefix's K/V never changes, so the copy stays exact while the batch keeps
+    the same requests (or loses some); a request joins the decode batch only after an extend, which
+    drops the mirror.
+    """
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.forward_mode.is_decode():
-            rows = batch.req_pool_indices.tolist()
-            held = [n - 1 for n in batch.seq_lens_cpu]  # the new token's K/V arrives during the forward
-            max_len = max(batch.seq_lens_cpu)
-            if not self._reuse_mirror(rows, held, max_len):
-                self.mirror = self._build_mirror(batch, rows, held, max_len + MIRROR_SPARE_TOKENS)
-            self.mirror.lens = list(batch.seq_lens_cpu)
-            device = batch.seq_lens.device
-            self.decode_index = (torch.arange(len(rows), device=device), torch.tensor(held, device=device))
-            self.decode_len = max_len
-            valid = torch.arange(max_len, device=device)[None, :] < batch.seq_lens[:, None]
-            self.decode_mask = valid[:, None, None, :]  # (batch, 1, 1, max_len)
-            return
-        self.mirror = None  # requests join only through extend: a new batch needs a new mirror
-        rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
-        self.extend_slots = [rows[i, :n].long() for i, n in enumerate(batch.seq_lens_cpu)]
-        self.extend_masks = [
-            _causal_mask(p, e, rows.device) for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)
-        ]
+    _plan: _MirrorPlan | None = None  # scheduler side
+    _mirror: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # forward side: (k, v) per layer
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> _ExtendMetadata | _DecodeMetadata:
+        if not batch.forward_mode.is_decode():
+            self._plan = None
+            rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
+            return _ExtendMetadata(
+                [rows[i, :n].long() for i, n in enumerate(batch.seq_lens_cpu)],
+                [_causal_mask(p, e, rows.device) for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)],
+            )
+        rows = batch.req_pool_indices.tolist()
+        held = [n - 1 for n in batch.seq_lens_cpu]  # the new token's K/V arrives during the forward
+        max_len = max(batch.seq_lens_cpu)
+        device = batch.seq_lens.device
+        plan, build_slots, keep = self._plan, None, None
+        position = {r: i for i, r in enumerate(plan.rows)} if plan is not None else {}
+        if (
+            plan is None
+            or max_len > plan.capacity
+            or any(r not in position or plan.lens[position[r]] != n for r, n in zip(rows, held))
+        ):
+            plan = _MirrorPlan(rows, held, max_len + MIRROR_SPARE_TOKENS)
+            build_slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices, : max(held)].flatten().long()
+        elif plan.rows != rows:
+            keep = torch.tensor([position[r] for r in rows], device=device)
+        self._plan = _MirrorPlan(rows, list(batch.seq_lens_cpu), plan.capacity)
+        valid = torch.arange(max_len, device=device)[None, :] < batch.seq_lens[:, None]
+        return _DecodeMetadata(
+            (torch.arange(len(rows), device=device), torch.tensor(held, device=device)),
+            max_len, valid[:, None, None, :], plan.capacity, build_slots, keep,
+        )  # fmt: skip
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        meta = batch.attn_metadata
+        if not isinstance(meta, _DecodeMetadata):
+            self._mirror = None
+        elif meta.build_slots is not None:
+            self._mirror = self._build_mirror(meta, batch.batch_size)
+        elif meta.keep is not None:
+            ks, vs = self._mirror
+            self._mirror = [t.index_select(0, meta.keep) for t in ks], [t.index_select(0, meta.keep) for t in vs]
 
     def forward(self, q, k, v, layer_id, scaling, batch):
         self.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        k_cache, v_cache = self.token_to_kv_pool.get_kv(layer_id)
+        meta = batch.attn_metadata
         if batch.forward_mode.is_decode():
-            mirror_k, mirror_v = self.mirror.k[layer_id], self.mirror.v[layer_id]
-            mirror_k[self.decode_index] = k.to(mirror_k.dtype)
-            mirror_v[self.decode_index] = v.to(mirror_v.dtype)
-            keys = mirror_k[:, : self.decode_len].transpose(1, 2)  # (batch, kv_heads, len, dim)
-            values = mirror_v[:, : self.decode_len].transpose(1, 2)
+            mirror_k, mirror_v = self._mirror[0][layer_id], self._mirror[1][layer_id]
+            mirror_k[meta.index] = k.to(mirror_k.dtype)
+            mirror_v[meta.index] = v.to(mirror_v.dtype)
+            keys = mirror_k[:, : meta.max_len].transpose(1, 2)  # (batch, kv_heads, len, dim)
+            values = mirror_v[:, : meta.max_len].transpose(1, 2)
             out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=self.decode_mask, scale=scaling, enable_gqa=True
+                q.unsqueeze(2), keys, values, attn_mask=meta.mask, scale=scaling, enable_gqa=True
             )
             return out.squeeze(2)
+        k_cache, v_cache = self.token_to_kv_pool.get_kv(layer_id)
         out = torch.empty_like(q)
         start = 0
-        for slots, mask, n in zip(self.extend_slots, self.extend_masks, batch.extend_lens_cpu):
+        for slots, mask, n in zip(meta.slots, meta.masks, batch.extend_lens_cpu):
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)  # (1, heads, n, dim)
             keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
@@ -87,36 +121,18 @@ class TorchAttnBackend(AttentionBackend):
             start += n
         return out
 
-
-    def _reuse_mirror(self, rows: list[int], held: list[int], max_len: int) -> bool:
-        """Keeps the mirror if it holds exactly these requests' K/V (dropping requests that left)."""
-        m = self.mirror
-        if m is None or max_len > m.capacity:
-            return False
-        if m.rows == rows:
-            return m.lens == held
-        position = {r: i for i, r in enumerate(m.rows)}
-        if any(r not in position or m.lens[position[r]] != n for r, n in zip(rows, held)):
-            return False
-        keep = torch.tensor([position[r] for r in rows], device=m.k[0].device)
-        m.k = [t.index_select(0, keep) for t in m.k]
-        m.v = [t.index_select(0, keep) for t in m.v]
-        m.rows, m.lens = rows, held
-        return True
-
-    def _build_mirror(self, batch: ForwardBatch, rows: list[int], held: list[int], capacity: int) -> _DecodeMirror:
-        longest = max(held)
-        slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices, :longest].flatten().long()
+    def _build_mirror(self, meta: _DecodeMetadata, batch_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        longest = meta.build_slots.numel() // batch_size
         pool = self.token_to_kv_pool
         ks, vs = [], []
         for layer_id in range(len(pool.k_buffer)):
             for buffers, out in ((pool.k_buffer, ks), (pool.v_buffer, vs)):
                 cache = buffers[layer_id]
-                dense = cache.new_zeros(len(rows), capacity, *cache.shape[1:])
+                dense = cache.new_zeros(batch_size, meta.capacity, *cache.shape[1:])
                 # index_select is several times faster than advanced indexing here
-                dense[:, :longest] = cache.index_select(0, slots).view(len(rows), longest, *cache.shape[1:])
+                dense[:, :longest] = cache.index_select(0, meta.build_slots).view(batch_size, longest, *cache.shape[1:])
                 out.append(dense)
-        return _DecodeMirror(rows, held, ks, vs)
+        return ks, vs
 
 
 def _causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:

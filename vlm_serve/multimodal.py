@@ -1,4 +1,5 @@
-"""What preprocessing hands to the model: prompt ids plus one entry per image or video."""
+"""The multimodal data that preprocessing hands to the model: prompt ids plus one entry per image or
+video, and where each item's time went. A neutral module: vision/, mm_cache/ and llm/ all import it."""
 
 from __future__ import annotations
 

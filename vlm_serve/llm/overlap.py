@@ -1,0 +1,111 @@
+"""Overlap scheduling's machinery: the FutureMap and the forward thread.
+
+With overlap (the default), the scheduler launches batch N+1 before it has looked at batch N's sampled
+tokens: a request still waiting for its token from batch N gets a *future id* as its next input, a
+negative index into the FutureMap, which batch N's sampling fills. Forwards run in launch order, so the
+slot is always filled by the time batch N+1 reads it, right before its forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from vlm_serve.llm.forward_batch import ForwardBatch
+from vlm_serve.llm.layers.sampler import SampleOutput
+
+
+class FutureMap:
+    """A ring of token slots on the model's device. Each batch reserves one slot per request; a request
+    whose last token is still being sampled reads it from its slot as input id `-(slot + 1)`.
+
+    The ring holds several batches' worth of slots, so a slot is reused only long after the batch that
+    read it has run (at most two batches are ever in flight)."""
+
+    def __init__(self, max_batch_size: int, device: torch.device) -> None:
+        self.size = 4 * max_batch_size
+        self.token_ids = torch.zeros(self.size, dtype=torch.int64, device=device)
+        self.next = 0
+
+    def alloc(self, n: int) -> int:
+        """The first of `n` consecutive slots for a batch of `n` requests."""
+        if self.next + n > self.size:
+            self.next = 0
+        start, self.next = self.next, self.next + n
+        return start
+
+    @staticmethod
+    def future_id(slot: int) -> int:
+        return -(slot + 1)
+
+    def resolve(self, batch: ForwardBatch) -> None:
+        """Replaces the batch's future ids by the tokens now in their slots (input ids, and the outputs
+        that penalties count)."""
+        ids = batch.input_ids
+        pending = ids < 0
+        if bool(pending.any()):
+            ids[pending] = self.token_ids[-ids[pending] - 1]
+        for row in batch.sampling:
+            if row.output_ids and row.output_ids[-1] < 0:
+                row.output_ids[-1] = int(self.token_ids[-row.output_ids[-1] - 1])
+
+    def store(self, start: int, next_token_ids: torch.Tensor) -> None:
+        self.token_ids[start : start + next_token_ids.numel()] = next_token_ids
+
+
+class ForwardThread:
+    """Runs launched batches one after another on a thread of its own (torch releases the GIL while it
+    computes), so the scheduler prepares batch N+1 and processes batch N's result while batch N runs. On
+    CUDA the forwards also run on a stream of their own, which waits for the inputs the scheduler put on
+    its stream; the sampled tokens come back to the host asynchronously.
+
+    `busy_seconds` adds up the time the thread spends running forwards: the rest of a run's wall time
+    the model waits for the scheduler."""
+
+    def __init__(self, runner) -> None:  # runner: ModelRunner (not imported: it imports this module)
+        self.runner = runner
+        self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
+        self.busy_seconds = 0.0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)
+        self._thread.start()
+
+    def launch(self, batch: ForwardBatch) -> Future[SampleOutput]:
+        """Queues `batch`; its result (tokens on the host) arrives in the returned future."""
+        inputs_ready = None
+        if self.stream is not None:
+            inputs_ready = torch.cuda.Event()
+            inputs_ready.record()
+        future: Future[SampleOutput] = Future()
+        self._queue.put((batch, inputs_ready, future))
+        return future
+
+    def stop(self) -> None:
+        """Lets the thread end once the forwards already queued have run."""
+        self._queue.put(None)
+
+    def shutdown(self) -> None:
+        self.stop()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with stream, torch.inference_mode():
+            while (item := self._queue.get()) is not None:
+                batch, inputs_ready, future = item
+                start = time.perf_counter()
+                try:
+                    if inputs_ready is not None:
+                        self.stream.wait_event(inputs_ready)
+                    out = self.runner.forward_batch_generation(batch)
+                    out.to_host()
+                except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it
+                    future.set_exception(exc)
+                else:
+                    future.set_result(out)
+                self.busy_seconds += time.perf_counter() - start
