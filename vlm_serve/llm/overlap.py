@@ -12,12 +12,16 @@ import contextlib
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.layers.sampler import SampleOutput
+
+T = TypeVar("T")
 
 
 class FutureMap:
@@ -62,50 +66,68 @@ class ForwardThread:
     """Runs launched batches one after another on a thread of its own (torch releases the GIL while it
     computes), so the scheduler prepares batch N+1 and processes batch N's result while batch N runs. On
     CUDA the forwards also run on a stream of their own, which waits for the inputs the scheduler put on
-    its stream; the sampled tokens come back to the host asynchronously.
+    its stream; the sampled tokens come back to the host asynchronously. Other device work that must
+    not overlap the forwards (the vision tower of `--vit-dp 0`) is queued in order with them (`submit`).
 
-    `busy_seconds` adds up the time the thread spends running forwards: the rest of a run's wall time
-    the model waits for the scheduler."""
+    On CPU the thread takes the intra-op threads the process had, and the scheduler's thread is left
+    with one: two OpenMP thread teams on the same cores would slow every forward down.
+
+    `busy_seconds` adds up the time the thread spends running work: the rest of a run's wall time the
+    model waits for the scheduler."""
 
     def __init__(self, runner) -> None:  # runner: ModelRunner (not imported: it imports this module)
         self.runner = runner
         self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
         self.busy_seconds = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)
+        self._caller_threads = torch.get_num_threads()
+        if self.stream is None:
+            # on this (the scheduler's) thread; first, as it also sets MKL's process-wide count, which
+            # the forward thread then sets back
+            torch.set_num_threads(1)
+        self._thread = threading.Thread(target=self._loop, args=(self._caller_threads,), name="forward", daemon=True)
         self._thread.start()
 
     def launch(self, batch: ForwardBatch) -> Future[SampleOutput]:
-        """Queues `batch`; its result (tokens on the host) arrives in the returned future."""
+        """Queues `batch`'s forward; its result (tokens on the host) arrives in the returned future."""
         inputs_ready = None
         if self.stream is not None:
             inputs_ready = torch.cuda.Event()
             inputs_ready.record()
-        future: Future[SampleOutput] = Future()
-        self._queue.put((batch, inputs_ready, future))
+        return self.submit(self._forward, batch, inputs_ready)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Runs `fn(*args)` on the thread after everything queued before it."""
+        future: Future[T] = Future()
+        self._queue.put((fn, args, future))
         return future
 
     def stop(self) -> None:
-        """Lets the thread end once the forwards already queued have run."""
+        """Lets the thread end once the work already queued has run."""
         self._queue.put(None)
 
     def shutdown(self) -> None:
+        """Ends the thread (after the work queued) and gives the calling thread its torch threads back."""
         self.stop()
         self._thread.join()
+        torch.set_num_threads(self._caller_threads)
 
-    def _loop(self) -> None:
+    def _forward(self, batch: ForwardBatch, inputs_ready: torch.cuda.Event | None) -> SampleOutput:
+        if inputs_ready is not None:
+            self.stream.wait_event(inputs_ready)
+        out = self.runner.forward_batch_generation(batch)
+        out.to_host()
+        return out
+
+    def _loop(self, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
         stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with stream, torch.inference_mode():
             while (item := self._queue.get()) is not None:
-                batch, inputs_ready, future = item
+                fn, args, future = item
                 start = time.perf_counter()
                 try:
-                    if inputs_ready is not None:
-                        self.stream.wait_event(inputs_ready)
-                    out = self.runner.forward_batch_generation(batch)
-                    out.to_host()
+                    future.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it
                     future.set_exception(exc)
-                else:
-                    future.set_result(out)
                 self.busy_seconds += time.perf_counter() - start

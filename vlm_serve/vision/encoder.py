@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -42,6 +44,10 @@ class EncodeResult:
     wait: float = 0.0  # seconds from submission until a vision tower started on it
     vit: float = 0.0  # its share (by patch count) of the compute time of the pass it ran in
     rank: int = 0  # the encoder rank that ran it
+
+
+class Executor(Protocol):
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future: ...
 
 
 def encode_tasks(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> list[EncodeResult]:
@@ -93,18 +99,28 @@ class VisionEncoder(ABC):
     def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
         """Results ready now, waiting up to `timeout` seconds for the first one."""
 
+    def run_on(self, executor: Executor) -> None:
+        """Encoders that compute in the scheduler's process queue that work on `executor` from now on
+        (anything with `submit(fn, *args) -> Future`); the others ignore it."""
+
     def shutdown(self) -> None:
         """Stops whatever the encoder runs; it takes no tasks afterwards."""
 
 
 class InlineEncoder(VisionEncoder):
-    """Encodes submitted tasks in this process, all together, when polled."""
+    """Encodes submitted tasks in this process, all together, when polled: on the polling thread, or
+    queued on an executor (under overlap scheduling, the forward thread, in order with the forwards)."""
 
     def __init__(self, visual: Qwen3VLVisionModel, max_patches: int) -> None:
         super().__init__()
         self.visual = visual
         self.max_patches = max_patches
         self.pending: list[EncodeTask] = []
+        self.executor: Executor | None = None
+        self.running: list[Future[list[EncodeResult]]] = []
+
+    def run_on(self, executor: Executor) -> None:
+        self.executor = executor
 
     def submit(self, tasks: list[EncodeTask]) -> None:
         now = time.monotonic()
@@ -113,9 +129,17 @@ class InlineEncoder(VisionEncoder):
         self.pending.extend(tasks)
 
     def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
-        if not self.pending:
+        if self.pending:
+            tasks, self.pending = self.pending, []
+            if self.executor is None:
+                return self._count(encode_tasks(self.visual, tasks, self.max_patches))
+            self.running.append(self.executor.submit(encode_tasks, self.visual, tasks, self.max_patches))
+        if not self.running:
             return []
-        tasks, self.pending = self.pending, []
-        results = encode_tasks(self.visual, tasks, self.max_patches)
+        done, _ = wait(self.running, timeout, FIRST_COMPLETED)
+        self.running = [f for f in self.running if f not in done]
+        return self._count([r for f in done for r in f.result()])
+
+    def _count(self, results: list[EncodeResult]) -> list[EncodeResult]:
         self.num_items += sum(r.output is not None for r in results)
         return results

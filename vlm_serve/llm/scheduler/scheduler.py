@@ -139,8 +139,9 @@ class Scheduler:
 
         self.enable_overlap = not server_args.disable_overlap_schedule
         self.forward_thread = ForwardThread(runner) if self.enable_overlap else None
-        if self.forward_thread is not None:  # a scheduler dropped without shutdown() frees its model too
-            weakref.finalize(self, self.forward_thread.stop)
+        if self.forward_thread is not None:
+            encoder.run_on(self.forward_thread)  # an inline vision tower runs in order with the forwards
+            weakref.finalize(self, self.forward_thread.stop)  # dropped without shutdown(): free the model
         self.result_queue: deque[LaunchedBatch] = deque()  # launched, result not processed yet
         self.event_loop: Callable[[], None] = self.event_loop_overlap if self.enable_overlap else self.event_loop_normal
         self.run_iteration: Callable[[], None] = (

@@ -29,7 +29,7 @@ class _DecodeMetadata:
     max_len: int
     mask: torch.Tensor  # (batch, 1, 1, max_len): which mirror positions each request attends to
     capacity: int  # positions per mirror row
-    build_slots: torch.Tensor | None  # pool slots to gather a fresh mirror from, (batch * longest,)
+    build_slots: torch.Tensor | None  # pool slots to gather a fresh mirror from, (batch * capacity,)
     keep: torch.Tensor | None  # rows of the current mirror to keep, in batch order (requests left)
 
 
@@ -54,7 +54,10 @@ class TorchAttnBackend(AttentionBackend):
     """
 
     _plan: _MirrorPlan | None = None  # scheduler side
-    _mirror: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # forward side: (k, v) per layer
+    # forward side: per layer (rows, capacity, kv_heads, head_dim) K and V buffers, kept between builds
+    # (fresh ones would cost page faults every time); the mirror is their first `_rows` rows
+    _buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    _rows = 0
 
     def init_forward_metadata(self, batch: ForwardBatch) -> _ExtendMetadata | _DecodeMetadata:
         if not batch.forward_mode.is_decode():
@@ -76,7 +79,10 @@ class TorchAttnBackend(AttentionBackend):
             or any(r not in position or plan.lens[position[r]] != n for r, n in zip(rows, held))
         ):
             plan = _MirrorPlan(rows, held, max_len + MIRROR_SPARE_TOKENS)
-            build_slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices, : max(held)].flatten().long()
+            # positions past a request's tokens gather slot 0 (the dummy slot): finite, and masked out
+            build_slots = torch.zeros(len(rows), plan.capacity, dtype=torch.int64, device=device)
+            build_slots[:, : max(held)] = self.req_to_token_pool.req_to_token[batch.req_pool_indices, : max(held)]
+            build_slots = build_slots.flatten()
         elif plan.rows != rows:
             keep = torch.tensor([position[r] for r in rows], device=device)
         self._plan = _MirrorPlan(rows, list(batch.seq_lens_cpu), plan.capacity)
@@ -89,18 +95,19 @@ class TorchAttnBackend(AttentionBackend):
     def begin_forward(self, batch: ForwardBatch) -> None:
         meta = batch.attn_metadata
         if not isinstance(meta, _DecodeMetadata):
-            self._mirror = None
+            self._rows = 0
         elif meta.build_slots is not None:
-            self._mirror = self._build_mirror(meta, batch.batch_size)
+            self._build_mirror(meta, batch.batch_size)
         elif meta.keep is not None:
-            ks, vs = self._mirror
-            self._mirror = [t.index_select(0, meta.keep) for t in ks], [t.index_select(0, meta.keep) for t in vs]
+            for buffer in (*self._buffers[0], *self._buffers[1]):
+                buffer[: len(meta.keep)] = buffer.index_select(0, meta.keep)
+            self._rows = len(meta.keep)
 
     def forward(self, q, k, v, layer_id, scaling, batch):
         self.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         meta = batch.attn_metadata
         if batch.forward_mode.is_decode():
-            mirror_k, mirror_v = self._mirror[0][layer_id], self._mirror[1][layer_id]
+            mirror_k, mirror_v = self._buffers[0][layer_id][: self._rows], self._buffers[1][layer_id][: self._rows]
             mirror_k[meta.index] = k.to(mirror_k.dtype)
             mirror_v[meta.index] = v.to(mirror_v.dtype)
             keys = mirror_k[:, : meta.max_len].transpose(1, 2)  # (batch, kv_heads, len, dim)
@@ -121,18 +128,19 @@ class TorchAttnBackend(AttentionBackend):
             start += n
         return out
 
-    def _build_mirror(self, meta: _DecodeMetadata, batch_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        longest = meta.build_slots.numel() // batch_size
+    def _build_mirror(self, meta: _DecodeMetadata, batch_size: int) -> None:
         pool = self.token_to_kv_pool
-        ks, vs = [], []
-        for layer_id in range(len(pool.k_buffer)):
-            for buffers, out in ((pool.k_buffer, ks), (pool.v_buffer, vs)):
-                cache = buffers[layer_id]
-                dense = cache.new_zeros(batch_size, meta.capacity, *cache.shape[1:])
-                # index_select is several times faster than advanced indexing here
-                dense[:, :longest] = cache.index_select(0, meta.build_slots).view(batch_size, longest, *cache.shape[1:])
-                out.append(dense)
-        return ks, vs
+        shape = pool.k_buffer[0].shape[1:]
+        buffers = self._buffers
+        if buffers is None or buffers[0][0].shape[0] < batch_size or buffers[0][0].shape[1] != meta.capacity:
+            rows = max(batch_size, buffers[0][0].shape[0] if buffers is not None else 0)
+            self._buffers = buffers = tuple(
+                [pool.k_buffer[0].new_empty(rows, meta.capacity, *shape) for _ in pool.k_buffer] for _ in range(2)
+            )
+        for caches, mirrors in zip((pool.k_buffer, pool.v_buffer), buffers):
+            for cache, mirror in zip(caches, mirrors):
+                torch.index_select(cache, 0, meta.build_slots, out=mirror[:batch_size].view(-1, *shape))
+        self._rows = batch_size
 
 
 def _causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
