@@ -30,7 +30,7 @@ def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[Mu
     req = Req("prefill-logits", ids, SamplingParams(), list(mm_items))
     req.init_positions(runner.model_config.vision.spatial_merge_size)
     req.last_node, req.extend_len = tree_cache.root, req.seq_len
-    if mm_items and not scheduler.encoding.add(req, 0):
+    if mm_items and scheduler.encoding.add(req, 0):
         while req in scheduler.encoding:
             scheduler.encoding.poll(timeout=0.1)
     batch = ScheduleBatch([req], runner.req_to_token_pool, runner.allocator, tree_cache, ForwardMode.EXTEND)
@@ -63,6 +63,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def process_name(pid: int) -> str:
+    """The name a process gave itself (`vlm-scheduler-0`, `vlm-encoder-1`, `vlm-detokenizer`...)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 @dataclass
 class ServerProcess:
     """A server started by `start_server`: its process and base URL."""
@@ -84,26 +92,31 @@ def _stop_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerProcess:
-    """Runs `vlm-serve serve` on a free loopback port and returns once it prints where it listens."""
-    port = free_port()
+def spawn_serve(model_dir: Path, *flags: str, port: int | None = None) -> ServerProcess:
+    """Starts `vlm-serve serve` (on a free loopback port unless given) and returns at once; its output
+    lines collect in `.output`."""
+    port = port or free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model_dir), "--port", str(port), *flags]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_stop_with_parent
     )
     output: list[str] = []
-    ready = threading.Event()
 
     def read() -> None:
         for line in process.stdout:
             output.append(line)
-            if "serving" in line and f":{port}" in line:
-                ready.set()
 
     threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not ready.wait(0.2):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError("the server did not start:\n" + "".join(output))
     return ServerProcess(process, f"http://127.0.0.1:{port}", output)
+
+
+def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerProcess:
+    """Runs `vlm-serve serve` on a free loopback port and returns once it prints where it listens."""
+    server = spawn_serve(model_dir, *flags)
+    deadline = time.monotonic() + timeout
+    while not any("serving" in line and server.url.rsplit(":", 1)[1] in line for line in server.output):
+        if server.process.poll() is not None or time.monotonic() > deadline:
+            server.process.kill()
+            raise RuntimeError("the server did not start:\n" + "".join(server.output))
+        time.sleep(0.2)
+    return server

@@ -58,9 +58,10 @@ def _encode_all(encoder: VisionEncoder, items: list[MultimodalItem]) -> dict[int
 
 def _wait_until_ready(pool: EncoderPool) -> None:
     deadline = time.monotonic() + 120
-    while not all(r.ready and r.alive for r in pool.ranks) and time.monotonic() < deadline:
+    while not all(r.ready for r in pool.ranks) and time.monotonic() < deadline:
         pool.poll(timeout=0.1)
-    assert all(r.ready and r.alive for r in pool.ranks)
+    assert all(r.ready for r in pool.ranks)
+    assert all(p.is_alive() for p in pool.supervisor.processes)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -71,8 +72,8 @@ def test_one_and_two_ranks_give_the_single_process_embeddings(tiny_moe_dir, medi
     visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), CPU, torch.float32)
     reference = {r.hash: r.output for r in encode_tasks(visual, _tasks(media), 10**9)}
     for dp in (1, 2):
-        pool = EncoderPool(ServerArgs(model=str(tiny_moe_dir), vit_dp=dp), CPU)
-        processes = [r.process for r in pool.ranks]
+        pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=dp), CPU)
+        processes = pool.supervisor.processes
         try:
             results = _encode_all(pool, media)
         finally:
@@ -96,7 +97,7 @@ def test_work_is_balanced_by_patch_count_not_item_count(tiny_moe_dir):
         MultimodalItem("video" if t > 1 else "image", torch.randn(t * h * w, 1536, generator=gen), (t, h, w), hash=i)
         for i, (t, h, w) in enumerate(grids)
     ]
-    pool = EncoderPool(ServerArgs(model=str(tiny_moe_dir), vit_dp=2), CPU)
+    pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=2), CPU)
     try:
         results = _encode_all(pool, items)
     finally:
@@ -121,12 +122,12 @@ def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_d
             reqs.append(Req(f"r{i}", x.input_ids, params, x.mm_items))
             scheduler.add_request(reqs[-1])
         scheduler.process_encoding_results()  # hands the six images to the ranks
-        victim = pool.ranks[0]
-        assert victim.jobs  # it holds some of the images
-        os.kill(victim.process.pid, signal.SIGKILL)
+        assert pool.ranks[0].jobs  # it holds some of the images
+        os.kill(pool.ranks[0].pid, signal.SIGKILL)
         while not all(r.finished for r in reqs):
             engine.step()
         assert [r.output_ids for r in reqs] == expected
+        _wait_until_ready(pool)
         assert pool.num_restarts == 1
         _wait_until_ready(pool)
         assert len(pool.ranks) == 2
@@ -134,18 +135,22 @@ def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_d
 
 
 def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, media):
-    pool = EncoderPool(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
+    pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
     try:
         pool.submit(_tasks(media[:1]))
+        results = []
         for attempt in range(2):
-            rank = pool.ranks[0]
-            os.kill(rank.process.pid, signal.SIGKILL)
-            rank.process.join()
-            results = pool.poll()
+            _wait_until_ready(pool)
+            os.kill(pool.ranks[0].pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while pool.ranks[0].ready and time.monotonic() < deadline:  # until its death is noticed
+                results += pool.poll(timeout=0.1)
+        while not results and time.monotonic() < deadline:
+            results += pool.poll(timeout=0.1)
         assert len(results) == 1 and results[0].output is None
         assert "encoder ranks died 2 times" in results[0].error
-        assert pool.num_restarts == 2
         _wait_until_ready(pool)  # and the pool still works
+        assert pool.num_restarts == 2
         assert _encode_all(pool, media[:1])[media[0].hash].error is None
     finally:
         pool.shutdown()
@@ -153,9 +158,9 @@ def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, medi
 
 def test_a_hung_rank_is_killed_and_replaced(tiny_moe_dir, media, monkeypatch):
     monkeypatch.setattr(encoder_pool, "STALL_TIMEOUT", 1.0)
-    pool = EncoderPool(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
+    pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
     try:
-        os.kill(pool.ranks[0].process.pid, signal.SIGSTOP)  # alive, but never answers
+        os.kill(pool.ranks[0].pid, signal.SIGSTOP)  # alive, but never answers
         assert _encode_all(pool, media[:1])[media[0].hash].error is None
         assert pool.num_restarts == 1
     finally:

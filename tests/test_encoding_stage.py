@@ -59,7 +59,7 @@ def test_a_tiny_cache_evicts_unpinned_entries_only(tiny_moe_dir, make_req):
     stage = EncodingStage(InlineEncoder(visual, 10**9), 3 * size)  # room for three entries
 
     held = make_req(1)  # ready, not yet prefilled: its entry is pinned
-    assert not stage.add(held, 0)
+    assert stage.add(held, 0)  # it waits for its embeddings
     assert stage.poll() == ([held], [])
     for seed in range(2, 9):  # requests that come and finish their prefill
         req = make_req(seed)

@@ -107,7 +107,7 @@ def cmd_caption(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from vlm_serve.server.http_server import launch_server
+    from vlm_serve.server.launcher import launch_server
 
     return launch_server(server_args_of(ns))
 

@@ -28,6 +28,9 @@ class ServerArgs:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     tp_size: int = 1
     ep_size: int = 1
+    nnodes: int = 1  # machines the TP ranks span (tp_size / nnodes ranks each)
+    node_rank: int = 0  # this machine's place; node 0 also runs the HTTP server and the encoder pool
+    dist_init_addr: str | None = None  # HOST:PORT where the ranks meet (node 0's); needed with nnodes > 1
     page_size: int = 1
     max_total_tokens: int | None = None  # KV pool size in tokens; None = derived from memory
     max_running_requests: int | None = None  # None = derived from the KV pool size
@@ -86,11 +89,18 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), not {self.node_rank}")
+        if self.tp_size % self.nnodes != 0:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT (node 0's address, the same on every node)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"dist_init_addr must be HOST:PORT, not {self.dist_init_addr!r}")
         if self.vit_dp < 0:
             raise ValueError(f"vit_dp must be >= 0 (0 runs the vision tower in the scheduler), not {self.vit_dp}")
-        if self.tp_size > 1 and self.vit_dp > 0:
-            # each TP rank would run its own pool, and ranks could see requests become ready in different steps
-            raise ValueError("an encoder pool with tp_size > 1 is not supported yet: use vit_dp 0 (each TP rank runs the vision tower)")
         if self.mm_cache_mb < 0:
             raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
         if not 0 <= self.port < 65536:
@@ -102,6 +112,12 @@ class ServerArgs:
             raise ValueError(f"schedule_conservativeness must be > 0, not {self.schedule_conservativeness}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, not {self.max_total_tokens}")
+
+    @property
+    def node_tp_ranks(self) -> range:
+        """The TP ranks this node runs."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -234,7 +234,7 @@ class Engine:
                         if choice.finished:
                             del self._choices[out.rid]
         self._io.outbox.clear()
-        stalled = scheduler.last_batch is None and not scheduler.result_queue and not scheduler.encoding.inflight
+        stalled = scheduler.last_batch is None and not scheduler.result_queue and not len(scheduler.encoding)
         if stalled and scheduler.reqs and not self._io.inbox:
             raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")
 

@@ -22,8 +22,10 @@ class ParallelState:
     tp_size: int = 1
     ep_size: int = 1
     tp_group: dist.ProcessGroup | None = None  # the model's collectives (NCCL on GPU)
-    # the scheduler's broadcasts (gloo): a group of its own, as the forward may run at the same time
+    # the scheduler's broadcasts, in groups of their own as a forward may run at the same time: objects
+    # over gloo, and tensors (vision embeddings) over the device's backend (the same gloo group on CPU)
     tp_cpu_group: dist.ProcessGroup | None = None
+    tp_broadcast_group: dist.ProcessGroup | None = None
 
     @property
     def moe_tp_size(self) -> int:
@@ -55,9 +57,9 @@ def init_parallel_state(tp_size: int = 1, ep_size: int = 1) -> ParallelState:
     if dist.get_world_size() != tp_size:
         raise ValueError(f"world size {dist.get_world_size()} does not match tp_size {tp_size}")
     ranks = list(range(tp_size))
-    _state = ParallelState(
-        dist.get_rank(), tp_size, ep_size, dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
-    )
+    cpu_group = dist.new_group(ranks, backend="gloo")
+    broadcast_group = cpu_group if dist.get_backend() == "gloo" else dist.new_group(ranks)
+    _state = ParallelState(dist.get_rank(), tp_size, ep_size, dist.new_group(ranks), cpu_group, broadcast_group)
     return _state
 
 

@@ -14,8 +14,10 @@ import zmq
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import TextStream
-from vlm_serve.server.io_struct import BatchStrOut, BatchTokenIdOut, PortArgs, StrOut, TokenIdOut, recv_pyobj, send_pyobj
-from vlm_serve.server.scheduler_process import IDLE_POLL_MS, ignore_interrupts
+from vlm_serve.ipc import recv_pyobj, send_pyobj
+from vlm_serve.server.io_struct import BatchStrOut, BatchTokenIdOut, PortArgs, StrOut, TokenIdOut
+from vlm_serve.process import init_child_process
+from vlm_serve.server.scheduler_process import IDLE_POLL_MS
 from vlm_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ class DetokenizerManager:
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
-    ignore_interrupts()
+    init_child_process("vlm-detokenizer")
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s detokenizer %(levelname)s %(message)s")
     manager = DetokenizerManager(Tokenizer.from_pretrained(server_args.model))
     context = zmq.Context()

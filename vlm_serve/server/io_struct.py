@@ -5,32 +5,30 @@ A front end (the HTTP process's TokenizerManager, or the in-process `Engine`) tu
 `TokenizedGenerateReq`, `AbortReq`, `FlushCacheReq`, `GetStatsReq`. Scheduler -> detokenizer:
 `BatchTokenIdOut` (new token ids of the iteration's requests) and replies (`FlushCacheOut`,
 `StatsOut`), which the detokenizer passes on. Detokenizer -> front end: `BatchStrOut` (text deltas).
-In the server they cross processes over ZMQ; pixel tensors inside a `TokenizedGenerateReq` travel as
-shared memory (`send_pyobj` / `recv_pyobj` below use multiprocessing's pickler, which shares tensors
-instead of copying them into the message). In `Engine` they are handed over in queues.
+In the server they cross processes over ZMQ (`vlm_serve.ipc`: pixel tensors inside a
+`TokenizedGenerateReq` travel as shared memory); in `Engine` they are handed over in queues.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
-from typing import Any
-
-import zmq
+from typing import TYPE_CHECKING, Any
 
 from vlm_serve.multimodal import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
 
+if TYPE_CHECKING:
+    from vlm_serve.vision.encoder_pool import PoolAddresses
+
 
 @dataclass
 class PortArgs:
-    """ZMQ addresses of the three channels (ipc:// sockets in a private temporary folder)."""
+    """ZMQ addresses of the server's channels (ipc:// sockets in a private temporary folder)."""
 
     scheduler_input: str  # HTTP process -> scheduler rank 0
     detokenizer_input: str  # scheduler rank 0 -> detokenizer
     tokenizer_input: str  # detokenizer -> HTTP process
+    encoder: PoolAddresses | None = None  # the encoder pool (scheduler rank 0 <-> encoder ranks)
 
 
 @dataclass
@@ -176,13 +174,3 @@ class StrOut:
 @dataclass
 class BatchStrOut:
     outs: list[StrOut]
-
-
-def send_pyobj(socket: zmq.Socket, obj: Any, flags: int = 0) -> None:
-    buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
-    socket.send(buf.getvalue(), flags)
-
-
-def recv_pyobj(socket: zmq.Socket, flags: int = 0) -> Any:
-    return pickle.loads(socket.recv(flags))

@@ -6,12 +6,11 @@ other processes, over ZMQ (`ZmqSchedulerIO`); the scheduler broadcasts what it r
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import zmq
@@ -19,7 +18,9 @@ import zmq
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.scheduler import Scheduler
-from vlm_serve.server.io_struct import PortArgs, recv_pyobj, send_pyobj
+from vlm_serve.process import init_child_process
+from vlm_serve.ipc import recv_pyobj, send_pyobj
+from vlm_serve.server.io_struct import PortArgs
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder_pool import create_encoder
 
@@ -54,36 +55,32 @@ class ZmqSchedulerIO:
         send_pyobj(self.send_to_detokenizer, message)
 
 
-def ignore_interrupts() -> None:
-    """In a child of the server: Ctrl-C reaches the whole process group, but the server decides how
-    its children stop; SIGTERM (the server's request) exits through `finally` blocks."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit)
-
-
-def _exit(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
-
-
 def run_scheduler_process(
-    server_args: ServerArgs, port_args: PortArgs, tp_rank: int, dist_port: int, ready: Connection
+    server_args: ServerArgs, port_args: PortArgs | None, tp_rank: int, dist_init_addr: str, ready: Connection
 ) -> None:
-    """Entry point of a scheduler process: builds the model and its scheduler, reports ("ready",
-    SchedulerLimits) or ("error", traceback) on `ready`, then loops until stopped."""
-    ignore_interrupts()
+    """Entry point of a scheduler process: joins the TP group (at `dist_init_addr`, HOST:PORT), builds
+    the model and its scheduler, reports ("ready", SchedulerLimits) or ("error", traceback) on `ready`,
+    then loops until stopped. `port_args` is given on node 0 only; rank 0 uses it."""
+    init_child_process(f"vlm-scheduler-{tp_rank}")
     logging.basicConfig(
         level=server_args.log_level.upper(), format=f"%(asctime)s scheduler TP{tp_rank} %(levelname)s %(message)s"
     )
     scheduler = None
     try:
+        device = server_args.resolved_device()
+        if device.type == "cuda":  # one GPU per local rank
+            torch.cuda.set_device(tp_rank % len(server_args.node_tp_ranks))
         if server_args.tp_size > 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))
-            backend = "nccl" if server_args.resolved_device().type == "cuda" else "gloo"
-            dist.init_process_group(backend, rank=tp_rank, world_size=server_args.tp_size)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=f"tcp://{dist_init_addr}", rank=tp_rank, world_size=server_args.tp_size
+            )
         model_config = ModelConfig.from_pretrained(server_args.model)
         runner = ModelRunner(server_args, model_config)
-        encoder = create_encoder(server_args, model_config, runner.device)
-        io = ZmqSchedulerIO(port_args) if tp_rank == 0 else None
+        encoder, io = None, None  # rank 0 alone encodes and talks to the other processes
+        if tp_rank == 0:
+            encoder = create_encoder(server_args, model_config, runner.device, port_args.encoder)
+            io = ZmqSchedulerIO(port_args)
         scheduler = Scheduler(server_args, runner, Tokenizer.from_pretrained(server_args.model), encoder, io)
     except Exception:  # noqa: BLE001 - reported to the server, which stops
         ready.send(("error", traceback.format_exc()))

@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.llm.scheduler.metrics import Histogram
+from vlm_serve.ipc import send_pyobj
 from vlm_serve.sampling_params import generation_defaults
 from vlm_serve.server.io_struct import (
     AbortReq,
@@ -37,7 +38,6 @@ from vlm_serve.server.io_struct import (
     StatsOut,
     StrOut,
     TokenizedGenerateReq,
-    send_pyobj,
 )
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.multimodal import ProcessedInput

@@ -1,14 +1,19 @@
-"""The encoder pool: `--vit-dp N` processes, each with its own vision tower, in front of the scheduler.
+"""The encoder pool: `--vit-dp N` processes, each with its own vision tower, working for the scheduler.
 
-Each rank holds a full replica of the (small) vision tower on its own device: GPU `i`, or on CPU a share
-of the cores (`--vit-threads`). A submitted batch is split across ranks balanced by patch count, the
-measure of ViT work (a video is one item). Pixel values and embeddings cross the process boundary as
-shared-memory tensors (CPU) or CUDA IPC handles copied on arrival (GPU); only small metadata goes
-through the channels. Jobs go out on a queue whose feeder thread does the writing and results come
-back on a pipe the parent reads at every poll, so neither side can block the other.
+Three parts. `rank_main` is an encoder process: it loads the tower, then encodes the jobs it is sent.
+`EncoderRanks` starts those processes and restarts the ones that die; the server launcher owns it (the
+pool is a role of its own, beside the TP ranks), or an in-process pool (`Engine`). `EncoderPool` is
+the scheduler's side, on TP rank 0: it splits submitted items across ranks balanced by patch count (the
+measure of ViT work; a video is one item), collects results and resubmits the work of a rank that died.
 
-A rank that dies (killed, out of memory) is restarted and its in-flight tasks are submitted again; a
-task whose ranks died `MAX_ATTEMPTS` times, or that the tower rejects, comes back as an error result.
+They talk over ZMQ at `PoolAddresses`: each rank binds a job socket that the pool connects to, and
+every rank (and `EncoderRanks`) pushes its events to one socket the pool binds. Pixel values and
+embeddings cross as shared-memory tensors (CPU) or CUDA IPC handles copied on arrival (GPU); only small
+metadata goes through the sockets. Each rank holds a full replica of the (small) tower on its own
+device: GPU `i`, or on CPU a share of the cores (`--vit-threads`).
+
+A dead rank is noticed by the pool through a pidfd; its in-flight tasks go to the other ranks. A task
+whose ranks died `MAX_ATTEMPTS` times, or that the tower rejects, comes back as an error result.
 """
 
 from __future__ import annotations
@@ -17,23 +22,27 @@ import contextlib
 import itertools
 import logging
 import os
-import queue
+import select
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+import zmq
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.vision.vision_tower import load_vision_model
+from vlm_serve.ipc import recv_pyobj, send_pyobj
+from vlm_serve.process import init_child_process
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
-from vlm_serve.vision.vision_tower import VisionOutput
+from vlm_serve.vision.vision_tower import VisionOutput, load_vision_model
 
 logger = logging.getLogger(__name__)
 
@@ -42,248 +51,54 @@ MAX_START_FAILURES = 3  # a rank that fails to start this many times in a row st
 STARTUP_TIMEOUT = 600.0  # seconds for the ranks to load their weights at pool start
 SHUTDOWN_TIMEOUT = 5.0
 STALL_TIMEOUT = 600.0  # a rank with work that sends nothing for this long is taken as hung and killed
-PARENT_CHECK_SECONDS = 1.0  # an idle rank checks this often that its parent still lives
+PARENT_CHECK_MS = 1000  # an idle rank checks this often that its parent still lives
 
 
-@dataclass(eq=False)
-class _Rank:
-    """The parent's handle on one encoder process."""
+@dataclass
+class PoolAddresses:
+    """ZMQ addresses of the pool: where rank i takes jobs, and where the pool hears from the ranks."""
 
-    index: int
-    process: BaseProcess
-    jobs_out: Queue  # parent -> rank: (job id, tasks), or None to stop
-    conn: Connection  # rank -> parent: ("ready",), ("error", message), ("done", job id, results)
-    ready: bool = False
-    start_failures: int = 0
-    jobs: dict[int, list[EncodeTask]] = field(default_factory=dict)  # in flight, by job id
-    last_heard: float = 0.0  # time.monotonic() of its last message, or of being given work while idle
+    jobs: list[str]
+    events: str
 
-    @property
-    def load(self) -> int:
-        return sum(t.num_patches for tasks in self.jobs.values() for t in tasks)
-
-    @property
-    def alive(self) -> bool:
-        return self.process.is_alive()
+    @classmethod
+    def in_dir(cls, directory: str, size: int) -> PoolAddresses:
+        return cls([f"ipc://{directory}/encoder-jobs-{i}" for i in range(size)], f"ipc://{directory}/encoder-events")
 
 
-class EncoderPool(VisionEncoder):
-    """`server_args.vit_dp` encoder processes. Results arrive on `device` (the LLM's)."""
-
-    def __init__(self, server_args: ServerArgs, device: torch.device) -> None:
-        super().__init__()
-        self.server_args = server_args
-        self.device = device
-        self._ctx = mp.get_context("spawn")
-        self._job_ids = itertools.count()
-        self._orphans: list[EncodeTask] = []  # tasks of dead ranks waiting for a live one
-        self.ranks = [self._start(i) for i in range(server_args.vit_dp)]
-        self._finalizer = weakref.finalize(self, _stop_ranks, self.ranks)  # also when dropped unshut
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        for rank in self.ranks:
-            error = self._await_ready(rank, deadline)
-            if error is not None:
-                self.shutdown()
-                raise RuntimeError(f"encoder rank {rank.index} failed to start: {error}")
-
-    # ---- processes ---------------------------------------------------------------------------------
-
-    def _start(self, index: int) -> _Rank:
-        jobs = self._ctx.Queue()
-        receiver, sender = self._ctx.Pipe(duplex=False)
-        process = self._ctx.Process(
-            target=rank_main, args=(self.server_args, index, jobs, sender), name=f"vit-rank-{index}", daemon=True
-        )
-        with _main_module_hidden():
-            process.start()
-        sender.close()
-        return _Rank(index, process, jobs, receiver)
-
-    def _await_ready(self, rank: _Rank, deadline: float) -> str | None:
-        """Blocks until `rank` has loaded its weights; the reason when it cannot."""
-        while not rank.ready:
-            if not wait([rank.conn, rank.process.sentinel], max(deadline - time.monotonic(), 0)):
-                return f"not ready within {STARTUP_TIMEOUT:.0f} s"
-            try:
-                message = rank.conn.recv()
-            except (EOFError, OSError):
-                return f"the process exited with code {rank.process.exitcode}"
-            if message[0] == "error":
-                return message[1]
-            rank.ready = message[0] == "ready"
-        return None
-
-    def _restart(self, rank: _Rank) -> None:
-        """Replaces a dead rank's process; its in-flight tasks go back to the pool."""
-        for tasks in rank.jobs.values():
-            self._orphans.extend(tasks)
-        rank.jobs.clear()
-        _close_channels(rank)
-        if rank.process.is_alive():
-            rank.process.kill()
-        rank.process.join()
-        if not rank.ready:
-            rank.start_failures += 1
-        if rank.start_failures >= MAX_START_FAILURES:
-            logger.error("encoder rank %d failed to start %d times; it stays down", rank.index, rank.start_failures)
-            return
-        logger.warning("encoder rank %d died (exit code %s); restarting it", rank.index, rank.process.exitcode)
-        fresh = self._start(rank.index)
-        rank.process, rank.jobs_out, rank.conn, rank.ready = fresh.process, fresh.jobs_out, fresh.conn, False
-        self.num_restarts += 1
-
-    @property
-    def load(self) -> list[int]:
-        return [rank.load for rank in self.ranks]
-
-    def _usable(self) -> list[_Rank]:
-        return [r for r in self.ranks if r.start_failures < MAX_START_FAILURES]
-
-    # ---- tasks -------------------------------------------------------------------------------------
-
-    def submit(self, tasks: list[EncodeTask]) -> None:
-        now = time.monotonic()
-        for task in tasks:
-            task.submitted = now
-        self._dispatch(tasks)
-
-    def _dispatch(self, tasks: list[EncodeTask]) -> None:
-        """Longest-first onto the least loaded rank (by patches in flight), one job per rank. Ranks
-        still loading their weights (restarting) get work only when no rank is ready."""
-        ranks = [r for r in self._usable() if r.ready] or self._usable()
-        if not ranks:
-            self._orphans.extend(tasks)
-            return
-        loads = {rank: rank.load for rank in ranks}
-        assigned: dict[_Rank, list[EncodeTask]] = {}
-        for task in sorted(tasks, key=lambda t: t.num_patches, reverse=True):
-            rank = min(ranks, key=lambda r: (loads[r], r.index))
-            loads[rank] += task.num_patches
-            assigned.setdefault(rank, []).append(task)
-        for rank, job in assigned.items():
-            if not rank.jobs:
-                rank.last_heard = time.monotonic()
-            for task in job:
-                # Moved to shared memory here, not by the queue's feeder thread: torch work on a second
-                # thread starts a second OpenMP pool, and the oversubscribed cores then slow every
-                # later LLM step several-fold.
-                task.pixel_values.share_memory_()
-            job_id = next(self._job_ids)
-            rank.jobs[job_id] = job
-            rank.jobs_out.put((job_id, job))  # if the rank is dead, the next poll resubmits the job
-
-    def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
-        results: list[EncodeResult] = []
-        waiting = [r for r in self._usable() if r.jobs or not r.ready]
-        if waiting:
-            handles = [r.conn for r in waiting] + [r.process.sentinel for r in waiting]
-            wait(handles, timeout)
-        for rank in self._usable():
-            self._receive(rank, results)
-        now = time.monotonic()
-        for rank in self._usable():
-            if rank.ready and rank.jobs and now - rank.last_heard > STALL_TIMEOUT and rank.alive:
-                logger.error("encoder rank %d made no progress for %.0f s; killing it", rank.index, STALL_TIMEOUT)
-                rank.process.kill()
-                rank.process.join()
-            if not rank.alive:
-                self._restart(rank)
-        if self._orphans:
-            orphans, self._orphans = self._orphans, []
-            retry = []
-            for task in orphans:
-                task.attempts += 1
-                if not self._usable():
-                    results.append(EncodeResult(task.hash, None, "no encoder rank is running (they fail to start)"))
-                elif task.attempts >= MAX_ATTEMPTS:
-                    error = f"encoder ranks died {task.attempts} times while encoding it"
-                    results.append(EncodeResult(task.hash, None, error))
-                else:
-                    retry.append(task)
-            self._dispatch(retry)
-        return results
-
-    def _receive(self, rank: _Rank, results: list[EncodeResult]) -> None:
-        try:
-            while rank.conn.poll():
-                message = rank.conn.recv()
-                rank.last_heard = time.monotonic()
-                if message[0] == "ready":
-                    rank.ready, rank.start_failures = True, 0
-                elif message[0] == "done":
-                    _, job_id, job_results = message
-                    rank.jobs.pop(job_id, None)
-                    for result in job_results:
-                        result.rank = rank.index
-                        if result.output is not None:
-                            result.output = self._arrived(result.output)
-                            self.num_items += 1
-                        results.append(result)
-                elif message[0] == "error":
-                    logger.error("encoder rank %d cannot start: %s", rank.index, message[1])
-        except Exception:  # noqa: BLE001 - a message that cannot be read (e.g. its sender died mid-way)
-            # the rank is broken: make sure it is gone; the liveness check restarts it
-            if rank.process.is_alive():
-                rank.process.kill()
-                rank.process.join()
-
-    def _arrived(self, output: VisionOutput) -> VisionOutput:
-        """A received output in the LLM's memory: a shared-memory CPU tensor is used as is; a CUDA one
-        (an IPC handle into the rank's GPU memory) is copied so the rank can free and reuse it."""
-        if not output.embeds.is_cuda:
-            return output
-        return VisionOutput(
-            output.embeds.to(self.device, copy=True), [d.to(self.device, copy=True) for d in output.deepstack]
-        )
-
-    def shutdown(self) -> None:
-        self._finalizer()
+# ---- an encoder process ------------------------------------------------------------------------------
 
 
-def _stop_ranks(ranks: list[_Rank]) -> None:
-    """Asks every rank to stop, then kills those still running after `SHUTDOWN_TIMEOUT`."""
-    for rank in ranks:
-        if rank.process.is_alive():
-            rank.jobs_out.put(None)
-    deadline = time.monotonic() + SHUTDOWN_TIMEOUT
-    for rank in ranks:
-        rank.process.join(max(deadline - time.monotonic(), 0))
-        if rank.process.is_alive():
-            rank.process.kill()
-            rank.process.join()
-        _close_channels(rank)
-    ranks.clear()
-
-
-def _close_channels(rank: _Rank) -> None:
-    rank.conn.close()
-    rank.jobs_out.cancel_join_thread()  # jobs a dead rank never read must not hold up exit
-    rank.jobs_out.close()
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """A spawned process first re-runs the parent's `__main__` script, found through its `__spec__` and
-    `__file__`. A rank needs nothing from it, and re-running a script without an `if __name__ ==
-    "__main__"` guard (or stdin, or a notebook) would fail or start engines recursively."""
-    main = sys.modules["__main__"]
-    saved_spec, saved_file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
-    main.__spec__ = None
+def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loaded: Event) -> None:
+    """An encoder process: load the vision tower, then encode jobs until stopped. Events it sends:
+    ("ready", index, pid), ("error", index, message) when it cannot start, ("done", index, job id,
+    results)."""
+    init_child_process(f"vlm-encoder-{index}")
+    torch.set_num_threads(rank_threads(server_args))
+    context = zmq.Context()
+    events = context.socket(zmq.PUSH)
+    events.connect(addresses.events)
     try:
-        yield
-    finally:
-        main.__spec__ = saved_spec
-        if saved_file is not None:
-            main.__file__ = saved_file
-
-
-def create_encoder(server_args: ServerArgs, model_config: ModelConfig, device: torch.device) -> VisionEncoder:
-    """The encoder `server_args` asks for: a pool of `vit_dp` processes, or (`vit_dp` 0) the vision
-    tower on `device` in this process."""
-    if server_args.vit_dp > 0:
-        return EncoderPool(server_args, device)
-    visual = load_vision_model(model_config, device, server_args.resolved_dtype(model_config))
-    return InlineEncoder(visual, server_args.vit_max_patches_per_pass)
+        jobs = context.socket(zmq.PULL)
+        jobs.bind(addresses.jobs[index])
+        config = ModelConfig.from_pretrained(server_args.model)
+        device = rank_device(server_args, index)
+        visual = load_vision_model(config, device, server_args.resolved_dtype(config))
+    except Exception as exc:  # noqa: BLE001 - reported to the pool, which fails to start
+        send_pyobj(events, ("error", index, f"{type(exc).__name__}: {exc}"))
+        events.close(linger=5000)
+        return
+    loaded.set()
+    send_pyobj(events, ("ready", index, os.getpid()))
+    parent = mp.parent_process()
+    while True:
+        if not jobs.poll(PARENT_CHECK_MS):
+            if parent is not None and not parent.is_alive():
+                return  # the owner was killed without a chance to stop us
+            continue
+        job_id, tasks = recv_pyobj(jobs)
+        results = encode_tasks(visual, tasks, server_args.vit_max_patches_per_pass)
+        send_pyobj(events, ("done", index, job_id, results))
 
 
 def rank_device(server_args: ServerArgs, index: int) -> torch.device:
@@ -305,31 +120,354 @@ def llm_threads(server_args: ServerArgs) -> int:
     return max(1, len(os.sched_getaffinity(0)) - server_args.vit_dp * rank_threads(server_args))
 
 
-def rank_main(server_args: ServerArgs, index: int, jobs: Queue, conn: Connection) -> None:
-    """An encoder process: load the vision tower, then encode jobs until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
-    torch.set_num_threads(rank_threads(server_args))
+# ---- starting and restarting them ----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Process:
+    index: int
+    process: BaseProcess
+    loaded: Event  # set by the rank once its tower is loaded
+    start_failures: int = 0  # deaths before loading, in a row
+    down: bool = False
+
+
+class EncoderRanks:
+    """Starts the `vit_dp` encoder processes and, at each `check`, restarts those that died. A rank that
+    fails to start `MAX_START_FAILURES` times in a row stays down, and the pool is told so."""
+
+    def __init__(self, server_args: ServerArgs, addresses: PoolAddresses) -> None:
+        self.server_args = server_args
+        self.addresses = addresses
+        self._ctx = mp.get_context("spawn")
+        self._events = zmq.Context.instance().socket(zmq.PUSH)
+        self._events.connect(addresses.events)
+        self.ranks = [self._start(i) for i in range(server_args.vit_dp)]
+        self._finalizer = weakref.finalize(self, _stop_processes, self.ranks)  # also when dropped unstopped
+
+    def _start(self, index: int) -> _Process:
+        loaded = self._ctx.Event()
+        process = self._ctx.Process(
+            target=rank_main, args=(self.server_args, index, self.addresses, loaded), name=f"vit-rank-{index}",
+            daemon=True,
+        )  # fmt: skip
+        with _main_module_hidden():
+            process.start()
+        return _Process(index, process, loaded)
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        return [r.process for r in self.ranks]
+
+    def check(self) -> None:
+        """Restarts the ranks that died (a pool waiting for them resubmits their work elsewhere)."""
+        for rank in self.ranks:
+            if rank.down or rank.process.is_alive():
+                continue
+            rank.process.join()
+            rank.start_failures = 0 if rank.loaded.is_set() else rank.start_failures + 1
+            if rank.start_failures >= MAX_START_FAILURES:
+                reason = f"it failed to start {rank.start_failures} times in a row"
+                logger.error("encoder rank %d stays down: %s", rank.index, reason)
+                rank.down = True
+                send_pyobj(self._events, ("down", rank.index, reason))
+                continue
+            logger.warning("encoder rank %d died (exit code %s); restarting it", rank.index, rank.process.exitcode)
+            fresh = self._start(rank.index)
+            rank.process, rank.loaded = fresh.process, fresh.loaded
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+def _stop_processes(ranks: list[_Process]) -> None:
+    """SIGTERM to every rank, then SIGKILL to those still running after `SHUTDOWN_TIMEOUT`."""
+    for rank in ranks:
+        if rank.process.is_alive():
+            rank.process.terminate()
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT
+    for rank in ranks:
+        rank.process.join(max(deadline - time.monotonic(), 0))
+        if rank.process.is_alive():
+            rank.process.kill()
+            rank.process.join()
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """A spawned process first re-runs the parent's `__main__` script, found through its `__spec__` and
+    `__file__`. A rank needs nothing from it, and re-running a script without an `if __name__ ==
+    "__main__"` guard (or stdin, or a notebook) would fail or start engines recursively."""
+    main = sys.modules["__main__"]
+    saved_spec, saved_file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+    main.__spec__ = None
     try:
-        device = rank_device(server_args, index)
-        config = ModelConfig.from_pretrained(server_args.model)
-        visual = load_vision_model(config, device, server_args.resolved_dtype(config))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the pool's start
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready",))
-    parent = mp.parent_process()
-    while True:
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not None:
+            main.__file__ = saved_file
+
+
+# ---- the scheduler's side ----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Rank:
+    """The pool's view of one encoder rank (whichever process currently plays it)."""
+
+    index: int
+    jobs_out: zmq.Socket  # connected to the rank's job address; replaced when the rank dies
+    pid: int | None = None  # of the process that said it was ready
+    pidfd: int | None = None  # readable once that process has exited
+    ready: bool = False
+    down: bool = False  # it will not come back
+    incarnations: int = 0  # processes that said they were ready
+    jobs: dict[int, list[EncodeTask]] = field(default_factory=dict)  # in flight, by job id
+    last_heard: float = 0.0  # time.monotonic() of its last event, or of being given work while idle
+
+    @property
+    def load(self) -> int:
+        return sum(t.num_patches for tasks in self.jobs.values() for t in tasks)
+
+
+class EncoderPool(VisionEncoder):
+    """The scheduler's handle on the encoder ranks at `addresses`; results arrive on `device` (the LLM's).
+
+    `supervisor` is the `EncoderRanks` running them when this pool owns them (in `Engine`, see
+    `EncoderPool.start`); in the server the launcher owns them."""
+
+    def __init__(
+        self, server_args: ServerArgs, device: torch.device, addresses: PoolAddresses,
+        supervisor: EncoderRanks | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.server_args = server_args
+        self.device = device
+        self.addresses = addresses
+        self.supervisor = supervisor
+        self._context = zmq.Context()
+        self._sockets: list[zmq.Socket] = []  # every socket opened, so that all are closed
+        # also when dropped without shutdown(): a context collected with open sockets would hang
+        self._finalizer = weakref.finalize(self, _close, self._sockets, self._context)
+        self._events = self._socket(zmq.PULL)
+        self._events.bind(addresses.events)
+        self.ranks = [_Rank(i, self._connect(i)) for i in range(server_args.vit_dp)]
+        self._job_ids = itertools.count()
+        self._orphans: list[EncodeTask] = []  # tasks of dead ranks waiting for a live one
+        self._owned_dir: str | None = None
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not all(r.ready or r.down for r in self.ranks):
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"the encoder ranks were not ready within {STARTUP_TIMEOUT:.0f} s")
+            try:
+                self.poll(timeout=0.1)
+            except RuntimeError:
+                self.shutdown()
+                raise
+        if not self._usable():
+            self.shutdown()
+            raise RuntimeError("no encoder rank could start")
+
+    @classmethod
+    def start(cls, server_args: ServerArgs, device: torch.device) -> EncoderPool:
+        """A pool with ranks of its own (started here, stopped by `shutdown`), at private addresses."""
+        directory = tempfile.mkdtemp(prefix="vlm-serve-encoders-")
+        addresses = PoolAddresses.in_dir(directory, server_args.vit_dp)
+        supervisor = EncoderRanks(server_args, addresses)
         try:
-            message = jobs.get(timeout=PARENT_CHECK_SECONDS)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return  # the parent was killed without a chance to stop us
-            continue
-        if message is None:
+            pool = cls(server_args, device, addresses, supervisor)
+        except BaseException:
+            supervisor.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        pool._owned_dir = directory
+        return pool
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        self._sockets.append(socket)
+        return socket
+
+    def _connect(self, index: int) -> zmq.Socket:
+        socket = self._socket(zmq.PUSH)
+        socket.connect(self.addresses.jobs[index])
+        return socket
+
+    @property
+    def load(self) -> list[int]:
+        return [rank.load for rank in self.ranks]
+
+    def _usable(self) -> list[_Rank]:
+        return [r for r in self.ranks if not r.down]
+
+    # ---- tasks -------------------------------------------------------------------------------------
+
+    def submit(self, tasks: list[EncodeTask]) -> None:
+        now = time.monotonic()
+        for task in tasks:
+            task.submitted = now
+        self._dispatch(tasks)
+
+    def _dispatch(self, tasks: list[EncodeTask]) -> None:
+        """Longest-first onto the least loaded ready rank (by patches in flight), one job per rank.
+        With no rank ready (they are restarting) the tasks wait for one."""
+        ranks = [r for r in self.ranks if r.ready]
+        if not ranks:
+            self._orphans.extend(tasks)
             return
-        job_id, tasks = message
-        results = encode_tasks(visual, tasks, server_args.vit_max_patches_per_pass)
+        loads = {rank: rank.load for rank in ranks}
+        assigned: dict[_Rank, list[EncodeTask]] = {}
+        for task in sorted(tasks, key=lambda t: t.num_patches, reverse=True):
+            rank = min(ranks, key=lambda r: (loads[r], r.index))
+            loads[rank] += task.num_patches
+            assigned.setdefault(rank, []).append(task)
+        for rank, job in assigned.items():
+            if not rank.jobs:
+                rank.last_heard = time.monotonic()
+            job_id = next(self._job_ids)
+            rank.jobs[job_id] = job
+            send_pyobj(rank.jobs_out, (job_id, job))  # pixels go as shared memory (moved there by the front end)
+
+    def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
+        results: list[EncodeResult] = []
+        if any(r.jobs or not (r.ready or r.down) for r in self.ranks) or self._orphans:
+            poller = zmq.Poller()
+            poller.register(self._events, zmq.POLLIN)
+            for rank in self.ranks:
+                if rank.pidfd is not None:
+                    poller.register(rank.pidfd, zmq.POLLIN)
+            poller.poll(timeout * 1000)
+        self._receive(results)
+        now = time.monotonic()
+        for rank in self.ranks:
+            if rank.ready and _exited(rank.pidfd):
+                self._lost(rank)
+            elif rank.ready and rank.jobs and now - rank.last_heard > STALL_TIMEOUT:
+                logger.error("encoder rank %d made no progress for %.0f s; killing it", rank.index, STALL_TIMEOUT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank.pid, signal.SIGKILL)
+                self._lost(rank)
+        if self.supervisor is not None:
+            self.supervisor.check()
+        if self._orphans:
+            orphans, self._orphans = self._orphans, []
+            retry = []
+            for task in orphans:
+                if not self._usable():
+                    results.append(EncodeResult(task.hash, None, "no encoder rank is running (they fail to start)"))
+                elif task.attempts >= MAX_ATTEMPTS:
+                    results.append(EncodeResult(task.hash, None, f"encoder ranks died {task.attempts} times while encoding it"))
+                else:
+                    retry.append(task)
+            self._dispatch(retry)
+        return results
+
+    def _receive(self, results: list[EncodeResult]) -> None:
+        while True:
+            try:
+                event = recv_pyobj(self._events, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except Exception:  # noqa: BLE001 - e.g. results whose sender died before we mapped them
+                logger.warning("an encoder event could not be read; its work will be redone")
+                continue
+            kind, index, *rest = event
+            rank = self.ranks[index]
+            if kind == "ready":
+                self._ready(rank, rest[0])
+            elif kind == "done":
+                job_id, job_results = rest
+                if rank.jobs.pop(job_id, None) is None:
+                    continue  # a job given up when its rank was taken for dead
+                rank.last_heard = time.monotonic()
+                for result in job_results:
+                    result.rank = index
+                    if result.output is not None:
+                        result.output = self._arrived(result.output)
+                        self.num_items += 1
+                    results.append(result)
+            elif kind == "error":
+                if rank.incarnations == 0:
+                    raise RuntimeError(f"encoder rank {index} failed to start: {rest[0]}")
+                logger.error("encoder rank %d cannot start: %s", index, rest[0])
+            elif kind == "down":
+                rank.down, rank.ready = True, False
+                self._orphans.extend(t for tasks in rank.jobs.values() for t in tasks)
+                rank.jobs.clear()
+
+    def _ready(self, rank: _Rank, pid: int) -> None:
+        if rank.incarnations:
+            self.num_restarts += 1
+        rank.incarnations += 1
+        rank.pid, rank.ready, rank.down = pid, True, False
         try:
-            conn.send(("done", job_id, results))
-        except OSError:
-            return  # the parent is gone
+            rank.pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already
+            rank.pidfd = None
+            self._lost(rank)
+        if self._orphans:
+            orphans, self._orphans = self._orphans, []
+            self._dispatch(orphans)
+
+    def _lost(self, rank: _Rank) -> None:
+        """Its process died: its tasks go back to the pool, and its job socket is replaced so that jobs
+        queued for the dead process are dropped rather than handed to the next one."""
+        logger.warning("encoder rank %d (pid %s) is gone; its %d job(s) go to the other ranks", rank.index, rank.pid, len(rank.jobs))
+        for tasks in rank.jobs.values():
+            for task in tasks:
+                task.attempts += 1
+                self._orphans.append(task)
+        rank.jobs.clear()
+        rank.ready = False
+        if rank.pidfd is not None:
+            os.close(rank.pidfd)
+            rank.pidfd = None
+        rank.jobs_out.close()
+        self._sockets.remove(rank.jobs_out)
+        rank.jobs_out = self._connect(rank.index)
+
+    def _arrived(self, output: VisionOutput) -> VisionOutput:
+        """A received output in the LLM's memory: a shared-memory CPU tensor is used as is; a CUDA one
+        (an IPC handle into the rank's GPU memory) is copied so the rank can free and reuse it."""
+        if not output.embeds.is_cuda:
+            return output
+        return VisionOutput(
+            output.embeds.to(self.device, copy=True), [d.to(self.device, copy=True) for d in output.deepstack]
+        )
+
+    def shutdown(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        for rank in self.ranks:
+            if rank.pidfd is not None:
+                os.close(rank.pidfd)
+                rank.pidfd = None
+        self._finalizer()
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+
+def _close(sockets: list[zmq.Socket], context: zmq.Context) -> None:
+    for socket in sockets:
+        socket.close(linger=0)
+    context.term()
+
+
+def _exited(pidfd: int | None) -> bool:
+    """Whether the process behind `pidfd` has exited (a pidfd polls readable then)."""
+    return pidfd is not None and bool(select.select([pidfd], [], [], 0)[0])
+
+
+def create_encoder(
+    server_args: ServerArgs, model_config: ModelConfig, device: torch.device, pool: PoolAddresses | None = None
+) -> VisionEncoder:
+    """The encoder `server_args` asks for: with `vit_dp` > 0 the pool at `pool` (whose ranks the server
+    launcher runs), or, without addresses, a pool with ranks of its own; with `vit_dp` 0 the vision
+    tower on `device` in this process."""
+    if server_args.vit_dp > 0:
+        return EncoderPool(server_args, device, pool) if pool is not None else EncoderPool.start(server_args, device)
+    visual = load_vision_model(model_config, device, server_args.resolved_dtype(model_config))
+    return InlineEncoder(visual, server_args.vit_max_patches_per_pass)

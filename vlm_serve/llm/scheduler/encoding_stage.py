@@ -18,14 +18,19 @@ from vlm_serve.vision.vision_tower import VisionOutput
 
 
 class EncodingStage:
-    """Requests waiting for vision embeddings; `poll` hands back the ready and the failed ones."""
+    """Requests waiting for vision embeddings; `poll` hands back the ready and the failed ones.
 
-    def __init__(self, encoder: VisionEncoder, cache_bytes: int) -> None:
+    With tensor parallelism every rank keeps the same requests here, but only rank 0 has the encoder and
+    the cache (`encoder` None elsewhere): the others hold a request until rank 0 says it is ready and
+    hands its embeddings over (`receive`)."""
+
+    def __init__(self, encoder: VisionEncoder | None, cache_bytes: int) -> None:
         self.encoder = encoder
         self.cache: MultimodalCache[VisionOutput] = MultimodalCache(cache_bytes)
         self.inflight: dict[int, list[tuple[Req, int]]] = {}  # hash -> (request, item index) waiting on it
         self.outstanding: dict[Req, int] = {}  # requests in the stage -> items still to arrive
         self.to_submit: list[EncodeTask] = []  # new items, handed to the encoder together at the next poll
+        self.ready_now: list[Req] = []  # every item was cached: ready at the next poll
 
     def __len__(self) -> int:
         return len(self.outstanding)
@@ -34,34 +39,43 @@ class EncodingStage:
         return req in self.outstanding
 
     def add(self, req: Req, covered: int) -> bool:
-        """Gathers the embeddings of `req`'s items that reach past its first `covered` tokens (those
-        before are in the prefix cache) and that it does not hold yet. Whether it is ready now."""
+        """Whether `req` must wait here: it lacks the embeddings of an item reaching past its first
+        `covered` tokens (those before are in the prefix cache). The answer is the same on every TP
+        rank; what rank 0 does about it (cache hits, encoder submissions) shows at the next `poll`."""
         if len(req.mm_embeds) != len(req.mm_items):
             req.mm_embeds = [None] * len(req.mm_items)
-        missing = 0
+        needed = []
         for i, item in enumerate(req.mm_items):
             if req.mm_embeds[i] is not None:
                 continue
             if item.spans[-1][1] <= covered:
                 item.timings.embedding_source = "prefix"
-                continue
+            else:
+                needed.append(i)
+        if not needed:
+            return False
+        missing = len(needed)
+        for i in needed if self.encoder is not None else ():
+            item = req.mm_items[i]
             cached = self.cache.get(item.hash)
             if cached is not None:
                 item.timings.embedding_source = "cache"
                 self._hold(req, i, cached)
+                missing -= 1
                 continue
             if item.hash not in self.inflight:
                 self.inflight[item.hash] = []
                 self.to_submit.append(EncodeTask(item.hash, item.grid_thw, item.pixel_values))
             self.inflight[item.hash].append((req, i))
-            missing += 1
-        if missing:
-            self.outstanding[req] = missing
-        return not missing
+        self.outstanding[req] = missing
+        if missing == 0:
+            self.ready_now.append(req)
+        return True
 
     def poll(self, timeout: float = 0.0) -> tuple[list[Req], list[tuple[Req, str]]]:
-        """Takes the encoder's finished results: (requests now ready, (request, error) that failed)."""
-        ready: list[Req] = []
+        """Rank 0: takes the encoder's finished results: (requests now ready, (request, error) that failed)."""
+        ready = [r for r in self.ready_now if self.outstanding.pop(r, None) is not None]
+        self.ready_now = []
         failed: list[tuple[Req, str]] = []
         if self.to_submit:
             self.encoder.submit(self.to_submit)
@@ -83,6 +97,12 @@ class EncodingStage:
                     del self.outstanding[req]
                     ready.append(req)
         return ready, failed
+
+    def receive(self, req: Req, embeds: dict[int, VisionOutput]) -> None:
+        """A TP rank other than 0: rank 0 found `req` ready, with these embeddings (by item index)."""
+        for i, output in embeds.items():
+            req.mm_embeds[i] = output
+        del self.outstanding[req]
 
     def _arrived(self, req: Req, i: int, result: EncodeResult) -> None:
         timings = req.mm_items[i].timings

@@ -14,6 +14,7 @@ which drives the same loop one iteration at a time (`run_iteration`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -58,6 +59,7 @@ from vlm_serve.server.io_struct import (
 )
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import VisionEncoder
+from vlm_serve.vision.vision_tower import VisionOutput
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class Scheduler:
         server_args: ServerArgs,
         runner: ModelRunner,
         tokenizer: Tokenizer,
-        encoder: VisionEncoder,
+        encoder: VisionEncoder | None,
         io: SchedulerIO | None = None,
     ) -> None:
         self.server_args = server_args
@@ -105,7 +107,8 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.io = io
         parallel = get_parallel_state()
-        self.tp_rank, self.tp_size, self.tp_cpu_group = parallel.tp_rank, parallel.tp_size, parallel.tp_cpu_group
+        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
+        self.tp_cpu_group, self.tp_broadcast_group = parallel.tp_cpu_group, parallel.tp_broadcast_group
         self.vocab_size = runner.model_config.text.vocab_size
         self.eos_token_ids = set(runner.model_config.eos_token_ids)
         self.req_to_token_pool = runner.req_to_token_pool
@@ -140,7 +143,8 @@ class Scheduler:
         self.enable_overlap = not server_args.disable_overlap_schedule
         self.forward_thread = ForwardThread(runner) if self.enable_overlap else None
         if self.forward_thread is not None:
-            encoder.run_on(self.forward_thread)  # an inline vision tower runs in order with the forwards
+            if encoder is not None:
+                encoder.run_on(self.forward_thread)  # an inline vision tower runs in order with the forwards
             weakref.finalize(self, self.forward_thread.stop)  # dropped without shutdown(): free the model
         self.result_queue: deque[LaunchedBatch] = deque()  # launched, result not processed yet
         self.event_loop: Callable[[], None] = self.event_loop_overlap if self.enable_overlap else self.event_loop_normal
@@ -158,7 +162,8 @@ class Scheduler:
         if self.forward_thread is not None:
             self.forward_thread.shutdown()
             self.forward_thread = None
-        self.encoding.encoder.shutdown()
+        if self.encoding.encoder is not None:
+            self.encoding.encoder.shutdown()
 
     def _new_batch(self, reqs: list[Req], mode: ForwardMode = ForwardMode.DECODE) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, mode)
@@ -217,12 +222,14 @@ class Scheduler:
 
     def recv_requests(self) -> list[Any]:
         """Rank 0 reads every waiting message (an idle scheduler waits a while for the first one); with
-        TP it broadcasts them, so every rank applies the same requests before the same step."""
+        TP it broadcasts them, so every rank applies the same requests before the same step. Pixel
+        values are left out of the broadcast: only rank 0 encodes."""
         messages = self.io.recv(block=self.is_idle()) if self.tp_rank == 0 else []
         if self.tp_size > 1:
-            box = [messages]
+            box = [[_without_pixels(m) for m in messages]]
             dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
-            messages = box[0]
+            if self.tp_rank != 0:
+                messages = box[0]
         return messages
 
     def process_input_requests(self, recv_reqs: list[Any]) -> None:
@@ -237,7 +244,7 @@ class Scheduler:
                 self._replies.append(self.get_stats())
             else:
                 logger.error("unknown message %s ignored", type(message).__name__)
-        if self.encoding.inflight:
+        if len(self.encoding):  # (the same on every rank: this step may broadcast)
             self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
 
     def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
@@ -284,19 +291,57 @@ class Scheduler:
         self._idle_checked = False
         if req.mm_items:
             covered = len(self.tree_cache.match_prefix(req.origin_input_ids[:-1]).indices)
-            if not self.encoding.add(req, covered):
+            if self.encoding.add(req, covered):
                 return  # it joins waiting_queue when its embeddings are ready
             self.metrics.observe_media(req.mm_items)
         self.waiting_queue.append(req)
 
     def process_encoding_results(self, timeout: float = 0.0) -> None:
-        """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be."""
-        ready, failed = self.encoding.poll(timeout)
+        """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be.
+        With TP, rank 0 tells the others which, with the embeddings."""
+        ready, failed = self.encoding.poll(timeout) if self.tp_rank == 0 else ([], [])
+        if self.tp_size > 1:
+            ready, failed = self.broadcast_encoding_results(ready, failed)
         for req in ready:
             self.metrics.observe_media(req.mm_items)
             self.waiting_queue.append(req)
         for req, error in failed:
             self._finish(req, FinishReason("abort", message=error))
+
+    def broadcast_encoding_results(
+        self, ready: list[Req], failed: list[tuple[Req, str]]
+    ) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """Rank 0's encoding results on every rank. The request ids and row counts go as a small object;
+        the embeddings as one tensor, (1 + deepstack layers, rows, hidden), broadcast as a tensor."""
+        items = [(req.rid, [(i, e.embeds.shape[0]) for i, e in enumerate(req.mm_embeds) if e is not None]) for req in ready]
+        box = [(items, [(req.rid, error) for req, error in failed])]
+        dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
+        items, failures = box[0]
+        rows = sum(n for _, held in items for _, n in held)
+        if rows:
+            if self.tp_rank == 0:
+                flat = torch.cat(
+                    [torch.stack([e.embeds, *e.deepstack]) for req in ready for e in req.mm_embeds if e is not None], dim=1
+                )
+            else:
+                vision = self.runner.model_config.vision
+                shape = (1 + len(vision.deepstack_visual_indexes), rows, vision.out_hidden_size)
+                flat = torch.empty(shape, dtype=self.runner.dtype, device=self.runner.device)
+            dist.broadcast(flat, src=0, group=self.tp_broadcast_group)
+        if self.tp_rank == 0:
+            return ready, failed
+        start = 0
+        for rid, held in items:
+            embeds = {}
+            for i, n in held:
+                layers = flat[:, start : start + n]
+                embeds[i] = VisionOutput(layers[0], list(layers[1:]))
+                start += n
+            self.encoding.receive(self.reqs[rid], embeds)
+        failed = [(self.reqs[rid], error) for rid, error in failures]
+        for req, _ in failed:
+            self.encoding.remove(req)
+        return [self.reqs[rid] for rid, _ in items], failed
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         """Stops a request wherever it is; what it holds is released when the next batch is built."""
@@ -376,7 +421,7 @@ class Scheduler:
                 break
             if not prefixes_matched:
                 req.match_prefix(self.tree_cache)
-            if req.mm_items and not self.encoding.add(req, len(req.prefix_indices)):
+            if req.mm_items and self.encoding.add(req, len(req.prefix_indices)):
                 self.waiting_queue.remove(req)  # its cached prefix shrank: it needs embeddings after all
                 continue
             if not self.tree_cache.disable and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
@@ -583,7 +628,12 @@ class Scheduler:
         """KV slots held by requests (free and evictable cache slots are not counted)."""
         return self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
 
-    def get_stats(self) -> StatsOut:
+    def get_stats(self) -> StatsOut | None:
+        """Gauges and counters for /metrics (rank 0, which sends them; None elsewhere)."""
+        if self.tp_rank != 0:
+            return None
+        if not len(self.encoding):  # (else it is polled every iteration) catch up on the encoder's news
+            self.encoding.poll()
         m, cache, encoder = self.metrics, self.encoding.cache, self.encoding.encoder
         return StatsOut(
             num_running=len(self.running_batch.reqs), num_waiting=len(self.waiting_queue),
@@ -625,3 +675,12 @@ class Scheduler:
             self.metrics.cache_hit_rate, len(self.running_batch.reqs), len(self.waiting_queue), len(self.encoding),
             embeddings.hit_rate, embeddings.usage_bytes / 2**20,
         )  # fmt: skip
+
+
+def _without_pixels(message: Any) -> Any:
+    """A generate request as TP ranks other than 0 get it: pixel values become shape-only (meta)
+    tensors, so the message stays small and its checks give every rank the same answer."""
+    if not isinstance(message, TokenizedGenerateReq) or not message.mm_items:
+        return message
+    items = [dataclasses.replace(it, pixel_values=torch.empty(it.pixel_values.shape, device="meta")) for it in message.mm_items]
+    return dataclasses.replace(message, mm_items=items)

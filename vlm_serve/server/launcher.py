@@ -1,0 +1,173 @@
+"""`vlm-serve serve`: starts the server's processes and runs them until stopped.
+
+On node 0: the scheduler (one process per local TP rank), the encoder pool's ranks (`--vit-dp`), the
+detokenizer, and the HTTP server in this process. On the other nodes of a multi-node deployment
+(`--nnodes`, `--node-rank`, `--dist-init-addr` as in SGLang): their TP ranks only, which meet node
+0's through torch.distributed and get every input from TP rank 0. SIGTERM or Ctrl-C stops every
+child; a child that dies stops the server (an encoder rank is restarted instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from vlm_serve.config import ServerArgs
+from vlm_serve.server.detokenizer_manager import run_detokenizer_process
+from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
+from vlm_serve.server.io_struct import PortArgs, SchedulerLimits
+from vlm_serve.server.scheduler_process import run_scheduler_process
+from vlm_serve.testing.tiny_model import default_model_path
+from vlm_serve.vision.encoder_pool import EncoderRanks, PoolAddresses
+
+STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint takes minutes)
+CHILD_STOP_TIMEOUT = 10.0
+
+
+@dataclass
+class ServerProcesses:
+    """The children of this launcher: TP rank schedulers, and on node 0 the detokenizer and the
+    encoder ranks."""
+
+    schedulers: list[mp.Process]
+    detokenizer: mp.Process | None = None
+    encoders: EncoderRanks | None = None
+
+    @property
+    def processes(self) -> list[mp.Process]:
+        return [*self.schedulers, *([self.detokenizer] if self.detokenizer is not None else [])]
+
+    def dead(self) -> str:
+        """Why a child is not running ('' when all are; encoder ranks are restarted, not reported)."""
+        for p in self.processes:
+            if not p.is_alive():
+                return f"the {p.name} process exited (code {p.exitcode})"
+        return ""
+
+    def restart_encoders(self) -> None:
+        if self.encoders is not None:
+            self.encoders.check()
+
+    def stop(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+        if self.encoders is not None:
+            self.encoders.stop()
+        deadline = time.monotonic() + CHILD_STOP_TIMEOUT
+        for p in self.processes:
+            p.join(max(deadline - time.monotonic(), 0.1))
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_processes(server_args: ServerArgs, port_args: PortArgs | None) -> tuple[ServerProcesses, list[Connection]]:
+    """This node's children, and a pipe per local TP rank on which it reports that it is ready."""
+    ctx = mp.get_context("spawn")
+    children = ServerProcesses([])
+    if port_args is not None and port_args.encoder is not None:  # first: they load while the LLM does
+        children.encoders = EncoderRanks(server_args, port_args.encoder)
+    init_addr = server_args.dist_init_addr or f"127.0.0.1:{_free_port()}"
+    readies = []
+    for rank in server_args.node_tp_ranks:
+        reader, writer = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=run_scheduler_process, args=(server_args, port_args, rank, init_addr, writer),
+            name=f"scheduler TP{rank}", daemon=True,
+        )  # fmt: skip
+        process.start()
+        writer.close()
+        children.schedulers.append(process)
+        readies.append(reader)
+    if port_args is not None:
+        children.detokenizer = ctx.Process(
+            target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer", daemon=True
+        )
+        children.detokenizer.start()
+    return children, readies
+
+
+def await_ready(children: ServerProcesses, readies: list[Connection], ranks: range) -> SchedulerLimits:
+    """The first local rank's limits once every local rank has loaded the model; RuntimeError if one
+    fails."""
+    limits: list[SchedulerLimits] = []
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    for rank, conn in zip(ranks, readies):
+        while not conn.poll(0.2):
+            children.restart_encoders()
+            if children.dead():
+                raise RuntimeError(f"startup failed: {children.dead()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"startup failed: scheduler TP{rank} was not ready after {STARTUP_TIMEOUT:.0f} s")
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"startup failed: {children.dead() or f'scheduler TP{rank} closed its pipe'}") from None
+        if kind != "ready":
+            raise RuntimeError(f"startup failed: scheduler TP{rank} could not start:\n{payload}")
+        limits.append(payload)
+    return limits[0]
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    """Runs this node's part of the server until SIGTERM / Ctrl-C (exit code 0) or a child's death (1)."""
+    if server_args.model is None:
+        server_args = dataclasses.replace(server_args, model=str(default_model_path()))
+    signal.signal(signal.SIGTERM, _raise_exit)  # while starting: unwind through `finally`, stopping children
+    ipc_dir = tempfile.mkdtemp(prefix="vlm-serve-")
+    port_args = None
+    if server_args.node_rank == 0:
+        port_args = PortArgs(*(f"ipc://{ipc_dir}/{name}" for name in ("scheduler", "detokenizer", "tokenizer")))
+        if server_args.vit_dp > 0:
+            port_args.encoder = PoolAddresses.in_dir(ipc_dir, server_args.vit_dp)
+    children, readies = start_processes(server_args, port_args)
+    try:
+        limits = await_ready(children, readies, server_args.node_tp_ranks)
+        if port_args is None:
+            failure = _watch_node(server_args, children)
+        else:
+            failure = serve_http(server_args, port_args, limits, children)
+    except RuntimeError as exc:
+        print(f"vlm-serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        children.stop()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    if failure:
+        print(f"vlm-serve: stopped because {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _watch_node(server_args: ServerArgs, children: ServerProcesses) -> str:
+    """A node other than 0: its TP ranks run until one of them exits (node 0 went away, say)."""
+    ranks = server_args.node_tp_ranks
+    print(f"vlm-serve: node {server_args.node_rank} ready (TP ranks {ranks.start}..{ranks.stop - 1})", flush=True)
+    signal.signal(signal.SIGINT, _raise_exit)
+    try:
+        while not (failure := children.dead()):
+            time.sleep(WATCHDOG_SECONDS)
+    except SystemExit:
+        return ""
+    return failure
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(1)
