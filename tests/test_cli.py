@@ -63,4 +63,6 @@ def test_every_shipped_config_file_is_valid():
     configs = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
     assert configs
     for config in configs:
-        server_args_of(parse_args(build_parser(), ["serve", "--config", str(config)]))
+        # as launched: a multi-node file gets each node's address of node 0 on the command line
+        args = server_args_of(parse_args(build_parser(), ["serve", "--config", str(config), "--dist-init-addr", "10.0.0.1:5000"]))
+        assert args.tp_size % args.nnodes == 0

@@ -9,10 +9,11 @@ slot is always filled by the time batch N+1 reads it, right before its forward.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -22,6 +23,10 @@ from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.layers.sampler import SampleOutput
 
 T = TypeVar("T")
+
+# the OpenMP runtime torch uses (to set one thread's team size without touching MKL's process-wide one)
+_omp = ctypes.CDLL(None) if hasattr(ctypes.CDLL(None), "omp_pause_resource_all") else None
+OMP_PAUSE_SOFT = 1
 
 
 class FutureMap:
@@ -69,8 +74,8 @@ class ForwardThread:
     its stream; the sampled tokens come back to the host asynchronously. Other device work that must
     not overlap the forwards (the vision tower of `--vit-dp 0`) is queued in order with them (`submit`).
 
-    On CPU the thread takes the intra-op threads the process had, and the scheduler's thread is left
-    with one: two OpenMP thread teams on the same cores would slow every forward down.
+    On CPU the thread takes the intra-op threads the process had; the scheduler's own work runs with one
+    (`scheduler_side`): two OpenMP thread teams on the same cores would slow every forward down.
 
     `busy_seconds` adds up the time the thread spends running work: the rest of a run's wall time the
     model waits for the scheduler."""
@@ -80,12 +85,7 @@ class ForwardThread:
         self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
         self.busy_seconds = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._caller_threads = torch.get_num_threads()
-        if self.stream is None:
-            # on this (the scheduler's) thread; first, as it also sets MKL's process-wide count, which
-            # the forward thread then sets back
-            torch.set_num_threads(1)
-        self._thread = threading.Thread(target=self._loop, args=(self._caller_threads,), name="forward", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(torch.get_num_threads(),), name="forward", daemon=True)
         self._thread.start()
 
     def launch(self, batch: ForwardBatch) -> Future[SampleOutput]:
@@ -107,10 +107,26 @@ class ForwardThread:
         self._queue.put(None)
 
     def shutdown(self) -> None:
-        """Ends the thread (after the work queued) and gives the calling thread its torch threads back."""
         self.stop()
         self._thread.join()
-        torch.set_num_threads(self._caller_threads)
+
+    @contextlib.contextmanager
+    def scheduler_side(self) -> Iterator[None]:
+        """Around the scheduler's own work on CPU: its thread runs torch ops with one OpenMP thread, and
+        the thread team it may have made before (loading the model, say) is released. With two teams
+        the process has more OpenMP threads than cores, and libgomp then stops spinning at barriers:
+        every small op of the forward thread's team waits on a futex, and forwards run several times
+        slower. Only this thread's OpenMP setting changes, and only meanwhile."""
+        if self.stream is not None or _omp is None:
+            yield
+            return
+        previous = _omp.omp_get_max_threads()
+        _omp.omp_set_num_threads(1)
+        _omp.omp_pause_resource_all(OMP_PAUSE_SOFT)  # this thread's idle team, if any (~0.4 us if none)
+        try:
+            yield
+        finally:
+            _omp.omp_set_num_threads(previous)
 
     def _forward(self, batch: ForwardBatch, inputs_ready: torch.cuda.Event | None) -> SampleOutput:
         if inputs_ready is not None:

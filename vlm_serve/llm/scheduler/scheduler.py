@@ -200,6 +200,10 @@ class Scheduler:
             self.run_iteration_overlap()
 
     def run_iteration_overlap(self) -> None:
+        with self.forward_thread.scheduler_side():
+            self._iteration_overlap()
+
+    def _iteration_overlap(self) -> None:
         recv_reqs = self.recv_requests()
         self.process_input_requests(recv_reqs)
         batch = self.get_next_batch_to_run()
