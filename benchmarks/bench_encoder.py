@@ -35,6 +35,10 @@ config.json is used as it is). Everything runs in float32 on the CPU; all figure
    first image's arrival until the first such step after the last image request is done (then the
    text requests are aborted). The window is longer with the pool, as decode goes on while the images
    queue for the encoder. The ITL before the first image is shown as a baseline.
+4. The same through a real server in the target deployment's shape, `--tp-size 2 --ep-size 2` with an
+   encoder pool of two ranks (`--vit-dp 2`) and inline (`--vit-dp 0`, the tower on TP rank 0):
+   streamed text requests, an image request (the PNG as a data URL) every `--itl-every` chunks of the
+   first stream; the ITL is the gap between a stream's chunks as the client sees it.
 
 Caveats. On CPU an engine with a pool splits the cores: each rank takes its share and the LLM the
 rest (on 2 cores, one each), while inline the LLM and its vision tower use every core in turn. With
@@ -51,10 +55,15 @@ figures are medians.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
 import io
 import json
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -62,6 +71,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 from PIL import Image
@@ -69,9 +79,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.engine import Engine
+from vlm_serve.engine import Engine, Submission
 from vlm_serve.vision.vision_tower import VISION_PREFIX, load_vision_model
-from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
@@ -176,8 +185,8 @@ def fresh_tasks(items: list[MultimodalItem]) -> list[EncodeTask]:
 def rank_cpu_seconds(pool: EncoderPool) -> float:
     """CPU time (user + system) the pool's rank processes have used so far, from /proc."""
     total = 0
-    for rank in pool.ranks:
-        fields = Path(f"/proc/{rank.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    for process in pool.supervisor.processes:
+        fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / os.sysconf("SC_CLK_TCK")
 
@@ -256,7 +265,7 @@ def measure_throughput(path: Path, items: list[MultimodalItem], rounds: int) -> 
     pools: list[EncoderPool] = []
     try:
         for label, dp, threads in POOL_SETTINGS:
-            pool = EncoderPool(ServerArgs(model=str(path), vit_dp=dp, vit_threads=threads), CPU)
+            pool = EncoderPool.start(ServerArgs(model=str(path), vit_dp=dp, vit_threads=threads), CPU)
             pools.append(pool)
             settings.append(EncodeSetting(label, lambda tasks, pool=pool: encode_with_pool(pool, tasks)))
         for setting in settings:
@@ -279,6 +288,10 @@ def png_bytes(side: int, seed: int) -> bytes:
     buffer = io.BytesIO()
     make_image(side, side, seed=seed).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def png_url(side: int, seed: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(side, seed)).decode()
 
 
 def conversation(image: bytes | Image.Image, before: str) -> list[dict]:
@@ -370,9 +383,9 @@ def latency_stats(gaps: list[float]) -> dict[str, float]:
 
 
 def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) -> DecodeRun:
-    """Text requests decode while image requests arrive every `args.itl_every` of their steps. Inline,
-    the LLM (and its vision tower) get this process's threads; with a pool, the engine leaves the
-    LLM the cores its ranks do not take."""
+    """Text requests decode while image requests arrive every `args.itl_every` of their steps, through
+    an in-process `Engine` stepped here. Inline, the LLM (and its vision tower) get this process's
+    threads; with a pool, the engine leaves the LLM the cores its ranks do not take."""
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     with Engine(path, dtype="float32", vit_dp=vit_dp, chunked_prefill_size=args.chunked_prefill_size) as engine:
         llm_threads = torch.get_num_threads()
@@ -389,23 +402,20 @@ def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) ->
         warmup = images_in.pop()  # same size as the measured ones: warms the tower for that grid
         engine.generate_processed([warmup, texts_in[0]], max_tokens=4, temperature=0, ignore_eos=True)
 
-        scheduler = engine.scheduler
-        text_params = engine.sampling_params(max_tokens=args.itl_max_tokens, temperature=0, ignore_eos=True)
-        image_params = engine.sampling_params(max_tokens=1, temperature=0)
-        texts = [Req(f"text-{i}", list(x.input_ids), text_params) for i, x in enumerate(texts_in)]
-        for req in texts:
-            scheduler.add_request(req)
-        images: list[Req] = []
+        texts = [
+            engine.submit(x, max_tokens=args.itl_max_tokens, temperature=0, ignore_eos=True) for x in texts_in
+        ]
+        images: list[Submission] = []
         token_times: list[float] = []  # end of each step that gave the text requests a token
         first_arrival: int | None = None  # index in token_times after which the first image arrived
 
         def produced() -> int:
-            return sum(len(r.output_ids) for r in texts)
+            return sum(len(out.new_ids) for job in texts for choice in job.choices for out in choice.outs)
 
-        while not all(r.finished for r in texts):
-            images_done = len(images) == len(images_in) and all(r.finished for r in images)
+        while not all(job.done for job in texts):
+            images_done = len(images) == len(images_in) and all(job.done for job in images)
             before = produced()
-            scheduler.step()
+            engine.step()
             if produced() == before:
                 continue
             token_times.append(time.perf_counter())
@@ -413,21 +423,98 @@ def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) ->
                 break  # the first text token after the last image request finished closes the window
             steps = len(token_times) - 1 - WARMUP_STEPS
             if steps >= 0 and steps % args.itl_every == 0 and len(images) < len(images_in):
-                x = images_in[len(images)]
-                images.append(Req(f"image-{len(images)}", list(x.input_ids), image_params, list(x.mm_items)))
-                scheduler.add_request(images[-1])
+                images.append(engine.submit(images_in[len(images)], max_tokens=1, temperature=0))
                 if first_arrival is None:
                     first_arrival = len(token_times) - 1
         if first_arrival is None:
             raise SystemExit("the text requests ended before the first image arrived: raise --itl-max-tokens")
-        finished_images = sum(r.finished for r in images)
-        for req in texts:
-            scheduler.abort_request(req.rid, "the measurement is over")
-        while not all(r.finished for r in texts + images):
-            scheduler.step()
+        finished_images = sum(job.done for job in images)
+        for job in texts + images:
+            engine.abort(job, "the measurement is over")
+        while not all(job.done for job in texts + images):
+            engine.step()
     gaps = np.diff(token_times).tolist()
     label = f"pool (vit_dp={vit_dp})" if vit_dp else "inline (vit_dp=0)"
     return DecodeRun(label, llm_threads, gaps[:first_arrival], gaps[first_arrival:], finished_images, len(images_in))
+
+
+def measure_server_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) -> DecodeRun:
+    """The same through a real server with `--tp-size 2 --ep-size 2` (the target deployment's shape):
+    text requests stream; an image request (its PNG as a data URL) is sent every `args.itl_every`
+    tokens of the first stream. The ITL is the gap between a stream's chunks, as its client sees it."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(path), "--port", str(port), "--tp-size", "2",
+        "--ep-size", "2", "--vit-dp", str(vit_dp), "--chunked-prefill-size", str(args.chunked_prefill_size),
+    ]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in server.stdout:
+            if "serving" in line:
+                break
+        else:
+            raise SystemExit(f"the server did not start (exit code {server.wait()})")
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        images = [png_url(LARGE_IMAGE, args.seed + 3000 + j) for j in range(args.itl_images + 1)]
+        return asyncio.run(_stream_while_images_arrive(url, images, vit_dp, args))
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+async def _stream_while_images_arrive(url: str, images: list[str], vit_dp: int, args: argparse.Namespace) -> DecodeRun:
+    def image_request(data_url: str) -> dict:
+        content = [{"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "Describe it."}]
+        return {"messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}
+
+    arrivals: list[list[float]] = [[] for _ in range(args.itl_requests)]  # chunk times per stream
+    sent: list[float] = []  # when each image request was sent
+    image_tasks: list[asyncio.Task] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        await client.post(url, json=image_request(images.pop()))  # warms the tower for this grid
+
+        async def stream(i: int) -> None:
+            body = {
+                "messages": [{"role": "user", "content": f"Story {i}: a long tale of the sea."}], "stream": True,
+                "max_tokens": args.itl_max_tokens, "temperature": 0, "ignore_eos": True,
+            }  # fmt: skip
+            async with client.stream("POST", url, json=body) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    arrivals[i].append(time.perf_counter())
+                    count = len(arrivals[0])
+                    steps = count - WARMUP_STEPS
+                    if i == 0 and steps >= 0 and steps % args.itl_every == 0 and len(sent) < len(images):
+                        sent.append(time.perf_counter())
+                        image_tasks.append(asyncio.create_task(client.post(url, json=image_request(images[len(sent) - 1]))))
+                    if len(sent) == len(images) and all(t.done() for t in image_tasks):
+                        return  # the images are done: the window is closed
+
+        streams = [asyncio.create_task(stream(i)) for i in range(args.itl_requests)]
+        await asyncio.wait(streams, return_when=asyncio.FIRST_COMPLETED)
+        done_at = time.perf_counter()
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, *image_tasks, return_exceptions=True)
+    if not sent:
+        raise SystemExit("the text requests ended before the first image arrived: raise --itl-max-tokens")
+    baseline, window = [], []
+    for times in arrivals:
+        for earlier, later in zip(times, times[1:]):
+            if later <= sent[0]:
+                baseline.append(later - earlier)
+            elif later <= done_at:
+                window.append(later - earlier)
+    finished = sum(t.done() and not t.cancelled() and t.exception() is None for t in image_tasks)
+    label = f"TP2 pool (vit_dp={vit_dp})" if vit_dp else "TP2 inline (vit_dp=0)"
+    return DecodeRun(label, 1, baseline, window, finished, len(images))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def print_decode_run(run: DecodeRun) -> None:
@@ -493,6 +580,11 @@ def main() -> None:
         for vit_dp in (1, 0):
             decode_runs.append(measure_decode_latency(path, vit_dp, args))
             print_decode_run(decode_runs[-1])
+        print(f"\n[4] the same through the server with --tp-size 2 --ep-size 2 (streamed; {args.itl_requests} streams)")
+        server_runs = []
+        for vit_dp in (2, 0):
+            server_runs.append(measure_server_decode_latency(path, vit_dp, args))
+            print_decode_run(server_runs[-1])
 
     total_patches = sum(patches)
     rates = {s.label: s.rate(len(items)) for s in settings}
@@ -523,6 +615,11 @@ def main() -> None:
         before = latency_stats(run.baseline)["p50"]
         print(f"  {'ITL ' + run.label:<28}{figures} ms (before the images: p50 {before:.1f} ms)")
     print(f"  {'ITL inline / pool':<28}p99 {inline['p99'] / pool['p99']:.2f}x, max {inline['max'] / pool['max']:.2f}x")
+    for run in (decode_runs[0], server_runs[0]):
+        p99, idle = latency_stats(run.window)["p99"], latency_stats(run.baseline)["p99"]
+        print(f"  {'ITL p99 ' + run.label:<28}{p99:.1f} ms = {p99 / idle:.2f}x idle p99 {idle:.1f} ms (target <= 1.2x)")
+    tp_pool, tp_inline = (latency_stats(run.window) for run in server_runs)
+    print(f"  {'TP2 ITL inline / pool':<28}p99 {tp_inline['p99'] / tp_pool['p99']:.2f}x, max {tp_inline['max'] / tp_pool['max']:.2f}x")
     print(f"  {'total run time':<28}{time.perf_counter() - began:.0f} s")
 
 
