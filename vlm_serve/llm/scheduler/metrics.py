@@ -37,9 +37,10 @@ def _stage_histograms() -> dict[str, Histogram]:
 
 @dataclass
 class SchedulerMetrics:
-    """Cumulative since start (or the last `reset`). Step time is split in three phases: `schedule`
-    (choosing the batch and building its tensors), `forward` (model forward, logits, sampling) and
-    `process` (appending tokens, finish checks, caching prefixes)."""
+    """Cumulative since start (or the last `reset`). Time goes to three phases: `schedule` (building a
+    chosen batch's tensors), `forward` (the model's forward, logits and sampling: under overlap, the
+    forward thread's busy time, which the other two overlap) and `process` (appending tokens, finish
+    checks)."""
 
     num_prefill_batches: int = 0
     num_mixed_batches: int = 0
@@ -70,9 +71,3 @@ class SchedulerMetrics:
     def cache_hit_rate(self) -> float:
         total = self.computed_prompt_tokens + self.cached_prompt_tokens
         return self.cached_prompt_tokens / total if total else 0.0
-
-    @property
-    def overhead_share(self) -> float:
-        """Share of step time spent outside the model forward."""
-        total = self.time_schedule + self.time_forward + self.time_process
-        return (self.time_schedule + self.time_process) / total if total else 0.0
