@@ -216,7 +216,10 @@ class Engine:
 
     def abort(self, submission: Submission, message: str = "aborted") -> None:
         """Stops the submission's unfinished choices (they finish with "abort" at the next step)."""
-        self._io.inbox.extend(AbortReq(c.rid, message) for c in submission.choices if not c.finished)
+        self._send_aborts(submission.choices, message)
+
+    def _send_aborts(self, choices: list[_Choice], message: str) -> None:
+        self._io.inbox.extend(AbortReq(c.rid, message) for c in choices if not c.finished)
 
     def step(self) -> None:
         """One iteration of the scheduler's event loop (it waits briefly when only media encoding is
@@ -271,7 +274,7 @@ class Engine:
             self.step()
 
     def _abort_and_wait(self, choices: list[_Choice], message: str) -> None:
-        self._io.inbox.extend(AbortReq(c.rid, message) for c in choices if not c.finished)
+        self._send_aborts(choices, message)
         while not all(c.finished for c in choices):
             self.step()
         self._wait(choices)

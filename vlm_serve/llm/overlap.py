@@ -55,10 +55,8 @@ class FutureMap:
     def resolve(self, batch: ForwardBatch) -> None:
         """Replaces the batch's future ids by the tokens now in their slots (input ids, and the outputs
         that penalties count)."""
-        ids = batch.input_ids
-        pending = ids < 0
-        if bool(pending.any()):
-            ids[pending] = self.token_ids[-ids[pending] - 1]
+        ids = batch.input_ids  # (no branch on whether any is negative: that would sync a CUDA stream)
+        batch.input_ids = torch.where(ids < 0, self.token_ids[(-ids - 1).clamp(min=0)], ids)
         for row in batch.sampling:
             if row.output_ids and row.output_ids[-1] < 0:
                 row.output_ids[-1] = int(self.token_ids[-row.output_ids[-1] - 1])

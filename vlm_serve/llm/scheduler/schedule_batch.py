@@ -156,7 +156,7 @@ class ScheduleBatch:
         self.tree_cache = tree_cache
         self.forward_mode = forward_mode
         self.num_prefill_reqs = len(reqs) if forward_mode == ForwardMode.EXTEND else 0
-        self.samples = [True] * len(reqs)  # whether each request's sampled token is kept (set when prepared)
+        self.samples: list[bool] = []  # per request, whether its sampled token is kept (set when prepared)
         self.device = req_to_token_pool.req_to_token.device
 
     def is_empty(self) -> bool:
