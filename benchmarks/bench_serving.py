@@ -28,6 +28,12 @@ cache hit rates from the deltas of the server's `/metrics` counters over the tim
 embedding cache, processor (preprocessed image) cache and prefix cache (prompt tokens cached vs
 computed). `--output-json FILE` also writes the summary, the settings and every request's numbers.
 
+`--json-schema SCHEMA` (a JSON file or inline JSON) measures what structured output costs: the same
+workload runs twice, plain and then with `response_format` of that schema, each after a cache flush
+and the same warm-up, and the report ends with both output throughputs and their ratio. With
+`ignore_eos` an answer still ends where its schema is complete, so a schema whose answers can be long
+(a free string) compares equal lengths.
+
     python benchmarks/bench_serving.py --launch --num-prompts 40 --image-size 224x224 \\
         --repeat-image-ratio 0.5 --output-len 16 --max-concurrency 8
     python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \\
@@ -54,6 +60,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import httpx
@@ -154,11 +161,14 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], list[s
 # ---- one streamed request ---------------------------------------------------------------------------
 
 
-def chat_payload(model: str, request: BenchRequest, output_len: int, text_first: bool) -> dict[str, Any]:
+def chat_payload(
+    model: str, request: BenchRequest, output_len: int, text_first: bool, schema: dict | None = None
+) -> dict[str, Any]:
     images: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
     text = [{"type": "text", "text": request.prompt}]
     content = text + images if text_first else images + text
-    return {
+    constrained = {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
+    return (constrained if schema is not None else {}) | {
         "model": model,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": output_len,
@@ -178,15 +188,14 @@ def read_usage(result: RequestResult, usage: dict[str, Any]) -> None:
 
 
 async def send_request(
-    client: httpx.AsyncClient, model: str, request: BenchRequest, output_len: int, text_first: bool
+    client: httpx.AsyncClient, model: str, request: BenchRequest, args: argparse.Namespace, schema: dict | None
 ) -> RequestResult:
     result = RequestResult()
     start = last = time.perf_counter()
     done = False
+    payload = chat_payload(model, request, args.output_len, args.text_first, schema)
     try:
-        async with client.stream(
-            "POST", "/v1/chat/completions", json=chat_payload(model, request, output_len, text_first)
-        ) as resp:
+        async with client.stream("POST", "/v1/chat/completions", json=payload) as resp:
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
                 return result
@@ -260,16 +269,16 @@ def arrival_gaps(rng: random.Random, rate: float, count: int) -> list[float]:
 
 
 async def run_requests(
-    client: httpx.AsyncClient, model: str, requests: list[BenchRequest], args: argparse.Namespace
+    client: httpx.AsyncClient, model: str, requests: list[BenchRequest], args: argparse.Namespace, schema: dict | None
 ) -> tuple[list[RequestResult], float]:
     """Sends every request on schedule; the results in request order and the run's duration."""
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
     async def one(request: BenchRequest) -> RequestResult:
         if limit is None:
-            return await send_request(client, model, request, args.output_len, args.text_first)
+            return await send_request(client, model, request, args, schema)
         async with limit:
-            return await send_request(client, model, request, args.output_len, args.text_first)
+            return await send_request(client, model, request, args, schema)
 
     gaps = arrival_gaps(random.Random(args.seed + 1), args.request_rate, len(requests))
     tasks = []
@@ -282,7 +291,8 @@ async def run_requests(
     return results, time.perf_counter() - start
 
 
-async def benchmark(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def benchmark(base_url: str, args: argparse.Namespace, schema: dict | None = None) -> dict[str, Any]:
+    """One timed run of the workload (answers following `schema` if given)."""
     requests, pool = build_workload(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or None, max_keepalive_connections=None)
@@ -290,9 +300,11 @@ async def benchmark(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
         base_url=base_url, headers=headers, timeout=httpx.Timeout(args.timeout), limits=limits
     ) as client:
         model = args.model or await served_model(client)
+        if args.json_schema is not None:  # both runs start from the same (cold) caches
+            (await client.post("/flush_cache")).raise_for_status()
         await warm_pool(client, model, pool, args.text_first)
         before = await fetch_counters(client)
-        results, duration = await run_requests(client, model, requests, args)
+        results, duration = await run_requests(client, model, requests, args, schema)
         after = await fetch_counters(client)
     delta = {key: after[key] - before[key] for key in COUNTERS}
     return summarize(model, results, duration, delta) | {
@@ -380,6 +392,12 @@ def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
                        ("processor_cache_hit_rate", "Processor cache:"),
                        ("prefix_cache_hit_rate", "Prefix cache (prompt tokens):")):  # fmt: skip
         lines.append(row(label, summary[key], ".1%"))
+    if "json_schema_cost" in summary:
+        cost = summary["json_schema_cost"]
+        lines.append(f"{' Structured output (--json-schema) ':-^53}")
+        lines.append(row("Output tok/s without the schema:", cost["plain_output_throughput"], ".2f"))
+        lines.append(row("Output tok/s with the schema:", cost["schema_output_throughput"], ".2f"))
+        lines.append(row("Ratio (with / without):", cost["ratio"], ".3f"))
     lines.append("=" * 53)
     return "\n".join(lines)
 
@@ -451,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeout", type=float, default=600.0, help="seconds per request (600)")
     add("--seed", type=int, default=0, help="seeds the images, texts, repeats and arrivals (0)")
     add("--output-json", default=None, help="also write the summary, settings and per-request numbers here")
+    add("--json-schema", default=None, help="run plain and then with this response_format schema (file or JSON)")
     return parser
 
 
@@ -462,6 +481,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--repeat-image-ratio must be within [0, 1]")
     if args.image_pool_size < 1 or args.request_rate <= 0 or (args.max_concurrency or 1) < 1:
         parser.error("--image-pool-size, --request-rate and --max-concurrency must be positive")
+    if args.json_schema is not None:
+        text = args.json_schema
+        try:
+            args.json_schema = json.loads(text if text.lstrip().startswith("{") else Path(text).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            parser.error(f"--json-schema: {exc}")
 
 
 def main() -> int:
@@ -477,6 +502,14 @@ def main() -> int:
             if args.launch:
                 base_url = stack.enter_context(launched_server(args.server_args, args.startup_timeout))
             summary = asyncio.run(benchmark(base_url.rstrip("/"), args))
+            if args.json_schema is not None:
+                print(format_report(summary, args))
+                plain, summary = summary, asyncio.run(benchmark(base_url.rstrip("/"), args, args.json_schema))
+                summary["json_schema_cost"] = {
+                    "plain_output_throughput": plain["output_throughput"],
+                    "schema_output_throughput": summary["output_throughput"],
+                    "ratio": ratio(summary["output_throughput"], plain["output_throughput"]),
+                }
     except (RuntimeError, httpx.HTTPError) as exc:
         print(f"bench_serving: error: {exc}", file=sys.stderr)
         return 2

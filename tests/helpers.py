@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import signal
 import socket
@@ -9,9 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardMode
@@ -120,3 +123,18 @@ def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerPr
             raise RuntimeError("the server did not start:\n" + "".join(server.output))
         time.sleep(0.2)
     return server
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, *flags: str) -> Iterator[ServerProcess]:
+    """`start_server` for a `with` block (a module's server fixture): it must stop cleanly at the end."""
+    server = start_server(model_dir, *flags)
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0, "".join(server.output)
+
+
+def openai_client(server: ServerProcess, api_key: str = "EMPTY") -> openai.OpenAI:
+    """The official client for a server, without retries (a test sees each answer as it is)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0)

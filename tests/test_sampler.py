@@ -22,6 +22,7 @@ class FakeReq:
     generator: torch.Generator | None = None
     origin_input_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    grammar: None = None
 
     @property
     def num_outputs(self) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, start_server
+from helpers import ServerProcess, openai_client, running_server
 
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image, make_video
@@ -48,18 +48,17 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_moe_dir: Path, media_dir: Path):
-    srv = start_server(
+    with running_server(
         tiny_moe_dir, "--api-key", API_KEY, "--allowed-local-media-path", str(media_dir),
         "--limit-mm-per-prompt", str(LIMIT_MM), "--max-media-mb", str(MAX_MEDIA_MB),
         "--max-total-tokens", str(KV_TOKENS), "--context-length", "4096", "--mm-max-frames", "32",
-    )  # fmt: skip
-    yield srv
-    assert srv.stop() == 0, "".join(srv.output)
+    ) as srv:  # fmt: skip
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server, API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +234,6 @@ def _chat(**overrides) -> dict:
 
 BAD_INPUTS = {
     "malformed JSON": (b'{"messages": [', "JSON"),
-    "unknown model": (_chat(model="gpt-17"), "does not exist"),
     "wrong type": (_chat(temperature="hot"), "temperature"),
     "out of range": (_chat(top_p=1.5), "top_p"),
     "n of 0": (_chat(n=0), "n"),

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from vlm_serve.server.reasoning_parser import REASONING_PARSERS
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +65,8 @@ class ServerArgs:
     mm_max_fps: float = 8.0  # the highest video sampling rate a request may ask
     mm_max_frames: int = 768  # the most frames a request may ask to sample
     tokenizer_workers: int = 4  # threads rendering, loading and preprocessing requests in the HTTP process
+    reasoning_parser: str | None = None  # qwen3: split <think>...</think> into reasoning_content
+    grammar_compile_timeout: float = 30.0  # seconds a structured-output request may wait for its grammar
     log_interval: int = 40  # scheduler steps between log lines
     log_level: str = "warning"  # debug | info | warning | error (info shows the scheduler's log lines)
     seed: int = 0
@@ -87,6 +91,8 @@ class ServerArgs:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= page_size, not {self.chunked_prefill_size}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -105,7 +111,7 @@ class ServerArgs:
             raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
-        for name in ("media_fetch_timeout", "mm_max_fps"):
+        for name in ("media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
         if self.schedule_conservativeness <= 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from vlm_serve.tokenizer import Tokenizer
 
 
@@ -57,22 +59,39 @@ def final_text(tokenizer: Tokenizer, ids: list[int], matched: int | str | None, 
 
 class TextStream:
     """The text of one growing answer, handed out in pieces that are never taken back: the last
-    `holdback` characters wait while a stop string could still be forming in them."""
+    `holdback` characters wait while a stop string could still be forming in them, and an incomplete
+    UTF-8 character waits for the token that completes it.
+
+    Each piece comes with the number of tokens whose text it completes, so that whatever belongs to
+    a token (its id, its logprobs) is handed out with the text of that token, never before it.
+    """
 
     def __init__(self, tokenizer: Tokenizer, holdback: int) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.holdback = holdback
         self.sent = ""
+        self.released = 0  # tokens whose whole text is in `sent`
+        self._ends: deque[tuple[int, int]] = deque()  # (tokens decoded, text length) not yet released
 
-    def update(self, ids: list[int]) -> str:
-        """`ids` is every id so far; returns the text that can be sent now."""
-        self.detokenizer.update(ids)
+    def update(self, ids: list[int]) -> tuple[str, int]:
+        """`ids` is every id so far; returns the text that can be sent now and the number of tokens
+        (following those already released) whose text it completes."""
+        if self.detokenizer.update(ids):
+            self._ends.append((self.detokenizer.read_offset, len(self.detokenizer.text)))
         text = self.detokenizer.text
-        return self._advance(text[: max(len(text) - self.holdback, len(self.sent))])
+        piece = self._advance(text[: max(len(text) - self.holdback, len(self.sent))])
+        released = self.released
+        while self._ends and self._ends[0][1] <= len(self.sent):
+            self.released = self._ends.popleft()[0]
+        return piece, self.released - released
 
-    def finish(self, ids: list[int], matched: int | str | None, output_text: str | None) -> str:
-        """The rest of the answer once the request has finished."""
-        return self._advance(final_text(self.detokenizer.tokenizer, ids, matched, output_text))
+    def finish(self, ids: list[int], matched: int | str | None, output_text: str | None) -> tuple[str, int]:
+        """The rest of the answer once the request has finished, and the number of tokens not yet
+        released (all the rest)."""
+        piece = self._advance(final_text(self.detokenizer.tokenizer, ids, matched, output_text))
+        released, self.released = self.released, len(ids)
+        self._ends.clear()
+        return piece, self.released - released
 
     def _advance(self, text: str) -> str:
         piece, self.sent = text[len(self.sent) :], text

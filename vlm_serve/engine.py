@@ -20,6 +20,7 @@ from typing import Any
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.prompt_logprobs import PromptLogprobs
 from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
@@ -52,6 +53,7 @@ class GenerateOutput:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
     media_timings: list[MediaTimings] = field(default_factory=list)  # per image / video, in prompt order
+    prompt_logprobs: PromptLogprobs | None = None  # with `prompt_logprobs=k`: prompt tokens 1.. (0 has none)
 
     @property
     def text(self) -> str:
@@ -212,6 +214,7 @@ class Engine:
         return GenerateOutput(
             [c.completion() for c in submission.choices], first.prompt_tokens,
             max(c.outs[-1].cached_tokens for c in submission.choices), first.media_timings,
+            submission.choices[0].outs[0].prompt_logprobs,
         )  # fmt: skip
 
     def abort(self, submission: Submission, message: str = "aborted") -> None:
@@ -222,8 +225,8 @@ class Engine:
         self._io.inbox.extend(AbortReq(c.rid, message) for c in choices if not c.finished)
 
     def step(self) -> None:
-        """One iteration of the scheduler's event loop (it waits briefly when only media encoding is
-        under way); the outputs it produced reach their submissions."""
+        """One iteration of the scheduler's event loop (it waits briefly when only media encoding or
+        grammar compilation is under way); the outputs it produced reach their submissions."""
         if self.scheduler is None:
             raise RuntimeError("the engine was shut down")
         scheduler = self.scheduler
@@ -237,7 +240,10 @@ class Engine:
                         if choice.finished:
                             del self._choices[out.rid]
         self._io.outbox.clear()
-        stalled = scheduler.last_batch is None and not scheduler.result_queue and not len(scheduler.encoding)
+        stalled = (
+            scheduler.last_batch is None and not scheduler.result_queue and not len(scheduler.encoding)
+            and not scheduler.grammar_queue
+        )  # fmt: skip
         if stalled and scheduler.reqs and not self._io.inbox:
             raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")
 

@@ -10,6 +10,7 @@ from typing import Any
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer, as in vLLM
 
 
 @dataclass
@@ -30,6 +31,13 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-prob and its top k alternatives
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # structured output (at most one): the answer follows a JSON schema, a regex or an EBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    reasoning: bool = False  # the answer starts with reasoning up to `</think>`: a grammar applies after it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +51,8 @@ class SamplingParams:
             )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if self.seed is not None and (type(self.seed) is not int or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], not {self.seed!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -61,18 +71,35 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_N}], not {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.top_logprobs}")
+        if self.logit_bias:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
+        grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"at most one of json_schema, regex and ebnf may be given, not {' and '.join(grammars)}")
+        if self.json_schema is not None:
+            try:
+                json.loads(self.json_schema)
+            except (TypeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.prompt_logprobs}")
         if self.top_logprobs > 0 and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
 
     def per_choice(self) -> list[SamplingParams]:
-        """The settings of each of the `n` choices: with a seed, choice i uses seed + i."""
+        """The settings of each of the `n` choices: with a seed, choice i uses seed + i (wrapping around
+        within the signed 64-bit range; torch's generators take seeds modulo 2**64 anyway)."""
         if self.seed is None:
             return [self] * self.n
-        return [dataclasses.replace(self, seed=self.seed + i) for i in range(self.n)]
+        return [dataclasses.replace(self, seed=(self.seed + i - SEED_MIN) % 2**64 + SEED_MIN) for i in range(self.n)]
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -98,7 +125,29 @@ OPENAI_SAMPLING_KEYS = {
     "n": "n",
     "logprobs": "logprobs",
     "top_logprobs": "top_logprobs",
+    "prompt_logprobs": "prompt_logprobs",
+    "logit_bias": "logit_bias",
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "reasoning": "reasoning",
 }
+
+
+def _check_logit_bias(bias: dict) -> dict[int, float]:
+    """OpenAI's logit_bias (keys are token ids, as strings in JSON) with int keys; values in [-100, 100]."""
+    checked = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, not {key!r}") from None
+        if token_id < 0:
+            raise ValueError(f"logit_bias token id {token_id} is negative")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], not {value!r} (token {token_id})")
+        checked[token_id] = float(value)
+    return checked
 
 
 def sampling_params_from_openai(defaults: dict[str, Any], sampling: dict[str, Any]) -> SamplingParams:

@@ -67,6 +67,19 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _cut_after(rendered: str, message: dict) -> str:
+    """`rendered` up to the end of `message`'s (last) text, which the template may have stripped."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = next((part["text"] for part in reversed(content) if part.get("type") == "text"), None)
+    text = content.strip() if isinstance(content, str) else ""
+    if not text or text not in rendered:
+        raise ValueError("continue_final_message needs a final message whose text the chat template renders")
+    start = rendered.rindex(text)
+    kept = content.lstrip()  # the trailing whitespace too, where the template kept it
+    return rendered[: start + (len(kept) if rendered.startswith(kept, start) else len(text))]
+
+
 def _token_content(token: Any) -> str | None:
     """A special token as `tokenizer_config.json` writes it: a string, an AddedToken dict or null."""
     if isinstance(token, dict):
@@ -128,6 +141,14 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's encoded string (byte-level for Qwen), added tokens included, with its id."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    def backend_json(self) -> str:
+        """The whole `tokenizer.json` (normalizer, pre-tokenizer, model, decoder), as a string."""
+        return self._tokenizer.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
@@ -181,14 +202,22 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         return self._template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra: Any,
+    ) -> str:
         """Render `messages` with the checkpoint's chat template, as transformers' `apply_chat_template(...,
         tokenize=False)` does: message keys whose value is None are dropped, the special tokens
-        (`eos_token`, ...) are template variables, and `extra` (e.g. `tools`, `add_vision_id`) is passed through."""
+        (`eos_token`, ...) are template variables, and `extra` (e.g. `tools`, `add_vision_id`) is passed through.
+        `continue_final_message` ends the text right after the last message's text (no end-of-turn tokens)."""
         if not messages:
             raise ValueError("cannot render an empty conversation")
         messages = [{k: v for k, v in _plain(message).items() if v is not None} for message in messages]
         variables = {"tools": None, "documents": None, **self._special_tokens, **_plain(extra)}
-        return self._compiled_template().render(
+        rendered = self._compiled_template().render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
+        return _cut_after(rendered, messages[-1]) if continue_final_message else rendered

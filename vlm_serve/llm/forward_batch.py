@@ -10,7 +10,8 @@ import torch
 
 if TYPE_CHECKING:
     from vlm_serve.llm.layers.attention.base import AttentionBackend
-    from vlm_serve.llm.layers.sampler import SampleRow
+    from vlm_serve.llm.layers.sampler import SampleOutput, SampleRow
+    from vlm_serve.llm.prompt_logprobs import PromptLogprobs, PromptLogprobSpan
 
 
 class ForwardMode(IntEnum):
@@ -51,6 +52,7 @@ class ForwardBatch:
     deepstack_embeds: list[torch.Tensor] = field(default_factory=list)
     sampling: list[SampleRow] = field(default_factory=list)  # one per request
     future_start: int = 0
+    prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)  # rows giving prompt log-probs
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = None  # the backend's index tensors for this batch (`init_forward_metadata`)
 
@@ -62,3 +64,15 @@ class ForwardBatch:
         """Row of each request's last new token: the rows whose logits are sampled."""
         ends = torch.tensor(self.extend_lens_cpu, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device)
+
+
+@dataclass
+class ForwardOutput:
+    """What a launched forward gives back: the tokens it sampled, and per request the prompt log-probs
+    it computed (None where it computed none)."""
+
+    sample: SampleOutput
+    prompt_logprobs: list[PromptLogprobs | None]
+
+    def to_host(self) -> None:
+        self.sample.to_host()

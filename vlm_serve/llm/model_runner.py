@@ -8,13 +8,14 @@ import torch
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
-from vlm_serve.llm.forward_batch import ForwardBatch
+from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
 from vlm_serve.llm.layers.attention import create_attention_backend
-from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
+from vlm_serve.llm.layers.sampler import Sampler
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
 from vlm_serve.llm.overlap import FutureMap
+from vlm_serve.llm.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from vlm_serve.vision.encoder_pool import llm_threads
 
 logger = logging.getLogger(__name__)
@@ -88,11 +89,17 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def forward_batch_generation(self, batch: ForwardBatch) -> SampleOutput:
-        """Forward, logits and sampling of one launched batch, in launch order: its future ids are
-        resolved first, and its sampled tokens stored in the FutureMap for the batch after it."""
+    def forward_batch_generation(self, batch: ForwardBatch) -> ForwardOutput:
+        """Forward, logits and sampling of one launched batch (and the prompt log-probs it was asked
+        for), in launch order: its future ids are resolved first, and its sampled tokens stored in the
+        FutureMap for the batch after it."""
         self.future_map.resolve(batch)
         hidden = self.forward(batch)
         out = self.sampler(self.compute_logits(hidden[batch.last_token_indices()]), batch.sampling)
         self.future_map.store(batch.future_start, out.next_token_ids)
-        return out
+        return ForwardOutput(out, self.prompt_logprobs(hidden, batch))
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> list[PromptLogprobs | None]:
+        """Per request, the log-probs of the prompt positions this forward computed, where asked."""
+        return compute_prompt_logprobs(self.compute_logits, hidden, batch.prompt_logprob_spans, batch.batch_size)

@@ -19,8 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from vlm_serve.llm.forward_batch import ForwardBatch
-from vlm_serve.llm.layers.sampler import SampleOutput
+from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
 
 T = TypeVar("T")
 
@@ -86,7 +85,7 @@ class ForwardThread:
         self._thread = threading.Thread(target=self._loop, args=(torch.get_num_threads(),), name="forward", daemon=True)
         self._thread.start()
 
-    def launch(self, batch: ForwardBatch) -> Future[SampleOutput]:
+    def launch(self, batch: ForwardBatch) -> Future[ForwardOutput]:
         """Queues `batch`'s forward; its result (tokens on the host) arrives in the returned future."""
         inputs_ready = None
         if self.stream is not None:
@@ -126,7 +125,7 @@ class ForwardThread:
         finally:
             _omp.omp_set_num_threads(previous)
 
-    def _forward(self, batch: ForwardBatch, inputs_ready: torch.cuda.Event | None) -> SampleOutput:
+    def _forward(self, batch: ForwardBatch, inputs_ready: torch.cuda.Event | None) -> ForwardOutput:
         if inputs_ready is not None:
             self.stream.wait_event(inputs_ready)
         out = self.runner.forward_batch_generation(batch)

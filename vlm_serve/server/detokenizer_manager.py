@@ -1,13 +1,16 @@
 """The detokenizer: token ids from the scheduler in, text pieces out to the front end.
 
 Each request's text grows through a `TextStream` (incremental decoding, stop strings held back), so
-the scheduler never spends its loop on decoding. The server runs `DetokenizerManager` in a process of
-its own, between the scheduler and the HTTP process; `Engine` runs it in-process.
+the scheduler never spends its loop on decoding. A token's id and logprobs are handed on with the text
+that completes it, so a message never carries a token whose text is still held back (its text and
+its logprobs stream together). The server runs `DetokenizerManager` in a process of its own, between
+the scheduler and the HTTP process; `Engine` runs it in-process.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch.multiprocessing as mp
 import zmq
@@ -23,30 +26,47 @@ from vlm_serve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Stream:
+    """One unfinished request: its text, every id so far, and the logprobs of the ids not yet handed on."""
+
+    text: TextStream
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
 class DetokenizerManager:
-    """Keeps one `TextStream` and the ids so far per unfinished request."""
+    """Keeps one `_Stream` per unfinished request."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.streams: dict[str, tuple[TextStream, list[int]]] = {}
+        self.streams: dict[str, _Stream] = {}
 
     def detokenize(self, batch: BatchTokenIdOut) -> BatchStrOut:
         return BatchStrOut([self._one(out) for out in batch.outs])
 
     def _one(self, out: TokenIdOut) -> StrOut:
+        new_ids, logprobs, top_logprobs = out.new_ids, out.logprobs, out.top_logprobs
         if out.error is not None:
             text = ""
         else:
-            stream, ids = self.streams.setdefault(out.rid, (TextStream(self.tokenizer, out.stop_holdback), []))
-            ids.extend(out.new_ids)
+            stream = self.streams.setdefault(out.rid, _Stream(TextStream(self.tokenizer, out.stop_holdback)))
+            stream.ids.extend(out.new_ids)
+            stream.logprobs.extend(out.logprobs)
+            stream.top_logprobs.extend(out.top_logprobs)
+            sent = stream.text.released
             if out.finish_reason is None:
-                text = stream.update(ids)
+                text, count = stream.text.update(stream.ids)
             else:
-                text = stream.finish(ids, out.matched_stop, out.output_text)
+                text, count = stream.text.finish(stream.ids, out.matched_stop, out.output_text)
                 del self.streams[out.rid]
+            new_ids = stream.ids[sent : sent + count]
+            logprobs, top_logprobs = stream.logprobs[:count], stream.top_logprobs[:count]
+            del stream.logprobs[:count], stream.top_logprobs[:count]
         return StrOut(
-            out.rid, text, out.new_ids, out.logprobs, out.top_logprobs, out.finish_reason, out.matched_stop,
-            out.message, out.prompt_tokens, out.cached_tokens, out.media_timings, out.error,
+            out.rid, text, new_ids, logprobs, top_logprobs, out.finish_reason, out.matched_stop,
+            out.message, out.prompt_tokens, out.cached_tokens, out.media_timings, out.error, out.prompt_logprobs,
         )  # fmt: skip
 
 

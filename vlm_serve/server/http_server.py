@@ -2,13 +2,14 @@
 
 It prints where it listens once a warm-up request (text and an image) has passed through every
 process. A child that dies turns /health to 503 and stops the server (an encoder rank is restarted
-instead).
+instead). A completion whose client disconnects is aborted, streamed or not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import signal
 import socket
@@ -21,14 +22,27 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from PIL import Image
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.server.io_struct import GenerateReqInput, PortArgs, SchedulerLimits
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
-from vlm_serve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, now
+from vlm_serve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    ModelNotFoundError,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    error_body,
+    now,
+)
 from vlm_serve.server.tokenizer_manager import ServerMetrics, TokenizerManager
 
 if TYPE_CHECKING:
@@ -86,9 +100,9 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
         return error(400, str(exc))
 
-    @app.exception_handler(LookupError)
-    async def unknown_model(request: Request, exc: LookupError) -> JSONResponse:
-        return error(400, str(exc.args[0]), "NotFoundError")
+    @app.exception_handler(ModelNotFoundError)
+    async def unknown_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=404)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -98,20 +112,45 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        card = ModelCard(
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": importlib.metadata.version("vlm_serve")})
+
+    def model_card() -> ModelCard:
+        return ModelCard(
             id=serving.model_name, created=now(), root=tm.server_args.model, max_model_len=tm.limits.context_length
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}")  # served names may hold a '/' (org/name)
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return model_card()
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
-        return await _respond(serving.chat_completion(body))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await _respond(request, serving.chat_completion(body))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        return await _respond(serving.completion(body))
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _respond(request, serving.completion(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            x = await serving.chat_prompt(body)
+        else:
+            x = tm.tokenize(body.prompt)
+        return TokenizeResponse(count=len(x.input_ids), max_model_len=tm.limits.context_length, tokens=x.input_ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        return DetokenizeResponse(prompt=tm.detokenize(body.tokens))
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -128,14 +167,38 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     return app
 
 
-async def _respond(work: Awaitable[Any]) -> Any:
-    """Runs a handler; a streaming answer becomes SSE once its first event exists, so a refusal is
-    still a 400."""
+async def _respond(request: Request, work: Awaitable[Any]) -> Any:
+    """Runs a /v1 handler until it answers, or cancels it when its client disconnects first (leaving
+    `TokenizerManager.generate` aborts the request's choices). The handler runs in a task raced against
+    one that waits for uvicorn's `http.disconnect`, which `receive()` reports once the body is read."""
+    answer = asyncio.ensure_future(_answer(work))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()
+            await asyncio.wait((answer,))  # its abort is sent before this returns
+    if answer.cancelled():
+        return Response(status_code=499)  # nobody is left to read it
+    return answer.result()
+
+
+async def _answer(work: Awaitable[Any]) -> Any:
+    """A handler's answer; a streaming one becomes SSE once its first event exists, so a refusal is
+    still a 400 (from then on the StreamingResponse watches for the disconnect itself)."""
     result = await work
     if not isinstance(result, AsyncIterator):
         return result
     first = await anext(result)  # raises (-> 400) if the request is refused
     return StreamingResponse(_prepend(first, result), media_type="text/event-stream")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read already, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vlm_serve.llm.prompt_logprobs import PromptLogprobs
 from vlm_serve.multimodal import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
 
@@ -145,6 +146,7 @@ class TokenIdOut:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     media_timings: list[MediaTimings] = field(default_factory=list)  # per image / video, when finished
+    prompt_logprobs: PromptLogprobs | None = None  # with its first report, when asked
     error: str | None = None
 
 
@@ -159,7 +161,7 @@ class StrOut:
 
     rid: str
     text: str
-    new_ids: list[int]
+    new_ids: list[int]  # the tokens whose text `text` completes (with their logprobs); the last message has the rest
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None
@@ -169,6 +171,7 @@ class StrOut:
     cached_tokens: int
     media_timings: list[MediaTimings] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with its first output, when asked
 
 
 @dataclass

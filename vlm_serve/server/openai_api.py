@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from vlm_serve.config import ServerArgs
+from vlm_serve.llm.prompt_logprobs import PromptLogprobs
 from vlm_serve.server.io_struct import GenerateReqInput, StrOut, TokenizedGenerateReq
 from vlm_serve.server.protocol import (
     ChatChoice,
@@ -21,6 +22,7 @@ from vlm_serve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessageOut,
+    ChatPrompt,
     ChatStreamChoice,
     ChoiceLogprobs,
     CompletionChoice,
@@ -28,17 +30,25 @@ from vlm_serve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
+    FunctionCallDelta,
     ImagePart,
     MediaTokens,
+    ModelNotFoundError,
+    PromptLogprob,
     PromptTokensDetails,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
     VideoPart,
     new_id,
     now,
 )
+from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
 from vlm_serve.server.tokenizer_manager import TokenizerManager
+from vlm_serve.server.tool_parser import ToolCall
 from vlm_serve.multimodal import ProcessedInput
 
 class OpenAIServing:
@@ -50,37 +60,70 @@ class OpenAIServing:
         self.model_name = model_name
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise LookupError(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
+        """A request may name the served model, "default" (SGLang's alias for it) or none."""
+        if name not in (None, "default", self.model_name):
+            raise ModelNotFoundError(name)
 
     # ---- chat --------------------------------------------------------------------------------------
 
-    async def chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
-        self.check_model(request.model)
+    async def chat_prompt(self, request: ChatPrompt, tools: list[dict] | None = None) -> ProcessedInput:
+        """The model input of a chat request: its messages (and tools) rendered with its template
+        options, and its media processed with its media options (a part's own options win over
+        request-wide ones)."""
         check_media_parts(request, self.server_args)
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        x = await self.tm.process_messages(messages)
-        choices = self.tm.normalize(GenerateReqInput(x, request.sampling(), request.priority))
+        media = request.media_options()
+        video = {f"video_{k}" if k.endswith("_pixels") else k: v for k, v in media["video"].items()}
+        template_kwargs = dict(request.chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
+        return await self.tm.process_messages(
+            messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, chat_template_kwargs=template_kwargs,
+            **media["image"], **video,
+        )  # fmt: skip
+
+    async def chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        tools = tool_use(request)
+        x = await self.chat_prompt(request, tools.tools)
+        thinking = (request.chat_template_kwargs or {}).get("enable_thinking") is not False
+        sampling = request.sampling()
+        # a thinking model's grammar (response_format, tool_choice...) starts after its reasoning
+        sampling["reasoning"] = self.server_args.reasoning_parser is not None and thinking
+        if tools.grammar is not None:
+            sampling["ebnf"] = tools.grammar
+        choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority))
         params = choices[0].sampling_params
+        parsers = [ChatOutput(self.server_args.reasoning_parser, tools.parse, thinking) for _ in choices]
         if request.stream:
-            return self._chat_stream(request, x, choices)
+            return self._chat_stream(request, x, choices, parsers)
         per_choice = await self._collect(choices)
         choices = []
         for i, outs in enumerate(per_choice):
             logprobs = [t for out in outs for t in self._token_logprobs(out)] if params.logprobs else None
+            answer = parsers[i].feed("".join(out.text for out in outs))
+            answer += parsers[i].finish()
+            message = ChatMessageOut(
+                content=answer.content if answer.content or not (answer.reasoning or answer.tool_calls) else None,
+                reasoning_content=answer.reasoning or None,
+                tool_calls=[_tool_call(call) for call in answer.tool_calls] or None,
+            )  # fmt: skip
             choices.append(ChatChoice(
-                index=i, message=ChatMessageOut(content="".join(out.text for out in outs)),
-                logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
-                finish_reason=outs[-1].finish_reason, matched_stop=outs[-1].matched_stop,
+                index=i, message=message, logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
+                finish_reason=_finish_reason(outs[-1].finish_reason, answer.tool_calls), matched_stop=outs[-1].matched_stop,
             ))  # fmt: skip
         return ChatCompletionResponse(
             id=new_id("chatcmpl"), created=now(), model=self.model_name, choices=choices,
-            usage=self._usage(x, per_choice),
+            usage=self._usage([x], per_choice),
+            prompt_logprobs=(
+                self._prompt_logprobs(per_choice[0][0].prompt_logprobs, params.prompt_logprobs)
+                if params.prompt_logprobs is not None else None
+            ),
         )  # fmt: skip
 
     async def _chat_stream(
-        self, request: ChatCompletionRequest, x: ProcessedInput, choices: list[TokenizedGenerateReq]
-    ) -> AsyncIterator[str]:
+        self, request: ChatCompletionRequest, x: ProcessedInput, choices: list[TokenizedGenerateReq],
+        parsers: list[ChatOutput],
+    ) -> AsyncIterator[str]:  # fmt: skip
         rid, created, params = new_id("chatcmpl"), now(), choices[0].sampling_params
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
@@ -88,70 +131,121 @@ class OpenAIServing:
 
         started = [False] * params.n
         per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
+        held: list[list[TokenLogprob]] = [[] for _ in range(params.n)]  # logprobs of text a parser holds back
+        continuous_usage = request.stream_options is not None and request.stream_options.continuous_usage_stats
+
+        def usage_so_far(i: int) -> Usage | None:
+            return self._usage([x], [per_choice[i]]) if continuous_usage else None
+
         async with contextlib.aclosing(self.tm.generate(choices)) as outputs:
             async for i, out in outputs:
-                per_choice[i].append(out)
                 if not started[i]:
                     started[i] = True
-                    yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                if out.text or out.finish_reason is not None or (params.logprobs and out.new_ids):
-                    logprobs = ChoiceLogprobs(content=self._token_logprobs(out)) if params.logprobs else None
-                    delta = DeltaMessage(content=out.text or None)
-                    yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason)])
+                    delta = DeltaMessage(role="assistant", content="")
+                    yield chunk([ChatStreamChoice(index=i, delta=delta)], usage_so_far(i))
+                per_choice[i].append(out)
+                # a token's logprobs come with its text (the detokenizer holds both back together, and
+                # here they wait while a parser holds the text back)
+                parsed = parsers[i].feed(out.text) if out.text else ChatDelta()
+                if out.finish_reason is not None:
+                    parsed += parsers[i].finish()
+                if params.logprobs:
+                    held[i] += self._token_logprobs(out)
+                if parsed or out.finish_reason is not None:
+                    first_call = parsers[i].num_tool_calls - len(parsed.tool_calls)
+                    delta = DeltaMessage(
+                        content=parsed.content or None, reasoning_content=parsed.reasoning or None,
+                        tool_calls=[_tool_call_delta(first_call + k, call) for k, call in enumerate(parsed.tool_calls)] or None,
+                    )  # fmt: skip
+                    logprobs = ChoiceLogprobs(content=held[i]) if params.logprobs else None
+                    held[i] = []
+                    finish = _finish_reason(out.finish_reason, parsers[i].num_tool_calls)
+                    choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
+                    yield chunk([choice], usage_so_far(i))
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk([], self._usage(x, per_choice))
+            yield chunk([], self._usage([x], per_choice))
         yield "data: [DONE]\n\n"
 
     # ---- text completions --------------------------------------------------------------------------
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        """Each prompt gets its own `n` choices: prompt i's choice j has index i * n + j, as in vLLM."""
         self.check_model(request.model)
-        x = self.tm.tokenize(request.prompt)
+        prompts = request.prompts()
+        inputs = [self.tm.tokenize(prompt) for prompt in prompts]
         sampling = request.sampling()
         top = request.logprobs
         sampling.update(logprobs=top is not None, top_logprobs=top or 0)  # the legacy API's integer logprobs
-        choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority))
-        params = choices[0].sampling_params
+        if request.echo and top is not None:  # the echoed prompt tokens get their entries too
+            sampling["prompt_logprobs"] = max(request.prompt_logprobs or 0, top)
+        choices = [c for x in inputs for c in self.tm.normalize(GenerateReqInput(x, sampling, request.priority))]
+        echoes = [self._prompt_text(prompt) for prompt in prompts] if request.echo else [None] * len(prompts)
         if request.stream:
-            return self._completion_stream(request, x, choices)
+            return self._completion_stream(request, inputs, echoes, choices)
         per_choice = await self._collect(choices)
+        n = len(choices) // len(inputs)
         choices = []
         for i, outs in enumerate(per_choice):
-            logprobs = None
-            if params.logprobs:
-                logprobs, offset = CompletionLogprobs(), 0
-                for out in outs:
-                    self._add_completion_logprobs(logprobs, out, offset)
-                    offset += len(out.text)
+            text, logprobs = self._completion_piece(request, inputs[i // n], echoes[i // n], outs, 0)
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None:
+                prompt_logprobs = self._prompt_logprobs(outs[0].prompt_logprobs, request.prompt_logprobs)
             choices.append(CompletionChoice(
-                index=i, text="".join(out.text for out in outs), logprobs=logprobs,
-                finish_reason=outs[-1].finish_reason, matched_stop=outs[-1].matched_stop,
+                index=i, text=text, logprobs=logprobs, finish_reason=outs[-1].finish_reason,
+                matched_stop=outs[-1].matched_stop, prompt_logprobs=prompt_logprobs,
             ))  # fmt: skip
         return CompletionResponse(
-            id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices, usage=self._usage(x, per_choice)
-        )
+            id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices,
+            usage=self._usage(inputs, per_choice),
+        )  # fmt: skip
 
     async def _completion_stream(
-        self, request: CompletionRequest, x: ProcessedInput, choices: list[TokenizedGenerateReq]
-    ) -> AsyncIterator[str]:
-        rid, created, params = new_id("cmpl"), now(), choices[0].sampling_params
-        per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
-        offsets = [0] * params.n
+        self, request: CompletionRequest, inputs: list[ProcessedInput], echoes: list[str | None],
+        choices: list[TokenizedGenerateReq],
+    ) -> AsyncIterator[str]:  # fmt: skip
+        rid, created, n = new_id("cmpl"), now(), len(choices) // len(inputs)
+        per_choice: list[list[StrOut]] = [[] for _ in choices]
+        offsets = [0] * len(choices)
+        continuous_usage = request.stream_options is not None and request.stream_options.continuous_usage_stats
         async with contextlib.aclosing(self.tm.generate(choices)) as outputs:
             async for i, out in outputs:
                 per_choice[i].append(out)
-                logprobs = None
-                if params.logprobs:
-                    logprobs = CompletionLogprobs()
-                    self._add_completion_logprobs(logprobs, out, offsets[i])
-                offsets[i] += len(out.text)
-                if out.text or out.finish_reason is not None:
-                    choice = CompletionChoice(index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason)
-                    yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice]))
+                echo = echoes[i // n] if len(per_choice[i]) == 1 else None  # with the choice's first piece
+                logprobs_due = request.logprobs is not None and out.new_ids
+                if out.text or out.finish_reason is not None or echo is not None or logprobs_due:
+                    text, logprobs = self._completion_piece(request, inputs[i // n], echo, [out], offsets[i])
+                    offsets[i] += len(text)
+                    choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason)
+                    usage = self._usage([inputs[i // n]], [per_choice[i]]) if continuous_usage else None  # so far
+                    yield _sse(CompletionResponse(
+                        id=rid, created=created, model=self.model_name, choices=[choice], usage=usage
+                    ))  # fmt: skip
         if request.stream_options is not None and request.stream_options.include_usage:
-            usage = self._usage(x, per_choice)
+            usage = self._usage(inputs, per_choice)
             yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt as `echo` shows it: its text, or its token ids decoded."""
+        return prompt if isinstance(prompt, str) else self.tm.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    def _completion_piece(
+        self, request: CompletionRequest, x: ProcessedInput, echo: str | None, outs: list[StrOut], offset: int
+    ) -> tuple[str, CompletionLogprobs | None]:
+        """Text and logprobs of consecutive outputs of one choice, whose text starts at `offset` of the
+        choice's; an `echo` (the prompt's text) comes first, and with logprobs its tokens' entries."""
+        text = "".join(out.text for out in outs)
+        logprobs = CompletionLogprobs() if request.logprobs is not None else None
+        if echo is not None:
+            text = echo + text
+            if logprobs is not None:
+                self._add_prompt_completion_logprobs(logprobs, x.input_ids, outs[0].prompt_logprobs, request.logprobs)
+            offset += len(echo)
+        if logprobs is not None:
+            for out in outs:
+                self._add_completion_logprobs(logprobs, out, offset)
+                offset += len(out.text)
+        return text, logprobs
 
     # ---- pieces ------------------------------------------------------------------------------------
 
@@ -163,13 +257,17 @@ class OpenAIServing:
                 per_choice[i].append(out)
         return per_choice
 
-    def _usage(self, x: ProcessedInput, outputs: list[list[StrOut]]) -> Usage:
-        """Usage of a request whose choices produced `outputs`."""
+    def _usage(self, inputs: list[ProcessedInput], outputs: list[list[StrOut]]) -> Usage:
+        """Usage of a request whose prompts `inputs` produced `outputs`: each prompt's choices in turn."""
         merge = self.tm.processor.image_processor.config.merge_size
-        media = [MediaTokens(type=item.modality, tokens=item.num_tokens(merge)) for item in x.mm_items]
-        prompt_tokens = len(x.input_ids)
+        media = [MediaTokens(type=item.modality, tokens=item.num_tokens(merge)) for x in inputs for item in x.mm_items]
+        prompt_tokens = sum(len(x.input_ids) for x in inputs)
         completion_tokens = sum(len(out.new_ids) for outs in outputs for out in outs)
-        cached = max((outs[-1].cached_tokens for outs in outputs if outs), default=0)
+        n = len(outputs) // len(inputs)  # a prompt's choices share its cached prefix
+        cached = sum(
+            max((outs[-1].cached_tokens for outs in outputs[i : i + n] if outs), default=0)
+            for i in range(0, len(outputs), n)
+        )
         return Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
@@ -193,14 +291,62 @@ class OpenAIServing:
         return result
 
     def _add_completion_logprobs(self, logprobs: CompletionLogprobs, out: StrOut, offset: int) -> None:
-        for j, token_id in enumerate(out.new_ids):
+        tops = out.top_logprobs or [[]] * len(out.new_ids)  # (none without top alternatives)
+        self._add_logprobs(logprobs, out.new_ids, out.logprobs, tops, offset)
+
+    def _add_prompt_completion_logprobs(
+        self, logprobs: CompletionLogprobs, prompt_ids: list[int], scores: PromptLogprobs | None, top: int
+    ) -> None:
+        """An echoed prompt's entries, its text starting at offset 0: none for its first token (nothing
+        predicts it), nor for those an aborted request did not reach."""
+        scores = scores or PromptLogprobs()
+        missing = [None] * (len(prompt_ids) - 1 - len(scores))
+        tops = [None, *(alternatives[:top] for alternatives in scores.top_logprobs), *missing]
+        self._add_logprobs(logprobs, prompt_ids, [None, *scores.logprobs, *missing], tops, 0)
+
+    def _add_logprobs(
+        self, logprobs: CompletionLogprobs, token_ids: list[int], token_logprobs: list[float | None],
+        tops: list[list[tuple[int, float]] | None], offset: int,
+    ) -> None:  # fmt: skip
+        """Appends the tokens' entries to the legacy logprobs lists; their text starts at `offset`."""
+        for token_id, token_logprob, top in zip(token_ids, token_logprobs, tops):
             text = self._token_text(token_id)
             logprobs.tokens.append(text)
-            logprobs.token_logprobs.append(out.logprobs[j])
-            top = out.top_logprobs[j] if j < len(out.top_logprobs) else []
-            logprobs.top_logprobs.append({self._token_text(tid): lp for tid, lp in top})
+            logprobs.token_logprobs.append(token_logprob)
+            logprobs.top_logprobs.append(None if top is None else {self._token_text(tid): lp for tid, lp in top})
             logprobs.text_offset.append(offset)
             offset += len(text)
+
+    def _prompt_logprobs(self, scores: PromptLogprobs | None, top: int) -> list[dict[int, PromptLogprob] | None]:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then each token's entry and its
+        `top` best alternatives', by token id."""
+        def entry(token_id: int, logprob: float, rank: int) -> PromptLogprob:
+            return PromptLogprob(logprob=logprob, rank=rank, decoded_token=self._token_text(token_id))
+
+        body: list[dict[int, PromptLogprob] | None] = [None]
+        scores = scores or PromptLogprobs()
+        columns = zip(scores.token_ids, scores.logprobs, scores.ranks, scores.top_logprobs)
+        for token_id, logprob, rank, alternatives in columns:
+            position = {token_id: entry(token_id, logprob, rank)}
+            for alt_rank, (alt_id, alt_logprob) in enumerate(alternatives[:top], start=1):
+                position.setdefault(alt_id, entry(alt_id, alt_logprob, alt_rank))
+            body.append(position)
+        return body
+
+
+def _finish_reason(reason: str | None, tool_calls: Any) -> str | None:
+    """"tool_calls" for an answer that stopped after calling tools, as OpenAI reports it."""
+    return "tool_calls" if reason == "stop" and tool_calls else reason
+
+
+def _tool_call(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _tool_call_delta(index: int, call: ToolCall) -> ToolCallDelta:
+    """A whole call in one delta: its id, name and complete arguments."""
+    function = FunctionCallDelta(name=call.name, arguments=call.arguments)
+    return ToolCallDelta(index=index, id=call.id, type="function", function=function)
 
 
 def _sse(body: BaseModel) -> str:
@@ -208,8 +354,9 @@ def _sse(body: BaseModel) -> str:
     return f"data: {data}\n\n"
 
 
-def check_media_parts(request: ChatCompletionRequest, server_args: ServerArgs) -> None:
-    """At most `limit_mm_per_prompt` images and videos, each asking no more than the server's caps."""
+def check_media_parts(request: ChatPrompt, server_args: ServerArgs) -> None:
+    """At most `limit_mm_per_prompt` images and videos, each asking no more than the server's caps
+    (with its own options, or else the request-wide ones)."""
     parts = [
         part
         for message in request.messages
@@ -222,15 +369,18 @@ def check_media_parts(request: ChatCompletionRequest, server_args: ServerArgs) -
             f"the request has {len(parts)} images and videos; this server accepts at most "
             f"{server_args.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)"
         )
+    request_wide = request.media_options()
     for part in parts:
         kind = "image" if isinstance(part, ImagePart) else "video"
         pixel_cap = server_args.mm_max_image_pixels if kind == "image" else server_args.mm_max_video_pixels
         caps = {"min_pixels": pixel_cap, "max_pixels": pixel_cap}
         if kind == "video":
             caps.update(fps=server_args.mm_max_fps, max_frames=server_args.mm_max_frames)
+        options = {**request_wide[kind], **part.model_dump(include=set(caps), exclude_none=True)}
         for name, cap in caps.items():
-            value = getattr(part, name)
+            value = options.get(name)
             if value is not None and value > cap:
                 raise ValueError(f"{kind} {name}={value} exceeds this server's limit of {cap}")
-        if part.min_pixels is not None and part.max_pixels is not None and part.min_pixels > part.max_pixels:
-            raise ValueError(f"{kind} min_pixels={part.min_pixels} is larger than max_pixels={part.max_pixels}")
+        low, high = options.get("min_pixels"), options.get("max_pixels")
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"{kind} min_pixels={low} is larger than max_pixels={high}")

@@ -9,6 +9,7 @@ away (client disconnect) aborts its unfinished choices, so their KV cache is fre
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import pickle
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import zmq
 import zmq.asyncio
 
@@ -126,13 +128,18 @@ class TokenizerManager:
 
     # ---- inputs ------------------------------------------------------------------------------------
 
-    async def process_messages(self, messages: list[dict[str, Any]]) -> ProcessedInput:
-        """Chat template, media and preprocessing, on the thread pool."""
+    async def process_messages(self, messages: list[dict[str, Any]], **options: Any) -> ProcessedInput:
+        """Chat template, media and preprocessing, on the thread pool; `options` are those of
+        `MultimodalProcessor.process_messages` (`add_generation_prompt`, `chat_template_kwargs`, ...).
+        A conversation the chat template refuses is a ValueError."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._process_messages, messages)
+        return await loop.run_in_executor(self.executor, functools.partial(self._process_messages, messages, **options))
 
-    def _process_messages(self, messages: list[dict[str, Any]]) -> ProcessedInput:
-        processed = self.processor.process_messages(messages, add_generation_prompt=True)
+    def _process_messages(self, messages: list[dict[str, Any]], **options: Any) -> ProcessedInput:
+        try:
+            processed = self.processor.process_messages(messages, **options)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
         for item in processed.mm_items:
             item.pixel_values.share_memory_()  # the scheduler maps these pages instead of copying them
         return processed
@@ -141,6 +148,13 @@ class TokenizerManager:
         if isinstance(prompt, str):
             return ProcessedInput(self.tokenizer.encode(prompt))
         return ProcessedInput(list(prompt))
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included; an id without a token is a ValueError naming it."""
+        for token_id in ids:
+            if not 0 <= token_id < self.tokenizer.vocab_size or self.tokenizer.id_to_token(token_id) is None:
+                raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.tokenizer.vocab_size})")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def normalize(self, request: GenerateReqInput) -> list[TokenizedGenerateReq]:
         """The scheduler messages of a request, one per choice; ValueError names a bad setting."""

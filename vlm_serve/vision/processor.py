@@ -124,7 +124,12 @@ class MultimodalProcessor:
         )
 
     def process_messages(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **overrides: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **overrides: Any,
     ) -> ProcessedInput:
         """Render OpenAI-style `messages` with the chat template and process their media.
 
@@ -132,7 +137,8 @@ class MultimodalProcessor:
         `{"type": "image_url", "image_url": {"url": src}}` (or a plain string), and the same for
         `video` / `video_url`; `src` is a path, `data:` URL, bytes or (images) a PIL image. A media
         part may carry its own `min_pixels`, `max_pixels` (and for videos `fps`, `max_frames`).
-        `overrides` are `process`'s keyword arguments.
+        `chat_template_kwargs` are more variables for the chat template; `overrides` are `process`'s
+        keyword arguments (a part's own options win over them).
         """
         images: list[MediaInput] = []
         videos: list[MediaInput] = []
@@ -146,7 +152,10 @@ class MultimodalProcessor:
                     images.append(MediaInput(_part_source(part, "image"), _part_options(part, _IMAGE_OPTIONS)))
                 elif modality == "video":
                     videos.append(MediaInput(_part_source(part, "video"), _part_options(part, _VIDEO_OPTIONS)))
-        prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+        prompt = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
+        )  # fmt: skip
         return self.process(prompt, images, videos, **overrides)
 
     # -- internals -----------------------------------------------------------------------------------

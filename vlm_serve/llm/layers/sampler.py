@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import torch
 
+from vlm_serve.llm.constrained.grammar_backend import accept_grammar_tokens, apply_grammar_masks
 from vlm_serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vlm_serve.llm.constrained.grammar_backend import Grammar
 
 
 class SamplingRequest(Protocol):
@@ -18,6 +22,7 @@ class SamplingRequest(Protocol):
     origin_input_ids: list[int]  # prompt ids; ids >= vocab size (image pads) are ignored
     output_ids: list[int]  # read for penalties only
     num_outputs: int  # tokens generated before the one being sampled
+    grammar: Grammar | None  # structured output: masks the logits, advanced by each sampled token
 
 
 @dataclass(slots=True)
@@ -31,6 +36,7 @@ class SampleRow:
     origin_input_ids: list[int]
     output_ids: list[int]
     num_outputs: int
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -55,14 +61,16 @@ class SampleOutput:
 
 
 class Sampler:
-    """Per step, in this order: repetition/frequency/presence penalties (vLLM's definitions), the
-    min_new_tokens mask on EOS and stop ids, log-probs if asked, then argmax for greedy rows and,
-    for the others, temperature, top-k, top-p and min-p and a draw — a seeded row draws on the CPU
-    with its own generator, so its tokens do not depend on the rest of the batch.
+    """Per step, in this order: repetition/frequency/presence penalties (vLLM's definitions), logit
+    bias, the min_new_tokens mask on EOS and stop ids, the grammar mask of structured-output rows,
+    log-probs if asked, then argmax for greedy rows and, for the others, temperature, top-k, top-p
+    and min-p and a draw — a seeded row draws on the CPU with its own generator, so its tokens do not
+    depend on the rest of the batch. Last, each grammar accepts its row's token.
 
-    Log-probs are log_softmax of the logits after penalties and the min_new_tokens mask but before
-    temperature and the top-k/top-p/min-p filters. `logits` is modified in place by the penalties
-    and the mask, to spare copying a (batch, vocab) tensor every step."""
+    Log-probs are log_softmax of the logits after penalties, bias and masks but before temperature
+    and the top-k/top-p/min-p filters. `logits` is modified in place by the penalties, the bias and
+    the masks, to spare copying a (batch, vocab) tensor every step. A grammar decides alone when its
+    answer may end: min_new_tokens does not mask EOS on its row."""
 
     def __init__(self, stop_token_ids: Iterable[int]):
         self.eos_token_ids = list(stop_token_ids)
@@ -74,7 +82,10 @@ class Sampler:
         params = [r.sampling_params for r in reqs]
 
         self._apply_penalties(logits, reqs)
+        self._apply_logit_bias(logits, reqs)
         self._mask_stop_tokens(logits, reqs)
+        grammars = [r.grammar for r in reqs]
+        apply_grammar_masks(logits, grammars)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
         logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
 
@@ -82,6 +93,7 @@ class Sampler:
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sample_rows:
             next_ids[sample_rows] = _sample(logits[sample_rows], [reqs[i] for i in sample_rows])
+        accept_grammar_tokens(next_ids, grammars)
         out = SampleOutput(next_ids, [None] * len(reqs), [None] * len(reqs))
 
         if logprobs is not None:
@@ -115,12 +127,23 @@ class Sampler:
         sub -= _column([p.presence_penalty for p in params], device) * (counts > 0)
         logits[rows] = sub
 
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> None:
+        rows, cols, bias = [], [], []
+        for i, r in enumerate(reqs):
+            for token_id, value in (r.sampling_params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token_id)
+                bias.append(value)
+        if rows:
+            logits[rows, cols] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+
     def _mask_stop_tokens(self, logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> None:
         """While a request is short of min_new_tokens, it can draw neither EOS nor its stop ids."""
         rows, cols = [], []
         for i, r in enumerate(reqs):
             p = r.sampling_params
-            if r.num_outputs < p.min_new_tokens:
+            if r.num_outputs < p.min_new_tokens and r.grammar is None:
                 ids = {t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]}
                 rows += [i] * len(ids)
                 cols += ids
@@ -136,6 +159,8 @@ def _plain_greedy(req: SamplingRequest) -> bool:
         (p.temperature == 0 or p.top_k == 1)
         and not (p.logprobs or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1)
         and req.num_outputs >= p.min_new_tokens
+        and req.grammar is None
+        and not p.logit_bias
     )
 
 

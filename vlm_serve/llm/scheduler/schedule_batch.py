@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,9 +16,13 @@ from vlm_serve.llm.layers.sampler import SampleRow
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache, TreeNode
+from vlm_serve.llm.prompt_logprobs import PromptLogprobs, PromptLogprobSpan
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.vision.vision_tower import VisionOutput
+
+if TYPE_CHECKING:
+    from vlm_serve.llm.constrained.grammar_backend import Grammar
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _DISCARDED_ROW = SampleRow(SamplingParams(temperature=0), None, [], [], 0)  # greedy, and thrown away
@@ -61,13 +66,22 @@ class Req:
     generator: torch.Generator | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # prompt log-probs, when asked: those of positions before `prompt_logprob_start` are being computed
+    # by launched forwards, and join `prompt_logprobs` as their results arrive
+    prompt_ids: list[int] = field(init=False)  # the prompt as sent (placeholders not padded): what they score
+    prompt_logprob_start: int = 0
+    prompt_logprobs: PromptLogprobs = field(default_factory=PromptLogprobs)
     detokenizer: IncrementalDetokenizer | None = None  # only for requests with stop strings
+    grammar: Grammar | None = None  # structured output; set when its grammar is compiled
     output_text: str | None = None  # the text cut before the stop string that ended the request
     first_token_time: float | None = None
     to_abort: str | None = None  # set by an abort; the scheduler releases the request next step
     # overlap scheduling and streaming
     future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none
     send_token_offset: int = 0  # output_ids before this were already reported
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = self.origin_input_ids  # (the scheduler pads origin_input_ids into a new list)
 
     def init_positions(self, spatial_merge_size: int) -> None:
         self.mrope_positions, self.mrope_delta = mrope_positions(
@@ -120,12 +134,29 @@ class Req:
         outputs = []
         if params.has_penalties:
             outputs = self.output_ids + [self.future_token] if self.future_token else list(self.output_ids)
-        return SampleRow(params, self.generator, self.origin_input_ids, outputs, self.num_outputs)
+        return SampleRow(params, self.generator, self.origin_input_ids, outputs, self.num_outputs, self.grammar)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether prompt positions whose log-probs it asked for are still to be computed."""
+        last = len(self.origin_input_ids) - 1  # the last prompt position predicts the first output
+        return self.sampling_params.prompt_logprobs is not None and self.prompt_logprob_start < last
+
+    def take_prompt_logprob_span(self, index: int, first_row: int, start: int, end: int) -> PromptLogprobSpan:
+        """The prompt log-probs of a forward computing its positions start..end-1 (position t predicts
+        prompt token t + 1), as row `index` of the batch from row `first_row` of its tokens."""
+        if start != self.prompt_logprob_start:  # (its prefix match stops there)
+            raise RuntimeError(f"request {self.rid}: prompt log-probs due from {self.prompt_logprob_start}, not {start}")
+        self.prompt_logprob_start = min(end, len(self.origin_input_ids) - 1)
+        targets = self.prompt_ids[start + 1 : self.prompt_logprob_start + 1]
+        return PromptLogprobSpan(index, first_row, targets, self.sampling_params.prompt_logprobs)
 
     def match_prefix(self, tree_cache: RadixCache) -> None:
         """Looks up the cached prefix; at least one token is always left to compute (its logits are
-        sampled)."""
-        match = tree_cache.match_prefix(self.fill_ids[: self.seq_len - 1])
+        sampled), and so is every prompt position whose log-prob is still to come (a cached position
+        has no logits)."""
+        limit = self.prompt_logprob_start if self.prompt_logprobs_pending else self.seq_len - 1
+        match = tree_cache.match_prefix(self.fill_ids[:limit])
         self.prefix_indices, self.last_node = match.indices, match.last_node
         self.extend_len = self.seq_len - len(self.prefix_indices)
 
@@ -211,11 +242,21 @@ class ScheduleBatch:
             req.kv_len = end
             offset += end - start
         batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens)
+        batch.prompt_logprob_spans = self._prompt_logprob_spans(prefix_lens, seq_lens)
         if mm_indices:
             embeds = VisionOutput.cat(mm_rows)
             batch.mm_indices = torch.cat(mm_indices).to(self.device)
             batch.mm_embeds, batch.deepstack_embeds = embeds.embeds, embeds.deepstack
         return batch
+
+    def _prompt_logprob_spans(self, prefix_lens: list[int], seq_lens: list[int]) -> list[PromptLogprobSpan]:
+        """The rows of this extend whose logits give prompt log-probs, for the requests that asked."""
+        spans, row = [], 0
+        for i, (req, start, end) in enumerate(zip(self.reqs, prefix_lens, seq_lens)):
+            if req.prompt_logprobs_pending:
+                spans.append(req.take_prompt_logprob_span(i, row, start, end))
+            row += end - start
+        return spans
 
     def prepare_for_decode(self) -> ForwardBatch:
         """One new token per request: the last sampled one. Kept free of per-request tensor work."""

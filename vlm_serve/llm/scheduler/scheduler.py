@@ -20,17 +20,18 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from vlm_serve.llm.constrained.grammar_backend import GrammarBackend, GrammarError, grammar_key
 from vlm_serve.llm.distributed import get_parallel_state
-from vlm_serve.llm.forward_batch import ForwardMode
+from vlm_serve.llm.forward_batch import ForwardMode, ForwardOutput
 from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
@@ -61,6 +62,9 @@ from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import VisionEncoder
 from vlm_serve.vision.vision_tower import VisionOutput
 
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
 logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens running requests are assumed to still use
@@ -68,6 +72,7 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # the ratio decays to this fraction of its in
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minimum
 RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
 ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per iteration
+GRAMMAR_WAIT_SECONDS = 0.01  # the same for grammars being compiled
 
 
 class SchedulerIO(Protocol):
@@ -80,6 +85,15 @@ class SchedulerIO(Protocol):
 
 
 @dataclass
+class PendingGrammar:
+    """A request in `grammar_queue`: its grammar is compiling on the grammar backend's thread."""
+
+    req: Req
+    compiled: Future[CompiledGrammar]
+    deadline: float  # time.monotonic() after which it is refused
+
+
+@dataclass
 class LaunchedBatch:
     """A batch whose forward was launched: what `process_batch_result` needs once it has run."""
 
@@ -88,7 +102,7 @@ class LaunchedBatch:
     num_prefill_reqs: int  # the first rows; the others (a mixed batch) were decoding
     samples: list[bool]  # per row: whether its sampled token is an output (not for a chunk before the end)
     future_start: int  # FutureMap slot of row 0's token
-    result: Future[SampleOutput]
+    result: Future[ForwardOutput]
 
 
 class Scheduler:
@@ -129,6 +143,8 @@ class Scheduler:
             server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
         )
         self.encoding = EncodingStage(encoder, server_args.mm_cache_mb << 20)
+        self._grammar_backend: GrammarBackend | None = None  # made for the first structured-output request
+        self.grammar_queue: list[PendingGrammar] = []
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
@@ -164,6 +180,8 @@ class Scheduler:
             self.forward_thread = None
         if self.encoding.encoder is not None:
             self.encoding.encoder.shutdown()
+        if self._grammar_backend is not None:
+            self._grammar_backend.shutdown()
 
     def _new_batch(self, reqs: list[Req], mode: ForwardMode = ForwardMode.DECODE) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, mode)
@@ -248,7 +266,9 @@ class Scheduler:
                 self._replies.append(self.get_stats())
             else:
                 logger.error("unknown message %s ignored", type(message).__name__)
-        if len(self.encoding):  # (the same on every rank: this step may broadcast)
+        if self.grammar_queue:  # (the same on every rank: this step may broadcast)
+            self.process_grammar_queue()
+        if len(self.encoding):
             self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
 
     def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
@@ -277,6 +297,11 @@ class Scheduler:
         bad = [t for t, mm in zip(req.origin_input_ids, placeholder) if not mm and not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        params = req.sampling_params
+        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         limit = self.runner.context_len
         if prompt_len + max_new > limit:
             raise ValueError(
@@ -293,12 +318,64 @@ class Scheduler:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.reqs[req.rid] = req
         self._idle_checked = False
+        key = grammar_key(params.json_schema, params.regex, params.ebnf)
+        if key is not None:
+            deadline = time.monotonic() + self.server_args.grammar_compile_timeout
+            self.grammar_queue.append(PendingGrammar(req, self.grammar_backend.compile(key), deadline))
+            return  # it goes on when its grammar is compiled
+        self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        """An admitted request to `waiting_queue`, through the encoding stage if its media need it."""
         if req.mm_items:
             covered = len(self.tree_cache.match_prefix(req.origin_input_ids[:-1]).indices)
+            if req.prompt_logprobs_pending:  # it computes its whole prompt: no cached prefix covers an item
+                covered = 0
             if self.encoding.add(req, covered):
                 return  # it joins waiting_queue when its embeddings are ready
             self.metrics.observe_media(req.mm_items)
         self.waiting_queue.append(req)
+
+    @property
+    def grammar_backend(self) -> GrammarBackend:
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammar_backend
+
+    def process_grammar_queue(self) -> None:
+        """Requests whose grammar is compiled go on (each gets its own matcher); those whose grammar is
+        invalid, or not compiled by the deadline, are refused. With TP, rank 0 decides which, and every
+        rank takes its own compiled grammar (waiting for it if needed)."""
+        done: list[tuple[str, str | None]] = []
+        if self.tp_rank == 0:
+            if not self._has_work() and not len(self.encoding):
+                wait([p.compiled for p in self.grammar_queue], GRAMMAR_WAIT_SECONDS, FIRST_COMPLETED)
+            now = time.monotonic()
+            timeout = self.server_args.grammar_compile_timeout
+            for p in self.grammar_queue:
+                if p.compiled.done():
+                    done.append((p.req.rid, None))
+                elif now > p.deadline:
+                    done.append((p.req.rid, f"the grammar did not compile within {timeout:g} s (--grammar-compile-timeout)"))
+        if self.tp_size > 1:
+            box = [done]
+            dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
+            done = box[0]
+        pending = {p.req.rid: p for p in self.grammar_queue}
+        for rid, error in done:
+            p = pending.pop(rid)
+            if error is None:
+                try:
+                    after_reasoning = p.req.sampling_params.reasoning
+                    p.req.grammar = self.grammar_backend.matcher(p.compiled.result(), after_reasoning)
+                except GrammarError as exc:
+                    error = str(exc)
+            if error is None:
+                self._enqueue(p.req)
+            else:
+                del self.reqs[rid]
+                self._outputs.append(TokenIdOut(rid, error=error))
+        self.grammar_queue = list(pending.values())
 
     def process_encoding_results(self, timeout: float = 0.0) -> None:
         """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be.
@@ -352,7 +429,11 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is None:
             return
-        if req in self.encoding:
+        queued = [p for p in self.grammar_queue if p.req is req]
+        if queued:
+            self.grammar_queue.remove(queued[0])
+            self._finish(req, FinishReason("abort", message=message))
+        elif req in self.encoding:
             self.encoding.remove(req)
             self._finish(req, FinishReason("abort", message=message))
         elif req in self.waiting_queue:
@@ -428,7 +509,10 @@ class Scheduler:
             if req.mm_items and self.encoding.add(req, len(req.prefix_indices)):
                 self.waiting_queue.remove(req)  # its cached prefix shrank: it needs embeddings after all
                 continue
-            if not self.tree_cache.disable and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
+            if (
+                not self.tree_cache.disable and not req.prompt_logprobs_pending
+                and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
+            ):  # fmt: skip
                 uncached = req.fill_ids[len(req.prefix_indices) :]
                 if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                     continue  # it will hit the cache next round
@@ -524,7 +608,8 @@ class Scheduler:
         """Appends each request's sampled token and checks whether it finished. Under overlap a request
         may have changed since the batch was launched: aborted (skipped), or retracted or preempted
         (its token is kept; it re-prefills with it)."""
-        out = batch.result.result()  # waits for the forward
+        result = batch.result.result()  # waits for the forward
+        out = result.sample
         t0 = time.perf_counter()
         next_token_ids = out.tolist()
         if batch.forward_mode == ForwardMode.DECODE:
@@ -536,6 +621,8 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue
+            if result.prompt_logprobs[i] is not None:
+                req.prompt_logprobs.extend(result.prompt_logprobs[i])
             if i < batch.num_prefill_reqs and req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
                 self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
             if not batch.samples[i]:  # a chunk that is not the last: nothing to sample yet
@@ -567,7 +654,9 @@ class Scheduler:
 
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        # a grammar allows EOS only where its answer is complete: it ends there even with ignore_eos
+        ignore_eos = params.ignore_eos and req.grammar is None
+        if token in params.stop_token_ids or (not ignore_eos and token in self.eos_token_ids):
             return FinishReason("stop", matched=token)
         if params.stop:
             new_text = req.detokenizer.update(req.output_ids)
@@ -610,6 +699,8 @@ class Scheduler:
         if params.logprobs:
             out.logprobs = req.output_logprobs[start:]
             out.top_logprobs = req.output_top_logprobs[start:]
+        if start == 0 and params.prompt_logprobs is not None:  # its first report
+            out.prompt_logprobs = req.prompt_logprobs
         if req.finished:
             reason = req.finished_reason
             out.finish_reason, out.matched_stop, out.message = reason.kind, reason.matched, reason.message

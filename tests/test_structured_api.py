@@ -1,0 +1,330 @@
+"""Structured output, tool calling and reasoning through the real server and the official `openai`
+client. The random tiny model writes noise: every answer that parses, and every tool call, is the
+grammar's doing — or, for `auto`, a call the test forces with an EBNF grammar."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from helpers import ServerProcess, openai_client, running_server
+
+from vlm_serve.server.protocol import ChatCompletionRequest
+from vlm_serve.testing.media import make_image
+from vlm_serve.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "shapes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"kind": {"enum": ["circle", "square"]}, "size": {"type": "integer", "minimum": 1, "maximum": 5}},
+                "required": ["kind"],
+                "additionalProperties": False,
+            },
+            "maxItems": 2,
+        },
+        "box": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+            "required": ["x", "ok"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["title", "count", "colour", "shapes", "box"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 7}, "maxItems": 3},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCED_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+def _literal(text: str) -> str:
+    """An EBNF grammar that allows exactly `text`."""
+    return "root ::= " + json.dumps(text)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_moe_dir: Path):
+    with running_server(tiny_moe_dir) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai_client(server)
+
+
+def _validate_call(call, tools=TOOLS) -> dict:
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, schema)
+    assert call.id.startswith("call_") and call.type == "function"
+    return arguments
+
+
+# ---- structured output ------------------------------------------------------------------------------
+
+
+def test_fifty_sampled_answers_follow_a_nested_json_schema(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "scene", "schema": SCHEMA, "strict": True}}
+    answers = []
+    for seed in (1, 2):
+        out = client.chat.completions.create(
+            model="default", messages=ASK, response_format=response_format, temperature=1.0, n=25, seed=seed,
+            max_tokens=150,
+        )  # fmt: skip
+        answers += [choice.message.content for choice in out.choices]
+        assert all(choice.finish_reason == "stop" for choice in out.choices)
+    for answer in answers:
+        jsonschema.validate(json.loads(answer), SCHEMA)
+    assert len(set(answers)) > 10  # sampled, not one answer repeated
+
+
+def test_a_streamed_answer_with_an_image_follows_the_schema(client):
+    image = make_image(64, 48, seed=4)
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "JSON?"}]}]
+    stream = client.chat.completions.create(
+        model="default", messages=messages, temperature=0.9, seed=3, max_tokens=150, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "scene", "schema": SCHEMA}},
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_regex_and_ebnf(client):
+    out = client.chat.completions.create(
+        model="default", messages=ASK, response_format={"type": "json_object"}, temperature=0, max_tokens=60,
+        extra_body={"logit_bias": {}},
+    )  # fmt: skip
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    else:  # a random model may write one long string: what there is must be the start of an object
+        assert out.choices[0].message.content.startswith("{")
+    regex = r"(yes|no), [0-9]{2} times"
+    out = client.chat.completions.create(
+        model="default", messages=ASK, temperature=1.0, n=4, max_tokens=20, extra_body={"regex": regex}
+    )
+    assert all(__import__("re").fullmatch(regex, c.message.content) for c in out.choices)
+    completion = client.completions.create(
+        model="default", prompt="Say it:", max_tokens=10, temperature=0, extra_body={"ebnf": _literal("it.")}
+    )
+    assert completion.choices[0].text == "it."
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         'invalid json_schema: Unsupported type \\"nope\\"'),
+        ({"regex": "(unclosed"}, "invalid regex"),
+        ({"ebnf": "root ::= undefined_rule"}, 'Rule \\"undefined_rule\\" is not defined'),
+        ({"regex": "a", "ebnf": _literal("a")}, "at most one of json_schema, regex and ebnf"),
+        ({"response_format": {"type": "json_schema"}}, "response_format of type json_schema needs a json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"5": 200}}, r"logit_bias values must be numbers in [-100, 100]"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias token id 99999999 is outside the vocabulary"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "send_email"}}},
+         "tool_choice names the function 'send_email', which is not among the tools"),
+        ({"tool_choice": "required"}, "tool_choice 'required' needs `tools`"),
+        ({"tools": TOOLS, "tool_choice": "required", "regex": "a"}, "cannot be combined with regex"),
+        ({"tools": [WEATHER, WEATHER]}, "tools must have distinct function names"),
+    ],
+)
+def test_bad_structured_output_requests_are_400s_naming_the_problem(server, body, message):
+    payload = {"model": "default", "messages": ASK, "max_tokens": 5, **body}
+    response = httpx.post(server.url + "/v1/chat/completions", json=payload, timeout=60)
+    assert response.status_code == 400, response.text
+    assert message in response.text
+    assert response.json()["error"]["type"] == "BadRequestError"
+
+
+def test_logit_bias_steers_the_answer(client, tiny_moe_dir):
+    token = Tokenizer.from_pretrained(tiny_moe_dir).encode(" cat")[0]
+    out = client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=3, temperature=0, logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert out.choices[0].message.content == " cat cat cat"
+
+
+# ---- tool calling -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_and_named_tool_choices_always_give_valid_calls(client, stream):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        calls_per_choice = _tool_calls(client, stream, tools=TOOLS, tool_choice=choice, n=4, temperature=1.0, seed=5)
+        for calls, finish in calls_per_choice:
+            assert calls and finish == "tool_calls"
+            for call in calls:
+                _validate_call(call)
+            if choice != "required":
+                assert [c.function.name for c in calls] == ["get_weather"]
+
+
+def test_auto_parses_a_call_the_model_writes_and_keeps_the_text_before_it(client):
+    ebnf = _literal("Let me check.\n" + FORCED_CALL)
+    out = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, max_tokens=150, temperature=0, extra_body={"ebnf": ebnf}
+    )
+    message = out.choices[0].message
+    assert message.content == "Let me check.\n" and out.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_time", {"zone": "UTC"})]
+    # streamed: the same call in one tool-call delta, the text as content
+    [(calls, finish)] = _tool_calls(client, True, tools=TOOLS, extra_body={"ebnf": ebnf}, temperature=0)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_time", '{"zone": "UTC"}')]
+    assert finish == "tool_calls"
+    # tool_choice "none": the same text stays text
+    out = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=150, temperature=0,
+        extra_body={"ebnf": ebnf},
+    )  # fmt: skip
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content == "Let me check.\n" + FORCED_CALL
+    assert out.choices[0].finish_reason == "stop"
+
+
+def _tool_calls(client, stream: bool, **kwargs) -> list[tuple[list, str]]:
+    """(tool calls, finish reason) of each choice, from a whole answer or put together from a stream."""
+    kwargs = {"model": "default", "messages": ASK, "max_tokens": 120, **kwargs}
+    if not stream:
+        out = client.chat.completions.create(**kwargs)
+        return [(c.message.tool_calls or [], c.finish_reason) for c in out.choices]
+    calls: dict[int, dict[int, object]] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            assert choice.delta.content or choice.delta.tool_calls or choice.finish_reason or choice.delta.role
+            for delta in choice.delta.tool_calls or []:
+                assert delta.index not in calls.setdefault(choice.index, {})  # one complete call per delta
+                calls[choice.index][delta.index] = delta
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return [([calls.get(i, {})[k] for k in sorted(calls.get(i, {}))], finish[i]) for i in sorted(finish)]
+
+
+def test_a_multi_turn_tool_conversation_is_rendered_as_transformers_renders_it(client, tiny_moe_dir):
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Weather in Paris and the time?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+        {"role": "user", "content": "Thanks. And tomorrow?"},
+    ]  # fmt: skip
+    theirs = transformers.AutoTokenizer.from_pretrained(tiny_moe_dir)
+    expected = theirs.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    # what the server hands the template: the messages and tools as its request models keep them
+    request = ChatCompletionRequest(messages=messages, tools=TOOLS)
+    ours = Tokenizer.from_pretrained(tiny_moe_dir).apply_chat_template(
+        [m.model_dump(exclude_none=True) for m in request.messages],
+        tools=[t.model_dump(exclude_none=True) for t in request.tools],
+    )  # fmt: skip
+    assert ours == expected
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"' in expected
+    out = client.chat.completions.create(model="default", messages=messages, tools=TOOLS, max_tokens=1)
+    assert out.usage.prompt_tokens == len(theirs(expected)["input_ids"])
+
+
+# ---- reasoning ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reasoning_client(tiny_moe_dir: Path):
+    with running_server(tiny_moe_dir, "--reasoning-parser", "qwen3") as srv:
+        yield openai_client(srv)
+
+
+# With thinking on, a grammar applies only after `</think>`, which the random model never writes: these
+# tests force the whole answer with thinking off, where an answer that opens with <think> still reasons.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def test_reasoning_is_split_from_the_answer_whole_and_streamed(reasoning_client):
+    extra_body = {"ebnf": _literal("<think>The user asks about rain.\n</think>\n\nIt is sunny."), **NO_THINKING}
+    out = reasoning_client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=40, temperature=0, extra_body=extra_body
+    )
+    message = out.choices[0].message
+    assert message.reasoning_content == "The user asks about rain.\n" and message.content == "\n\nIt is sunny."
+    reasoning, content = "", ""
+    for chunk in reasoning_client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=40, temperature=0, extra_body=extra_body, stream=True
+    ):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        assert "</think>" not in (delta.content or "") + (getattr(delta, "reasoning_content", None) or "")
+    assert (reasoning, content) == ("The user asks about rain.\n", "\n\nIt is sunny.")
+
+
+def test_reasoning_then_a_tool_call(reasoning_client):
+    extra_body = {"ebnf": _literal("<think>Need the time.</think>\n\n" + FORCED_CALL), **NO_THINKING}
+    out = reasoning_client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, max_tokens=150, temperature=0, extra_body=extra_body
+    )
+    message = out.choices[0].message
+    assert message.reasoning_content == "Need the time."
+    assert [c.function.name for c in message.tool_calls] == ["get_time"] and out.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_tool_call_comes_after_the_reasoning(reasoning_client, tiny_moe_dir):
+    think_end = Tokenizer.from_pretrained(tiny_moe_dir).token_to_id("</think>")
+    out = reasoning_client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0,
+        logit_bias={str(think_end): 100},  # the random model closes its (empty) reasoning at once
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _validate_call(call)

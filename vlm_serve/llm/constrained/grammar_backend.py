@@ -1,0 +1,172 @@
+"""Structured output: grammars compiled by xgrammar against the model's vocabulary.
+
+A request that asks for a JSON schema, a regex or an EBNF grammar waits in the scheduler's
+`grammar_queue` while `GrammarBackend.compile` runs on a worker thread; compiled grammars are kept, keyed by
+(kind, source), so the next request with the same schema starts at once. Each request (each choice) then
+gets its own `GrammarMatcher`, which the sampler uses every step: it masks the tokens the grammar does not
+allow before sampling, and is advanced by the sampled token after it (`apply_grammar_masks`,
+`accept_grammar_tokens`). Both run on the forward side, in launch order, so under the overlap loop the
+matcher has always seen the token the batch before sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import xgrammar as xgr
+
+if TYPE_CHECKING:
+    from vlm_serve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+GrammarKey = tuple[str, str]  # (kind: "json_schema" | "regex" | "ebnf", source)
+MAX_CACHED_GRAMMARS = 512
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled (names the field and xgrammar's reason)."""
+
+
+class GrammarBackend:
+    """Compiles grammars on one worker thread, each distinct (kind, source) once."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.vocab_size = vocab_size
+        self.think_end_id = tokenizer.token_to_id("</think>")
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.cache: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
+
+    def compile(self, key: GrammarKey) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar of `key`, now or later (a failure raises GrammarError from `result()`).
+        Failures are kept too: compiling the same source again would fail the same way."""
+        future = self.cache.get(key)
+        if future is not None:
+            self.cache.move_to_end(key)
+            return future
+        future = self.executor.submit(self._compile, key)
+        self.cache[key] = future
+        while len(self.cache) > MAX_CACHED_GRAMMARS:
+            self.cache.popitem(last=False)
+        return future
+
+    def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
+        kind, source = key
+        try:
+            if kind == "json_schema":
+                return self.compiler.compile_json_schema(source, any_whitespace=False)
+            if kind == "regex":
+                return self.compiler.compile_regex(source)
+            if kind == "ebnf":
+                return self.compiler.compile_grammar(source)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+            raise GrammarError(f"invalid {kind}: {_reason(exc)}") from None
+        raise GrammarError(f"unknown grammar kind {kind!r}")
+
+    def matcher(self, compiled: xgr.CompiledGrammar, after_reasoning: bool = False) -> Grammar:
+        """A request's own matcher; with `after_reasoning`, it starts after the `</think>` token."""
+        matcher = xgr.GrammarMatcher(compiled)
+        if after_reasoning and self.think_end_id is not None:
+            return ReasoningGrammar(matcher, self.think_end_id)
+        return matcher
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class ReasoningGrammar:
+    """A grammar that applies after the answer's reasoning (`--reasoning-parser`): every token is allowed
+    until the model writes the end-of-reasoning token (`</think>`), then the grammar takes over. It has
+    the matcher's interface, as far as the sampler uses it."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, think_end_id: int) -> None:
+        self.matcher = matcher
+        self.think_end_id = think_end_id
+        self.thinking = True
+
+    def is_terminated(self) -> bool:
+        return not self.thinking and self.matcher.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        if self.thinking:
+            bitmask[index] = -1  # every bit set: every token allowed
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.thinking:
+            self.thinking = token_id != self.think_end_id
+            return True
+        return self.matcher.accept_token(token_id)
+
+
+Grammar = xgr.GrammarMatcher | ReasoningGrammar  # what a request's `grammar` is
+
+
+def grammar_key(json_schema: str | None, regex: str | None, ebnf: str | None) -> GrammarKey | None:
+    """The grammar a request's settings ask for (at most one may be set; SamplingParams checks that)."""
+    for kind, source in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf)):
+        if source is not None:
+            return kind, source
+    return None
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary: every token's encoded string by id, over the model's (padded)
+    vocabulary size, and how the strings encode bytes (read from the tokenizer's own decoder, as
+    `TokenizerInfo.from_huggingface` does)."""
+    vocab = [""] * vocab_size
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id < vocab_size:
+            vocab[token_id] = token
+    decoder = json.loads(tokenizer.backend_json()).get("decoder") or {}
+    decoders = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    types = {d.get("type") for d in decoders}
+    if "ByteLevel" in types:
+        vocab_type = xgr.VocabType.BYTE_LEVEL
+    elif "ByteFallback" in types:
+        vocab_type = xgr.VocabType.BYTE_FALLBACK
+    else:
+        vocab_type = xgr.VocabType.RAW
+    add_prefix_space = any(d.get("type") == "Strip" and d.get("start") for d in decoders)
+    return xgr.TokenizerInfo(
+        vocab, vocab_type, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids), add_prefix_space=add_prefix_space
+    )
+
+
+def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Grammar | None]) -> None:
+    """Sets to -inf the logits of tokens each row's grammar does not allow next. Rows without one are
+    left alone, as are rows whose grammar has ended: under overlap a request can be in the batch after
+    the one that sampled its last token, and that row's token is thrown away."""
+    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+def accept_grammar_tokens(next_token_ids: torch.Tensor, matchers: Sequence[Grammar | None]) -> None:
+    """Advances each row's grammar by the token sampled for it."""
+    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    if not rows:
+        return
+    tokens = next_token_ids[rows].tolist()
+    for i, token in zip(rows, tokens):
+        if not matchers[i].accept_token(token):
+            logger.warning("grammar rejected token %d it had allowed", token)
+
+
+def _reason(exc: BaseException) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /project/cpp/file.cc:83: ")."""
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(exc).split()))
+    return text[:500] or type(exc).__name__
