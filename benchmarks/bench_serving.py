@@ -31,8 +31,8 @@ computed). `--output-json FILE` also writes the summary, the settings and every 
 `--json-schema SCHEMA` (a JSON file or inline JSON) measures what structured output costs: the same
 workload runs twice, plain and then with `response_format` of that schema, each after a cache flush
 and the same warm-up, and the report ends with both output throughputs and their ratio. With
-`ignore_eos` an answer still ends where its schema is complete, so a schema whose answers can be long
-(a free string) compares equal lengths.
+`ignore_eos` an answer still ends where its schema is complete: `benchmarks/caption_schema.json` (a
+caption of at least 2000 characters) keeps the answers as long as the plain ones.
 
     python benchmarks/bench_serving.py --launch --num-prompts 40 --image-size 224x224 \\
         --repeat-image-ratio 0.5 --output-len 16 --max-concurrency 8
@@ -188,12 +188,13 @@ def read_usage(result: RequestResult, usage: dict[str, Any]) -> None:
 
 
 async def send_request(
-    client: httpx.AsyncClient, model: str, request: BenchRequest, args: argparse.Namespace, schema: dict | None
-) -> RequestResult:
+    client: httpx.AsyncClient, model: str, request: BenchRequest, output_len: int, text_first: bool,
+    schema: dict | None = None,
+) -> RequestResult:  # fmt: skip
     result = RequestResult()
     start = last = time.perf_counter()
     done = False
-    payload = chat_payload(model, request, args.output_len, args.text_first, schema)
+    payload = chat_payload(model, request, output_len, text_first, schema)
     try:
         async with client.stream("POST", "/v1/chat/completions", json=payload) as resp:
             if resp.status_code != 200:
@@ -276,9 +277,9 @@ async def run_requests(
 
     async def one(request: BenchRequest) -> RequestResult:
         if limit is None:
-            return await send_request(client, model, request, args, schema)
+            return await send_request(client, model, request, args.output_len, args.text_first, schema)
         async with limit:
-            return await send_request(client, model, request, args, schema)
+            return await send_request(client, model, request, args.output_len, args.text_first, schema)
 
     gaps = arrival_gaps(random.Random(args.seed + 1), args.request_rate, len(requests))
     tasks = []

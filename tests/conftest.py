@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from vlm_serve.testing.tiny_model import create_tiny_model
+from vlm_serve.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +20,16 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny dense checkpoint (seed 0, fp32, untied)."""
     return create_tiny_model(tmp_path_factory.mktemp("tiny-dense"), arch="dense", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ours(tiny_moe_dir: Path) -> Tokenizer:
+    """Our runtime tokenizer of the tiny MoE checkpoint."""
+    return Tokenizer.from_pretrained(tiny_moe_dir)
+
+
+@pytest.fixture(scope="session")
+def theirs(tiny_moe_dir: Path):
+    """transformers' tokenizer of the same checkpoint: the oracle."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tiny_moe_dir)

@@ -4,7 +4,6 @@ the client will not send). transformers' tokenizer is the oracle for how a conve
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
@@ -48,15 +47,6 @@ def client(server: ServerProcess) -> openai.OpenAI:
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
-
-@pytest.fixture(scope="module")
-def ours(tiny_moe_dir: Path) -> Tokenizer:
-    return Tokenizer.from_pretrained(tiny_moe_dir)
-
-
-@pytest.fixture(scope="module")
-def theirs(tiny_moe_dir: Path):
-    return transformers.AutoTokenizer.from_pretrained(tiny_moe_dir)
 
 
 def post(server: ServerProcess, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:

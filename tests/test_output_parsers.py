@@ -9,6 +9,7 @@ import re
 import pytest
 import xgrammar as xgr
 
+from vlm_serve.server.chat_output import ChatOutput
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS, Qwen3ReasoningParser
 from vlm_serve.server.tool_parser import ToolCallStream, parse_tool_calls, tool_call_grammar
 
@@ -271,3 +272,20 @@ def test_named_grammar_forces_exactly_one_call_to_that_function(compiler):
 def test_named_grammar_for_an_unknown_function_raises():
     with pytest.raises(ValueError, match="send_mail"):
         tool_call_grammar(TOOLS, "send_mail")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_streamed_chat_answer_has_the_same_parts_as_the_whole_answer(thinking):
+    text = (
+        "Let me see.</think>\n\nI will call it.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    whole = ChatOutput("qwen3", ["get_weather"], thinking).parse(text)
+    assert [c.name for c in whole.tool_calls] == ["get_weather"]
+    for cut in range(len(text) + 1):
+        stream = ChatOutput("qwen3", ["get_weather"], thinking)
+        parts = stream.feed(text[:cut])
+        parts += stream.feed(text[cut:])
+        parts += stream.finish()
+        assert (parts.reasoning, parts.content) == (whole.reasoning, whole.content)
+        assert [(c.name, c.arguments) for c in parts.tool_calls] == [(c.name, c.arguments) for c in whole.tool_calls]

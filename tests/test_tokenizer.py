@@ -97,15 +97,6 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ours(tiny_moe_dir: Path) -> Tokenizer:
-    return Tokenizer.from_pretrained(tiny_moe_dir)
-
-
-@pytest.fixture(scope="module")
-def theirs(tiny_moe_dir: Path):
-    return transformers.AutoTokenizer.from_pretrained(tiny_moe_dir)
-
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_decode_match_transformers(ours: Tokenizer, theirs, text: str):

@@ -2,7 +2,8 @@
 
 With `--reasoning-parser`, the text up to `</think>` is `reasoning_content`; when the request has tools
 (and a tool_choice other than "none"), Qwen's `<tool_call>` blocks in the rest become `tool_calls`.
-`ChatOutput` does this piece by piece as an answer streams; a whole answer is one piece and the end.
+`ChatOutput` does this for a whole answer (`parse`) or piece by piece as it streams (`feed`, `finish`),
+with the same results.
 
 `tool_choice` "required" or a named function is enforced with a grammar (`tool_call_grammar`), so the
 answer is calls and nothing else, and their arguments match the functions' schemas.
@@ -15,7 +16,7 @@ from typing import Any
 
 from vlm_serve.server.protocol import ChatCompletionRequest, NamedToolChoice
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS
-from vlm_serve.server.tool_parser import ToolCall, ToolCallStream, tool_call_grammar
+from vlm_serve.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls, tool_call_grammar
 
 
 @dataclass
@@ -41,8 +42,17 @@ class ChatOutput:
 
     def __init__(self, reasoning_parser: str | None, tool_names: list[str], thinking: bool = True) -> None:
         self.reasoning = REASONING_PARSERS[reasoning_parser](thinking) if reasoning_parser else None
+        self.tool_names = tool_names
         self.tools = ToolCallStream(tool_names) if tool_names else None
         self.num_tool_calls = 0
+
+    def parse(self, text: str) -> ChatDelta:
+        """A whole answer's parts."""
+        reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
+        calls = []
+        if self.tool_names and content:
+            content, calls = parse_tool_calls(content, self.tool_names)
+        return ChatDelta(reasoning or "", content or "", calls)
 
     def feed(self, text: str) -> ChatDelta:
         if self.reasoning is None:

@@ -100,8 +100,7 @@ class OpenAIServing:
         choices = []
         for i, outs in enumerate(per_choice):
             logprobs = [t for out in outs for t in self._token_logprobs(out)] if params.logprobs else None
-            answer = parsers[i].feed("".join(out.text for out in outs))
-            answer += parsers[i].finish()
+            answer = parsers[i].parse("".join(out.text for out in outs))
             message = ChatMessageOut(
                 content=answer.content if answer.content or not (answer.reasoning or answer.tool_calls) else None,
                 reasoning_content=answer.reasoning or None,

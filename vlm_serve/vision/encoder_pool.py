@@ -32,7 +32,6 @@ import weakref
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
-from typing import Any
 
 import torch
 import torch.multiprocessing as mp
