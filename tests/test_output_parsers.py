@@ -255,6 +255,12 @@ def test_required_grammar_accepts_one_or_more_valid_calls(compiler):
         assert len(parse_tool_calls(text, ["get_weather", "book_flight", "ping"])[1]) == text.count("<tool_call>")
 
 
+def test_required_grammar_without_parallel_calls_takes_exactly_one(compiler):
+    grammar = tool_call_grammar(TOOLS, None, parallel=False)
+    assert all(accepts(compiler, grammar, text) for text in VALID_CALLS)
+    assert not accepts(compiler, grammar, "\n".join(VALID_CALLS[:2]))
+
+
 @pytest.mark.parametrize("text", INVALID_OUTPUTS)
 def test_required_grammar_rejects(compiler, text):
     assert not accepts(compiler, tool_call_grammar(TOOLS, None), text)

@@ -107,7 +107,7 @@ def tool_use(request: ChatCompletionRequest) -> ToolUse:
         given = [field for field in ("response_format", "regex", "ebnf") if getattr(request, field) is not None]
         if given and not (given == ["response_format"] and request.response_format.type == "text"):
             raise ValueError(f"tool_choice {_describe(choice)} cannot be combined with {given[0]}")
-        grammar = tool_call_grammar(tools, name)
+        grammar = tool_call_grammar(tools, name, parallel=request.parallel_tool_calls is not False)
     return ToolUse(tools, names, grammar)
 
 

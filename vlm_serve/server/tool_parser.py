@@ -118,9 +118,9 @@ class ToolCallStream:
         return piece
 
 
-def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
+def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
     """EBNF that forces the output to be tool calls and nothing else: one or more calls to any of `tools`
-    (`tool_choice: "required"`), or exactly one call to the function `name`. Each call's arguments must
+    (`tool_choice: "required"`; exactly one without `parallel`), or exactly one call to the function `name`. Each call's arguments must
     match that function's `parameters` schema (any JSON object where it has none). A thinking model's reasoning is not part of it: the
     grammar must start applying after `</think>`.
 
@@ -141,5 +141,6 @@ def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
         )
         for fn in chosen
     ]
-    calls = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=name is not None)
+    single = name is not None or not parallel
+    calls = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=single)
     return str(xgr.Grammar.from_structural_tag(StructuralTag(format=calls)))
