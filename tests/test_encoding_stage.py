@@ -15,6 +15,7 @@ from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import Histogram
 from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.server.errors import InternalError
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import InlineEncoder
@@ -90,10 +91,14 @@ def test_an_item_the_encoder_rejects_fails_only_its_request(tiny_moe_dir, monkey
             return encode(pixels, grids, max_patches)
 
         monkeypatch.setattr(visual, "encode", fail_on_the_bad_grid)
-        ok, failed = engine.generate_processed([good, bad], max_tokens=3, temperature=0)
-        assert ok.finish_reason in ("stop", "length")
-        assert failed.finish_reason == "abort"
-        assert failed.choices[0].message == "image 0 of the request could not be encoded: " \
+        ok, failed = (engine.submit(x, max_tokens=3, temperature=0) for x in (good, bad))
+        while not (ok.done and failed.done and engine.scheduler.is_idle()):
+            engine.step()
+        assert engine.result(ok).finish_reason in ("stop", "length")
+        with pytest.raises(InternalError) as raised:  # the server's failure (a 500), not an answer
+            engine.result(failed)
+        assert raised.value.code == "encoder_error"
+        assert raised.value.message == "image 0 of the request could not be encoded: " \
             "the vision encoder failed on this item: out of memory"
         engine.scheduler.check_memory()
 

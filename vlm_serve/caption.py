@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from vlm_serve.engine import Engine, Submission
+from vlm_serve.server.errors import ApiError
 from vlm_serve.vision.media import MediaError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -103,13 +104,10 @@ def caption_images(
                     path, start = pending.pop(submission)
                     try:
                         result = engine.result(submission)
-                    except ValueError as exc:  # refused by the scheduler (e.g. too long for the context)
+                    except ApiError as exc:  # refused (e.g. too long for the context), or the image failed to encode
                         write(path, start, None, 0, str(exc))
                         continue
-                    if result.finish_reason == "abort":
-                        write(path, start, None, len(result.token_ids), result.choices[0].message or "aborted")
-                    else:
-                        write(path, start, result.text, len(result.token_ids), None)
+                    write(path, start, result.text, len(result.token_ids), None)
 
         for path in todo:
             drain(batch_size - 1)

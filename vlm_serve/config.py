@@ -9,7 +9,8 @@ one transformers 5 writes (`rope_parameters`, `num_local_experts`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+API_KEY_ENV = "VLM_SERVE_API_KEY"  # the API key when neither api_key nor api_key_file is set
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,7 +55,10 @@ class ServerArgs:
     # the HTTP server and what requests may ask of it
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None  # every endpoint but /health then needs "Authorization: Bearer <key>"
+    # every endpoint but /health then needs "Authorization: Bearer <key>"; api_key_file or $VLM_SERVE_API_KEY
+    # keep the key out of the command line (see `with_api_key`), repr=False out of logs
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None  # a file holding the API key (on one line)
     served_model_name: str | None = None  # the model's name in the API; None = the checkpoint folder's name
     allowed_local_media_path: str | None = None  # requests may name local media files under this folder only
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from; none = off
@@ -118,6 +123,32 @@ class ServerArgs:
             raise ValueError(f"schedule_conservativeness must be > 0, not {self.schedule_conservativeness}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, not {self.max_total_tokens}")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give the API key by api_key (--api-key) or by api_key_file (--api-key-file), not both")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+
+    def with_api_key(self, environ: Mapping[str, str]) -> ServerArgs:
+        """These settings with the API key in `api_key`: as given, else read from `api_key_file`, else
+        `$VLM_SERVE_API_KEY` from `environ` (none of them: no key). An empty or unreadable key is a
+        ValueError, which never shows the key."""
+        if self.api_key_file is not None:
+            path = self.api_key_file
+            try:
+                key = Path(path).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
+            except UnicodeDecodeError:
+                raise ValueError(f"the API key file {path} is not UTF-8 text") from None
+            if not key or "\n" in key:
+                raise ValueError(f"the API key file {path} must hold the key, on one line")
+        elif self.api_key is None and API_KEY_ENV in environ:
+            key = environ[API_KEY_ENV]
+            if not key.strip():
+                raise ValueError(f"{API_KEY_ENV} is set but empty")
+        else:
+            return self
+        return replace(self, api_key=key, api_key_file=None)
 
     @property
     def node_tp_ranks(self) -> range:

@@ -217,13 +217,11 @@ def _responder(engine: Engine, lock: threading.Lock):
             answer = ""
             for chunk in _serialised(engine.stream(messages, **sampling), lock):
                 answer += chunk.text
-                if chunk.finish_reason == "abort":
-                    raise ValueError("the engine aborted the request (the image or video could not be encoded)")
                 yield [*history, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
         except ValueError as exc:  # bad media (MediaError), a prompt too long, bad settings
             gr.Warning(html.escape(f"The message was not sent: {exc}"))  # Gradio renders it as HTML
             yield history[:turn]
-        except Exception as exc:
+        except Exception as exc:  # also an image the server could not encode (ServiceUnavailable, InternalError)
             logger.exception("the demo's request failed")
             yield history[:turn]
             raise gr.Error(html.escape(f"The engine failed: {exc}")) from exc

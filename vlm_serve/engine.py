@@ -6,6 +6,14 @@ scheduler messages, handed over in a queue; the scheduler runs its own event loo
 `step()`, and its outputs come back as text through the same `DetokenizerManager` the server's
 detokenizer process runs. Each blocking call steps until its own requests finish; requests submitted
 together (a batch, or `n` > 1) are scheduled together with continuous batching.
+
+A request that could not be served never comes back as an answer: the call raises the error the server
+would answer with (`vlm_serve.server.errors`): `BadRequest` (a ValueError) when the request is at fault
+(refused by the scheduler, an invalid grammar), `ServiceUnavailable` when the server cannot serve it now
+(no encoder rank could encode its image, its grammar did not compile in time), `InternalError` when
+something failed that should not have (the vision tower raised on its image). Only `Engine.abort` (or
+closing a stream) ends a request with finish reason "abort". A failure of the engine itself (the
+scheduler's idle self-check finding leaked memory: a bug) raises RuntimeError, again at each idle step.
 """
 
 from __future__ import annotations
@@ -38,11 +46,11 @@ class Completion:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" (by `Engine.abort`)
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[float] | None = None  # of each chosen token, if asked
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), best first
-    message: str = ""  # why it was aborted (e.g. an image that could not be encoded)
+    message: str = ""  # why it was aborted
 
 
 @dataclass
@@ -87,12 +95,12 @@ class _Choice:
     unread: int = 0  # outputs before this were handed out by a stream
 
     @property
-    def error(self) -> str | None:
-        return self.outs[-1].error if self.outs else None
+    def failed(self) -> bool:
+        return bool(self.outs) and self.outs[-1].finish_reason == "error"
 
     @property
     def finished(self) -> bool:
-        return bool(self.outs) and (self.outs[-1].finish_reason is not None or self.outs[-1].error is not None)
+        return bool(self.outs) and self.outs[-1].finish_reason is not None
 
     def completion(self) -> Completion:
         last = self.outs[-1]
@@ -178,15 +186,15 @@ class Engine:
         return self.generate_processed([processed], **kwargs)[0]
 
     def generate_processed(self, inputs: list[ProcessedInput], priority: int = 0, **sampling: Any) -> list[GenerateOutput]:
-        """Already tokenized and preprocessed inputs, all scheduled together. If the scheduler refuses
-        one, the others are aborted and ValueError says why."""
+        """Already tokenized and preprocessed inputs, all scheduled together. If one fails (see the
+        module's docstring), the others are aborted and its error is raised."""
         submissions = [self.submit(x, priority, **sampling) for x in inputs]
         choices = [c for s in submissions for c in s.choices]
         self._wait(choices)
-        refused = next((c.error for c in choices if c.error is not None), None)
-        if refused is not None:
-            self._abort_and_wait(choices, "another input of the same call was rejected")
-            raise ValueError(refused)
+        failed = next((c for c in choices if c.failed), None)
+        if failed is not None:
+            self._abort_and_wait(choices, "another input of the same call failed")
+            raise failed.outs[-1].failure()
         return [self.result(s) for s in submissions]
 
     # ---- driving the scheduler yourself ------------------------------------------------------------
@@ -194,7 +202,8 @@ class Engine:
     def submit(self, x: ProcessedInput, priority: int = 0, **sampling: Any) -> Submission:
         """Queues one prompt and returns at once: call `step()` until `done`, then `result()`. Prompts
         submitted this way are batched continuously with everything else in flight. Bad sampling values
-        raise here; a refusal by the scheduler (too long, ...) is raised by `result()`."""
+        raise here; a failure later (a refusal by the scheduler, an image that could not be encoded, ...)
+        is raised by `result()`."""
         if self.scheduler is None:
             raise RuntimeError("the engine was shut down")
         request = GenerateReqInput(x, sampling, priority)
@@ -207,9 +216,9 @@ class Engine:
     def result(self, submission: Submission) -> GenerateOutput:
         if not submission.done:
             raise ValueError("the submission has not finished yet")
-        refused = next((c.error for c in submission.choices if c.error is not None), None)
-        if refused is not None:
-            raise ValueError(refused)
+        failed = next((c for c in submission.choices if c.failed), None)
+        if failed is not None:
+            raise failed.outs[-1].failure()
         first = submission.choices[0].outs[-1]
         return GenerateOutput(
             [c.completion() for c in submission.choices], first.prompt_tokens,
@@ -256,8 +265,8 @@ class Engine:
             while not submission.done:
                 self.step()
                 for i, choice in enumerate(submission.choices):
-                    if choice.error is not None:
-                        raise ValueError(choice.error)
+                    if choice.failed:
+                        raise choice.outs[-1].failure()
                     new, choice.unread = choice.outs[choice.unread :], len(choice.outs)
                     for out in new:
                         if out.text or out.new_ids or out.finish_reason:
@@ -272,9 +281,9 @@ class Engine:
         return sampling_params_from_openai(self.default_sampling, sampling)
 
     def _wait(self, choices: list[_Choice]) -> None:
-        """Steps until `choices` finish (or one is refused); then, if nothing else is in flight, until
-        the scheduler is idle (under overlap a batch may still be running for requests that ended)."""
-        while not all(c.finished for c in choices) and not any(c.error is not None for c in choices):
+        """Steps until `choices` finish (or one fails); then, if nothing else is in flight, until the
+        scheduler is idle (under overlap a batch may still be running for requests that ended)."""
+        while not all(c.finished for c in choices) and not any(c.failed for c in choices):
             self.step()
         while not self._choices and not self._io.inbox and not self.scheduler.is_idle():
             self.step()

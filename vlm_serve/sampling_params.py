@@ -43,8 +43,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, not {self.max_new_tokens}")
+        if self.max_new_tokens < 1:  # a request always gets the token its prefill samples
+            raise ValueError(f"max_new_tokens (max_tokens) must be >= 1, not {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], not {self.min_new_tokens}"

@@ -212,12 +212,17 @@ class Tokenizer:
         """Render `messages` with the checkpoint's chat template, as transformers' `apply_chat_template(...,
         tokenize=False)` does: message keys whose value is None are dropped, the special tokens
         (`eos_token`, ...) are template variables, and `extra` (e.g. `tools`, `add_vision_id`) is passed through.
-        `continue_final_message` ends the text right after the last message's text (no end-of-turn tokens)."""
+        `continue_final_message` ends the text right after the last message's text (no end-of-turn tokens).
+        Whatever the template refuses (its `raise_exception`, or data of the wrong type) is a ValueError."""
         if not messages:
             raise ValueError("cannot render an empty conversation")
         messages = [{k: v for k, v in _plain(message).items() if v is not None} for message in messages]
         variables = {"tools": None, "documents": None, **self._special_tokens, **_plain(extra)}
-        rendered = self._compiled_template().render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables
-        )
+        try:
+            rendered = self._compiled_template().render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except (jinja2.TemplateError, TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+            # the template ran on the caller's data (messages, tools, kwargs): what it refuses is their fault
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
         return _cut_after(rendered, messages[-1]) if continue_final_message else rendered

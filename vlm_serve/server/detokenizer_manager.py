@@ -47,26 +47,23 @@ class DetokenizerManager:
         return BatchStrOut([self._one(out) for out in batch.outs])
 
     def _one(self, out: TokenIdOut) -> StrOut:
-        new_ids, logprobs, top_logprobs = out.new_ids, out.logprobs, out.top_logprobs
-        if out.error is not None:
-            text = ""
-        else:
-            stream = self.streams.setdefault(out.rid, _Stream(TextStream(self.tokenizer, out.stop_holdback)))
-            stream.ids.extend(out.new_ids)
-            stream.logprobs.extend(out.logprobs)
-            stream.top_logprobs.extend(out.top_logprobs)
-            sent = stream.text.released
-            if out.finish_reason is None:
-                text, count = stream.text.update(stream.ids)
-            else:
-                text, count = stream.text.finish(stream.ids, out.matched_stop, out.output_text)
-                del self.streams[out.rid]
-            new_ids = stream.ids[sent : sent + count]
-            logprobs, top_logprobs = stream.logprobs[:count], stream.top_logprobs[:count]
-            del stream.logprobs[:count], stream.top_logprobs[:count]
+        stream = self.streams.setdefault(out.rid, _Stream(TextStream(self.tokenizer, out.stop_holdback)))
+        stream.ids.extend(out.new_ids)
+        stream.logprobs.extend(out.logprobs)
+        stream.top_logprobs.extend(out.top_logprobs)
+        sent = stream.text.released
+        if out.finish_reason is None:
+            text, count = stream.text.update(stream.ids)
+        else:  # (a failed request ends here too, so its stream is dropped)
+            text, count = stream.text.finish(stream.ids, out.matched_stop, out.output_text)
+            del self.streams[out.rid]
+        new_ids = stream.ids[sent : sent + count]
+        logprobs, top_logprobs = stream.logprobs[:count], stream.top_logprobs[:count]
+        del stream.logprobs[:count], stream.top_logprobs[:count]
         return StrOut(
             out.rid, text, new_ids, logprobs, top_logprobs, out.finish_reason, out.matched_stop,
-            out.message, out.prompt_tokens, out.cached_tokens, out.media_timings, out.error, out.prompt_logprobs,
+            out.message, out.prompt_tokens, out.cached_tokens, out.media_timings, out.status, out.code,
+            out.prompt_logprobs,
         )  # fmt: skip
 
 

@@ -2,19 +2,24 @@
 
 It prints where it listens once a warm-up request (text and an image) has passed through every
 process. A child that dies turns /health to 503 and stops the server (an encoder rank is restarted
-instead). A completion whose client disconnects is aborted, streamed or not.
+instead). A completion whose client disconnects is aborted, streamed or not. Every failure is answered
+in OpenAI's error shape by one handler, `error_response`, whatever raised it: a handler, FastAPI's body
+parsing and validation, or Starlette's routing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import importlib.metadata
 import logging
+import re
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,9 +28,20 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from PIL import Image
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlm_serve.config import ServerArgs
+from vlm_serve.server.errors import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    Unauthorized,
+)
 from vlm_serve.server.io_struct import GenerateReqInput, PortArgs, SchedulerLimits
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
@@ -36,7 +52,6 @@ from vlm_serve.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    ModelNotFoundError,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -59,11 +74,13 @@ UNHEALTHY_GRACE_SECONDS = 2.0  # /health answers 503 this long before a server w
 class ServerState:
     ready: bool = False  # the warm-up passed
     failure: str = ""  # why the server is unhealthy
+    encoders_down: str = ""  # why no encoder rank can run (/health fails; text requests are still served)
 
 
 class ApiKeyCheck:
-    """Requires `Authorization: Bearer <key>` on every path but /health. A plain ASGI middleware:
-    Starlette's `BaseHTTPMiddleware` would hide client disconnects from the handlers."""
+    """Requires `Authorization: Bearer <key>` on every path but /health, compared in constant time. A
+    plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would hide client disconnects from the
+    handlers."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
@@ -71,43 +88,145 @@ class ApiKeyCheck:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
-                message = "missing or invalid API key (send 'Authorization: Bearer <key>')"
-                response = JSONResponse(error_body(message, 401, "AuthenticationError"), status_code=401)
-                await response(scope, receive, send)
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
+                await _error_json(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
+# ---- errors --------------------------------------------------------------------------------------------
+
+_FRAMEWORK_ERRORS = {400: BadRequest, 404: NotFound, 405: MethodNotAllowed}  # what Starlette and FastAPI raise
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+async def error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The app's one exception handler: whatever a request raised, as OpenAI's error shape with the status
+    `_as_api_error` gives it."""
+    headers = exc.headers if isinstance(exc, StarletteHTTPException) else None  # 405's Allow
+    return _error_json(_as_api_error(request, exc), headers)
+
+
+def _as_api_error(request: Request, exc: Exception) -> ApiError:
+    """What an exception tells the client: an `ApiError` says it itself; a ValueError or a body pydantic
+    refused is a 400; Starlette's and FastAPI's own refusals keep their status (no such route 404, not
+    this method 405, an unreadable body 400). Anything else is a bug: a 500 whose message gives only a
+    request id, the traceback going to the log under that id."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return _invalid_request(exc)
+    if isinstance(exc, ValueError):
+        return BadRequest(str(exc))
+    if isinstance(exc, StarletteHTTPException) and exc.status_code in _FRAMEWORK_ERRORS:
+        return _FRAMEWORK_ERRORS[exc.status_code](_framework_message(request, exc))
+    request_id = uuid.uuid4().hex
+    logger.error("internal error (request id %s) in %s %s", request_id, request.method, request.url.path, exc_info=exc)
+    return InternalError(f"internal error (request id {request_id})")
+
+
+def _invalid_request(exc: RequestValidationError) -> BadRequest:
+    """A 400 naming where the JSON breaks, or (up to five of) the fields pydantic refused: `param` is
+    the first."""
+    errors = exc.errors()  # never empty
+    if errors[0]["type"] == "json_invalid":
+        e = errors[0]
+        return BadRequest(f"the request body is not valid JSON: {e['ctx']['error']} (at character {e['loc'][-1]})")
+    problems, fields = [], []
+    for e in errors[:5]:
+        where = ".".join(str(part) for part in e.get("loc", ()) if part != "body")
+        problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        fields.append(where)
+    return BadRequest("invalid request: " + "; ".join(problems), param=fields[0] or None)
+
+
+def _framework_message(request: Request, exc: StarletteHTTPException) -> str:
+    if exc.status_code == 404:
+        return f"no such route: {request.method} {request.url.path}"
+    if exc.status_code == 405:
+        return f"{request.url.path} does not take {request.method} (only {exc.headers['Allow']})"
+    cause = exc.__cause__  # FastAPI's "There was an error parsing the body" says nothing of why
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8: {cause}"
+    return f"{exc.detail}: {cause}" if cause is not None else str(exc.detail)
+
+
+def _error_json(error: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    body = error_body(error.message, error.status, error.kind, error.param, error.code)
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+async def _refuse_lone_surrogates(request: Request) -> None:
+    """A JSON body can spell a lone UTF-16 surrogate ("\\ud800", or its bytes: Python's JSON decoder lets
+    them pass), which is no character: nothing downstream can encode it (the tokenizer raises), so it is
+    a 400 naming the field. The body is parsed here only once: Starlette keeps it for the handler."""
+    if not await request.body():
+        return
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        return  # the handler reports what is wrong with it
+    found = _find_lone_surrogate(body)
+    if found is not None:
+        where, char = found
+        raise BadRequest(
+            f"invalid request: {where or 'body'}: lone UTF-16 surrogate \\u{ord(char):04x} is not valid Unicode text",
+            param=where or None,
+        )
+
+
+def _find_lone_surrogate(body: Any) -> tuple[str, str] | None:
+    """The first string (or key) of a parsed JSON value holding a surrogate: its place (`messages.0.
+    content`, as pydantic names places) and the surrogate. Iterative: a body may nest deeply."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            found = None if value.isascii() else _SURROGATE.search(value)
+            if found is not None:
+                return where, found.group()
+        elif isinstance(value, (dict, list)):
+            items = list(value.items() if isinstance(value, dict) else enumerate(value))
+            for key, item in reversed(items):  # popped in document order
+                # the place is printable even where the key holds the surrogate
+                name = str(key).encode("utf-8", "backslashreplace").decode()
+                here = f"{where}.{name}" if where else name
+                todo += [(here, item), (here, key)]
+    return None
+
+
+class _Route(APIRoute):
+    """A route whose every failure is answered by `error_response` (an `Exception` handler would not do:
+    Starlette sends its answer, then re-raises to uvicorn, which logs it again and drops the connection),
+    and whose JSON body holds no lone surrogate."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                await _refuse_lone_surrogates(request)
+                return await handle(request)
+            except Exception as exc:  # noqa: BLE001 - every failure is an answer in OpenAI's shape
+                return await error_response(request, exc)
+
+        return guarded
+
+
 def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState, api_key: str | None) -> FastAPI:
     app = FastAPI(title="vlm_serve", docs_url=None, redoc_url=None)
-
-    def error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
-        return JSONResponse(error_body(message, status, kind), status_code=status)
-
+    app.router.route_class = _Route
+    app.add_exception_handler(StarletteHTTPException, error_response)  # unknown routes, wrong methods
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for e in exc.errors()[:5]:
-            where = ".".join(str(part) for part in e.get("loc", ()) if part != "body")
-            problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        return error(400, "invalid request: " + "; ".join(problems))
-
-    @app.exception_handler(ValueError)
-    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        return error(400, str(exc))
-
-    @app.exception_handler(ModelNotFoundError)
-    async def unknown_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=404)
-
     @app.get("/health")
     async def health() -> JSONResponse:
-        if state.failure:
-            return JSONResponse({"status": "unhealthy", "reason": state.failure}, status_code=503)
+        reason = state.failure or state.encoders_down
+        if reason:
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -161,7 +280,7 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     async def flush_cache() -> JSONResponse:
         out = await tm.flush_cache()
         if not out.success:
-            return error(409, f"cannot flush the caches: {out.message}", "ConflictError")
+            raise Conflict(f"cannot flush the caches: {out.message}")
         return JSONResponse({"flushed": True})
 
     return app
@@ -276,9 +395,12 @@ class _Server(uvicorn.Server):
         while True:
             await asyncio.sleep(WATCHDOG_SECONDS)
             self.children.restart_encoders()
+            if self.children.encoders is not None:
+                self.state.encoders_down = self.children.encoders.failure
             failure = self.children.dead()
             if failure:
                 self.state.failure = failure
+                self.tm.fail_all(failure)  # requests in flight, and new ones, fail with a 503 naming it
                 logger.error("%s; stopping the server", failure)
                 print(f"vlm-serve: {failure}; stopping", file=sys.stderr, flush=True)
                 await asyncio.sleep(UNHEALTHY_GRACE_SECONDS)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs
 from vlm_serve.multimodal import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
+from vlm_serve.server.errors import ApiError, BadRequest, InternalError, ServiceUnavailable
 
 if TYPE_CHECKING:
     from vlm_serve.vision.encoder_pool import PoolAddresses
@@ -123,31 +124,34 @@ class StatsOut:
     computed_prompt_tokens: int
     generated_tokens: int
     num_retractions: int
-    embedding_cache: dict[str, float]  # hits, misses, evictions, usage_bytes
+    embedding_cache: dict[str, float]  # hits, misses, inflight_hits, evictions, usage_bytes
     encoder_load: list[int]  # patches in flight per encoder rank (empty for the inline tower)
     encoder_restarts: int
     media_items: int
     media_seconds: dict[str, Any]  # stage -> Histogram
+    vit_items: int  # images and videos run through a vision tower (once each, however many requests wait)
 
 
 @dataclass
 class TokenIdOut:
-    """What one request produced in one step. `error` (nothing else set) means the scheduler refused it."""
+    """What one request produced in one step. A request that could not be served ends with finish reason
+    "error", its `status` and `code` (see `FinishReason`); one the scheduler refused gets only that."""
 
     rid: str
     new_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
     matched_stop: int | str | None = None
-    message: str = ""  # why it was aborted
+    message: str = ""  # why it was aborted or failed
+    status: int = 0  # of an error: its HTTP status
+    code: str = ""  # of an error: its cause in a word
     output_text: str | None = None  # final text cut before a matched stop string
     stop_holdback: int = 0  # characters a stop string could still take back from the text so far
     prompt_tokens: int = 0
     cached_tokens: int = 0
     media_timings: list[MediaTimings] = field(default_factory=list)  # per image / video, when finished
     prompt_logprobs: PromptLogprobs | None = None  # with its first report, when asked
-    error: str | None = None
 
 
 @dataclass
@@ -170,8 +174,22 @@ class StrOut:
     prompt_tokens: int
     cached_tokens: int
     media_timings: list[MediaTimings] = field(default_factory=list)
-    error: str | None = None
+    status: int = 0  # of an error
+    code: str = ""
     prompt_logprobs: PromptLogprobs | None = None  # with its first output, when asked
+
+    @classmethod
+    def failed(cls, rid: str, status: int, code: str, message: str) -> StrOut:
+        """The end of a request that could not be served, as a front end learns it."""
+        return cls(rid, "", [], [], [], "error", None, message, 0, 0, status=status, code=code)
+
+    def failure(self) -> ApiError:
+        """The error a request ends with when this output says it failed: 400 the request's fault
+        (`BadRequest`, a ValueError), 503 the server cannot serve it now, else an internal error."""
+        kind = {400: BadRequest, 503: ServiceUnavailable}.get(self.status, InternalError)
+        error = kind(self.message)
+        error.code = self.code
+        return error
 
 
 @dataclass

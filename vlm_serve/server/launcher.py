@@ -10,6 +10,7 @@ child; a child that dies stops the server (an encoder rank is restarted instead)
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import signal
 import socket
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from vlm_serve.config import ServerArgs
+from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
 from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
 from vlm_serve.server.io_struct import PortArgs, SchedulerLimits
@@ -130,6 +131,8 @@ def launch_server(server_args: ServerArgs) -> int:
     """Runs this node's part of the server until SIGTERM / Ctrl-C (exit code 0) or a child's death (1)."""
     if server_args.model is None:
         server_args = dataclasses.replace(server_args, model=str(default_model_path()))
+    server_args = server_args.with_api_key(os.environ)  # the children get it pickled, not on a command line
+    os.environ.pop(API_KEY_ENV, None)  # nor in their environment
     signal.signal(signal.SIGTERM, _raise_exit)  # while starting: unwind through `finally`, stopping children
     ipc_dir = tempfile.mkdtemp(prefix="vlm-serve-")
     port_args = None

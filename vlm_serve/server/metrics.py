@@ -61,12 +61,17 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
         ("processor_cache", {
             "hits": processor_cache.hits, "misses": processor_cache.misses,
             "evictions": processor_cache.evictions, "usage_bytes": processor_cache.usage_bytes,
+            "inflight_hits": processor_cache.inflight_hits,
         }),
     ):  # fmt: skip
         what = "vision embeddings" if cache_name == "embedding_cache" else "preprocessed images/videos"
         lookups = counters["hits"] + counters["misses"]
         out.counter(f"{cache_name}_hits", counters["hits"], f"Lookups of {what} that hit.")
         out.counter(f"{cache_name}_misses", counters["misses"], f"Lookups of {what} that missed.")
+        out.counter(
+            f"{cache_name}_inflight_hits", counters["inflight_hits"],
+            f"Lookups of {what} that waited for the same item, already being computed (neither hit nor miss).",
+        )  # fmt: skip
         out.counter(f"{cache_name}_evictions", counters["evictions"], f"Cached {what} evicted.")
         out.gauge(f"{cache_name}_usage_bytes", counters["usage_bytes"], f"Bytes of cached {what}.")
         out.gauge(f"{cache_name}_hit_rate", counters["hits"] / lookups if lookups else 0.0, f"Hit rate of cached {what}.")
@@ -76,13 +81,18 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
     )  # fmt: skip
     out.counter("encoder_restarts", stats.encoder_restarts, "Encoder pool ranks restarted after dying.")
     out.counter("media_items", stats.media_items, "Images and videos that passed the encoding stage.")
+    out.counter("vit_items", stats.vit_items, "Images and videos run through a vision tower (once per item in flight).")
     out.histograms(
         "media_stage_seconds", {k: Histogram(**v) for k, v in stats.media_seconds.items()}, "stage",
         "Time per image/video in each stage: fetch, decode, preprocess, hash, encoder_wait, vit.",
     )  # fmt: skip
     out.counter("requests", server.num_requests, "Requests received (a request with n choices counts once).")
     out.labelled("requests_finished_total", "counter", server.num_finished, "reason", "Choices finished, by reason.")
-    out.counter("requests_rejected", server.num_rejected, "Requests the scheduler refused.")
+    out.counter("requests_rejected", server.num_rejected, "Requests that failed by their own fault (400).")
+    out.labelled(
+        "request_failure_total", "counter", server.num_failed, "reason",
+        "Requests the server could not serve (5xx), by cause; not counting client aborts.",
+    )  # fmt: skip
     out.counter("prompt_tokens", server.prompt_tokens, "Prompt tokens of finished choices.")
     out.histograms("time_to_first_token_seconds", {"": server.ttft}, "", "Time to the first generated token.")
     out.histograms("inter_token_latency_seconds", {"": server.itl}, "", "Time between generated tokens.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,7 +35,6 @@ from vlm_serve.server.protocol import (
     FunctionCallDelta,
     ImagePart,
     MediaTokens,
-    ModelNotFoundError,
     PromptLogprob,
     PromptTokensDetails,
     TokenLogprob,
@@ -43,13 +43,18 @@ from vlm_serve.server.protocol import (
     TopLogprob,
     Usage,
     VideoPart,
+    error_body,
     new_id,
     now,
 )
 from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
+from vlm_serve.server.errors import ApiError, InternalError, ModelNotFoundError
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.server.tool_parser import ToolCall
 from vlm_serve.multimodal import ProcessedInput
+
+logger = logging.getLogger(__name__)
+
 
 class OpenAIServing:
     """The /v1 endpoints' logic for one served model."""
@@ -95,7 +100,7 @@ class OpenAIServing:
         params = choices[0].sampling_params
         parsers = [ChatOutput(self.server_args.reasoning_parser, tools.parse, thinking) for _ in choices]
         if request.stream:
-            return self._chat_stream(request, x, choices, parsers)
+            return _errors_as_events(self._chat_stream(request, x, choices, parsers))
         per_choice = await self._collect(choices)
         choices = []
         for i, outs in enumerate(per_choice):
@@ -180,7 +185,7 @@ class OpenAIServing:
         choices = [c for x in inputs for c in self.tm.normalize(GenerateReqInput(x, sampling, request.priority))]
         echoes = [self._prompt_text(prompt) for prompt in prompts] if request.echo else [None] * len(prompts)
         if request.stream:
-            return self._completion_stream(request, inputs, echoes, choices)
+            return _errors_as_events(self._completion_stream(request, inputs, echoes, choices))
         per_choice = await self._collect(choices)
         n = len(choices) // len(inputs)
         choices = []
@@ -351,6 +356,27 @@ def _tool_call_delta(index: int, call: ToolCall) -> ToolCallDelta:
 def _sse(body: BaseModel) -> str:
     data = json.dumps(body.model_dump(exclude_none=True), ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
+
+
+async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events; a failure after the first becomes an event `{"error": {...}}` in OpenAI's shape,
+    then `[DONE]`, as vLLM and SGLang send it (the openai client raises it as an `APIError`). A failure
+    before the first is raised as it is: the response is then an error status, not a stream."""
+    started = False
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield event
+                started = True
+        except Exception as exc:
+            if not started:
+                raise
+            if not isinstance(exc, ApiError):
+                logger.exception("a streamed response failed")
+                exc = InternalError("the server failed while streaming this response")
+            body = error_body(exc.message, exc.status, exc.kind, exc.param, exc.code)
+            yield f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+            yield "data: [DONE]\n\n"
 
 
 def check_media_parts(request: ChatPrompt, server_args: ServerArgs) -> None:

@@ -217,7 +217,7 @@ class _SamplingRequest(BaseModel):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)  # 0 is refused, as by OpenAI and vLLM
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
@@ -265,7 +265,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -450,9 +450,11 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def error_body(message: str, status: int, kind: str = "BadRequestError", param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def error_body(
+    message: str, status: int, kind: str = "BadRequestError", param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape; its `code` is the HTTP status unless the error has a code of its own."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status if code is None else code}}
 
 
 # ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) --------------------------------------------
@@ -497,13 +499,3 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-class ModelNotFoundError(LookupError):
-    """A request named a model this server does not serve: OpenAI's 404 `model_not_found`."""
-
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The model `{model}` does not exist.")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": "NotFoundError", "param": "model", "code": "model_not_found"}}

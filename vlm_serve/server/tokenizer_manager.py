@@ -3,7 +3,8 @@
 Rendering the chat template, loading media and preprocessing run on a thread pool, off the event
 loop. Each request's choices go to the scheduler as `TokenizedGenerateReq`s; their text arrives from
 the detokenizer and is handed to the waiting handler through a per-request queue. A handler that goes
-away (client disconnect) aborts its unfinished choices, so their KV cache is freed.
+away (client disconnect) aborts its unfinished choices, so their KV cache is freed: that alone ends a
+request as a quiet "abort". A request that could not be served raises its error instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import zmq
 import zmq.asyncio
 
@@ -28,6 +28,7 @@ from vlm_serve.config import ServerArgs
 from vlm_serve.llm.scheduler.metrics import Histogram
 from vlm_serve.ipc import send_pyobj
 from vlm_serve.sampling_params import generation_defaults
+from vlm_serve.server.errors import ApiError
 from vlm_serve.server.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -53,17 +54,14 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
-class RequestError(ValueError):
-    """The scheduler refused a request (it can never fit, a duplicate id, ...): a 400 for the client."""
-
-
 @dataclass
 class ServerMetrics:
     """What the HTTP process measures: request counts and latencies as clients see them."""
 
     num_requests: int = 0
     num_finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
-    num_rejected: int = 0
+    num_rejected: int = 0  # requests that failed by their own fault (400)
+    num_failed: dict[str, int] = field(default_factory=dict)  # requests the server could not serve, by cause
     prompt_tokens: int = 0
     generation_tokens: int = 0
     ttft: Histogram = field(default_factory=Histogram)
@@ -110,6 +108,7 @@ class TokenizerManager:
         self._control_lock = asyncio.Lock()  # one control request (stats, flush) at a time
         self._reply: asyncio.Future | None = None
         self._loop_task: asyncio.Task | None = None
+        self.failure = ""  # why no request can be served any more (a server process died)
 
     def start(self) -> None:
         """Starts receiving outputs; call from the server's event loop."""
@@ -136,10 +135,7 @@ class TokenizerManager:
         return await loop.run_in_executor(self.executor, functools.partial(self._process_messages, messages, **options))
 
     def _process_messages(self, messages: list[dict[str, Any]], **options: Any) -> ProcessedInput:
-        try:
-            processed = self.processor.process_messages(messages, **options)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+        processed = self.processor.process_messages(messages, **options)
         for item in processed.mm_items:
             item.pixel_values.share_memory_()  # the scheduler maps these pages instead of copying them
         return processed
@@ -163,24 +159,29 @@ class TokenizerManager:
     # ---- generation --------------------------------------------------------------------------------
 
     async def generate(self, choices: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, StrOut]]:
-        """Sends a request's choices and yields (choice index, output) as they progress. Raises
-        `RequestError` if the scheduler refuses the request. Leaving early (a disconnect) aborts the
-        unfinished choices."""
+        """Sends a request's choices and yields (choice index, output) as they progress. A choice that
+        fails raises its error (`StrOut.failure`: `BadRequest` when the request is at fault, e.g.
+        refused by the scheduler; `ServiceUnavailable` or `InternalError` when the server is) and aborts
+        the others. Leaving early (a disconnect) aborts the unfinished choices."""
+        self.metrics.num_requests += 1
+        if self.failure:
+            raise self._failed(StrOut.failed("", 503, "server_unavailable", self.failure))
         rids = [c.rid for c in choices]
         pending = _Pending(rids, unfinished=set(rids))
         index = {rid: i for i, rid in enumerate(rids)}
         for choice in choices:
             self.pending[choice.rid] = pending
             send_pyobj(self.send_to_scheduler, choice)
-        self.metrics.num_requests += 1
         start = last = time.perf_counter()
         first = True
+        failed = False
         try:
             while pending.unfinished:
                 out = await pending.queue.get()
-                if out.error is not None:
-                    self.metrics.num_rejected += 1
-                    raise RequestError(out.error)
+                if out.finish_reason == "error":
+                    failed = True
+                    pending.unfinished.discard(out.rid)
+                    raise self._failed(out)
                 now = time.perf_counter()
                 if out.new_ids:
                     (self.metrics.ttft if first else self.metrics.itl).observe(now - (start if first else last))
@@ -194,15 +195,40 @@ class TokenizerManager:
                 yield index[out.rid], out
             self.metrics.e2e.observe(time.perf_counter() - start)
         finally:
+            why = "another choice of the request failed" if failed else "the client went away"
             for rid in rids:
                 if self.pending.pop(rid, None) is not None and rid in pending.unfinished:
-                    send_pyobj(self.send_to_scheduler, AbortReq(rid, "the client went away"))
-                    self.metrics.num_finished["abort"] += 1
+                    send_pyobj(self.send_to_scheduler, AbortReq(rid, why))
+                    if not failed:
+                        self.metrics.num_finished["abort"] += 1
+
+    def _failed(self, out: StrOut) -> ApiError:
+        """Counts a request that ended with `out`'s failure, and returns its error."""
+        if out.status == 400:
+            self.metrics.num_rejected += 1
+        else:
+            self.metrics.num_failed[out.code] = self.metrics.num_failed.get(out.code, 0) + 1
+        return out.failure()
+
+    def fail_all(self, reason: str) -> None:
+        """A server process died: every request in flight (a control request too), and every later one,
+        fails with a 503 naming `reason`."""
+        self.failure = reason
+        for rid, pending in self.pending.items():
+            pending.queue.put_nowait(StrOut.failed(rid, 503, "server_unavailable", reason))
+        if self._reply is not None and not self._reply.done():
+            self._reply.set_exception(self._unavailable())
+
+    def _unavailable(self) -> ApiError:
+        """What anything asked of a server with a dead process fails with."""
+        return StrOut.failed("", 503, "server_unavailable", self.failure).failure()
 
     # ---- control -----------------------------------------------------------------------------------
 
     async def _control(self, request: Any) -> Any:
         async with self._control_lock:
+            if self.failure:  # (its answer would never come)
+                raise self._unavailable()
             self._reply = asyncio.get_running_loop().create_future()
             send_pyobj(self.send_to_scheduler, request)
             return await asyncio.wait_for(self._reply, timeout=30)

@@ -41,6 +41,7 @@ class EncodeResult:
     hash: int
     output: VisionOutput | None
     error: str | None = None
+    unavailable: bool = False  # with an error: no encoder could run it (its ranks died), not the item's fault
     wait: float = 0.0  # seconds from submission until a vision tower started on it
     vit: float = 0.0  # its share (by patch count) of the compute time of the pass it ran in
     rank: int = 0  # the encoder rank that ran it

@@ -12,8 +12,10 @@ embeddings cross as shared-memory tensors (CPU) or CUDA IPC handles copied on ar
 metadata goes through the sockets. Each rank holds a full replica of the (small) tower on its own
 device: GPU `i`, or on CPU a share of the cores (`--vit-threads`).
 
-A dead rank is noticed by the pool through a pidfd; its in-flight tasks go to the other ranks. A task
-whose ranks died `MAX_ATTEMPTS` times, or that the tower rejects, comes back as an error result.
+A dead rank is noticed by the pool through a pidfd, and is never given work once its process has
+exited; its in-flight tasks go to the other ranks. A task whose ranks died `MAX_ATTEMPTS` times while
+encoding it (a job a rank had not begun does not count: it cannot have killed it), or that no rank is
+left to run, comes back as an `unavailable` error result; one the tower rejects as a plain error.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from vlm_serve.vision.vision_tower import VisionOutput, load_vision_model
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 2  # a task is given up after this many of its ranks died holding it
+MAX_ATTEMPTS = 2  # a task is given up after this many of its ranks died encoding it
 MAX_START_FAILURES = 3  # a rank that fails to start this many times in a row stays down
 STARTUP_TIMEOUT = 600.0  # seconds for the ranks to load their weights at pool start
 SHUTDOWN_TIMEOUT = 5.0
@@ -70,8 +72,8 @@ class PoolAddresses:
 
 def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loaded: Event) -> None:
     """An encoder process: load the vision tower, then encode jobs until stopped. Events it sends:
-    ("ready", index, pid), ("error", index, message) when it cannot start, ("done", index, job id,
-    results)."""
+    ("ready", index, pid), ("error", index, message) when it cannot start, ("started", index, job id)
+    and ("done", index, job id, results)."""
     init_child_process(f"vlm-encoder-{index}")
     torch.set_num_threads(rank_threads(server_args))
     context = zmq.Context()
@@ -96,6 +98,7 @@ def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loa
                 return  # the owner was killed without a chance to stop us
             continue
         job_id, tasks = recv_pyobj(jobs)
+        send_pyobj(events, ("started", index, job_id))
         results = encode_tasks(visual, tasks, server_args.vit_max_patches_per_pass)
         send_pyobj(events, ("done", index, job_id, results))
 
@@ -157,6 +160,13 @@ class EncoderRanks:
     @property
     def processes(self) -> list[BaseProcess]:
         return [r.process for r in self.ranks]
+
+    @property
+    def failure(self) -> str:
+        """Why no image or video can be encoded ('' while a rank runs or may still come back)."""
+        if not all(r.down for r in self.ranks):
+            return ""
+        return f"no encoder rank is running (each failed to start {MAX_START_FAILURES} times in a row)"
 
     def check(self) -> None:
         """Restarts the ranks that died (a pool waiting for them resubmits their work elsewhere)."""
@@ -223,6 +233,7 @@ class _Rank:
     down: bool = False  # it will not come back
     incarnations: int = 0  # processes that said they were ready
     jobs: dict[int, list[EncodeTask]] = field(default_factory=dict)  # in flight, by job id
+    started: set[int] = field(default_factory=set)  # the jobs it has begun to encode
     last_heard: float = 0.0  # time.monotonic() of its last event, or of being given work while idle
 
     @property
@@ -311,9 +322,10 @@ class EncoderPool(VisionEncoder):
         self._dispatch(tasks)
 
     def _dispatch(self, tasks: list[EncodeTask]) -> None:
-        """Longest-first onto the least loaded ready rank (by patches in flight), one job per rank.
-        With no rank ready (they are restarting) the tasks wait for one."""
-        ranks = [r for r in self.ranks if r.ready]
+        """Longest-first onto the least loaded ready rank (by patches in flight), one job per rank; never
+        onto a rank whose process has exited, noticed or not (the next `poll` takes its work back). With
+        no rank ready (they are restarting) the tasks wait for one."""
+        ranks = [r for r in self.ranks if r.ready and not _exited(r.pidfd)]
         if not ranks:
             self._orphans.extend(tasks)
             return
@@ -339,7 +351,7 @@ class EncoderPool(VisionEncoder):
                 if rank.pidfd is not None:
                     poller.register(rank.pidfd, zmq.POLLIN)
             poller.poll(timeout * 1000)
-        self._receive(results)
+        self._receive(results)  # (first: a dead rank's last events say which of its jobs it had begun)
         now = time.monotonic()
         for rank in self.ranks:
             if rank.ready and _exited(rank.pidfd):
@@ -356,11 +368,13 @@ class EncoderPool(VisionEncoder):
             retry = []
             for task in orphans:
                 if not self._usable():
-                    results.append(EncodeResult(task.hash, None, "no encoder rank is running (they fail to start)"))
+                    error = "no encoder rank is running (they fail to start)"
                 elif task.attempts >= MAX_ATTEMPTS:
-                    results.append(EncodeResult(task.hash, None, f"encoder ranks died {task.attempts} times while encoding it"))
+                    error = f"encoder ranks died {task.attempts} times while encoding it"
                 else:
                     retry.append(task)
+                    continue
+                results.append(EncodeResult(task.hash, None, error, unavailable=True))
             self._dispatch(retry)
         return results
 
@@ -377,10 +391,15 @@ class EncoderPool(VisionEncoder):
             rank = self.ranks[index]
             if kind == "ready":
                 self._ready(rank, rest[0])
+            elif kind == "started":
+                if rest[0] in rank.jobs:
+                    rank.started.add(rest[0])
+                    rank.last_heard = time.monotonic()
             elif kind == "done":
                 job_id, job_results = rest
                 if rank.jobs.pop(job_id, None) is None:
                     continue  # a job given up when its rank was taken for dead
+                rank.started.discard(job_id)
                 rank.last_heard = time.monotonic()
                 for result in job_results:
                     result.rank = index
@@ -393,11 +412,13 @@ class EncoderPool(VisionEncoder):
                     raise RuntimeError(f"encoder rank {index} failed to start: {rest[0]}")
                 logger.error("encoder rank %d cannot start: %s", index, rest[0])
             elif kind == "down":
-                rank.down, rank.ready = True, False
-                self._orphans.extend(t for tasks in rank.jobs.values() for t in tasks)
-                rank.jobs.clear()
+                if rank.ready:  # its last process died unnoticed
+                    self._lost(rank)
+                rank.down = True
 
     def _ready(self, rank: _Rank, pid: int) -> None:
+        if rank.ready:  # the process before died unnoticed, and was replaced already
+            self._lost(rank)
         if rank.incarnations:
             self.num_restarts += 1
         rank.incarnations += 1
@@ -412,14 +433,17 @@ class EncoderPool(VisionEncoder):
             self._dispatch(orphans)
 
     def _lost(self, rank: _Rank) -> None:
-        """Its process died: its tasks go back to the pool, and its job socket is replaced so that jobs
-        queued for the dead process are dropped rather than handed to the next one."""
+        """Its process died: its tasks go back to the pool (an attempt counts against those it had begun),
+        and its job socket is replaced so that jobs queued for the dead process are dropped rather than
+        handed to the next one."""
         logger.warning("encoder rank %d (pid %s) is gone; its %d job(s) go to the other ranks", rank.index, rank.pid, len(rank.jobs))
-        for tasks in rank.jobs.values():
+        for job_id, tasks in rank.jobs.items():
             for task in tasks:
-                task.attempts += 1
+                if job_id in rank.started:
+                    task.attempts += 1
                 self._orphans.append(task)
         rank.jobs.clear()
+        rank.started.clear()
         rank.ready = False
         if rank.pidfd is not None:
             os.close(rank.pidfd)

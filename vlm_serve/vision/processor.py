@@ -6,7 +6,8 @@ becomes, per temporal patch group, `<{seconds:.1f} seconds><|vision_start|>` + p
 as a whole (as there), and each item's pad runs are recorded as its `spans`.
 
 Every item carries its content hash (`mm_cache.hashing.media_hash`). A processed-input cache keyed by
-it lets a repeated image or video (same bytes, same settings) skip decoding, resizing and normalising.
+it lets a repeated image or video (same bytes, same settings) skip decoding, resizing and normalising;
+concurrent first requests for one (on the HTTP server's preprocessing threads) process it once.
 """
 
 from __future__ import annotations
@@ -219,16 +220,15 @@ class MultimodalProcessor:
         self, data: Any, modality: str, settings: Any, timings: MediaTimings, preprocess: Callable[[], MultimodalItem]
     ) -> MultimodalItem:
         """A fresh item (no spans yet, its own `timings`) for the media `data`, preprocessed only when
-        the processed-input cache does not hold its content hash."""
+        the processed-input cache does not hold its content hash, and by one thread when several ask
+        for it at once (the others wait for its result)."""
         start = time.perf_counter()
         key = media_hash(data, modality, settings)
         timings.hash = time.perf_counter() - start
-        item = self.cache.get(key)
-        timings.processor_cache_hit = item is not None
-        if item is None:
-            item = preprocess()
-            item.hash = key
-            self.cache.put(key, item, item.pixel_values.nbytes)
+        item, computed = self.cache.get_or_compute(
+            key, lambda: replace(preprocess(), hash=key), lambda item: item.pixel_values.nbytes
+        )
+        timings.processor_cache_hit = not computed
         return replace(item, spans=[], timings=timings)
 
     def _expand(self, prompt: str, images: list[MultimodalItem], videos: list[MultimodalItem]) -> str:

@@ -3,15 +3,16 @@
 
 It owns the embedding cache (content hash -> vision embeddings and deepstack features). For each item a
 request needs, in this order: an item whose whole token span the prefix cache already covers is not
-needed at all; a cached item is taken from the cache; an item already being encoded for another request
-is waited for; anything else is submitted to the encoder. A request is ready when it holds every item
+needed at all; an item already being encoded for another request is waited for (single flight: the
+vision tower runs once for it however many requests want it at once); a cached item is taken from the
+cache; anything else is submitted to the encoder. A request is ready when it holds every item
 it needs. From then until its prefill is done it keeps those cache entries pinned, so they cannot be
 evicted under it, and chunked prefill takes each chunk's rows straight from them.
 """
 
 from __future__ import annotations
 
-from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req
 from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder
 from vlm_serve.vision.vision_tower import VisionOutput
@@ -31,6 +32,7 @@ class EncodingStage:
         self.outstanding: dict[Req, int] = {}  # requests in the stage -> items still to arrive
         self.to_submit: list[EncodeTask] = []  # new items, handed to the encoder together at the next poll
         self.ready_now: list[Req] = []  # every item was cached: ready at the next poll
+        self.inflight_hits = 0  # items that waited for an encode already in flight (not cache misses)
 
     def __len__(self) -> int:
         return len(self.outstanding)
@@ -57,36 +59,41 @@ class EncodingStage:
         missing = len(needed)
         for i in needed if self.encoder is not None else ():
             item = req.mm_items[i]
+            if item.hash in self.inflight:  # (then it is not in the cache: its result goes there on arrival)
+                self.inflight_hits += 1
+                self.inflight[item.hash].append((req, i))
+                continue
             cached = self.cache.get(item.hash)
             if cached is not None:
                 item.timings.embedding_source = "cache"
                 self._hold(req, i, cached)
                 missing -= 1
                 continue
-            if item.hash not in self.inflight:
-                self.inflight[item.hash] = []
-                self.to_submit.append(EncodeTask(item.hash, item.grid_thw, item.pixel_values))
-            self.inflight[item.hash].append((req, i))
+            self.inflight[item.hash] = [(req, i)]
+            self.to_submit.append(EncodeTask(item.hash, item.grid_thw, item.pixel_values))
         self.outstanding[req] = missing
         if missing == 0:
             self.ready_now.append(req)
         return True
 
-    def poll(self, timeout: float = 0.0) -> tuple[list[Req], list[tuple[Req, str]]]:
-        """Rank 0: takes the encoder's finished results: (requests now ready, (request, error) that failed)."""
+    def poll(self, timeout: float = 0.0) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
+        """Rank 0: takes the encoder's finished results: (requests now ready, (request, why it failed)).
+        An item no encoder could run (its ranks died) fails its requests with a 503, one the vision tower
+        raised on with a 500: either way the server's failure, not the request's."""
         ready = [r for r in self.ready_now if self.outstanding.pop(r, None) is not None]
         self.ready_now = []
-        failed: list[tuple[Req, str]] = []
+        failed: list[tuple[Req, FinishReason]] = []
         if self.to_submit:
             self.encoder.submit(self.to_submit)
             self.to_submit = []
         for result in self.encoder.poll(timeout):
             waiters = [(r, i) for r, i in self.inflight.pop(result.hash, []) if r in self.outstanding]
             if result.output is None:
+                status, code = (503, "encoder_unavailable") if result.unavailable else (500, "encoder_error")
                 for req, i in waiters:
                     if req in self.outstanding:
-                        item = req.mm_items[i]
-                        failed.append((req, f"{item.modality} {i} of the request could not be encoded: {result.error}"))
+                        message = f"{req.mm_items[i].modality} {i} of the request could not be encoded: {result.error}"
+                        failed.append((req, FinishReason.error(status, code, message)))
                         self.remove(req)
                 continue
             self.cache.put(result.hash, result.output, result.output.nbytes)

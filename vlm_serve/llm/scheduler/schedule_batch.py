@@ -30,9 +30,19 @@ _DISCARDED_ROW = SampleRow(SamplingParams(temperature=0), None, [], [], 0)  # gr
 
 @dataclass
 class FinishReason:
-    kind: str  # "stop" | "length" | "abort"
+    """Why a request ended. "abort" is its client's own cancellation; "error" means it could not be
+    served, and is never reported as an answer: `status` says whose fault (400 the request's, 5xx the
+    server's) and `code` names the cause in a word."""
+
+    kind: str  # "stop" | "length" | "abort" | "error"
     matched: int | str | None = None  # the stop token id or stop string that ended the request
-    message: str = ""  # why it was aborted
+    message: str = ""  # why it was aborted or failed
+    status: int = 0  # of an "error": its HTTP status
+    code: str = ""  # of an "error": e.g. "encoder_unavailable" (OpenAI's error `code`, the failure metric's label)
+
+    @classmethod
+    def error(cls, status: int, code: str, message: str) -> FinishReason:
+        return cls("error", message=message, status=status, code=code)
 
 
 @dataclass(eq=False)

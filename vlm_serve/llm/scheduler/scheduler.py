@@ -275,8 +275,10 @@ class Scheduler:
         req = Req(message.rid, message.input_ids, message.sampling_params, message.mm_items, priority=message.priority)
         try:
             self.add_request(req)
-        except ValueError as exc:
-            self._outputs.append(TokenIdOut(message.rid, error=str(exc)))
+        except ValueError as exc:  # the request's own fault: refused before it started
+            self._outputs.append(
+                TokenIdOut(message.rid, finish_reason="error", message=str(exc), status=400, code="invalid_request")
+            )
 
     def add_request(self, req: Req) -> None:
         """Validates and queues a request; a request that can never run raises ValueError."""
@@ -344,9 +346,11 @@ class Scheduler:
 
     def process_grammar_queue(self) -> None:
         """Requests whose grammar is compiled go on (each gets its own matcher); those whose grammar is
-        invalid, or not compiled by the deadline, are refused. With TP, rank 0 decides which, and every
-        rank takes its own compiled grammar (waiting for it if needed)."""
-        done: list[tuple[str, str | None]] = []
+        invalid fail as the request's fault (400). One not compiled by the deadline fails as the
+        server's (503): the deadline includes waiting behind other requests' grammars, and the compile
+        goes on, so a retry finds it compiled. With TP, rank 0 decides which, and every rank takes its
+        own compiled grammar (waiting for it if needed)."""
+        done: list[tuple[str, FinishReason | None]] = []
         if self.tp_rank == 0:
             if not self._has_work() and not len(self.encoding):
                 wait([p.compiled for p in self.grammar_queue], GRAMMAR_WAIT_SECONDS, FIRST_COMPLETED)
@@ -356,46 +360,46 @@ class Scheduler:
                 if p.compiled.done():
                     done.append((p.req.rid, None))
                 elif now > p.deadline:
-                    done.append((p.req.rid, f"the grammar did not compile within {timeout:g} s (--grammar-compile-timeout)"))
+                    message = f"the grammar did not compile within {timeout:g} s (--grammar-compile-timeout)"
+                    done.append((p.req.rid, FinishReason.error(503, "grammar_timeout", message)))
         if self.tp_size > 1:
             box = [done]
             dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
             done = box[0]
         pending = {p.req.rid: p for p in self.grammar_queue}
-        for rid, error in done:
+        for rid, failure in done:
             p = pending.pop(rid)
-            if error is None:
+            if failure is None:
                 try:
                     after_reasoning = p.req.sampling_params.reasoning
                     p.req.grammar = self.grammar_backend.matcher(p.compiled.result(), after_reasoning)
                 except GrammarError as exc:
-                    error = str(exc)
-            if error is None:
+                    failure = FinishReason.error(400, "invalid_grammar", str(exc))
+            if failure is None:
                 self._enqueue(p.req)
             else:
-                del self.reqs[rid]
-                self._outputs.append(TokenIdOut(rid, error=error))
+                self._finish(p.req, failure)
         self.grammar_queue = list(pending.values())
 
     def process_encoding_results(self, timeout: float = 0.0) -> None:
-        """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be.
-        With TP, rank 0 tells the others which, with the embeddings."""
+        """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be (as
+        the encoding stage says why). With TP, rank 0 tells the others which, with the embeddings."""
         ready, failed = self.encoding.poll(timeout) if self.tp_rank == 0 else ([], [])
         if self.tp_size > 1:
             ready, failed = self.broadcast_encoding_results(ready, failed)
         for req in ready:
             self.metrics.observe_media(req.mm_items)
             self.waiting_queue.append(req)
-        for req, error in failed:
-            self._finish(req, FinishReason("abort", message=error))
+        for req, failure in failed:
+            self._finish(req, failure)
 
     def broadcast_encoding_results(
-        self, ready: list[Req], failed: list[tuple[Req, str]]
-    ) -> tuple[list[Req], list[tuple[Req, str]]]:
+        self, ready: list[Req], failed: list[tuple[Req, FinishReason]]
+    ) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
         """Rank 0's encoding results on every rank. The request ids and row counts go as a small object;
         the embeddings as one tensor, (1 + deepstack layers, rows, hidden), broadcast as a tensor."""
         items = [(req.rid, [(i, e.embeds.shape[0]) for i, e in enumerate(req.mm_embeds) if e is not None]) for req in ready]
-        box = [(items, [(req.rid, error) for req, error in failed])]
+        box = [(items, [(req.rid, failure) for req, failure in failed])]
         dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
         items, failures = box[0]
         rows = sum(n for _, held in items for _, n in held)
@@ -419,7 +423,7 @@ class Scheduler:
                 embeds[i] = VisionOutput(layers[0], list(layers[1:]))
                 start += n
             self.encoding.receive(self.reqs[rid], embeds)
-        failed = [(self.reqs[rid], error) for rid, error in failures]
+        failed = [(self.reqs[rid], failure) for rid, failure in failures]
         for req, _ in failed:
             self.encoding.remove(req)
         return [self.reqs[rid] for rid, _ in items], failed
@@ -704,6 +708,7 @@ class Scheduler:
         if req.finished:
             reason = req.finished_reason
             out.finish_reason, out.matched_stop, out.message = reason.kind, reason.matched, reason.message
+            out.status, out.code = reason.status, reason.code
             out.output_text = req.output_text
             out.media_timings = [item.timings for item in req.mm_items]
         return out
@@ -738,9 +743,11 @@ class Scheduler:
             generated_tokens=m.generated_tokens, num_retractions=m.num_retractions,
             embedding_cache={
                 "hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "usage_bytes": cache.usage_bytes,
+                "inflight_hits": self.encoding.inflight_hits,
             },
             encoder_load=encoder.load, encoder_restarts=encoder.num_restarts,
             media_items=m.media_items, media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
+            vit_items=encoder.num_items,
         )  # fmt: skip
 
     def self_check_when_idle(self) -> None:

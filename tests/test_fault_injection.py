@@ -1,0 +1,288 @@
+"""Fault injection through real servers: what clients see when many of them leave at once, and when a
+core process of the server is SIGKILLed under load.
+
+A disconnect storm (200 clients at once, half streaming, a quarter leaving early) gives every client
+that stays the greedy answer it gets alone, and leaves the server idle: nothing running, waiting or
+encoding, no KV slot held, the scheduler's idle self-check passed and the server healthy. A killed
+detokenizer or scheduler TP rank ends every request in flight either correctly answered or visibly
+failed (a 503 or a stream error event naming the dead process, or a broken connection once the server
+is gone), never as a 200 with a cut answer; then the server stops and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import ServerProcess, descendants, openai_client, process_name, start_server
+
+from vlm_serve.testing.media import make_image
+
+MAX_TOKENS = 8
+LONG = 1000  # tokens: an answer still in flight when its client leaves or its server fails
+STORM = 200  # clients in the disconnect storm
+CLIENTS = 6  # clients sending request after request while a process is killed
+
+
+def _image_url(seed: int) -> str:
+    buffer = io.BytesIO()
+    make_image(64, 48, seed=seed).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Tell me about the sea."}],
+    [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _image_url(5)}}, {"type": "text", "text": "Describe it."},
+    ]}],
+]  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    """How a chat request ended, as its client saw it."""
+
+    status: int  # 0: the connection broke (or could not be made)
+    text: str = ""  # the answer (a stream's deltas joined)
+    finish_reason: str | None = None
+    error: dict | None = None  # OpenAI's error object: the body's, or a stream's error event
+    done: bool = False  # a stream's `[DONE]` arrived
+    left: bool = False  # the client left early on purpose
+
+
+async def _chat(
+    http: httpx.AsyncClient, messages: list[dict], stream: bool, max_tokens: int = MAX_TOKENS,
+    leave: bool = False, words: asyncio.Event | None = None,
+) -> Outcome:  # fmt: skip
+    """One greedy chat request; a stream sets `words` at its first words, and leaves then if `leave`."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if max_tokens == LONG:
+        body["ignore_eos"] = True  # (it must not end early)
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200 or not stream:
+                await response.aread()
+                assert response.headers["content-type"] == "application/json", (response.status_code, response.text)
+                answer = response.json()
+                if response.status_code != 200:
+                    return Outcome(response.status_code, error=answer["error"])
+                choice = answer["choices"][0]
+                return Outcome(200, choice["message"]["content"], choice["finish_reason"])
+            outcome = Outcome(200)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    outcome.done = True
+                    continue
+                assert not outcome.error, "an error event is the stream's last"
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    outcome.error = event["error"]
+                    continue
+                for choice in event["choices"]:
+                    outcome.text += choice["delta"].get("content") or ""
+                    outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
+                if outcome.text and words is not None:
+                    words.set()
+                if outcome.text and leave:
+                    outcome.left = True
+                    return outcome
+            return outcome
+    except httpx.TransportError:
+        return Outcome(0)
+
+
+def _correct(outcome: Outcome, expected: Outcome, stream: bool) -> bool:
+    """The request's whole greedy answer, as a lone request gets it."""
+    answer = (outcome.status, outcome.error, outcome.text, outcome.finish_reason, outcome.done)
+    return answer == (200, None, expected.text, expected.finish_reason, stream)
+
+
+def _metrics(server: ServerProcess) -> dict[str, float]:
+    return _parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+    return {name.removeprefix("vlm_serve:"): float(value) for name, value in samples}
+
+
+def _idle(metrics: dict[str, float]) -> bool:
+    gauges = ("num_requests_running", "num_requests_waiting", "num_requests_encoding", "kv_cache_usage")
+    return all(metrics[gauge] == 0 for gauge in gauges)
+
+
+def _wait_until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def _http(server: ServerProcess, connections: int) -> httpx.AsyncClient:
+    """A client of the server opening a connection per request (a leaving client closes its own)."""
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=0)
+    return httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60)
+
+
+def _control(server: ServerProcess) -> list[Outcome]:
+    """Each conversation's greedy answer to a lone request, through the official client."""
+    client = openai_client(server)
+    answers = []
+    for messages in CONVERSATIONS:
+        reply = client.chat.completions.create(model=None, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        answers.append(Outcome(200, reply.choices[0].message.content, reply.choices[0].finish_reason))
+    assert all(a.text and a.finish_reason in ("stop", "length") for a in answers)
+    return answers
+
+
+@pytest.fixture(scope="module")
+def server(tiny_moe_dir: Path):
+    """One server for the storm; the detokenizer test (the module's last) kills it."""
+    server = start_server(tiny_moe_dir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(server: ServerProcess) -> list[Outcome]:
+    return _control(server)
+
+
+# ---- a disconnect storm --------------------------------------------------------------------------------
+
+
+async def _storm(server: ServerProcess) -> list[Outcome]:
+    """`STORM` clients at once, the first half streaming; every fourth leaves early: a streaming one at
+    its first words, a non-streaming one (whose answer would take long) once every request of the storm
+    has reached the scheduler, as a client that gives up waiting."""
+    requests_before = _metrics(server)["requests_total"]
+    async with _http(server, STORM + 1) as http:
+        everyone_in = asyncio.Event()
+
+        async def watch() -> None:
+            while _parse_metrics((await http.get("/metrics")).text)["requests_total"] < requests_before + STORM:
+                await asyncio.sleep(0.05)
+            everyone_in.set()
+
+        async def client(i: int) -> Outcome:
+            messages, stream, leaves = CONVERSATIONS[i // 4 % len(CONVERSATIONS)], i < STORM // 2, i % 4 == 0
+            if not leaves:
+                return await _chat(http, messages, stream)
+            if stream:
+                return await _chat(http, messages, True, LONG, leave=True)
+            request = asyncio.ensure_future(_chat(http, messages, False, LONG))
+            await everyone_in.wait()
+            assert not request.done(), request.result()
+            request.cancel()
+            return Outcome(0, left=True)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await asyncio.gather(*(client(i) for i in range(STORM)))
+        finally:
+            watcher.cancel()
+
+
+def test_a_disconnect_storm_gives_staying_clients_their_answers_and_leaves_the_server_idle(server, expected):
+    assert httpx.post(server.url + "/flush_cache").status_code == 200  # the image is encoded during the storm
+    before = _metrics(server)
+    outcomes = asyncio.run(_storm(server))
+    for i, outcome in enumerate(outcomes):
+        if i % 4 == 0:
+            assert outcome.left, (i, outcome)
+        else:
+            assert _correct(outcome, expected[i // 4 % len(CONVERSATIONS)], stream=i < STORM // 2), (i, outcome)
+
+    _wait_until(lambda: _idle(_metrics(server)), "the server is idle")  # aborts land within a step or two
+    # an idle scheduler runs its self-check before it answers stats: answering again means the check
+    # passed (a failed one raises in the scheduler, whose death makes /health 503 and stops the server)
+    after = _metrics(server)
+    assert _idle(after)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    finished = lambda m, reason: m[f'requests_finished_total{{reason="{reason}"}}']  # noqa: E731
+    assert finished(after, "abort") - finished(before, "abort") == STORM // 4
+    assert sum(finished(after, r) - finished(before, r) for r in ("stop", "length")) == STORM - STORM // 4
+    assert not any(name.startswith("request_failure_total") for name in after), "leaving is not a failure"
+    assert after["vit_items_total"] - before["vit_items_total"] == 1  # encoded once, however many waited
+    assert _control(server) == expected
+
+
+# ---- killed processes ----------------------------------------------------------------------------------
+
+
+async def _kill_under_load(
+    server: ServerProcess, victim: int, expected: list[Outcome]
+) -> tuple[list[Outcome], list[Outcome], httpx.Response]:
+    """`CLIENTS` clients send short requests one after another (every other one streaming) while two long
+    streams run; `victim` is SIGKILLed once each client has its first answer and the long streams their
+    first words, and /metrics is asked right after. A client stops at its first request not answered
+    correctly: returns that request's outcome for each client, the long streams' and /metrics' answer."""
+    async with _http(server, CLIENTS + 3) as http:
+        answered = [asyncio.Event() for _ in range(CLIENTS)]
+
+        async def client(i: int) -> Outcome:
+            stream = i % 2 == 1
+            for k in itertools.cycle(range(len(CONVERSATIONS))):
+                outcome = await _chat(http, CONVERSATIONS[k], stream)
+                if not _correct(outcome, expected[k], stream):
+                    return outcome
+                answered[i].set()
+
+        streaming = [asyncio.Event() for _ in range(2)]
+        long = [asyncio.ensure_future(_chat(http, CONVERSATIONS[0], True, LONG, words=words)) for words in streaming]
+        clients = [asyncio.ensure_future(client(i)) for i in range(CLIENTS)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in answered + streaming)), 60)
+        os.kill(victim, signal.SIGKILL)
+        metrics = await http.get("/metrics")
+        return await asyncio.wait_for(asyncio.gather(*clients), 60), await asyncio.gather(*long), metrics
+
+
+def _every_request_answered_or_visibly_failed(
+    server: ServerProcess, victim_name: str, cause: str, expected: list[Outcome]
+) -> None:
+    """Kills `victim_name` under load and checks how every request ends, that the server stops, and that
+    no process outlives it."""
+    everything = descendants(server.process.pid)
+    victim = next(pid for pid in everything if process_name(pid) == victim_name)
+    failed, long, metrics = asyncio.run(_kill_under_load(server, victim, expected))
+    for outcome in failed:  # every request before it was answered correctly
+        if outcome.status == 0:
+            continue  # the server was gone already: the connection was refused or broke
+        assert outcome.status in (200, 503), outcome  # 200: a stream that had started
+        assert (outcome.error["message"], outcome.error["type"]) == (cause, "ServiceUnavailableError"), outcome
+        assert outcome.finish_reason is None and outcome.done == (outcome.status == 200), outcome
+    for outcome in long:  # streaming when the process died: the stream says why it ends
+        assert outcome.status == 200 and outcome.text and outcome.finish_reason is None, outcome
+        assert outcome.error["message"] == cause and outcome.done, outcome
+    assert (metrics.status_code, metrics.json()["error"]["message"]) == (503, cause)  # its answer never comes
+    assert server.process.wait(60) == 1
+    assert f"stopped because {cause}" in "".join(server.output)
+    _wait_until(lambda: not [pid for pid in everything if process_name(pid)], "no process outlives the server", 30)
+
+
+def test_a_killed_detokenizer_fails_every_request_in_flight_visibly_and_stops_the_server(server, expected):
+    cause = "the detokenizer process exited (code -9)"
+    _every_request_answered_or_visibly_failed(server, "vlm-detokenizer", cause, expected)
+
+
+def test_a_killed_scheduler_rank_fails_every_request_in_flight_visibly_and_stops_the_server(tiny_moe_dir):
+    server = start_server(tiny_moe_dir, "--tp-size", "2", "--vit-dp", "0")
+    try:
+        expected = _control(server)
+        cause = "the scheduler TP1 process exited (code -9)"
+        _every_request_answered_or_visibly_failed(server, "vlm-scheduler-1", cause, expected)
+    finally:
+        server.stop()
