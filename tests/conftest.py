@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import openai_client
 
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
@@ -33,3 +34,18 @@ def theirs(tiny_moe_dir: Path):
     """transformers' tokenizer of the same checkpoint: the oracle."""
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(tiny_moe_dir)
+
+
+# For test modules that define a `server` fixture (a real `vlm-serve serve`, without an API key):
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client for the module's server."""
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    """The served model's name."""
+    return client.models.list().data[0].id

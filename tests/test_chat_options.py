@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, openai_client, running_server
+from helpers import ServerProcess, running_server
 
 from vlm_serve.detokenizer import TextStream
 from vlm_serve.testing.media import make_image, make_video
@@ -36,16 +36,6 @@ def server(tiny_moe_dir: Path, media_dir: Path):
         "--mm-max-image-pixels", str(MAX_IMAGE_PIXELS),
     ) as srv:  # fmt: skip
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 

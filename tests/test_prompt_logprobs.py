@@ -15,11 +15,10 @@ import io
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import torch
 import transformers
-from helpers import ServerProcess, openai_client, running_server
+from helpers import running_server
 
 from vlm_serve.engine import Engine
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs
@@ -168,16 +167,6 @@ def test_retracted_requests_keep_their_prompt_logprobs(tiny_moe_dir, inputs, ref
 def server(tiny_moe_dir: Path):
     with running_server(tiny_moe_dir) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

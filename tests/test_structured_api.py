@@ -9,9 +9,8 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from helpers import ServerProcess, openai_client, running_server
+from helpers import openai_client, running_server
 
 from vlm_serve.server.protocol import ChatCompletionRequest
 from vlm_serve.testing.media import make_image
@@ -88,11 +87,6 @@ def _literal(text: str) -> str:
 def server(tiny_moe_dir: Path):
     with running_server(tiny_moe_dir) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai_client(server)
 
 
 def _validate_call(call, tools=TOOLS) -> dict:
