@@ -1,11 +1,11 @@
-"""Session-wide tiny Qwen3-VL checkpoints shared by the test files."""
+"""Session-wide tiny Qwen3-VL checkpoints, tokenizers and a server shared by the test files."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from helpers import openai_client
+from helpers import ServerProcess, openai_client, running_server
 
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
@@ -36,7 +36,16 @@ def theirs(tiny_moe_dir: Path):
     return transformers.AutoTokenizer.from_pretrained(tiny_moe_dir)
 
 
-# For test modules that define a `server` fixture (a real `vlm-serve serve`, without an API key):
+@pytest.fixture(scope="session")
+def server(tiny_moe_dir: Path) -> ServerProcess:
+    """A real `vlm-serve serve` of the tiny MoE checkpoint with the default flags, shared by every test
+    module that does not define its own `server`: its tests leave it serving as they found it (they
+    may flush its caches)."""
+    with running_server(tiny_moe_dir) as srv:
+        yield srv
+
+
+# For test modules using a `server` (a real `vlm-serve serve` without an API key), theirs or the one above:
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,18 @@
 """Fault injection through real servers: what clients see when many of them leave at once, and when a
-core process of the server is SIGKILLed under load.
+process of the server is SIGKILLed under load. A client can always tell an answer from a failure.
 
 A disconnect storm (200 clients at once, half streaming, a quarter leaving early) gives every client
 that stays the greedy answer it gets alone, and leaves the server idle: nothing running, waiting or
-encoding, no KV slot held, the scheduler's idle self-check passed and the server healthy. A killed
-detokenizer or scheduler TP rank ends every request in flight either correctly answered or visibly
-failed (a 503 or a stream error event naming the dead process, or a broken connection once the server
-is gone), never as a 200 with a cut answer; then the server stops and leaves no process behind.
+encoding, no KV slot held, the scheduler's idle self-check passed and the server healthy.
+
+With an encoder pool of two (`--vit-dp 2`): both ranks SIGKILLed at once under load are replaced, and
+every request still gets its answer; killed again with their replacements failing to start, every image
+request gets a 503 naming the cause, /health says why, and text is still served.
+
+A killed detokenizer or scheduler TP rank ends every request in flight either correctly answered or
+visibly failed (a 503 or a stream error event naming the dead process, an error the official client
+raises, or a broken connection once the server is gone), never as a 200 with a cut answer; then the
+server stops and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ import io
 import itertools
 import json
 import os
+import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from helpers import ServerProcess, descendants, openai_client, process_name, start_server
 
@@ -35,18 +44,18 @@ STORM = 200  # clients in the disconnect storm
 CLIENTS = 6  # clients sending request after request while a process is killed
 
 
-def _image_url(seed: int) -> str:
+def _image_chat(seed: int, width: int = 64) -> list[dict]:
     buffer = io.BytesIO()
-    make_image(64, 48, seed=seed).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    make_image(width, 48, seed=seed).save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."},
+    ]}]  # fmt: skip
 
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "Tell me about the sea."}],
-    [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": _image_url(5)}}, {"type": "text", "text": "Describe it."},
-    ]}],
-]  # fmt: skip
+TEXT = [{"role": "user", "content": "Tell me about the sea."}]
+POEM = [{"role": "user", "content": "Write a poem about a small robot."}]
+CONVERSATIONS = [TEXT, _image_chat(5)]
 
 
 @dataclass
@@ -137,11 +146,11 @@ def _http(server: ServerProcess, connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60)
 
 
-def _control(server: ServerProcess) -> list[Outcome]:
+def _control(server: ServerProcess, conversations: list[list[dict]] = CONVERSATIONS) -> list[Outcome]:
     """Each conversation's greedy answer to a lone request, through the official client."""
     client = openai_client(server)
     answers = []
-    for messages in CONVERSATIONS:
+    for messages in conversations:
         reply = client.chat.completions.create(model=None, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         answers.append(Outcome(200, reply.choices[0].message.content, reply.choices[0].finish_reason))
     assert all(a.text and a.finish_reason in ("stop", "length") for a in answers)
@@ -149,15 +158,8 @@ def _control(server: ServerProcess) -> list[Outcome]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_moe_dir: Path):
-    """One server for the storm; the detokenizer test (the module's last) kills it."""
-    server = start_server(tiny_moe_dir)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def expected(server: ServerProcess) -> list[Outcome]:
+    """Answers of the shared server (the storm leaves it as it found it)."""
     return _control(server)
 
 
@@ -220,44 +222,97 @@ def test_a_disconnect_storm_gives_staying_clients_their_answers_and_leaves_the_s
     assert _control(server) == expected
 
 
-# ---- killed processes ----------------------------------------------------------------------------------
+# ---- killed processes --------------------------------------------------------------------------------
+
+
+def _encoder_pids(server: ServerProcess) -> list[int]:
+    return [pid for pid in descendants(server.process.pid) if process_name(pid).startswith("vlm-encoder-")]
+
+
+async def _under_fire(server: ServerProcess, conversations: list[list[dict]]) -> list[Outcome]:
+    """Sends the conversations at once (every other one streamed) while both encoder ranks hold their
+    images, and SIGKILLs both ranks together: stopped first, they take work but never answer it."""
+    victims = _encoder_pids(server)
+    assert len(victims) == 2
+    for pid in victims:
+        os.kill(pid, signal.SIGSTOP)
+    async with _http(server, len(conversations) + 1) as http:
+        requests = [asyncio.ensure_future(_chat(http, c, i % 2 == 1)) for i, c in enumerate(conversations)]
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = _parse_metrics((await http.get("/metrics")).text)
+            if all(metrics[f'encoder_load_patches{{rank="{rank}"}}'] > 0 for rank in (0, 1)):
+                break
+            assert time.monotonic() < deadline, "the encoder ranks never got their work"
+            await asyncio.sleep(0.05)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        return await asyncio.gather(*requests)
+
+
+def _one(server: ServerProcess, messages: list[dict], max_tokens: int = MAX_TOKENS) -> Outcome:
+    async def send() -> Outcome:
+        async with _http(server, 1) as http:
+            return await _chat(http, messages, False, max_tokens)
+
+    return asyncio.run(send())
+
+
+def _stream_a_completion(server: ServerProcess, words: threading.Event) -> openai.APIError | None:
+    """A long completion streamed through the official client; returns the error it raises."""
+    stream = openai_client(server).completions.create(
+        model=None, prompt="Once upon a time", max_tokens=LONG, stream=True, extra_body={"ignore_eos": True}
+    )
+    try:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                words.set()
+    except openai.APIError as exc:
+        return exc
+    return None
 
 
 async def _kill_under_load(
-    server: ServerProcess, victim: int, expected: list[Outcome]
-) -> tuple[list[Outcome], list[Outcome], httpx.Response]:
+    server: ServerProcess, victim: int, conversations: list[list[dict]], expected: list[Outcome]
+) -> tuple[list[Outcome], list[Outcome], openai.APIError | None, httpx.Response]:
     """`CLIENTS` clients send short requests one after another (every other one streaming) while two long
-    streams run; `victim` is SIGKILLed once each client has its first answer and the long streams their
-    first words, and /metrics is asked right after. A client stops at its first request not answered
-    correctly: returns that request's outcome for each client, the long streams' and /metrics' answer."""
+    chat streams and a long completion stream run; `victim` is SIGKILLed once each client has its first
+    answer and the long streams their first words, and /metrics is asked right after. A client stops at
+    its first request not answered correctly: returns that request's outcome for each client, the long
+    chat streams', the completion stream's error and /metrics' answer."""
     async with _http(server, CLIENTS + 3) as http:
         answered = [asyncio.Event() for _ in range(CLIENTS)]
 
         async def client(i: int) -> Outcome:
             stream = i % 2 == 1
-            for k in itertools.cycle(range(len(CONVERSATIONS))):
-                outcome = await _chat(http, CONVERSATIONS[k], stream)
+            for k in itertools.cycle(range(len(conversations))):
+                outcome = await _chat(http, conversations[k], stream)
                 if not _correct(outcome, expected[k], stream):
                     return outcome
                 answered[i].set()
 
         streaming = [asyncio.Event() for _ in range(2)]
-        long = [asyncio.ensure_future(_chat(http, CONVERSATIONS[0], True, LONG, words=words)) for words in streaming]
+        long = [asyncio.ensure_future(_chat(http, TEXT, True, LONG, words=words)) for words in streaming]
+        completing = threading.Event()
+        completion = asyncio.ensure_future(asyncio.to_thread(_stream_a_completion, server, completing))
         clients = [asyncio.ensure_future(client(i)) for i in range(CLIENTS)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in answered + streaming)), 60)
+        assert await asyncio.to_thread(completing.wait, 60)
         os.kill(victim, signal.SIGKILL)
         metrics = await http.get("/metrics")
-        return await asyncio.wait_for(asyncio.gather(*clients), 60), await asyncio.gather(*long), metrics
+        failed = await asyncio.wait_for(asyncio.gather(*clients), 60)
+        return failed, await asyncio.gather(*long), await completion, metrics
 
 
 def _every_request_answered_or_visibly_failed(
-    server: ServerProcess, victim_name: str, cause: str, expected: list[Outcome]
+    server: ServerProcess, victim_name: str, cause: str, conversations: list[list[dict]] = CONVERSATIONS
 ) -> None:
-    """Kills `victim_name` under load and checks how every request ends, that the server stops, and that
-    no process outlives it."""
+    """Kills `victim_name` while `conversations` are sent and checks how every request ends, that the
+    server stops, and that no process outlives it."""
+    expected = _control(server, conversations)
     everything = descendants(server.process.pid)
     victim = next(pid for pid in everything if process_name(pid) == victim_name)
-    failed, long, metrics = asyncio.run(_kill_under_load(server, victim, expected))
+    failed, long, completion, metrics = asyncio.run(_kill_under_load(server, victim, conversations, expected))
     for outcome in failed:  # every request before it was answered correctly
         if outcome.status == 0:
             continue  # the server was gone already: the connection was refused or broke
@@ -267,22 +322,63 @@ def _every_request_answered_or_visibly_failed(
     for outcome in long:  # streaming when the process died: the stream says why it ends
         assert outcome.status == 200 and outcome.text and outcome.finish_reason is None, outcome
         assert outcome.error["message"] == cause and outcome.done, outcome
+    assert isinstance(completion, openai.APIError) and cause in str(completion)  # the official client raises
     assert (metrics.status_code, metrics.json()["error"]["message"]) == (503, cause)  # its answer never comes
     assert server.process.wait(60) == 1
     assert f"stopped because {cause}" in "".join(server.output)
     _wait_until(lambda: not [pid for pid in everything if process_name(pid)], "no process outlives the server", 30)
 
 
-def test_a_killed_detokenizer_fails_every_request_in_flight_visibly_and_stops_the_server(server, expected):
-    cause = "the detokenizer process exited (code -9)"
-    _every_request_answered_or_visibly_failed(server, "vlm-detokenizer", cause, expected)
+def test_killed_encoder_ranks_are_replaced_then_fail_visibly_and_a_killed_detokenizer_stops_the_server(
+    tiny_moe_dir, tmp_path
+):  # fmt: skip
+    model = Path(shutil.copytree(tiny_moe_dir, tmp_path / "model"))  # its config is taken away later
+    server = start_server(model, "--vit-dp", "2")
+    try:
+        conversations = [_image_chat(seed, 64 + 16 * (seed % 4)) for seed in range(100, 104)]
+        expected = _control(server, conversations)
+        assert _one(server, TEXT, max_tokens=10**6).status == 400  # the request's fault: not a server failure
+        assert httpx.post(server.url + "/flush_cache").status_code == 200  # the images must be encoded again
+
+        # both ranks killed at once: they are restarted, and every request still gets its answer (neither
+        # had begun its work, so no attempt is lost even where it went to the other, dying, rank)
+        outcomes = asyncio.run(_under_fire(server, conversations))
+        for i, (outcome, answer) in enumerate(zip(outcomes, expected)):
+            assert _correct(outcome, answer, stream=i % 2 == 1), outcome
+        _wait_until(lambda: _metrics(server)["encoder_restarts_total"] >= 2, "both ranks are back")
+
+        # killed again, and the replacements cannot start (their model is gone): each image request fails
+        # visibly, streamed or not
+        (model / "config.json").rename(model / "config.json.gone")
+        httpx.post(server.url + "/flush_cache")
+        for outcome in asyncio.run(_under_fire(server, conversations)):
+            assert outcome.status == 503, outcome  # (a stream that had not started yet is answered with the status)
+            assert outcome.error["type"] == "ServiceUnavailableError"
+            assert outcome.error["message"] == (
+                "image 0 of the request could not be encoded: no encoder rank is running (they fail to start)"
+            )
+        health = lambda: httpx.get(server.url + "/health")  # noqa: E731
+        _wait_until(lambda: health().status_code == 503, "/health reports the encoders")
+        reason = "no encoder rank is running (each failed to start 3 times in a row)"
+        assert health().json() == {"status": "unhealthy", "reason": reason}
+        assert _one(server, conversations[0]).status == 503  # fails at once now
+        assert _one(server, TEXT).finish_reason in ("stop", "length")  # text is still served
+        metrics = _metrics(server)
+        assert metrics['request_failure_total{reason="encoder_unavailable"}'] == len(conversations) + 1
+        assert metrics["requests_rejected_total"] == 1
+        assert metrics['requests_finished_total{reason="abort"}'] == 0  # failures are not client aborts
+
+        # then the detokenizer is killed under a load of text requests
+        cause = "the detokenizer process exited (code -9)"
+        _every_request_answered_or_visibly_failed(server, "vlm-detokenizer", cause, [TEXT, POEM])
+    finally:
+        server.stop()
 
 
 def test_a_killed_scheduler_rank_fails_every_request_in_flight_visibly_and_stops_the_server(tiny_moe_dir):
     server = start_server(tiny_moe_dir, "--tp-size", "2", "--vit-dp", "0")
     try:
-        expected = _control(server)
         cause = "the scheduler TP1 process exited (code -9)"
-        _every_request_answered_or_visibly_failed(server, "vlm-scheduler-1", cause, expected)
+        _every_request_answered_or_visibly_failed(server, "vlm-scheduler-1", cause)
     finally:
         server.stop()

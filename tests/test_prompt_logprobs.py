@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import base64
 import io
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 import transformers
-from helpers import running_server
 
 from vlm_serve.engine import Engine
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs
@@ -161,12 +159,6 @@ def test_retracted_requests_keep_their_prompt_logprobs(tiny_moe_dir, inputs, ref
 
 
 # ---- the server --------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny_moe_dir: Path):
-    with running_server(tiny_moe_dir) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -83,12 +83,6 @@ def _literal(text: str) -> str:
     return "root ::= " + json.dumps(text)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_moe_dir: Path):
-    with running_server(tiny_moe_dir) as srv:
-        yield srv
-
-
 def _validate_call(call, tools=TOOLS) -> dict:
     schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
     arguments = json.loads(call.function.arguments)

@@ -107,9 +107,10 @@ def cmd_caption(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from vlm_serve.process import exit_now
     from vlm_serve.server.launcher import launch_server
 
-    return launch_server(server_args_of(ns))
+    exit_now(launch_server(server_args_of(ns)))  # (its children have stopped; settings it refuses raise)
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:

@@ -13,13 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS
 
+if TYPE_CHECKING:
+    import torch
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 API_KEY_ENV = "VLM_SERVE_API_KEY"  # the API key when neither api_key nor api_key_file is set
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 
 
 @dataclass
@@ -157,17 +160,21 @@ class ServerArgs:
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     def resolved_device(self) -> torch.device:
+        import torch  # (here: the processes that never compute, the detokenizer, need not import it)
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
         """`auto` is float32 on CPU and the checkpoint's own dtype on GPU."""
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         if self.resolved_device().type == "cpu":
             return torch.float32
-        return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+        return getattr(torch, model_config.torch_dtype if model_config.torch_dtype in DTYPES else "bfloat16")
 
 
 @dataclass

@@ -4,9 +4,10 @@ video, and where each item's time went. A neutral module: vision/, mm_cache/ and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Modality = Literal["image", "video"]
 EmbeddingSource = Literal["", "cache", "encoder", "prefix"]

@@ -12,15 +12,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import torch.multiprocessing as mp
+import multiprocessing as mp
 import zmq
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import TextStream
 from vlm_serve.ipc import recv_pyobj, send_pyobj
 from vlm_serve.server.io_struct import BatchStrOut, BatchTokenIdOut, PortArgs, StrOut, TokenIdOut
-from vlm_serve.process import init_child_process
-from vlm_serve.server.scheduler_process import IDLE_POLL_MS
+from vlm_serve.process import IDLE_POLL_MS, exits_at_once, init_child_process
 from vlm_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,6 +66,7 @@ class DetokenizerManager:
         )  # fmt: skip
 
 
+@exits_at_once
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
     init_child_process("vlm-detokenizer")
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s detokenizer %(levelname)s %(message)s")

@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vlm_serve.llm.prompt_logprobs import PromptLogprobs
 from vlm_serve.multimodal import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
 from vlm_serve.server.errors import ApiError, BadRequest, InternalError, ServiceUnavailable
 
 if TYPE_CHECKING:
+    from vlm_serve.llm.prompt_logprobs import PromptLogprobs
     from vlm_serve.vision.encoder_pool import PoolAddresses
 
 

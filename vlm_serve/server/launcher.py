@@ -49,11 +49,11 @@ class ServerProcesses:
         return [*self.schedulers, *([self.detokenizer] if self.detokenizer is not None else [])]
 
     def dead(self) -> str:
-        """Why a child is not running ('' when all are; encoder ranks are restarted, not reported)."""
-        for p in self.processes:
-            if not p.is_alive():
-                return f"the {p.name} process exited (code {p.exitcode})"
-        return ""
+        """Why a child is not running ('' when all are; encoder ranks are restarted, not reported). Of
+        several, one killed by a signal is named: the others' errors follow from its death (a TP rank
+        whose peer died fails in their collective)."""
+        exited = sorted((p for p in self.processes if not p.is_alive()), key=lambda p: p.exitcode >= 0)
+        return f"the {exited[0].name} process exited (code {exited[0].exitcode})" if exited else ""
 
     def restart_encoders(self) -> None:
         if self.encoders is not None:
@@ -83,8 +83,6 @@ def start_processes(server_args: ServerArgs, port_args: PortArgs | None) -> tupl
     """This node's children, and a pipe per local TP rank on which it reports that it is ready."""
     ctx = mp.get_context("spawn")
     children = ServerProcesses([])
-    if port_args is not None and port_args.encoder is not None:  # first: they load while the LLM does
-        children.encoders = EncoderRanks(server_args, port_args.encoder)
     init_addr = server_args.dist_init_addr or f"127.0.0.1:{_free_port()}"
     readies = []
     for rank in server_args.node_tp_ranks:
@@ -102,6 +100,8 @@ def start_processes(server_args: ServerArgs, port_args: PortArgs | None) -> tupl
             target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer", daemon=True
         )
         children.detokenizer.start()
+    if port_args is not None and port_args.encoder is not None:  # they load while the LLM does
+        children.encoders = EncoderRanks(server_args, port_args.encoder)
     return children, readies
 
 

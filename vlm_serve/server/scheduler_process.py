@@ -18,7 +18,7 @@ import zmq
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.scheduler import Scheduler
-from vlm_serve.process import init_child_process
+from vlm_serve.process import IDLE_POLL_MS, exits_at_once, init_child_process
 from vlm_serve.ipc import recv_pyobj, send_pyobj
 from vlm_serve.server.io_struct import PortArgs
 from vlm_serve.tokenizer import Tokenizer
@@ -26,7 +26,6 @@ from vlm_serve.vision.encoder_pool import create_encoder
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 500  # an idle process waits this long for a message before checking on its parent
 
 
 class ZmqSchedulerIO:
@@ -55,6 +54,7 @@ class ZmqSchedulerIO:
         send_pyobj(self.send_to_detokenizer, message)
 
 
+@exits_at_once
 def run_scheduler_process(
     server_args: ServerArgs, port_args: PortArgs | None, tp_rank: int, dist_init_addr: str, ready: Connection
 ) -> None:

@@ -20,9 +20,6 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import xgrammar as xgr
-from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
-
 from vlm_serve.server.reasoning_parser import partial_tag_len
 
 CALL_START = "<tool_call>"
@@ -126,6 +123,9 @@ def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool
 
     Built from xgrammar structural tags, which keep the rules of each schema apart. (xgrammar's own
     "qwen_3" structural tag allows free text around the calls, so it does not force them.)"""
+    import xgrammar as xgr  # (here, not above: it imports transformers, a second at server start)
+    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if name is not None and name not in functions:
         raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")

@@ -30,11 +30,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
+from vlm_serve.config import DTYPES
+
 ARCHS = {
     "moe": ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"),
     "dense": ("Qwen3VLForConditionalGeneration", "qwen3_vl"),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sizes of the tiny model.
 TEXT_HIDDEN = 64
@@ -468,7 +469,7 @@ def create_tiny_model(
     for name in ("model.language_model.embed_tokens.weight", "lm_head.weight"):
         if name in tensors:
             tensors[name][num_tokens:] = 0.0
-    tensors = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in tensors.items()}
+    tensors = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     _write_json(out / "config.json", _model_config(arch, token_ids, vocab_size, tie_word_embeddings, dtype))

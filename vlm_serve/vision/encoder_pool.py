@@ -41,7 +41,7 @@ import zmq
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.ipc import recv_pyobj, send_pyobj
-from vlm_serve.process import init_child_process
+from vlm_serve.process import exits_at_once, init_child_process
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 from vlm_serve.vision.vision_tower import VisionOutput, load_vision_model
 
@@ -70,6 +70,7 @@ class PoolAddresses:
 # ---- an encoder process ------------------------------------------------------------------------------
 
 
+@exits_at_once
 def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loaded: Event) -> None:
     """An encoder process: load the vision tower, then encode jobs until stopped. Events it sends:
     ("ready", index, pid), ("error", index, message) when it cannot start, ("started", index, job id)
@@ -141,7 +142,11 @@ class EncoderRanks:
     def __init__(self, server_args: ServerArgs, addresses: PoolAddresses) -> None:
         self.server_args = server_args
         self.addresses = addresses
-        self._ctx = mp.get_context("spawn")
+        # Ranks are forked from a server process that has imported this module (torch with it) once:
+        # a rank that died is back in a fraction of a second instead of re-importing torch. (Importing
+        # must not initialize CUDA, which a forked process could not use; the ranks do that themselves.)
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload([__name__])
         self._events = zmq.Context.instance().socket(zmq.PUSH)
         self._events.connect(addresses.events)
         self.ranks = [self._start(i) for i in range(server_args.vit_dp)]

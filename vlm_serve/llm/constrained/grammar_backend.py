@@ -19,10 +19,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-import xgrammar as xgr
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from vlm_serve.tokenizer import Tokenizer
+
+# xgrammar is imported where it is first needed: it imports transformers, a second per server process
+# that never sees a grammar.
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,8 @@ class GrammarBackend:
     """Compiles grammars on one worker thread, each distinct (kind, source) once."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
         self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = vocab_size
         self.think_end_id = tokenizer.token_to_id("</think>")
@@ -73,6 +79,8 @@ class GrammarBackend:
 
     def matcher(self, compiled: xgr.CompiledGrammar, after_reasoning: bool = False) -> Grammar:
         """A request's own matcher; with `after_reasoning`, it starts after the `</think>` token."""
+        import xgrammar as xgr
+
         matcher = xgr.GrammarMatcher(compiled)
         if after_reasoning and self.think_end_id is not None:
             return ReasoningGrammar(matcher, self.think_end_id)
@@ -108,7 +116,8 @@ class ReasoningGrammar:
         return self.matcher.accept_token(token_id)
 
 
-Grammar = xgr.GrammarMatcher | ReasoningGrammar  # what a request's `grammar` is
+if TYPE_CHECKING:
+    Grammar = xgr.GrammarMatcher | ReasoningGrammar  # what a request's `grammar` is
 
 
 def grammar_key(json_schema: str | None, regex: str | None, ebnf: str | None) -> GrammarKey | None:
@@ -123,6 +132,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequen
     """xgrammar's view of the vocabulary: every token's encoded string by id, over the model's (padded)
     vocabulary size, and how the strings encode bytes (read from the tokenizer's own decoder, as
     `TokenizerInfo.from_huggingface` does)."""
+    import xgrammar as xgr
+
     vocab = [""] * vocab_size
     for token, token_id in tokenizer.get_vocab().items():
         if token_id < vocab_size:
@@ -149,6 +160,8 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Grammar | None]
     rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
     if not rows:
         return
+    import xgrammar as xgr
+
     bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
