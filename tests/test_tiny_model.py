@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,7 +15,15 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from vlm_serve.testing.tiny_model import create_tiny_model, default_model_path
+from vlm_serve.config import ModelConfig
+from vlm_serve.testing.tiny_model import (
+    SIZES,
+    ExpertShape,
+    create_tiny_model,
+    default_model_path,
+    model_config,
+    weight_shapes,
+)
 from vlm_serve.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -254,3 +264,100 @@ def test_default_model_path_is_created_once(tmp_path: Path, monkeypatch: pytest.
     assert (path / "model.safetensors").read_bytes() == (tiny_moe_dir / "model.safetensors").read_bytes()
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_path() == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+# Parameters (millions, fp32) of each preset, as `vlm-serve create-tiny-model --help` states them.
+PARAMETERS_M = {
+    ("tiny", "dense"): 0.5,
+    ("tiny", "moe"): 0.6,
+    ("small", "dense"): 50,
+    ("small", "moe"): 233,
+    ("medium", "dense"): 261,
+    ("medium", "moe"): 425,
+}
+
+
+@pytest.mark.parametrize(("size", "arch"), sorted(PARAMETERS_M))
+def test_preset_parameter_counts(size: str, arch: str):
+    count = sum(math.prod(shape) for shape in weight_shapes(arch, size).values())
+    expected = PARAMETERS_M[size, arch]
+    assert round(count / 1e6, 1 if expected < 1 else 0) == expected
+
+
+@pytest.mark.parametrize("size", ["small", "medium"])
+def test_benchmark_presets_have_the_real_routing_and_vision_shapes(size: str):
+    """Scaled-down Qwen3-VL-235B-A22B: 128 experts, top-8, normalised, in every layer; Qwen's patch,
+    merge and temporal sizes, three deepstack layers and a 48x48 position grid."""
+    for arch in ("moe", "dense"):
+        config = model_config(arch, size)
+        text, vision = config["text_config"], config["vision_config"]
+        assert text["head_dim"] == 64 and text["num_attention_heads"] % text["num_key_value_heads"] == 0
+        assert text["rope_scaling"]["mrope_section"] == [12, 10, 10]
+        assert vision["out_hidden_size"] == text["hidden_size"]
+        assert (vision["patch_size"], vision["temporal_patch_size"], vision["spatial_merge_size"]) == (16, 2, 2)
+        assert vision["num_position_embeddings"] == 48 * 48
+        assert len(vision["deepstack_visual_indexes"]) == 3
+        assert max(vision["deepstack_visual_indexes"]) < vision["depth"]
+        assert vision["hidden_size"] % vision["num_heads"] == 0
+    moe = model_config("moe", size)["text_config"]
+    assert (moe["num_experts"], moe["num_experts_per_tok"]) == (128, 8)
+    assert moe["norm_topk_prob"] is True and moe["decoder_sparse_step"] == 1 and moe["mlp_only_layers"] == []
+    assert moe["moe_intermediate_size"] not in (moe["hidden_size"], moe["hidden_size"] // 2)
+
+
+@pytest.mark.parametrize("size", ["small", "medium"])
+@pytest.mark.parametrize("arch", ["moe", "dense"])
+def test_preset_configs_load_and_match_the_weights(tmp_path: Path, size: str, arch: str):
+    """transformers and our ModelConfig read the config; transformers' model built from it (on the meta
+    device, no weights) has exactly the tensors we would write, experts transposed (4.57 layout)."""
+    (tmp_path / "config.json").write_text(json.dumps(model_config(arch, size)))
+    ours = ModelConfig.from_pretrained(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert ours.text.hidden_size == config.text_config.hidden_size
+    assert ours.text.num_experts == (128 if arch == "moe" else 0)
+    assert ours.text.mrope_section == config.text_config.rope_parameters["mrope_section"] == [12, 10, 10]
+    assert ours.vision.deepstack_visual_indexes == config.vision_config.deepstack_visual_indexes
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    theirs = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes = weight_shapes(arch, size)
+    assert shapes.keys() == theirs.keys()
+    for name, shape in shapes.items():
+        assert theirs[name] == ((shape[0], shape[2], shape[1]) if ".mlp.experts." in name else shape), name
+
+
+def test_config_and_shapes_are_those_written(tiny_moe_dir: Path):
+    """`model_config` / `weight_shapes` tell what `create_tiny_model` writes, without writing it."""
+    assert json.loads((tiny_moe_dir / "config.json").read_text()) == model_config("moe", "tiny")
+    with safe_open(tiny_moe_dir / "model.safetensors", "pt") as f:
+        assert {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()} == weight_shapes("moe", "tiny")
+
+
+def test_cli_size_option():
+    from vlm_serve.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["create-tiny-model", "out"]).size == "tiny"
+    assert parser.parse_args(["create-tiny-model", "out", "--size", "medium"]).size == "medium"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["create-tiny-model", "out", "--size", "huge"])
+
+
+def test_unknown_size_is_refused(tmp_path: Path):
+    with pytest.raises(ValueError, match="tiny.*small.*medium.*'huge'"):
+        create_tiny_model(tmp_path / "model", size="huge")
+    assert not (tmp_path / "model").exists()
+    with pytest.raises(ValueError, match="size must be one of"):
+        weight_shapes("moe", "huge")
+
+
+def test_presets_refuse_ambiguous_expert_layouts_and_non_square_grids():
+    small = SIZES["small"]
+    hidden = small.moe.hidden
+    for inter in (hidden, hidden // 2):
+        with pytest.raises(ValueError, match="must differ from hidden"):
+            dataclasses.replace(small, experts=ExpertShape(num_experts=128, per_token=8, intermediate=inter))
+    with pytest.raises(ValueError, match="square"):
+        dataclasses.replace(small, vision=dataclasses.replace(small.vision, positions=2000))
+    with pytest.raises(ValueError, match="deepstack"):
+        dataclasses.replace(small, vision=dataclasses.replace(small.vision, deepstack=(1, 3, 6)))

@@ -125,7 +125,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
     from vlm_serve.testing.tiny_model import create_tiny_model
 
-    path = create_tiny_model(ns.out_dir, arch=ns.arch, seed=ns.seed)
+    path = create_tiny_model(ns.out_dir, arch=ns.arch, seed=ns.seed, size=ns.size)
     print(path)
     return 0
 
@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", choices=["moe", "dense"], default="moe")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--size",
+        choices=["tiny", "small", "medium"],
+        default="tiny",
+        help="parameters (fp32) dense / MoE: tiny 0.5M / 0.6M (for tests), small 50M / 233M, medium 261M / 425M "
+        "(benchmark models shaped like scaled-down Qwen3-VL-235B-A22B: 128 experts, top-8)",
+    )
     tiny.set_defaults(func=cmd_create_tiny_model)
     return parser
 

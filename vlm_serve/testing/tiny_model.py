@@ -1,9 +1,14 @@
 """Tiny, randomly initialised Qwen3-VL checkpoints in the published Hugging Face layout.
 
 `create_tiny_model` writes everything a real Qwen3-VL checkpoint directory holds (config, weights,
-tokenizer, chat template, image/video processor configs), small enough for CPU tests. The layout is
-the one the published checkpoints have (written by transformers 4.57): `rope_scaling` in the text
-config and MoE experts fused as `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`.
+tokenizer, chat template, image/video processor configs). The layout is the one the published
+checkpoints have (written by transformers 4.57): `rope_scaling` in the text config and MoE experts
+fused as `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`.
+
+Sizes come from presets (`SIZES`): "tiny" (the default, ~0.5M parameters) is for CPU tests; "small"
+and "medium" (50-425M) are benchmark models whose shapes are scaled-down Qwen3-VL-235B-A22B: 128
+experts routed top-8 with `norm_topk_prob` in every layer, head_dim 64, GQA, a vision tower with the
+real patch/merge sizes, three deepstack layers and a 48x48 position grid.
 
 The tokenizer is a real byte-level BPE (Qwen2 pre-tokenizer) trained on a small built-in corpus, so
 ids differ from Qwen's but every code path (special tokens, chat template, decoding) is the real one.
@@ -19,9 +24,11 @@ default behaviour) so that the oracle's video sizing is explicit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,35 +44,111 @@ ARCHS = {
     "dense": ("Qwen3VLForConditionalGeneration", "qwen3_vl"),
 }
 
-# Sizes of the tiny model.
-TEXT_HIDDEN = 64
-TEXT_LAYERS = 3
-TEXT_HEADS = 4
-TEXT_KV_HEADS = 2
-HEAD_DIM = 32
-MROPE_SECTION = [6, 5, 5]  # sums to HEAD_DIM // 2
-TEXT_INTERMEDIATE = 128
-ROPE_THETA = 10000.0
-MAX_POSITIONS = 4096
-NUM_EXPERTS = 8
-EXPERTS_PER_TOK = 2
-# Not HEAD_DIM-related: must differ from TEXT_HIDDEN and TEXT_HIDDEN // 2, or transformers cannot tell the
-# 4.57 expert layout [E, H, 2I] from its own [E, 2I, H] and loads the experts untransposed.
-MOE_INTERMEDIATE = 48
-VISION_DEPTH = 3
-VISION_HIDDEN = 32
-VISION_HEADS = 2
-VISION_INTERMEDIATE = 64
-VISION_POSITIONS = 64  # an 8x8 learned grid
-DEEPSTACK_INDEXES = [0, 1]
-PATCH_SIZE = 16
-TEMPORAL_PATCH = 2
-MERGE_SIZE = 2
-BPE_VOCAB_SIZE = 1400
 # Scale of what each attention/MLP block (and the vision mergers) adds to the residual stream, relative to
 # an input-preserving init. Large, so that in the tied variant the input token's own embedding does not
 # dominate the final hidden state (which would make greedy decoding repeat the last token forever).
 RESIDUAL_GAIN = 16.0
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """The language model's shape."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # of the dense MLP; MoE configs carry it too, unused (as in Qwen's)
+
+    @property
+    def mrope_section(self) -> list[int]:
+        """Qwen's [24, 20, 20] for head_dim 128, scaled to sum to head_dim // 2 ([6, 5, 5] for 32)."""
+        spatial = self.head_dim // 2 * 5 // 16
+        return [self.head_dim // 2 - 2 * spatial, spatial, spatial]
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """The MoE routing shape: every layer sparse (`mlp_only_layers` empty), as in Qwen3-VL-235B-A22B."""
+
+    num_experts: int
+    per_token: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The vision tower's shape; patch, temporal patch and merge sizes are Qwen's for every preset."""
+
+    depth: int
+    hidden: int
+    heads: int
+    intermediate: int
+    positions: int  # learned position grid, side x side
+    deepstack: tuple[int, ...]  # blocks whose output also feeds an early text layer
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """One size preset: the dense checkpoint's text shape, the MoE checkpoint's, and the shared rest."""
+
+    dense: TextShape
+    moe: TextShape
+    experts: ExpertShape
+    vision: VisionShape
+    # What attention adds to the residual stream, in place of RESIDUAL_GAIN. Attention averages over the
+    # context; in deeper models, at full gain, that average outweighs the current token and greedy
+    # decoding settles on one token repeated.
+    attention_gain: float
+
+    def __post_init__(self) -> None:
+        inter, hidden = self.experts.intermediate, self.moe.hidden
+        # Not head_dim-related: transformers tells the 4.57 expert layout [E, H, 2I] from its own
+        # [E, 2I, H] by the shapes, and loads the experts untransposed if they are ambiguous.
+        if inter in (hidden, hidden // 2):
+            raise ValueError(f"MoE intermediate size {inter} must differ from hidden {hidden} and hidden // 2")
+        if math.isqrt(self.vision.positions) ** 2 != self.vision.positions:
+            raise ValueError(f"vision positions {self.vision.positions} must be a square grid")
+        if not all(0 <= i < self.vision.depth for i in self.vision.deepstack):
+            raise ValueError(f"deepstack indexes {self.vision.deepstack} must be blocks of {self.vision.depth}")
+
+    def text(self, arch: str) -> TextShape:
+        """The language model's shape in the `arch` checkpoint."""
+        return self.moe if arch == "moe" else self.dense
+
+
+_TINY_TEXT = TextShape(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=32, intermediate=128)
+_SMALL_TEXT = TextShape(hidden=512, layers=8, heads=8, kv_heads=2, head_dim=64, intermediate=1536)
+SIZES = {
+    "tiny": ModelSize(
+        dense=_TINY_TEXT,
+        moe=_TINY_TEXT,
+        experts=ExpertShape(num_experts=8, per_token=2, intermediate=48),
+        vision=VisionShape(depth=3, hidden=32, heads=2, intermediate=64, positions=64, deepstack=(0, 1)),
+        attention_gain=RESIDUAL_GAIN,
+    ),
+    "small": ModelSize(
+        dense=_SMALL_TEXT,
+        moe=_SMALL_TEXT,
+        experts=ExpertShape(num_experts=128, per_token=8, intermediate=128),
+        vision=VisionShape(depth=6, hidden=384, heads=6, intermediate=1536, positions=2304, deepstack=(1, 3, 5)),
+        attention_gain=RESIDUAL_GAIN / 4,
+    ),
+    "medium": ModelSize(
+        dense=TextShape(hidden=1024, layers=16, heads=16, kv_heads=4, head_dim=64, intermediate=3072),
+        moe=TextShape(hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, intermediate=2304),
+        experts=ExpertShape(num_experts=128, per_token=8, intermediate=96),
+        vision=VisionShape(depth=12, hidden=512, heads=8, intermediate=2048, positions=2304, deepstack=(3, 7, 11)),
+        attention_gain=RESIDUAL_GAIN / 4,
+    ),
+}
+ROPE_THETA = 10000.0
+MAX_POSITIONS = 4096
+PATCH_SIZE = 16
+TEMPORAL_PATCH = 2
+MERGE_SIZE = 2
+BPE_VOCAB_SIZE = 1400
 
 # Qwen's special tokens, in Qwen's order, appended after the BPE vocabulary.
 SPECIAL_TOKENS = [
@@ -238,27 +321,30 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _model_config(arch: str, token_ids: dict[str, int], vocab_size: int, tie: bool, dtype: str) -> dict:
-    """The `config.json` of the tiny model, as transformers 4.57 writes Qwen3-VL configs."""
+def _model_config(
+    arch: str, size: ModelSize, token_ids: dict[str, int], vocab_size: int, tie: bool, dtype: str
+) -> dict:
+    """The `config.json` of the model, as transformers 4.57 writes Qwen3-VL configs."""
     architecture, model_type = ARCHS[arch]
+    text, experts, vision = size.text(arch), size.experts, size.vision
     text_config: dict = {
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": token_ids["<|endoftext|>"],
         "dtype": dtype,
         "eos_token_id": token_ids["<|im_end|>"],
-        "head_dim": HEAD_DIM,
+        "head_dim": text.head_dim,
         "hidden_act": "silu",
-        "hidden_size": TEXT_HIDDEN,
+        "hidden_size": text.hidden,
         "initializer_range": 0.02,
-        "intermediate_size": TEXT_INTERMEDIATE,
+        "intermediate_size": text.intermediate,
         "max_position_embeddings": MAX_POSITIONS,
         "model_type": f"{model_type}_text",
-        "num_attention_heads": TEXT_HEADS,
-        "num_hidden_layers": TEXT_LAYERS,
-        "num_key_value_heads": TEXT_KV_HEADS,
+        "num_attention_heads": text.heads,
+        "num_hidden_layers": text.layers,
+        "num_key_value_heads": text.kv_heads,
         "rms_norm_eps": 1e-6,
-        "rope_scaling": {"mrope_interleaved": True, "mrope_section": list(MROPE_SECTION), "rope_type": "default"},
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": text.mrope_section, "rope_type": "default"},
         "rope_theta": ROPE_THETA,
         "tie_word_embeddings": tie,
         "use_cache": True,
@@ -268,23 +354,23 @@ def _model_config(arch: str, token_ids: dict[str, int], vocab_size: int, tie: bo
         text_config |= {
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
-            "moe_intermediate_size": MOE_INTERMEDIATE,
+            "moe_intermediate_size": experts.intermediate,
             "norm_topk_prob": True,
-            "num_experts": NUM_EXPERTS,
-            "num_experts_per_tok": EXPERTS_PER_TOK,
+            "num_experts": experts.num_experts,
+            "num_experts_per_tok": experts.per_token,
         }
     vision_config = {
-        "deepstack_visual_indexes": list(DEEPSTACK_INDEXES),
-        "depth": VISION_DEPTH,
+        "deepstack_visual_indexes": list(vision.deepstack),
+        "depth": vision.depth,
         "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": VISION_HIDDEN,
+        "hidden_size": vision.hidden,
         "in_channels": 3,
         "initializer_range": 0.02,
-        "intermediate_size": VISION_INTERMEDIATE,
+        "intermediate_size": vision.intermediate,
         "model_type": f"{model_type}_vision",
-        "num_heads": VISION_HEADS,
-        "num_position_embeddings": VISION_POSITIONS,
-        "out_hidden_size": TEXT_HIDDEN,
+        "num_heads": vision.heads,
+        "num_position_embeddings": vision.positions,
+        "out_hidden_size": text.hidden,
         "patch_size": PATCH_SIZE,
         "spatial_merge_size": MERGE_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH,
@@ -305,13 +391,16 @@ def _model_config(arch: str, token_ids: dict[str, int], vocab_size: int, tie: bo
     }
 
 
-def _weight_specs(arch: str, vocab_size: int, tie: bool) -> list[tuple[str, tuple[int, ...], float, float]]:
+def _weight_specs(
+    arch: str, size: ModelSize, vocab_size: int, tie: bool
+) -> list[tuple[str, tuple[int, ...], float, float]]:
     """(name, shape, mean, std) of every tensor, in a fixed order.
 
     Linear weights use std 1/sqrt(fan_in) so activations keep their scale, times RESIDUAL_GAIN where a
-    block writes to the residual stream; embeddings have std 1 and the LM head std 0.5 (logits spread by
-    about 4, so greedy decoding has clear winners); norm weights are 1 + noise and biases are noise, so a
-    weight that is not loaded, or loaded wrongly, shows up in the outputs.
+    block writes to the residual stream (the preset's `attention_gain` for attention); embeddings have
+    std 1 and the LM head std 0.5 (logits spread by 0.5 * sqrt(hidden), 4 in the tiny preset, so greedy
+    decoding has clear winners); norm weights are 1 + noise and biases are noise, so a weight that is not
+    loaded, or loaded wrongly, shows up in the outputs.
     """
     specs: list[tuple[str, tuple[int, ...], float, float]] = []
 
@@ -325,52 +414,53 @@ def _weight_specs(arch: str, vocab_size: int, tie: bool) -> list[tuple[str, tupl
         if bias:
             specs.append((f"{name}.bias", (dim,), 0.0, 0.1))
 
-    v = "model.visual"
-    patch_shape = (VISION_HIDDEN, 3, TEMPORAL_PATCH, PATCH_SIZE, PATCH_SIZE)  # Conv3d
+    v, vision = "model.visual", size.vision
+    patch_shape = (vision.hidden, 3, TEMPORAL_PATCH, PATCH_SIZE, PATCH_SIZE)  # Conv3d
     specs.append((f"{v}.patch_embed.proj.weight", patch_shape, 0.0, (3 * TEMPORAL_PATCH * PATCH_SIZE**2) ** -0.5))
-    specs.append((f"{v}.patch_embed.proj.bias", (VISION_HIDDEN,), 0.0, 0.1))
-    specs.append((f"{v}.pos_embed.weight", (VISION_POSITIONS, VISION_HIDDEN), 0.0, 0.5))
-    for i in range(VISION_DEPTH):
+    specs.append((f"{v}.patch_embed.proj.bias", (vision.hidden,), 0.0, 0.1))
+    specs.append((f"{v}.pos_embed.weight", (vision.positions, vision.hidden), 0.0, 0.5))
+    for i in range(vision.depth):
         block = f"{v}.blocks.{i}"
-        norm(f"{block}.norm1", VISION_HIDDEN, bias=True)
-        norm(f"{block}.norm2", VISION_HIDDEN, bias=True)
-        linear(f"{block}.attn.qkv", 3 * VISION_HIDDEN, VISION_HIDDEN, bias=True)
-        linear(f"{block}.attn.proj", VISION_HIDDEN, VISION_HIDDEN, bias=True)
-        linear(f"{block}.mlp.linear_fc1", VISION_INTERMEDIATE, VISION_HIDDEN, bias=True)
-        linear(f"{block}.mlp.linear_fc2", VISION_HIDDEN, VISION_INTERMEDIATE, bias=True)
-    merged = VISION_HIDDEN * MERGE_SIZE**2
-    mergers = [(f"{v}.merger", VISION_HIDDEN)]
-    mergers += [(f"{v}.deepstack_merger_list.{k}", merged) for k in range(len(DEEPSTACK_INDEXES))]
+        norm(f"{block}.norm1", vision.hidden, bias=True)
+        norm(f"{block}.norm2", vision.hidden, bias=True)
+        linear(f"{block}.attn.qkv", 3 * vision.hidden, vision.hidden, bias=True)
+        linear(f"{block}.attn.proj", vision.hidden, vision.hidden, bias=True)
+        linear(f"{block}.mlp.linear_fc1", vision.intermediate, vision.hidden, bias=True)
+        linear(f"{block}.mlp.linear_fc2", vision.hidden, vision.intermediate, bias=True)
+    text, experts = size.text(arch), size.experts
+    merged = vision.hidden * MERGE_SIZE**2
+    mergers = [(f"{v}.merger", vision.hidden)]
+    mergers += [(f"{v}.deepstack_merger_list.{k}", merged) for k in range(len(vision.deepstack))]
     for name, norm_dim in mergers:
         norm(f"{name}.norm", norm_dim, bias=True)
         linear(f"{name}.linear_fc1", merged, merged, bias=True)
-        linear(f"{name}.linear_fc2", TEXT_HIDDEN, merged, bias=True, gain=RESIDUAL_GAIN)
+        linear(f"{name}.linear_fc2", text.hidden, merged, bias=True, gain=RESIDUAL_GAIN)
 
     t = "model.language_model"
-    specs.append((f"{t}.embed_tokens.weight", (vocab_size, TEXT_HIDDEN), 0.0, 1.0))
-    for i in range(TEXT_LAYERS):
+    specs.append((f"{t}.embed_tokens.weight", (vocab_size, text.hidden), 0.0, 1.0))
+    for i in range(text.layers):
         layer = f"{t}.layers.{i}"
-        norm(f"{layer}.input_layernorm", TEXT_HIDDEN)
-        linear(f"{layer}.self_attn.q_proj", TEXT_HEADS * HEAD_DIM, TEXT_HIDDEN)
-        linear(f"{layer}.self_attn.k_proj", TEXT_KV_HEADS * HEAD_DIM, TEXT_HIDDEN)
-        linear(f"{layer}.self_attn.v_proj", TEXT_KV_HEADS * HEAD_DIM, TEXT_HIDDEN)
-        linear(f"{layer}.self_attn.o_proj", TEXT_HIDDEN, TEXT_HEADS * HEAD_DIM, gain=RESIDUAL_GAIN)
-        norm(f"{layer}.self_attn.q_norm", HEAD_DIM)
-        norm(f"{layer}.self_attn.k_norm", HEAD_DIM)
-        norm(f"{layer}.post_attention_layernorm", TEXT_HIDDEN)
+        norm(f"{layer}.input_layernorm", text.hidden)
+        linear(f"{layer}.self_attn.q_proj", text.heads * text.head_dim, text.hidden)
+        linear(f"{layer}.self_attn.k_proj", text.kv_heads * text.head_dim, text.hidden)
+        linear(f"{layer}.self_attn.v_proj", text.kv_heads * text.head_dim, text.hidden)
+        linear(f"{layer}.self_attn.o_proj", text.hidden, text.heads * text.head_dim, gain=size.attention_gain)
+        norm(f"{layer}.self_attn.q_norm", text.head_dim)
+        norm(f"{layer}.self_attn.k_norm", text.head_dim)
+        norm(f"{layer}.post_attention_layernorm", text.hidden)
         if arch == "moe":
-            linear(f"{layer}.mlp.gate", NUM_EXPERTS, TEXT_HIDDEN)
-            gate_up = (NUM_EXPERTS, TEXT_HIDDEN, 2 * MOE_INTERMEDIATE)
-            specs.append((f"{layer}.mlp.experts.gate_up_proj", gate_up, 0.0, TEXT_HIDDEN**-0.5))
-            down = (NUM_EXPERTS, MOE_INTERMEDIATE, TEXT_HIDDEN)
-            specs.append((f"{layer}.mlp.experts.down_proj", down, 0.0, RESIDUAL_GAIN * MOE_INTERMEDIATE**-0.5))
+            linear(f"{layer}.mlp.gate", experts.num_experts, text.hidden)
+            gate_up = (experts.num_experts, text.hidden, 2 * experts.intermediate)
+            specs.append((f"{layer}.mlp.experts.gate_up_proj", gate_up, 0.0, text.hidden**-0.5))
+            down = (experts.num_experts, experts.intermediate, text.hidden)
+            specs.append((f"{layer}.mlp.experts.down_proj", down, 0.0, RESIDUAL_GAIN * experts.intermediate**-0.5))
         else:
-            linear(f"{layer}.mlp.gate_proj", TEXT_INTERMEDIATE, TEXT_HIDDEN)
-            linear(f"{layer}.mlp.up_proj", TEXT_INTERMEDIATE, TEXT_HIDDEN)
-            linear(f"{layer}.mlp.down_proj", TEXT_HIDDEN, TEXT_INTERMEDIATE, gain=RESIDUAL_GAIN)
-    norm(f"{t}.norm", TEXT_HIDDEN)
+            linear(f"{layer}.mlp.gate_proj", text.intermediate, text.hidden)
+            linear(f"{layer}.mlp.up_proj", text.intermediate, text.hidden)
+            linear(f"{layer}.mlp.down_proj", text.hidden, text.intermediate, gain=RESIDUAL_GAIN)
+    norm(f"{t}.norm", text.hidden)
     if not tie:
-        specs.append(("lm_head.weight", (vocab_size, TEXT_HIDDEN), 0.0, 0.5))
+        specs.append(("lm_head.weight", (vocab_size, text.hidden), 0.0, 0.5))
     return specs
 
 
@@ -437,32 +527,64 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _checked_size(arch: str, size: str, dtype: str = "float32") -> ModelSize:
+    """The preset named `size`, once `arch`, `size` and `dtype` are known to be valid."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return SIZES[size]
+
+
+def _vocabulary(tokenizer: Tokenizer) -> tuple[dict[str, int], int]:
+    """The special tokens' ids, and the vocabulary size padded to a multiple of 64."""
+    token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    return token_ids, _round_up(tokenizer.get_vocab_size(with_added_tokens=True), 64)
+
+
+def model_config(
+    arch: str = "moe", size: str = "tiny", tie_word_embeddings: bool = False, dtype: str = "float32"
+) -> dict:
+    """The `config.json` that `create_tiny_model` writes for these arguments."""
+    model_size = _checked_size(arch, size, dtype)
+    token_ids, vocab_size = _vocabulary(_train_tokenizer())
+    return _model_config(arch, model_size, token_ids, vocab_size, tie_word_embeddings, dtype)
+
+
+def weight_shapes(
+    arch: str = "moe", size: str = "tiny", tie_word_embeddings: bool = False
+) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor that `create_tiny_model` writes for these arguments (none is made)."""
+    model_size = _checked_size(arch, size)
+    _, vocab_size = _vocabulary(_train_tokenizer())
+    return {name: shape for name, shape, _, _ in _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)}
+
+
 def create_tiny_model(
     out_dir: str | os.PathLike,
     arch: str = "moe",
     seed: int = 0,
     tie_word_embeddings: bool = False,
     dtype: str = "float32",
+    size: str = "tiny",
 ) -> Path:
-    """Write a tiny random Qwen3-VL checkpoint (`arch` "moe" or "dense") into `out_dir` and return it.
+    """Write a random Qwen3-VL checkpoint (`arch` "moe" or "dense", `size` one of `SIZES`) into `out_dir`.
 
-    The same arguments always give byte-identical files.
+    Returns `out_dir`. The same arguments always give byte-identical files.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model_size = _checked_size(arch, size, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = _train_tokenizer()
-    token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    vocab_size = _round_up(tokenizer.get_vocab_size(with_added_tokens=True), 64)
+    token_ids, vocab_size = _vocabulary(tokenizer)
 
     generator = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: mean + std * torch.randn(shape, generator=generator)
-        for name, shape, mean, std in _weight_specs(arch, vocab_size, tie_word_embeddings)
+    tensors = {  # in place: out-of-place arithmetic would double the time for the larger presets
+        name: torch.randn(shape, generator=generator).mul_(std).add_(mean)
+        for name, shape, mean, std in _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)
     }
     # Rows of the padded vocabulary tail belong to no token: zero logits, far below the real tokens'.
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -472,7 +594,9 @@ def create_tiny_model(
     tensors = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    _write_json(out / "config.json", _model_config(arch, token_ids, vocab_size, tie_word_embeddings, dtype))
+    _write_json(
+        out / "config.json", _model_config(arch, model_size, token_ids, vocab_size, tie_word_embeddings, dtype)
+    )
     _write_json(
         out / "generation_config.json",
         {

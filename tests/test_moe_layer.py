@@ -1,0 +1,69 @@
+"""The sparse MoE block at Qwen3-VL-235B's routing shape (128 experts, top-8, normalized top-k weights):
+each token's output is the weighted sum of its experts' SwiGLU MLPs, whichever way the experts run (a
+loop of per-expert matmuls on CPU, grouped GEMMs on CUDA), and expert-parallel ranks' parts add up to
+the whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlm_serve.llm.layers.moe import SparseMoeBlock
+
+EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 64, 32
+
+
+def block(start: int = 0, count: int = EXPERTS, source: SparseMoeBlock | None = None) -> SparseMoeBlock:
+    """A block holding experts `start ... start + count` (an EP rank's share), random or `source`'s."""
+    moe = SparseMoeBlock(HIDDEN, INTERMEDIATE, EXPERTS, TOP_K)
+    generator = torch.Generator().manual_seed(0)
+    if source is None:
+        moe.gate.weight.data = torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.2
+        moe.w13.data = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) * HIDDEN**-0.5
+        moe.w2.data = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * INTERMEDIATE**-0.5
+        return moe
+    moe.gate.weight.data = source.gate.weight.data
+    moe.num_local_experts, moe.expert_start = count, start
+    moe.w13 = torch.nn.Parameter(source.w13.data[start : start + count], requires_grad=False)
+    moe.w2 = torch.nn.Parameter(source.w2.data[start : start + count], requires_grad=False)
+    return moe
+
+
+def reference(moe: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert, as the model card defines the block."""
+    probs = F.softmax(x @ moe.gate.weight.T, dim=-1)
+    weights, experts = torch.topk(probs, TOP_K, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], experts[t].tolist()):
+            gate, up = (moe.w13[e] @ x[t]).chunk(2)
+            out[t] += w * (moe.w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_every_token_gets_the_weighted_sum_of_its_top_k_experts(tokens):
+    moe = block()
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_gemms_compute_what_the_expert_loop_does(monkeypatch):
+    """The CUDA path's arithmetic (torch's grouped GEMM runs on CPU too, slowly)."""
+    moe = block()
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(1))
+    looped = moe(x)
+    monkeypatch.setattr(moe, "_expert_loop", moe._grouped_mm)
+    torch.testing.assert_close(moe(x), looped, rtol=1e-4, atol=1e-5)
+    halves = block(0, EXPERTS // 2, moe)  # with pairs routed to another rank's experts
+    monkeypatch.setattr(halves, "_expert_loop", halves._grouped_mm)
+    torch.testing.assert_close(halves(x) + block(EXPERTS // 2, EXPERTS // 2, moe)(x), looped, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_parallel_ranks_parts_add_up_to_the_whole():
+    moe = block()
+    x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(2))
+    quarters = [block(start, EXPERTS // 4, moe)(x) for start in range(0, EXPERTS, EXPERTS // 4)]
+    torch.testing.assert_close(sum(quarters), moe(x), rtol=1e-4, atol=1e-5)
