@@ -67,3 +67,13 @@ def test_expert_parallel_ranks_parts_add_up_to_the_whole():
     x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(2))
     quarters = [block(start, EXPERTS // 4, moe)(x) for start in range(0, EXPERTS, EXPERTS // 4)]
     torch.testing.assert_close(sum(quarters), moe(x), rtol=1e-4, atol=1e-5)
+
+
+def test_experts_prepacked_for_the_cpu_compute_what_the_plain_weights_do():
+    moe = block()
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(3))
+    plain = moe(x)
+    moe.prepack()
+    if moe.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    torch.testing.assert_close(moe(x), plain, rtol=1e-4, atol=1e-5)

@@ -23,16 +23,50 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (`prepack`)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         param.data.copy_(loaded)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return onednn_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def prepack(self) -> None:
+        self.packed = onednn_weight(self.weight)
+        if self.packed is not None:
+            self.weight.data = self.weight.data.new_empty(0)  # (not held twice)
+
+
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A loaded (out, in) weight in oneDNN's blocked layout, where matmuls with it are faster: float32 on
+    CPU. As vLLM's CPU backend does; on 2 cores, 4096x4096, `F.linear` (MKL) reads 12.7 GB/s of weights
+    at 1 row, 5.9 at 16 and 0.4 at 512, oneDNN 16.6, 14.6 and 0.8."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None) if packable(weight) else None
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def prepack_weights(model: nn.Module) -> None:
+    """Once a model's weights are loaded: every layer that can keeps its weights in the layout its
+    matmuls run fastest with (`prepack`)."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "prepack"):
+            module.prepack()
 
 
 class ReplicatedLinear(LinearBase):
     """A full copy on every rank (the vision tower, the MoE router)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -48,7 +82,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -107,5 +141,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x)
         return tp_all_reduce(y) if self.reduce_results else y

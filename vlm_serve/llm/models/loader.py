@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from vlm_serve.checkpoint import build_module, checkpoint_files, iter_weights
 from vlm_serve.config import ModelConfig
+from vlm_serve.llm.layers.linear import prepack_weights
 from vlm_serve.llm.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from vlm_serve.vision.vision_tower import VISION_PREFIX
 
@@ -35,4 +36,5 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     model = build_module(lambda: Qwen3VLForConditionalGeneration(config), device, dtype)
     weights = ((name, t) for name, t in iter_weights(files) if not name.startswith(VISION_PREFIX))
     model.load_weights(weights, experts_transposed(files, config))
+    prepack_weights(model)
     return model.eval()
