@@ -67,7 +67,8 @@ logger = logging.getLogger(__name__)
 
 WARMUP_TIMEOUT = 900.0  # seconds for the warm-up request (first calls can compile or allocate a lot)
 WATCHDOG_SECONDS = 0.5  # how often the children's health is checked
-UNHEALTHY_GRACE_SECONDS = 2.0  # /health answers 503 this long before a server with a dead child stops
+UNHEALTHY_GRACE_SECONDS = 1.0  # /health answers 503 this long before a server with a dead child stops (its
+# requests in flight have had their errors already: this is for health checkers)
 
 
 @dataclass
