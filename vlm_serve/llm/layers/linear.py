@@ -58,7 +58,7 @@ def prepack_weights(model: nn.Module) -> None:
     """Once a model's weights are loaded: every layer that can keeps its weights in the layout its
     matmuls run fastest with (`prepack`)."""
     for module in model.modules():
-        if module is not model and hasattr(module, "prepack"):
+        if hasattr(module, "prepack"):
             module.prepack()
 
 
