@@ -1,7 +1,7 @@
 """The sparse MoE block at Qwen3-VL-235B's routing shape (128 experts, top-8, normalized top-k weights):
-each token's output is the weighted sum of its experts' SwiGLU MLPs, whichever way the experts run (a
-loop of per-expert matmuls on CPU, grouped GEMMs on CUDA), and expert-parallel ranks' parts add up to
-the whole."""
+each token's output is the weighted sum of its experts' SwiGLU MLPs, whichever way the experts run (the
+C kernel or a loop of per-expert matmuls on CPU, grouped GEMMs on CUDA), and expert-parallel ranks'
+parts add up to the whole."""
 
 from __future__ import annotations
 
@@ -69,11 +69,45 @@ def test_expert_parallel_ranks_parts_add_up_to_the_whole():
     torch.testing.assert_close(sum(quarters), moe(x), rtol=1e-4, atol=1e-5)
 
 
-def test_experts_prepacked_for_the_cpu_compute_what_the_plain_weights_do():
-    moe = block()
-    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(3))
-    plain = moe(x)
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("intermediate", [INTERMEDIATE, 24])  # gate/up panels 64 and 16 columns wide
+def test_the_cpu_kernel_computes_what_the_expert_loop_does(tokens, intermediate):
+    moe = SparseMoeBlock(HIDDEN, intermediate, EXPERTS, TOP_K)
+    generator = torch.Generator().manual_seed(tokens)
+    moe.gate.weight.data = torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.2
+    moe.w13.data = torch.randn(EXPERTS, 2 * intermediate, HIDDEN, generator=generator) * HIDDEN**-0.5
+    moe.w2.data = torch.randn(EXPERTS, HIDDEN, intermediate, generator=generator) * intermediate**-0.5
+    x = torch.randn(tokens, HIDDEN, generator=generator)
+    looped = moe(x)
     moe.prepack()
     if moe.packed is None:
-        pytest.skip("no oneDNN in this torch build")
-    torch.testing.assert_close(moe(x), plain, rtol=1e-4, atol=1e-5)
+        pytest.skip("the CPU kernel could not be built here (no C compiler)")
+    torch.testing.assert_close(moe(x), looped, rtol=1e-4, atol=1e-5)
+
+
+def test_the_cpu_kernel_leaves_pairs_of_other_ranks_experts_out():
+    moe = block()
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(4))
+    whole = moe(x)
+    halves = [block(start, EXPERTS // 2, moe) for start in (0, EXPERTS // 2)]
+    for half in halves:
+        half.prepack()
+    if halves[0].packed is None:
+        pytest.skip("the CPU kernel could not be built here (no C compiler)")
+    torch.testing.assert_close(halves[0](x) + halves[1](x), whole, rtol=1e-4, atol=1e-5)
+
+
+def test_without_a_c_compiler_the_experts_run_through_torch(monkeypatch, tmp_path):
+    from vlm_serve.llm.kernels import CACHE_ENV, cpu_library
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    cpu_library.cache_clear()
+    try:
+        moe = block()
+        x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(5))
+        moe.prepack()
+        assert moe.packed is None
+        torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-4, atol=1e-5)
+    finally:
+        cpu_library.cache_clear()

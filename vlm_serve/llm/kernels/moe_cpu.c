@@ -1,0 +1,131 @@
+/* A mixture-of-experts layer's experts on CPU, float32, in one call: the routed tokens' rows through
+ * their experts, weighted, and summed per token.
+ *
+ * Pairs (token t, its k-th expert) are numbered t * K + k; `order` lists them grouped by expert, so
+ * positions starts[e] .. starts[e + 1] of `order` are expert e's (pairs of experts this rank does not
+ * hold come after starts[E] and are left out). For a pair of token t with expert e and weight w:
+ *     gate_up = x[t] @ w13[e]                    (H) @ (H, 2I): gate columns first, then up
+ *     y       = w * (silu(gate) * up) @ w2[e]    (I) @ (I, H)
+ * and out[t] is the sum of its pairs' y.
+ *
+ * The weights are packed once into column panels: a panel is `width` (16 or 64) consecutive output
+ * columns of every input row, contiguous, so a tile of up to MR rows by `width` columns streams its
+ * panel once while its accumulators stay in registers. At decode batch sizes most experts have a row or
+ * two and the layer is bound by reading the weights; tasks of one expert each are shared out over the
+ * threads, so all threads stream weights at once.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16    /* floats per vector: one AVX-512 register (two AVX2 ones, elsewhere) */
+#define MR 4        /* rows per tile */
+#define CHUNK 32    /* rows per task: an expert's weights stay in cache across a task's tiles */
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* c[r][0 : nv * LANES] = a[r][0 : k] @ panel (k, nv * LANES) for r < nr */
+static inline __attribute__((always_inline)) void
+tile(const float *const *a, int nr, const float *panel, int64_t k, int nv, float *const *c) {
+    vec acc[MR][4] = {{{0}}};
+    for (int64_t p = 0; p < k; p++) {
+        vec b[4];
+        for (int v = 0; v < nv; v++) {
+            b[v] = load(panel + p * nv * LANES + v * LANES);
+            __asm__("" : "+v"(b[v])); /* held in a register: each load feeds nr multiply-adds */
+        }
+        for (int r = 0; r < nr; r++) {
+            const float s = a[r][p];
+            const vec ar = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+            for (int v = 0; v < nv; v++) acc[r][v] += ar * b[v];
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
+}
+
+/* c[r][0 : n] = a[r][0 : k] @ the packed (k, n) matrix w (panels `width` columns wide), r < nr */
+static inline __attribute__((always_inline)) void
+matmul(const float *const *a, int nr, const float *w, int64_t k, int64_t n, int width, float *const *c) {
+    for (int64_t j = 0; j < n; j += width) {
+        float *cj[MR];
+        for (int r = 0; r < nr; r++) cj[r] = c[r] + j;
+        if (width == 4 * LANES)
+            tile(a, nr, w + j * k, k, 4, cj);
+        else
+            tile(a, nr, w + j * k, k, 1, cj);
+    }
+}
+
+/* y[r] = (silu(gate) * up)(x[r] @ w13) @ w2 for r < nr; gate_up is scratch for MR * 2I floats */
+static inline __attribute__((always_inline)) void
+expert_tile(const float *const *x, int nr, const float *w13, int width13, const float *w2, int width2, int64_t H,
+            int64_t I, float *gate_up, float *const *y) {
+    float *g[MR];
+    for (int r = 0; r < nr; r++) g[r] = gate_up + r * 2 * I;
+    matmul(x, nr, w13, H, 2 * I, width13, g);
+    for (int r = 0; r < nr; r++)
+        for (int64_t i = 0; i < I; i++) g[r][i] = g[r][i] / (1.0f + expf(-g[r][i])) * g[r][I + i];
+    matmul((const float *const *)g, nr, w2, I, H, width2, y);
+}
+
+/* x, out: (T, H); order: (T * K) pair numbers; starts: (E + 1); weights: (T * K) by pair number;
+ * w13: E packed (H, 2I) matrices; w2: E packed (I, H) ones; ys: scratch for (T * K, H) floats;
+ * pos: scratch for T * K int64s. */
+void moe_forward_f32(const float *x, int64_t T, int64_t K, const int64_t *order, const int64_t *starts, int64_t E,
+                     const float *weights, const float *w13, int width13, const float *w2, int width2, int64_t H,
+                     int64_t I, float *out, float *ys, int64_t *pos, int threads) {
+    const int64_t pairs = starts[E];
+    int64_t ntasks = 0;
+    for (int64_t e = 0; e < E; e++) ntasks += (starts[e + 1] - starts[e] + CHUNK - 1) / CHUNK;
+    int64_t task_expert[ntasks + 1], task_row[ntasks + 1];
+    int64_t t = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = starts[e]; r < starts[e + 1]; r += CHUNK) task_expert[t] = e, task_row[t++] = r;
+    for (int64_t r = 0; r < T * K; r++) pos[order[r]] = r < pairs ? r : -1;
+
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < ntasks; i++) {
+            const int64_t e = task_expert[i], end = starts[e + 1] < task_row[i] + CHUNK ? starts[e + 1] : task_row[i] + CHUNK;
+            const float *e13 = w13 + e * H * 2 * I, *e2 = w2 + e * I * H;
+            float gate_up[MR * 2 * I];
+            for (int64_t r0 = task_row[i]; r0 < end; r0 += MR) {
+                const int nr = end - r0 < MR ? (int)(end - r0) : MR;
+                const float *xr[MR];
+                float *yr[MR];
+                for (int r = 0; r < nr; r++) xr[r] = x + order[r0 + r] / K * H, yr[r] = ys + (r0 + r) * H;
+                switch (nr) { /* a copy per tile height: its accumulators stay in registers */
+                    case 1: expert_tile(xr, 1, e13, width13, e2, width2, H, I, gate_up, yr); break;
+                    case 2: expert_tile(xr, 2, e13, width13, e2, width2, H, I, gate_up, yr); break;
+                    case 3: expert_tile(xr, 3, e13, width13, e2, width2, H, I, gate_up, yr); break;
+                    default: expert_tile(xr, MR, e13, width13, e2, width2, H, I, gate_up, yr); break;
+                }
+                for (int r = 0; r < nr; r++) {
+                    const float w = weights[order[r0 + r]];
+                    for (int64_t h = 0; h < H; h++) yr[r][h] *= w;
+                }
+            }
+        }
+        /* each token's sum over its pairs (the implicit barrier above: every y is written) */
+#pragma omp for schedule(static)
+        for (int64_t tok = 0; tok < T; tok++) {
+            float *o = out + tok * H;
+            memset(o, 0, H * sizeof(float));
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t r = pos[tok * K + k];
+                if (r < 0) continue;
+                for (int64_t h = 0; h < H; h++) o[h] += ys[r * H + h];
+            }
+        }
+    }
+}
