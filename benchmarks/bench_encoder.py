@@ -80,6 +80,7 @@ from torch import nn
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.engine import Engine, Submission
+from vlm_serve.llm.layers.linear import LinearBase
 from vlm_serve.vision.vision_tower import VISION_PREFIX, load_vision_model
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
@@ -120,7 +121,7 @@ def init_tower(tower: Qwen3VLVisionModel, seed: int) -> None:
         if isinstance(module, nn.LayerNorm):
             module.weight.fill_(1.0)
             module.bias.zero_()
-        elif isinstance(module, (nn.Linear, nn.Conv3d, nn.Embedding)):
+        elif isinstance(module, (LinearBase, nn.Conv3d, nn.Embedding)):
             module.weight.normal_(0.0, INIT_STD, generator=generator)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()

@@ -16,6 +16,7 @@ from torch import nn
 
 from vlm_serve.checkpoint import build_module, checkpoint_files, iter_weights
 from vlm_serve.config import ModelConfig, VisionConfig
+from vlm_serve.llm.layers.linear import ReplicatedLinear, prepack_weights
 
 Grid = tuple[int, int, int]
 VISION_PREFIX = "model.visual."  # the tower's tensors in a Qwen3-VL checkpoint
@@ -77,8 +78,8 @@ class PatchMerger(nn.Module):
         self.merged = config.hidden_size * config.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.merged if postshuffle_norm else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged, self.merged)
-        self.linear_fc2 = nn.Linear(self.merged, config.out_hidden_size)
+        self.linear_fc1 = ReplicatedLinear(self.merged, self.merged, bias=True)
+        self.linear_fc2 = ReplicatedLinear(self.merged, config.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.merged)) if self.postshuffle_norm else self.norm(x).view(-1, self.merged)
@@ -90,8 +91,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.head_dim = config.hidden_size // config.num_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.qkv = ReplicatedLinear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.proj = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[tuple[int, int, int]]):
         n = x.shape[0]
@@ -119,8 +120,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class VisionMLP(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.linear_fc1 = ReplicatedLinear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = ReplicatedLinear(config.intermediate_size, config.hidden_size, bias=True)
         self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +260,8 @@ class Qwen3VLVisionModel(nn.Module):
 
 
 def load_vision_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3VLVisionModel:
-    """The vision tower alone (for an encoder rank, or rank 0's inline encoder)."""
+    """The vision tower alone (for an encoder rank, or rank 0's inline encoder), its linear weights
+    prepacked where the device and dtype allow (`prepack_weights`)."""
     model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype)
     params = dict(model.named_parameters())
     loaded = set()
@@ -274,4 +276,5 @@ def load_vision_model(config: ModelConfig, device: torch.device, dtype: torch.dt
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {missing[:5]}")
+    prepack_weights(model)
     return model.eval()
