@@ -1,4 +1,5 @@
-"""Offline generation throughput: vlm_serve's in-process Engine vs transformers' `generate`.
+"""Offline generation throughput: vlm_serve's in-process Engine vs transformers' `generate` (and vLLM's
+offline `LLM.generate` where a vLLM venv is given).
 
 Both run the same checkpoint (default: the built-in tiny MoE model; `--model DIR` for another
 Qwen3-VL checkpoint) in float32 on the same workload, built once with our `MultimodalProcessor`
@@ -6,44 +7,72 @@ Qwen3-VL checkpoint) in float32 on the same workload, built once with our `Multi
 `--requests` requests, each one image plus a prompt, `--images` distinct images of varied sizes
 (64..256 px per side) shared round-robin, the same system prompt in every request and user texts of
 different lengths; every request produces exactly `--output-tokens` tokens (greedy, EOS ignored).
+With `--output-len-sigma S` > 0 each request produces its own number of tokens instead, drawn as
+bench_serving.py draws them: log-normal of median `--output-tokens` and shape S, clipped to
+[1, 8 x median] (the long tail of real answers; still greedy with EOS ignored, so that every
+implementation produces the same tokens).
 
-* vlm_serve: `Engine.generate_processed` over the whole workload at once (after a small warm-up
-  call), with the default event loop (overlap scheduling).
+* vlm_serve: every request `Engine.submit`ted with its own `max_tokens`, then stepped until all are
+  done (after a small warm-up call), with the default event loop (overlap scheduling).
 * Overlap: batches of `--loop-batch-sizes` text-only requests under `event_loop_normal` and
   `event_loop_overlap`, in alternating rounds: tokens/s, and the share of wall time the model is idle
   waiting for the scheduler (wall time minus the model's busy time, `metrics.time_forward`: the
   forward thread's work under overlap). Goal: under 2% with overlap.
 * transformers: `Qwen3VL(Moe)ForConditionalGeneration.generate`, greedy, left-padded batches of
   each of `--hf-batch-sizes` (images of a batch concatenated in order; transformers derives the
-  M-RoPE positions from the attention mask). A batch size is timed on the first
-  `max(2 batches, --hf-min-requests)` requests and its tokens/s is taken for the whole workload; the
-  best batch size is the baseline. Every measured request's tokens are compared with the engine's
-  (which match transformers' unbatched ones, see test_model_parity): broken left-padded batching
+  M-RoPE positions from the attention mask). A static batch runs until its longest request is done:
+  only each request's own tokens count as output, the rest is waste (reported). A batch size is timed
+  on the first `max(2 batches, --hf-min-requests)` requests and its tokens/s is taken for the whole
+  workload (with varied lengths, an estimate: its batches' waste depends on their longest requests);
+  the best batch size is the baseline. Every measured request's own tokens are compared with the
+  engine's (which match transformers' unbatched ones, see test_model_parity): broken left-padded batching
   (wrong positions or masks) would show as a low agreement, and a setting with less than
   `MIN_AGREEMENT` of its tokens equal to the engine's does not count as transformers' best.
+* vLLM (with `--vllm-python`, the python of a venv with vLLM's CPU build; see ../shared/PEERS.md):
+  `LLM(model, dtype="float32").generate` in a subprocess of that python (benchmarks/vllm_offline.py),
+  loaded once, on the same requests (our rendered chat prompts, the images as lossless PNGs, each
+  request's own `max_tokens`, greedy, `ignore_eos`), its prefix and multimodal caches emptied before
+  every round, timed around `generate` alone; its prompt and output token ids are compared with
+  ours. vLLM runs with `VLLM_CPU_OMP_THREADS_BIND` over as many cores as torch has threads here; the
+  end of its log is printed if it fails.
 
-Timing is noisy on small shared machines, so the two implementations alternate in `--repeats`
-rounds (one engine run, then one run of each transformers batch size) and every setting counts with
-its fastest round. Output tokens/s count generated tokens only; torch keeps its default thread
+The engine runs with its default options (`--vit-dp 1`: one encoder process, the LLM on the other
+cores) unless `--vit-dp` is given. It sets this process's torch thread count for its LLM, so
+transformers' runs set it back first: transformers always uses torch's threads (`--threads`).
+
+Timing is noisy on small shared machines, so the implementations alternate in `--repeats` rounds
+(one engine run, one run of each transformers batch size, one vLLM run) and every setting counts
+with its fastest round. Output tokens/s count generated tokens only; torch keeps its default thread
 count unless `--threads` is given.
 
     python benchmarks/bench_offline.py [--model DIR] [--requests 64] [--output-tokens 64] [--quick]
+    python benchmarks/bench_offline.py --model /tmp/preset-medium-moe --output-tokens 128 \\
+        --output-len-sigma 0.8 --vllm-python ~/peers/vllm-cpu/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import math
+import os
+import signal
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import transformers
 
+from bench_serving import lognormal_lengths  # benchmarks/, next to this script
+from compare_peer import vllm_env
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import default_model_path
@@ -75,11 +104,14 @@ FILLER = [
 
 
 MIN_AGREEMENT = 0.9  # share of a transformers setting's tokens equal to the engine's for it to count
+HERE = Path(__file__).resolve().parent
 
 
 @dataclass
 class Workload:
-    inputs: list[ProcessedInput]
+    conversations: list[list[dict]]  # chat messages, images as PIL images
+    inputs: list[ProcessedInput]  # the conversations processed
+    max_tokens: list[int]  # each request's number of output tokens
     description: str
 
 
@@ -92,29 +124,39 @@ def user_text(rng: np.random.Generator) -> str:
     return " ".join([*context, QUESTIONS[rng.integers(len(QUESTIONS))]])
 
 
-def build_workload(engine: Engine, requests: int, images: int, output_tokens: int, seed: int) -> Workload:
+def build_workload(
+    engine: Engine, requests: int, images: int, output_tokens: int, output_sigma: float, seed: int
+) -> Workload:
     rng = np.random.default_rng(seed)
     pictures = [make_image(*rng.integers(64, 257, size=2), seed=seed + k) for k in range(images)]
-    inputs = []
-    for i in range(requests):
-        messages = [
+    conversations = [
+        [
             {"role": "system", "content": SYSTEM_PROMPT},
             {
                 "role": "user",
                 "content": [{"type": "image", "image": pictures[i % images]}, {"type": "text", "text": user_text(rng)}],
             },
         ]
-        inputs.append(engine.processor.process_messages(messages, add_generation_prompt=True))
+        for i in range(requests)
+    ]
+    inputs = [engine.processor.process_messages(messages, add_generation_prompt=True) for messages in conversations]
+    # a generator of its own, so that the sigma changes neither the images nor the texts
+    max_tokens = lognormal_lengths(np.random.default_rng(seed + 2), output_tokens, output_sigma, requests)
     merge = engine.model_config.vision.spatial_merge_size
     prompt_lens = [len(x.input_ids) for x in inputs]
     image_tokens = [item.num_tokens(merge) for x in inputs for item in x.mm_items]
+    outputs = (
+        f"x {output_tokens} output tokens" if output_sigma == 0 else
+        f"with log-normal output lengths (median {output_tokens}, sigma {output_sigma:g}: {min(max_tokens)}.."
+        f"{max(max_tokens)}, mean {statistics.mean(max_tokens):.0f}, {sum(max_tokens)} in all)"
+    )  # fmt: skip
     description = (
-        f"{requests} requests x {output_tokens} output tokens (greedy, EOS ignored); each one image "
+        f"{requests} requests {outputs} (greedy, EOS ignored); each one image "
         f"({images} distinct, 64..256 px per side, {min(image_tokens)}..{max(image_tokens)} image tokens) + "
         f"shared system prompt + user text; prompts {min(prompt_lens)}..{max(prompt_lens)} tokens "
         f"(mean {statistics.mean(prompt_lens):.0f})"
     )
-    return Workload(inputs, description)
+    return Workload(conversations, inputs, max_tokens, description)
 
 
 def build_text_workload(engine: Engine, requests: int, seed: int) -> list[ProcessedInput]:
@@ -131,20 +173,24 @@ def build_text_workload(engine: Engine, requests: int, seed: int) -> list[Proces
 # -- vlm_serve --------------------------------------------------------------------------------------
 
 
-def warmup_input(engine: Engine) -> ProcessedInput:
+def warmup_messages() -> list[dict]:
     """A small image request that shares no prefix with the workload (no system prompt)."""
     content = [{"type": "image", "image": make_image(96, 64, seed=12345)}, {"type": "text", "text": "Hello."}]
-    return engine.processor.process_messages([{"role": "user", "content": content}], add_generation_prompt=True)
+    return [{"role": "user", "content": content}]
 
 
-def cold_engine(path: Path, engine: Engine | None) -> Engine:
-    """A warmed-up engine with an empty prefix cache, so that a round does not reuse the last one's
-    prompts: `engine.flush_cache()` where the engine has one, else a new engine."""
+def warmup_input(engine: Engine) -> ProcessedInput:
+    return engine.processor.process_messages(warmup_messages(), add_generation_prompt=True)
+
+
+def cold_engine(path: Path, engine: Engine | None, **options: Any) -> Engine:
+    """A warmed-up engine (of these `Engine` options) with an empty prefix cache, so that a round does
+    not reuse the last one's prompts: `engine.flush_cache()` where the engine has one, else a new one."""
     flush = getattr(engine, "flush_cache", None)
     if not callable(flush) or flush() is False:
         if engine is not None:
             engine.shutdown()
-        engine = Engine(model=path, dtype="float32")
+        engine = Engine(model=path, dtype="float32", **options)
     engine.generate_processed([warmup_input(engine)] * 2, max_tokens=4, temperature=0, ignore_eos=True)
     return engine
 
@@ -166,11 +212,15 @@ class EngineRun:
         return max(1.0 - self.busy_seconds / self.seconds, 0.0)
 
 
-def engine_run(engine: Engine, inputs: list[ProcessedInput], max_tokens: int) -> EngineRun:
-    """One timed `generate_processed` call over all `inputs`, with the model's busy time over it."""
+def engine_run(engine: Engine, inputs: list[ProcessedInput], max_tokens: list[int]) -> EngineRun:
+    """All `inputs` submitted at once, each with its own `max_tokens`, and stepped until they are done
+    and the scheduler is idle (as `generate_processed` does); timed, with the model's busy time."""
     busy = engine.scheduler.metrics.time_forward
     start = time.perf_counter()
-    outputs = engine.generate_processed(inputs, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    submissions = [engine.submit(x, max_tokens=n, temperature=0, ignore_eos=True) for x, n in zip(inputs, max_tokens)]
+    while not all(s.done for s in submissions) or not engine.scheduler.is_idle():
+        engine.step()
+    outputs = [engine.result(s) for s in submissions]
     seconds = time.perf_counter() - start
     busy = engine.scheduler.metrics.time_forward - busy
     cached_share = sum(out.cached_tokens for out in outputs) / sum(out.prompt_tokens for out in outputs)
@@ -198,7 +248,7 @@ def compare_loops(path: Path, batch_sizes: list[int], output_tokens: int, repeat
                 with Engine(path, dtype="float32", vit_dp=0, disable_overlap_schedule=not overlap) as engine:
                     inputs = build_text_workload(engine, batch_size, seed)
                     engine.generate_processed([warmup_input(engine)], max_tokens=4, temperature=0)
-                    run = engine_run(engine, inputs, output_tokens)
+                    run = engine_run(engine, inputs, [output_tokens] * batch_size)
                 if overlap not in best or run.seconds < best[overlap].seconds:
                     best[overlap] = run
         results.append(LoopRuns(batch_size, best[False], best[True]))
@@ -265,6 +315,19 @@ def hf_generate(
     return out[:, batch["input_ids"].shape[1] :].cpu()
 
 
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int, int, int]:
+    """(tokens equal to the reference's at the same place, tokens, requests identical to the
+    reference's), over the first `len(tokens)` requests of `reference`."""
+    pairs = list(zip(tokens, reference))
+    equal = sum(a == b for row, ref in pairs for a, b in zip(row, ref))
+    return equal, sum(map(len, tokens)), sum(row == ref for row, ref in pairs)
+
+
+def own_tokens(rows: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Each row of a static batch cut to its request's own length (the batch ran to its longest)."""
+    return [row[:n] for row, n in zip(rows, max_tokens, strict=True)]
+
+
 @dataclass
 class HfSetting:
     """One batch size, timed on the first `requests` requests of the workload."""
@@ -272,34 +335,37 @@ class HfSetting:
     batch_size: int
     requests: int
     batches: list[dict[str, torch.Tensor]]
+    max_tokens: list[list[int]]  # per batch, its requests' own lengths
     seconds: list[float] = field(default_factory=list)
-    tokens: list[list[int]] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)  # each request's own tokens
 
-    def run(self, model: torch.nn.Module, max_new_tokens: int, pad_id: int) -> None:
+    def run(self, model: torch.nn.Module, pad_id: int) -> None:
         start = time.perf_counter()
-        outputs = [hf_generate(model, batch, max_new_tokens, pad_id) for batch in self.batches]
+        batches = list(zip(self.batches, self.max_tokens))
+        outputs = [hf_generate(model, batch, max(lengths), pad_id) for batch, lengths in batches]
         self.seconds.append(time.perf_counter() - start)
-        self.tokens = [row.tolist() for out in outputs for row in out]
+        self.tokens = [row for out, (_, lengths) in zip(outputs, batches) for row in own_tokens(out.tolist(), lengths)]
 
     @property
     def rate(self) -> float:
         """Output tokens/s of the fastest run, which is also the estimate for the whole workload."""
-        return sum(len(t) for t in self.tokens) / min(self.seconds)
+        return sum(map(len, self.tokens)) / min(self.seconds)
 
-    def agreement(self, reference: list[list[int]]) -> tuple[int, int, int]:
-        """(tokens equal to the reference's, tokens, requests identical to the reference's)."""
-        pairs = list(zip(self.tokens, reference))
-        equal = sum(a == b for row, ref in pairs for a, b in zip(row, ref))
-        return equal, sum(len(row) for row in self.tokens), sum(row == ref for row, ref in pairs)
+    @property
+    def waste(self) -> float:
+        """Share of the generated tokens that lie past their request's own length."""
+        generated = sum(len(lengths) * max(lengths) for lengths in self.max_tokens)
+        return 1 - sum(map(sum, self.max_tokens)) / generated
 
     def agrees(self, reference: list[list[int]]) -> bool:
-        equal, total, _ = self.agreement(reference)
+        equal, total, _ = agreement(self.tokens, reference)
         return equal >= MIN_AGREEMENT * total
 
 
 def hf_settings(
-    inputs: list[ProcessedInput], batch_sizes: list[int], min_requests: int, token_ids: tuple[int, int, int]
-) -> list[HfSetting]:
+    inputs: list[ProcessedInput], max_tokens: list[int], batch_sizes: list[int], min_requests: int,
+    token_ids: tuple[int, int, int],
+) -> list[HfSetting]:  # fmt: skip
     """Each batch size gets the first max(2 batches, `min_requests`) requests, left-padded per batch."""
     settings = []
     for size in batch_sizes:
@@ -307,9 +373,97 @@ def hf_settings(
             print(f"transformers batch {size} skipped: the workload has {len(inputs)} requests")
             continue
         count = min(len(inputs), max(2 * size, min_requests))
-        batches = [hf_batch(inputs[s : min(s + size, count)], *token_ids) for s in range(0, count, size)]
-        settings.append(HfSetting(size, count, batches))
+        starts = range(0, count, size)
+        batches = [hf_batch(inputs[s : min(s + size, count)], *token_ids) for s in starts]
+        settings.append(HfSetting(size, count, batches, [max_tokens[s : min(s + size, count)] for s in starts]))
     return settings
+
+
+# -- vLLM -------------------------------------------------------------------------------------------
+
+
+def vllm_request(
+    engine: Engine, messages: list[dict], max_tokens: int, images: dict[int, str], directory: Path
+) -> dict[str, object]:
+    """A request as vllm_offline.py reads it: the prompt rendered with our chat template, its images
+    saved as PNG (lossless: the same pixels) into `directory`, once each (`images`: path by id)."""
+    parts = [part for m in messages if isinstance(m["content"], list) for part in m["content"]]
+    pictures = [part["image"] for part in parts if part["type"] == "image"]
+    for picture in pictures:
+        if id(picture) not in images:
+            images[id(picture)] = str(directory / f"image{len(images)}.png")
+            picture.save(images[id(picture)])
+    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return {"prompt": prompt, "images": [images[id(p)] for p in pictures], "max_tokens": max_tokens}
+
+
+@dataclass
+class VllmRun:
+    seconds: float
+    tokens: list[list[int]]
+    prompt_ids: list[list[int]]
+
+    @property
+    def rate(self) -> float:
+        return sum(map(len, self.tokens)) / self.seconds
+
+
+class VllmOffline:
+    """vLLM's `LLM.generate` on the workload, in a subprocess of the vLLM venv's python
+    (benchmarks/vllm_offline.py) that loads the model once and runs one timed round per `run()`. Its
+    requests, images and log live in a temporary directory, removed on exit."""
+
+    def __init__(self, python: Path, engine: Engine, model: Path, workload: Workload, threads: int) -> None:
+        self._directory = tempfile.TemporaryDirectory(prefix="bench_offline_vllm_")
+        directory = Path(self._directory.name)
+        images: dict[int, str] = {}
+        requests = [
+            vllm_request(engine, messages, n, images, directory)
+            for messages, n in zip(workload.conversations, workload.max_tokens)
+        ]
+        longest = max(len(x.input_ids) + n for x, n in zip(workload.inputs, workload.max_tokens))
+        spec = {
+            "model": str(model.absolute()),
+            "max_model_len": max(4096, longest),
+            "warmup": vllm_request(engine, warmup_messages(), 4, images, directory),
+            "requests": requests,
+        }
+        (directory / "requests.json").write_text(json.dumps(spec))
+        self.log = directory / "vllm.log"
+        command = [str(python), str(HERE / "vllm_offline.py"), str(directory / "requests.json")]
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env=os.environ | vllm_env(python.parent.parent, threads), start_new_session=True,
+            )  # fmt: skip
+        self._reply()  # {"ready": true}: loaded and warmed up
+
+    def _reply(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-30:])
+            raise SystemExit(f"vLLM exited (status {self.process.wait()}); the end of {self.log}:\n{tail}")
+        return json.loads(line)
+
+    def run(self) -> VllmRun:
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        reply = self._reply()
+        return VllmRun(reply["seconds"], reply["token_ids"], reply["prompt_token_ids"])
+
+    def __enter__(self) -> VllmOffline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Ends the subprocess (it exits at the end of its stdin; its process group is killed if it
+        has not after a minute) and removes the directory."""
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self._directory.cleanup()
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -323,23 +477,37 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=16, help="distinct images, shared round-robin")
     parser.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="comma-separated")
     parser.add_argument("--hf-min-requests", type=int, default=16, help="requests timed per batch size (>= 2 batches)")
-    parser.add_argument("--loop-batch-sizes", default="1,8,32", help="text-only batches run under both event loops")
+    parser.add_argument("--output-len-sigma", type=float, default=0.0,
+                        help="log-normal shape of each request's output tokens around the median --output-tokens; "
+                             "0: all equal (0)")  # fmt: skip
+    parser.add_argument("--loop-batch-sizes", default="1,8,32",
+                        help="text-only batches run under both event loops; empty: none")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; each setting counts with its fastest")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
+    parser.add_argument("--vit-dp", type=int, default=None, help="the engine's encoder processes (default: its own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="16 requests x 16 tokens, 8 images, 2 rounds")
+    parser.add_argument("--vllm-python", type=Path, default=None,
+                        help="python of a venv with vLLM's CPU build: also time vLLM's LLM.generate")  # fmt: skip
     args = parser.parse_args()
+    if not 0 <= args.output_len_sigma < math.inf:
+        parser.error("--output-len-sigma must be finite and >= 0")
+    if args.vllm_python is not None and not args.vllm_python.exists():
+        parser.error(f"--vllm-python {args.vllm_python}: no such file")
     if args.quick:
         args.requests, args.output_tokens, args.images, args.repeats = 16, 16, 8, 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()  # transformers' and vLLM's; the engine sets its own
+    engine_options = {} if args.vit_dp is None else {"vit_dp": args.vit_dp}
     path = args.model or default_model_path()
     transformers.utils.logging.disable_progress_bar()
     began = time.perf_counter()
-    print(f"model {path}, float32, torch threads {torch.get_num_threads()}, fastest of {args.repeats} rounds")
+    print(f"model {path}, float32, torch threads {threads}, engine options {engine_options or 'default'}, "
+          f"fastest of {args.repeats} rounds")  # fmt: skip
 
-    engine = cold_engine(path, None)
-    workload = build_workload(engine, args.requests, args.images, args.output_tokens, args.seed)
+    engine = cold_engine(path, None, **engine_options)
+    workload = build_workload(engine, args.requests, args.images, args.output_tokens, args.output_len_sigma, args.seed)
     print(f"workload: {workload.description}")
     token_ids = (
         engine.tokenizer.token_to_id("<|endoftext|>"),  # pad
@@ -347,56 +515,82 @@ def main() -> None:
         engine.model_config.video_token_id,
     )
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
-    settings = hf_settings(workload.inputs, batch_sizes, args.hf_min_requests, token_ids)
+    settings = hf_settings(workload.inputs, workload.max_tokens, batch_sizes, args.hf_min_requests, token_ids)
     if not settings:
         raise SystemExit("no transformers batch size fits the workload")
+    vllm = (
+        VllmOffline(args.vllm_python, engine, path, workload, threads) if args.vllm_python
+        else contextlib.nullcontext()
+    )  # fmt: skip
+    torch.set_num_threads(threads)
     model = load_hf_model(path, engine.server_args.resolved_device())  # the engine's device
     hf_generate(model, hf_batch([warmup_input(engine)], *token_ids), 4, token_ids[0])
 
-    # Rounds alternate the two implementations so that both see the same machine load. Each engine
-    # round starts with an empty prefix cache and its own copy of the inputs (as a server receives
-    # them: the engine hashes and annotates the media items).
+    # Rounds alternate the implementations so that all see the same machine load. Each engine round
+    # starts with an empty prefix cache and its own copy of the inputs (as a server receives them:
+    # the engine hashes and annotates the media items); each vLLM round with empty caches too.
     runs: list[EngineRun] = []
-    for round_ in range(args.repeats):
-        if round_ > 0:
-            engine = cold_engine(path, engine)
-        runs.append(engine_run(engine, copy.deepcopy(workload.inputs), args.output_tokens))
-        if runs[-1].tokens != runs[0].tokens:
-            print(f"note: the engine's tokens in round {round_ + 1} differ from round 1's")
-        for setting in settings:
-            setting.run(model, args.output_tokens, token_ids[0])
-        hf_rates = " ".join(f"b{s.batch_size}={sum(map(len, s.tokens)) / s.seconds[-1]:.0f}" for s in settings)
-        print(f"round {round_ + 1}: vlm_serve {runs[-1].rate:.0f} tok/s | transformers {hf_rates} tok/s")
+    vllm_runs: list[VllmRun] = []
+    with vllm:
+        for round_ in range(args.repeats):
+            if round_ > 0:
+                engine = cold_engine(path, engine, **engine_options)
+            runs.append(engine_run(engine, copy.deepcopy(workload.inputs), workload.max_tokens))
+            if runs[-1].tokens != runs[0].tokens:
+                print(f"note: the engine's tokens in round {round_ + 1} differ from round 1's")
+            torch.set_num_threads(threads)
+            for setting in settings:
+                setting.run(model, token_ids[0])
+            if args.vllm_python:
+                vllm_runs.append(vllm.run())
+            hf_rates = " ".join(f"b{s.batch_size}={sum(map(len, s.tokens)) / s.seconds[-1]:.0f}" for s in settings)
+            vllm_rate = f" | vLLM {vllm_runs[-1].rate:.0f} tok/s" if vllm_runs else ""
+            print(f"round {round_ + 1}: vlm_serve {runs[-1].rate:.0f} tok/s | transformers {hf_rates} tok/s{vllm_rate}")
     best_run = min(runs, key=lambda run: run.seconds)
     reference = runs[0].tokens
 
-    print()
-    print(f"event loops, {args.output_tokens} tokens per request, fastest of {args.repeats} rounds:")
-    loops = compare_loops(path, [int(b) for b in args.loop_batch_sizes.split(",")], args.output_tokens, args.repeats, args.seed)
+    loop_sizes = [int(b) for b in args.loop_batch_sizes.split(",") if b.strip()]
+    if loop_sizes:
+        print()
+        print(f"event loops, {args.output_tokens} tokens per request, fastest of {args.repeats} rounds:")
+    loops = compare_loops(path, loop_sizes, args.output_tokens, args.repeats, args.seed)
 
     print()
     print(
-        f"vlm_serve    : {best_run.rate:8.1f} tok/s (all {args.requests} requests in one call) | model idle "
+        f"vlm_serve    : {best_run.rate:8.1f} tok/s (all {args.requests} requests at once) | model idle "
         f"{percent(best_run.idle_share)} | prompt tokens from the prefix cache {percent(best_run.cached_share)}"
     )
     for s in settings:
-        equal, total, identical = s.agreement(reference)
+        equal, total, identical = agreement(s.tokens, reference)
         print(
             f"transformers : {s.rate:8.1f} tok/s at batch {s.batch_size:3d} (timed on {s.requests} requests) | "
-            f"tokens equal to vlm_serve's {equal}/{total}, requests identical {identical}/{s.requests}"
+            f"tokens past their request's length {percent(s.waste)} | tokens equal to vlm_serve's {equal}/{total}, "
+            f"requests identical {identical}/{s.requests}"
         )
     correct = [s for s in settings if s.agrees(reference)]
     if len(correct) < len(settings):
         print(f"note: transformers settings with under {MIN_AGREEMENT:.0%} of their tokens equal to the engine's "
               f"are left out of its best")
     best = max(correct or settings, key=lambda s: s.rate)
+    best_vllm = min(vllm_runs, key=lambda run: run.seconds) if vllm_runs else None
+    if best_vllm is not None:
+        equal, total, identical = agreement(vllm_runs[0].tokens, reference)
+        same_prompts = sum(ids == x.input_ids for ids, x in zip(vllm_runs[0].prompt_ids, workload.inputs))
+        print(
+            f"vLLM         : {best_vllm.rate:8.1f} tok/s (LLM.generate, all {args.requests} requests at once) | "
+            f"tokens equal to vlm_serve's {equal}/{total}, requests identical {identical}/{args.requests}, "
+            f"prompt token ids identical {same_prompts}/{args.requests}"
+        )
 
     print()
     print(f"{'workload':<28}{workload.description}")
-    print(f"{'torch threads':<28}{torch.get_num_threads()}")
-    print(f"{'vlm_serve engine':<28}{best_run.rate:.1f} tok/s")
-    print(f"{'transformers, best batch':<28}{best.rate:.1f} tok/s (batch {best.batch_size})")
-    print(f"{'ratio':<28}{best_run.rate / best.rate:.2f}x (target >= 3x)")
+    print(f"{'threads':<28}{threads} (transformers' torch, vLLM's OpenMP); engine {engine_options or 'default'}")
+    print(f"{'':<28}{'output tok/s':>12}  {'vlm_serve / it':>14}")
+    print(f"{'vlm_serve engine':<28}{best_run.rate:12.1f}")
+    hf_label = f"transformers, batch {best.batch_size}"
+    print(f"{hf_label:<28}{best.rate:12.1f}  {best_run.rate / best.rate:13.2f}x (target >= 3x)")
+    if best_vllm is not None:
+        print(f"{'vLLM LLM.generate':<28}{best_vllm.rate:12.1f}  {best_run.rate / best_vllm.rate:13.2f}x")
     for r in loops:
         print(
             f"{'model idle at batch ' + str(r.batch_size):<28}normal {percent(r.normal.idle_share)}, overlap "

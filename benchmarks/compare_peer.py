@@ -141,14 +141,19 @@ def vllm_server(venv: Path, model: Path, name: str, extra: str) -> Server:
     command = [str(venv / "bin" / "python"), str(HERE / "vllm_launcher.py"), "serve", str(model),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
                "--served-model-name", name, *shlex.split(extra)]  # fmt: skip
+    return Server("vllm", command, vllm_env(venv, CORES), f"http://127.0.0.1:{port}")
+
+
+def vllm_env(venv: Path, threads: int) -> dict[str, str]:
+    """What vLLM's CPU build needs (../shared/PEERS.md): tcmalloc and its venv's OpenMP preloaded,
+    its OpenMP threads bound to `threads` cores, 2 GiB of KV cache."""
     preload = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(venv / "lib" / "libiomp5.so")]
-    env = {
+    return {
         "LD_PRELOAD": ":".join(p for p in preload if Path(p).exists()),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{CORES - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_HOST_IP": "127.0.0.1",
     }
-    return Server("vllm", command, env, f"http://127.0.0.1:{port}")
 
 
 @contextlib.contextmanager

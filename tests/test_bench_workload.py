@@ -1,14 +1,20 @@
-"""The workloads of benchmarks/bench_serving.py: drawn lengths, videos and pools (no server, no timing)."""
+"""The workloads of benchmarks/bench_serving.py: drawn lengths, videos and pools; and how
+benchmarks/bench_offline.py counts static batches and hands requests to vLLM (no server, no timing)."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from PIL import Image
 
+from vlm_serve.testing.media import make_image
+from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.video import VideoProcessor, VideoProcessorConfig
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
@@ -84,3 +90,66 @@ def test_repeated_requests_take_images_and_videos_from_warmed_pools(bench):
 def test_bad_workload_flags_are_rejected(bench, flags):
     with pytest.raises(SystemExit):
         workload(bench, *flags)
+
+
+# ---- benchmarks/bench_offline.py: static batches and the vLLM request file ---------------------------
+
+
+@pytest.fixture(scope="module")
+def offline(bench):
+    """benchmarks/bench_offline.py; its `from bench_serving import ...` finds the module `bench` loaded, and
+    its other imports of benchmarks/ modules find them on the path."""
+    spec = importlib.util.spec_from_file_location("bench_offline", BENCH.parent / "bench_offline.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    yield module
+    del sys.modules[spec.name]
+    sys.modules.pop("compare_peer", None)
+
+
+class CountingModel:
+    """Stands in for transformers' model: row r of a batch generates 100 r, 100 r + 1, ..."""
+
+    device = torch.device("cpu")
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **_: object) -> torch.Tensor:
+        rows = torch.arange(len(input_ids))[:, None]
+        return torch.cat([input_ids, 100 * rows + torch.arange(max_new_tokens)], dim=1)
+
+
+def test_a_static_batch_runs_to_its_longest_request_but_counts_only_each_requests_own_tokens(offline):
+    batch = {"input_ids": torch.zeros((2, 3), dtype=torch.long)}
+    setting = offline.HfSetting(batch_size=2, requests=4, batches=[batch, batch], max_tokens=[[2, 5], [3, 1]])
+    setting.run(CountingModel(), pad_id=0)
+    assert setting.tokens == [[0, 1], [100, 101, 102, 103, 104], [0, 1, 2], [100]]
+    assert setting.waste == pytest.approx(1 - 11 / (2 * 5 + 2 * 3))  # the batches generated 10 and 6 tokens
+    # agreement compares each request's own tokens with the reference's, request by request
+    reference = [[0, 1], [100, 101, 7, 103, 104], [0, 1, 2], [100], [5, 5]]
+    assert offline.agreement(setting.tokens, reference) == (10, 11, 3)
+    assert setting.agrees(reference)
+    assert not setting.agrees([[9, 9], [9] * 5, [9] * 3, [9]])
+
+
+def test_vllm_requests_carry_the_rendered_prompt_and_each_image_once_as_lossless_png(offline, tiny_moe_dir, tmp_path):
+    engine = SimpleNamespace(tokenizer=Tokenizer.from_pretrained(tiny_moe_dir))
+    shared, other = make_image(40, 30, seed=1), make_image(20, 50, seed=2)
+
+    def conversation(*pictures: Image.Image) -> list[dict]:
+        content = [*({"type": "image", "image": p} for p in pictures), {"type": "text", "text": "Hi"}]
+        return [{"role": "user", "content": content}]
+
+    images: dict[int, str] = {}
+    first = offline.vllm_request(engine, conversation(shared), 7, images, tmp_path)
+    second = offline.vllm_request(engine, conversation(shared, other), 3, images, tmp_path)
+    assert first["max_tokens"] == 7 and second["max_tokens"] == 3
+    assert first["prompt"].count("<|image_pad|>") == 1 and second["prompt"].count("<|image_pad|>") == 2
+    assert second["prompt"].endswith("<|im_start|>assistant\n")
+    assert second["images"][0] == first["images"][0] and len(set(images.values())) == 2
+    assert len(list(tmp_path.glob("*.png"))) == 2
+    for path, picture in zip(second["images"], (shared, other)):
+        assert np.array_equal(np.asarray(Image.open(path).convert("RGB")), np.asarray(picture))

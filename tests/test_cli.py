@@ -66,3 +66,13 @@ def test_every_shipped_config_file_is_valid():
         # as launched: a multi-node file gets each node's address of node 0 on the command line
         args = server_args_of(parse_args(build_parser(), ["serve", "--config", str(config), "--dist-init-addr", "10.0.0.1:5000"]))
         assert args.tp_size % args.nnodes == 0
+
+
+def test_prefill_chunks_default_to_2048_tokens_on_cpu_and_8192_on_gpu():
+    def chunk(*flags: str) -> int | None:
+        return server_args_of(parse_args(build_parser(), ["serve", *flags])).resolved_chunked_prefill_size()
+
+    assert chunk("--device", "cpu") == 2048
+    assert chunk("--device", "cuda") == 8192
+    assert chunk("--device", "cpu", "--chunked-prefill-size", "512") == 512
+    assert chunk("--chunked-prefill-size", "-1") is None
