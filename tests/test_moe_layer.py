@@ -111,3 +111,22 @@ def test_without_a_c_compiler_the_experts_run_through_torch(monkeypatch, tmp_pat
         torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-4, atol=1e-5)
     finally:
         cpu_library.cache_clear()
+
+
+def test_a_broken_kernel_in_the_cache_falls_back_to_torch(monkeypatch, tmp_path):
+    from vlm_serve.llm.kernels import CACHE_ENV, cpu_library
+
+    good, broken = tmp_path / "good", tmp_path / "broken"
+    monkeypatch.setenv(CACHE_ENV, str(good))
+    cpu_library.cache_clear()
+    try:
+        if cpu_library("moe_cpu") is None:
+            pytest.skip("the CPU kernel could not be built here (no C compiler)")
+        broken.mkdir()
+        for built in good.glob("*.so"):  # (another path: the good one stays loaded in this process)
+            (broken / built.name).write_bytes(b"not a shared library")
+        monkeypatch.setenv(CACHE_ENV, str(broken))
+        cpu_library.cache_clear()
+        assert cpu_library("moe_cpu") is None
+    finally:
+        cpu_library.cache_clear()

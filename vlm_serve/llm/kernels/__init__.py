@@ -37,17 +37,17 @@ def cpu_library(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: CPU kernel %s not built, using torch ops", name)
         return None
-    source = Path(__file__).with_name(f"{name}.c").read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode() + _cpu_flags()).hexdigest()[:16]
+    source = Path(__file__).with_name(f"{name}.c")
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_flags()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
-    if not target.exists():
-        try:
-            _build(compiler, Path(__file__).with_name(f"{name}.c"), target)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            logger.warning("CPU kernel %s could not be built, using torch ops: %s", name, detail.strip()[-500:])
-            return None
-    return ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            _build(compiler, source, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("CPU kernel %s could not be built or loaded, using torch ops: %s", name, detail.strip()[-500:])
+        return None
 
 
 def _build(compiler: str, source: Path, target: Path) -> None:

@@ -28,7 +28,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         param.data.copy_(loaded)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -65,9 +65,6 @@ def prepack_weights(model: nn.Module) -> None:
 class ReplicatedLinear(LinearBase):
     """A full copy on every rank (the vision tower, the MoE router)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
-
 
 class ColumnParallelLinear(LinearBase):
     """Output features split over the TP ranks; each rank keeps its slice of the output."""
@@ -80,9 +77,6 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         size = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -141,5 +135,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
+        y = super().forward(x)
         return tp_all_reduce(y) if self.reduce_results else y
