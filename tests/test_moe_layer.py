@@ -71,8 +71,9 @@ def test_expert_parallel_ranks_parts_add_up_to_the_whole():
 
 @pytest.mark.parametrize("tokens", [1, 16, 300])
 @pytest.mark.parametrize("intermediate", [INTERMEDIATE, 24])  # gate/up panels 64 and 16 columns wide
-def test_the_cpu_kernel_computes_what_the_expert_loop_does(tokens, intermediate):
-    moe = SparseMoeBlock(HIDDEN, intermediate, EXPERTS, TOP_K)
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_the_cpu_kernel_routes_and_computes_what_the_expert_loop_does(tokens, intermediate, norm_topk_prob):
+    moe = SparseMoeBlock(HIDDEN, intermediate, EXPERTS, TOP_K, norm_topk_prob)
     generator = torch.Generator().manual_seed(tokens)
     moe.gate.weight.data = torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.2
     moe.w13.data = torch.randn(EXPERTS, 2 * intermediate, HIDDEN, generator=generator) * HIDDEN**-0.5

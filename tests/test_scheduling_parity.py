@@ -105,6 +105,7 @@ SETTINGS = {
     "lof": {"schedule_policy": "lof"},
     "random": {"schedule_policy": "random"},
     "tiny_batch": {"max_running_requests": 2, "max_prefill_tokens": 64},
+    "torch_attention": {"attention_backend": "torch", "chunked_prefill_size": 32},  # (default: the C kernel)
 }
 
 

@@ -32,7 +32,7 @@ class ServerArgs:
     model: str | None = None  # checkpoint directory; None = the built-in tiny MoE model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | cpu | torch | flashinfer
     tp_size: int = 1
     ep_size: int = 1
     nnodes: int = 1  # machines the TP ranks span (tp_size / nnodes ranks each)
@@ -84,8 +84,8 @@ class ServerArgs:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend must be auto, torch or flashinfer, not {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be auto, cpu, torch or flashinfer, not {self.attention_backend!r}")
         positive = (
             "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
             "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "limit_mm_per_prompt", "mm_max_image_pixels",

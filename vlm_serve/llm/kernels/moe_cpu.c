@@ -8,62 +8,15 @@
  *     y       = w * (silu(gate) * up) @ w2[e]    (I) @ (I, H)
  * and out[t] is the sum of its pairs' y.
  *
- * The weights are packed once into column panels: a panel is `width` (16 or 64) consecutive output
- * columns of every input row, contiguous, so a tile of up to MR rows by `width` columns streams its
- * panel once while its accumulators stay in registers. At decode batch sizes most experts have a row or
- * two and the layer is bound by reading the weights; tasks of one expert each are shared out over the
- * threads, so all threads stream weights at once.
+ * The weights are packed once into column panels (tiles.h). At decode batch sizes most experts have a
+ * row or two and the layer is bound by reading the weights; tasks of one expert each are shared out over
+ * the threads, so all threads stream weights at once.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#define LANES 16    /* floats per vector: one AVX-512 register (two AVX2 ones, elsewhere) */
-#define MR 4        /* rows per tile */
+#include "tiles.h"
+
 #define CHUNK 32    /* rows per task: an expert's weights stay in cache across a task's tiles */
-
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-/* c[r][0 : nv * LANES] = a[r][0 : k] @ panel (k, nv * LANES) for r < nr */
-static inline __attribute__((always_inline)) void
-tile(const float *const *a, int nr, const float *panel, int64_t k, int nv, float *const *c) {
-    vec acc[MR][4] = {{{0}}};
-    for (int64_t p = 0; p < k; p++) {
-        vec b[4];
-        for (int v = 0; v < nv; v++) {
-            b[v] = load(panel + p * nv * LANES + v * LANES);
-            __asm__("" : "+v"(b[v])); /* held in a register: each load feeds nr multiply-adds */
-        }
-        for (int r = 0; r < nr; r++) {
-            const float s = a[r][p];
-            const vec ar = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
-            for (int v = 0; v < nv; v++) acc[r][v] += ar * b[v];
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
-}
-
-/* c[r][0 : n] = a[r][0 : k] @ the packed (k, n) matrix w (panels `width` columns wide), r < nr */
-static inline __attribute__((always_inline)) void
-matmul(const float *const *a, int nr, const float *w, int64_t k, int64_t n, int width, float *const *c) {
-    for (int64_t j = 0; j < n; j += width) {
-        float *cj[MR];
-        for (int r = 0; r < nr; r++) cj[r] = c[r] + j;
-        if (width == 4 * LANES)
-            tile(a, nr, w + j * k, k, 4, cj);
-        else
-            tile(a, nr, w + j * k, k, 1, cj);
-    }
-}
 
 /* y[r] = (silu(gate) * up)(x[r] @ w13) @ w2 for r < nr; gate_up is scratch for MR * 2I floats */
 static inline __attribute__((always_inline)) void
@@ -75,6 +28,42 @@ expert_tile(const float *const *x, int nr, const float *w13, int width13, const 
     for (int r = 0; r < nr; r++)
         for (int64_t i = 0; i < I; i++) g[r][i] = g[r][i] / (1.0f + expf(-g[r][i])) * g[r][I + i];
     matmul((const float *const *)g, nr, w2, I, H, width2, y);
+}
+
+/* The router's choices, from its logits (T, E_all): each token's top K experts, by logit, weighted by their
+ * softmax probabilities (renormalized over the K where `renormalize`); then the pairs of this rank's
+ * experts expert_start ... + E grouped by expert in pair order (order, starts: as moe_forward_f32 takes
+ * them), the other pairs after them. starts: E + 2 entries; expert: scratch for T * K. */
+void moe_route_f32(const float *logits, int64_t T, int64_t E_all, int64_t K, int renormalize, int64_t expert_start,
+                   int64_t E, float *weights, int64_t *order, int64_t *starts, int64_t *expert, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E_all;
+        int64_t *top = expert + t * K, n = 0; /* the largest so far, in descending order (ties: lower index first) */
+        for (int64_t e = 0; e < E_all; e++) {
+            if (n == K && l[e] <= l[top[K - 1]]) continue;
+            int64_t j = n < K ? n++ : K - 1;
+            for (; j > 0 && l[e] > l[top[j - 1]]; j--) top[j] = top[j - 1];
+            top[j] = e;
+        }
+        const float max = l[top[0]];
+        float all = 0, chosen = 0;
+        for (int64_t e = 0; e < E_all; e++) all += expf(l[e] - max);
+        for (int64_t k = 0; k < K; k++) chosen += weights[t * K + k] = expf(l[top[k]] - max);
+        for (int64_t k = 0; k < K; k++) weights[t * K + k] /= renormalize ? chosen : all;
+    }
+    for (int64_t e = 0; e <= E + 1; e++) starts[e] = 0;
+    for (int64_t p = 0; p < T * K; p++) { /* counts, shifted by one: local expert e counts at e + 1 */
+        const int64_t e = expert[p] - expert_start;
+        starts[(e >= 0 && e < E ? e : E) + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) starts[e + 1] += starts[e];
+    int64_t next[E + 1];
+    for (int64_t e = 0; e <= E; e++) next[e] = starts[e];
+    for (int64_t p = 0; p < T * K; p++) {
+        const int64_t e = expert[p] - expert_start;
+        order[next[e >= 0 && e < E ? e : E]++] = p;
+    }
 }
 
 /* x, out: (T, H); order: (T * K) pair numbers; starts: (E + 1); weights: (T * K) by pair number;

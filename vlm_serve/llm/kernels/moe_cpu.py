@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from vlm_serve.llm.kernels import cpu_library
-
-LANES = 16  # floats per vector in moe_cpu.c
+from vlm_serve.llm.kernels import I32, I64, LANES, PTR, bound_library, scratch
 
 
 @dataclass
@@ -46,43 +43,39 @@ def _panels(w: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def moe_forward(
-    x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, top_k: int, packed: PackedExperts
+    x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool, expert_start: int, packed: PackedExperts
 ) -> torch.Tensor:
-    """The experts' part of the layer's output, (tokens, hidden): for each token the sum of its pairs'
-    expert outputs times their routing weights. Pair t * top_k + k is token t's k-th choice; `order`
-    lists the pairs grouped by local expert (`counts[e]` pairs for expert e, then pairs for experts
-    held elsewhere, which are left out); `weights` are the pairs' routing weights."""
-    tokens, pairs = x.shape[0], order.numel()
-    starts = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=starts[1:])
+    """The experts' part of the layer's output, (tokens, hidden): each token's top_k experts by router
+    logit, weighted by their softmax probabilities (renormalized over the top_k where `renormalize`),
+    summed; experts held by other ranks (outside expert_start ... + this rank's count) are left out."""
+    tokens, experts = x.shape[0], packed.w13.shape[0]
+    pairs = tokens * top_k
+    lib, threads = _kernel(), torch.get_num_threads()
+    order, chosen = torch.empty(pairs, dtype=torch.int64), torch.empty(pairs, dtype=torch.int64)
+    starts, weights = torch.empty(experts + 2, dtype=torch.int64), torch.empty(pairs, dtype=torch.float32)
+    logits = router_logits.float().contiguous()
+    lib.moe_route_f32(
+        logits.data_ptr(), tokens, logits.shape[1], top_k, renormalize, expert_start, experts, weights.data_ptr(),
+        order.data_ptr(), starts.data_ptr(), chosen.data_ptr(), threads,
+    )  # fmt: skip
     out = torch.empty_like(x)
-    ys, pos = _scratch(pairs * packed.hidden, torch.float32), _scratch(pairs, torch.int64)
-    x, weights = x.contiguous(), weights.contiguous().float()
-    _kernel().moe_forward_f32(
-        x.data_ptr(), tokens, top_k, order.data_ptr(), starts.data_ptr(), counts.numel(), weights.data_ptr(),
+    ys, pos = scratch(pairs * packed.hidden, torch.float32), scratch(pairs, torch.int64)
+    x = x.contiguous()
+    lib.moe_forward_f32(
+        x.data_ptr(), tokens, top_k, order.data_ptr(), starts.data_ptr(), experts, weights.data_ptr(),
         packed.w13.data_ptr(), packed.width13, packed.w2.data_ptr(), packed.width2, packed.hidden,
-        packed.intermediate, out.data_ptr(), ys.data_ptr(), pos.data_ptr(), torch.get_num_threads(),
-    )
+        packed.intermediate, out.data_ptr(), ys.data_ptr(), pos.data_ptr(), threads,
+    )  # fmt: skip
     return out
 
 
-_buffers = threading.local()
-
-
-def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A scratch buffer of at least `numel` elements, kept per thread and dtype across layers and steps:
-    a fresh one each call would cost its page faults again."""
-    held = getattr(_buffers, str(dtype), None)
-    if held is None or held.numel() < numel:
-        held = torch.empty(numel, dtype=dtype)
-        setattr(_buffers, str(dtype), held)
-    return held
-
-
 def _kernel() -> ctypes.CDLL | None:
-    lib = cpu_library("moe_cpu")
-    if lib is not None and lib.moe_forward_f32.argtypes is None:
-        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.moe_forward_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, i32]
-        lib.moe_forward_f32.restype = None
-    return lib
+    return bound_library(
+        "moe_cpu",
+        {
+            "moe_route_f32": (None, PTR, I64, I64, I64, I32, I64, I64, PTR, PTR, PTR, PTR, I32),
+            "moe_forward_f32": (
+                None, PTR, I64, I64, PTR, PTR, I64, PTR, PTR, I32, PTR, I32, I64, I64, PTR, PTR, PTR, I32
+            ),
+        },
+    )

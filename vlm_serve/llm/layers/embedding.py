@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_serve.llm.distributed import get_parallel_state, tp_all_gather, tp_all_reduce
+from vlm_serve.llm.kernels import linear_cpu
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,6 +40,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the whole vocabulary (gathered from the TP ranks)."""
 
+    panels: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """On CPU in float32, a copy of the weight in the C kernel's panels (linear_cpu.c), which reads it at
+        decode batch sizes 2-4x faster than `F.linear`; the plain weight stays (the embedding may share it)."""
+        self.panels = linear_cpu.pack(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = tp_all_gather(F.linear(hidden, self.weight))
+        if self.panels is not None:
+            local = linear_cpu.linear(hidden, self.panels, None)
+        else:
+            local = F.linear(hidden, self.weight)
+        logits = tp_all_gather(local)
         return logits[..., : self.vocab_size]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
+from vlm_serve.llm.kernels import linear_cpu
 
 
 class LinearBase(nn.Module):
@@ -23,19 +24,25 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (`prepack`)
+        # the weight as `prepack` leaves it on CPU: the C kernel's panels, else oneDNN's blocked layout
+        self.panels: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return linear_cpu.linear(x, self.panels, self.bias)
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def prepack(self) -> None:
-        self.packed = onednn_weight(self.weight)
-        if self.packed is not None:
+        self.panels = linear_cpu.pack(self.weight)
+        if self.panels is None:
+            self.packed = onednn_weight(self.weight)
+        if self.panels is not None or self.packed is not None:
             self.weight.data = self.weight.data.new_empty(0)  # (not held twice)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 from vlm_serve.llm.kernels.moe_cpu import PackedExperts, moe_forward, pack_experts
+from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.linear import ReplicatedLinear
 
 
@@ -62,7 +63,10 @@ class SparseMoeBlock(nn.Module):
             self.w13.data, self.w2.data = self.w13.data.new_empty(0), self.w2.data.new_empty(0)  # (not held twice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        logits = self.gate(x)
+        if self.packed is not None:
+            return tp_all_reduce(moe_forward(x, logits, self.top_k, self.norm_topk_prob, self.expert_start, self.packed))
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -71,8 +75,6 @@ class SparseMoeBlock(nn.Module):
         local = torch.where((local >= 0) & (local < self.num_local_experts), local, self.num_local_experts)
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=self.num_local_experts + 1)[: self.num_local_experts]
-        if self.packed is not None:
-            return tp_all_reduce(moe_forward(x, order, counts, weights.flatten(), self.top_k, self.packed))
         tokens = order // self.top_k
         ys = (self._grouped_mm if x.is_cuda else self._expert_loop)(x[tokens], counts)
         ys = ys * (weights.flatten()[order] * (local[order] < self.num_local_experts)).to(x.dtype)[:, None]
@@ -85,7 +87,7 @@ class SparseMoeBlock(nn.Module):
             starts.append(starts[-1] + size)
         active = [(e, starts[e], starts[e + 1]) for e in range(self.num_local_experts) if starts[e + 1] > starts[e]]
         gate_up = self._per_expert(xs, active, 0)
-        act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
+        act = silu_and_mul(gate_up)
         ys = xs.new_zeros(xs.shape)  # (pairs routed to other ranks' experts stay zero)
         ys[: starts[-1]] = self._per_expert(act, active, 1)
         return ys
@@ -101,7 +103,7 @@ class SparseMoeBlock(nn.Module):
         """Every expert in one grouped GEMM each way, with no host sync (CUDA)."""
         ends = torch.cumsum(counts, 0, dtype=torch.int32)
         gate_up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=ends)
-        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        act = silu_and_mul(gate_up)
         ys = torch._grouped_mm(act, self.w2.transpose(1, 2), offs=ends)
         rows = torch.arange(xs.shape[0], device=xs.device)
         return torch.where((rows < ends[-1])[:, None], ys, 0)  # rows past the last group are not written

@@ -11,16 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlm_serve.config import ModelConfig, TextConfig
 from vlm_serve.llm.forward_batch import ForwardBatch
+from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_serve.llm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.layers.norm import RMSNorm
-from vlm_serve.llm.layers.rotary import MRotaryEmbedding, apply_rotary
+from vlm_serve.llm.layers.rotary import MRotaryEmbedding
 
 
 class Qwen3VLAttention(nn.Module):
@@ -44,8 +44,8 @@ class Qwen3VLAttention(nn.Module):
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = self.q_norm.with_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = self.k_norm.with_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch)
         return self.o_proj(out.reshape(n, q_size))
@@ -58,8 +58,7 @@ class Qwen3VLMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Qwen3VLDecoderLayer(nn.Module):

@@ -1,0 +1,87 @@
+"""The CPU attention kernel (attention_cpu.c) computes, for every new token of every request, what SDPA
+computes over that request's K/V gathered out of the paged pool with a causal mask: decode (one new
+token), prefill on top of a cached prefix, and both in one batch; for every grouping of query heads over
+KV heads and head size the Qwen3-VL family uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlm_serve.llm.kernels import attention_cpu
+from vlm_serve.llm.layers.attention import CpuAttnBackend, TorchAttnBackend, create_attention_backend
+from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+
+pytestmark = pytest.mark.skipif(
+    not attention_cpu.supported(torch.float32, 64), reason="the CPU kernel could not be built here (no C compiler)"
+)
+
+
+def reference(q, k_cache, v_cache, kv_slots, seq_lens, ext_lens, scale):
+    out, start = torch.empty_like(q), 0
+    for slots, n, e in zip(kv_slots, seq_lens.tolist(), ext_lens.tolist()):
+        keys = k_cache[slots[:n].long()].transpose(0, 1)[None]
+        values = v_cache[slots[:n].long()].transpose(0, 1)[None]
+        query = q[start : start + e].transpose(0, 1)[None]
+        causal = torch.arange(n)[None, :] <= torch.arange(n - e, n)[:, None]
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=causal, scale=scale, enable_gqa=True)
+        out[start : start + e] = o[0].transpose(0, 1)
+        start += e
+    return out
+
+
+def attend(heads, kv_heads, head_dim, seq_lens, ext_lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots_total = 4 * sum(seq_lens) + 64
+    k_cache = torch.randn(slots_total, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(slots_total, kv_heads, head_dim, generator=g)
+    # scattered slots, rows longer than the sequences (as req_to_token rows are)
+    kv_slots = torch.stack([torch.randperm(slots_total, generator=g)[: max(seq_lens) + 5] for _ in seq_lens]).int()
+    seq, ext = torch.tensor(seq_lens), torch.tensor(ext_lens)
+    q = torch.randn(int(ext.sum()), heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    got = attention_cpu.paged_attention(q, k_cache, v_cache, kv_slots, seq, ext, ext.cumsum(0) - ext, scale)
+    return got, reference(q, k_cache, v_cache, kv_slots, seq, ext, scale)
+
+
+GEOMETRIES = [(4, 2, 32), (8, 2, 64), (16, 4, 64), (32, 4, 128), (64, 4, 128), (4, 4, 16)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GEOMETRIES)
+def test_decode_attends_over_each_requests_whole_sequence(heads, kv_heads, head_dim):
+    got, want = attend(heads, kv_heads, head_dim, seq_lens=[1, 7, 64, 65, 300], ext_lens=[1] * 5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GEOMETRIES)
+def test_prefill_on_a_cached_prefix_is_causal(heads, kv_heads, head_dim):
+    # no prefix, a prefix ending inside a key block, prefill and decode rows in one batch (mixed chunks)
+    got, want = attend(heads, kv_heads, head_dim, seq_lens=[130, 200, 9, 77], ext_lens=[130, 70, 1, 1])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_large_scores_do_not_overflow():
+    """Scores in the hundreds (softmax of exp(s - max), never exp(s))."""
+    g = torch.Generator().manual_seed(3)
+    k_cache = 30 * torch.randn(50, 2, 64, generator=g)
+    q = 30 * torch.randn(40, 8, 64, generator=g)
+    kv_slots = torch.arange(50, dtype=torch.int32)[None]
+    seq, ext = torch.tensor([50]), torch.tensor([40])
+    got = attention_cpu.paged_attention(q, k_cache, k_cache, kv_slots, seq, ext, torch.tensor([0]), 1.0)
+    want = reference(q, k_cache, k_cache, kv_slots, seq, ext, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def pools(dtype=torch.float32, head_dim=64):
+    cpu = torch.device("cpu")
+    return ReqToTokenPool(4, 128, cpu), TokenToKVPool(256, 1, 1, 2, head_dim, dtype, cpu)
+
+
+def test_auto_picks_the_kernel_for_float32_on_cpu_and_torch_where_it_cannot_run():
+    assert isinstance(create_attention_backend("auto", *pools(), 8, 2, 64, 0.125), CpuAttnBackend)
+    assert isinstance(create_attention_backend("auto", *pools(torch.bfloat16), 8, 2, 64, 0.125), TorchAttnBackend)
+    assert isinstance(create_attention_backend("auto", *pools(head_dim=40), 8, 2, 40, 0.125), TorchAttnBackend)
+    with pytest.raises(ValueError, match="head size 40"):
+        create_attention_backend("cpu", *pools(head_dim=40), 8, 2, 40, 0.125)

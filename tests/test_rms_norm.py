@@ -1,0 +1,64 @@
+"""The decoder layer's row-by-row ops compute what their torch formulas compute, through the C kernel on
+float32 CPU tensors (RMSNorm reads q and k in place, as head-by-head views inside the qkv output) and
+through torch elsewhere: RMSNorm, RMSNorm followed by the rotary embedding, SiLU-and-multiply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm_serve.llm.kernels import rowwise_cpu
+from vlm_serve.llm.layers.activation import silu_and_mul
+from vlm_serve.llm.layers.norm import RMSNorm
+from vlm_serve.llm.layers.rotary import apply_rotary
+
+
+def formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def norm(n: int) -> RMSNorm:
+    layer = RMSNorm(n, eps=1e-6)
+    layer.weight.data.normal_(generator=torch.Generator().manual_seed(n))
+    return layer
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 512), (300, 48), (5, 4, 64)])
+def test_contiguous_rows(shape):
+    layer, x = norm(shape[-1]), 3 * torch.randn(shape)
+    torch.testing.assert_close(layer(x), formula(x, layer.weight, 1e-6))
+
+
+def test_heads_inside_the_qkv_output_are_read_in_place():
+    tokens, heads, kv_heads, dim = 6, 8, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    layer = norm(dim)
+    for part, count in ((q, heads), (k, kv_heads)):
+        view = part.view(tokens, count, dim)
+        assert not view.is_contiguous()
+        torch.testing.assert_close(layer(view), formula(view, layer.weight, 1e-6))
+
+
+def test_bfloat16_goes_through_torch():
+    layer, x = norm(64), torch.randn(3, 64, dtype=torch.bfloat16)
+    assert not rowwise_cpu.supported(x)
+    torch.testing.assert_close(layer.to(torch.bfloat16)(x), formula(x, layer.weight, 1e-6))
+
+
+def test_norm_with_rotary_is_the_norm_then_the_rotation():
+    tokens, heads, dim = 5, 4, 64
+    qkv = torch.randn(tokens, 3 * heads * dim)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    angles = torch.randn(tokens, dim // 2)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    layer = norm(dim)
+    torch.testing.assert_close(layer.with_rotary(q, cos, sin), apply_rotary(formula(q, layer.weight, 1e-6), cos, sin))
+
+
+@pytest.mark.parametrize("width", [48, 40])  # (a tail past the last whole vector)
+def test_silu_and_mul(width):
+    x = 4 * torch.randn(9, 2 * width)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up)

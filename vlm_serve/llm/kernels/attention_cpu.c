@@ -1,0 +1,174 @@
+/* Causal attention of a batch's new tokens over their requests' paged K/V, float32 on CPU, in one call
+ * for every request, head and token: prefill (extend) and decode alike.
+ *
+ * Request b has seq_lens[b] tokens, of which the last ext_lens[b] are new (decode: 1); its queries are
+ * rows q_starts[b] ... of q, and its tokens' K/V sit in the pool at slots kv_slots[b][0 : seq_lens[b]].
+ * The new token i (0-based among the new ones) sees the first seq_lens[b] - ext_lens[b] + i + 1 tokens.
+ *
+ * A task is one request, one KV head and a block of its new tokens: the rows of the block's queries for
+ * every query head sharing that KV head (grouped-query attention), at most MAX_ROWS. It walks the keys in
+ * blocks of KEYS, as flash attention does: gathers the block's K transposed and its V into panels, takes
+ * scores and the weighted sum of V as register-tiled products (tiles.h), and keeps each row's running
+ * maximum and sum (online softmax), so that no score matrix longer than a block is ever held.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "tiles.h"
+
+#define KEYS 64      /* keys per block: the width of one score panel */
+#define MAX_ROWS 64  /* query rows per task */
+#define TILED_ROWS 8 /* from this many rows on, blocks go through panels and tiles */
+
+/* floats of scratch one thread needs for head_dim d (the caller provides threads times this) */
+int64_t attention_scratch_floats(int64_t d) { return KEYS * d * 2 + MAX_ROWS * (KEYS + 2 * d + 2); }
+
+static inline float hmax(vec v) {
+    float m = v[0];
+    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+static inline float hsum(vec v) {
+    typedef int32_t mask __attribute__((vector_size(LANES * sizeof(int32_t))));
+    v += __builtin_shuffle(v, (mask){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (mask){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (mask){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    return v[0] + v[1];
+}
+
+/* One row's scores for a block of keys, s[0 : KEYS] of which the first `visible` count, become its
+ * softmax weights against the running maximum (the rest 0); the row's sum and output o (d floats) are
+ * rescaled to the new maximum. */
+static inline void softmax_block(float *s, int64_t visible, float scale, float *row_max, float *row_sum, float *o,
+                                 int64_t d) {
+    if (visible <= 0) { /* a block past the row's last key (it has earlier keys: its maximum is finite) */
+        memset(s, 0, KEYS * sizeof(float));
+        return;
+    }
+    vec sv[KEYS / LANES];
+    vec top = splat(-INFINITY);
+    for (int v = 0; v < KEYS / LANES; v++) {
+        sv[v] = load(s + v * LANES) * scale;
+        for (int i = 0; i < LANES; i++)
+            if (v * LANES + i >= visible) sv[v][i] = -INFINITY;
+        top = vselect(sv[v] > top, sv[v], top);
+    }
+    const float new_max = fmaxf(*row_max, hmax(top));
+    const float alpha = expf(*row_max - new_max);
+    vec sum = splat(0.0f);
+    for (int v = 0; v < KEYS / LANES; v++) {
+        const vec p = vexp(sv[v] - new_max);
+        sum += p;
+        store(s + v * LANES, p);
+    }
+    *row_sum = *row_sum * alpha + hsum(sum);
+    *row_max = new_max;
+    if (alpha != 1.0f)
+        for (int64_t i = 0; i < d; i++) o[i] *= alpha;
+}
+
+/* s[r][0 : nk] = q[r] . k[j] for a few rows, straight from the pool's rows */
+static inline void scores_direct(const float *const *q, int64_t rows, const float *const *k, int64_t nk, int64_t d,
+                                 float *const *s) {
+    for (int64_t j = 0; j < nk; j++)
+        for (int64_t r = 0; r < rows; r++) {
+            vec acc = splat(0.0f);
+            for (int64_t i = 0; i < d; i += LANES) acc += load(q[r] + i) * load(k[j] + i);
+            s[r][j] = hsum(acc);
+        }
+}
+
+/* o[r] += sum over j < nk of p[r][j] v[j], for a few rows */
+static inline void weighted_sum_direct(const float *const *p, int64_t rows, const float *const *v, int64_t nk,
+                                       int64_t d, float *o) {
+    for (int64_t j = 0; j < nk; j++)
+        for (int64_t r = 0; r < rows; r++) {
+            const vec w = splat(p[r][j]);
+            for (int64_t i = 0; i < d; i += LANES) store(o + r * d + i, load(o + r * d + i) + w * load(v[j] + i));
+        }
+}
+
+typedef struct {
+    int64_t b, h, first, count; /* request, KV head, first new token and how many */
+} task_t;
+
+void paged_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *kv_slots,
+                         int64_t stride, const int64_t *seq_lens, const int64_t *ext_lens, const int64_t *q_starts,
+                         int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float *out, float *scratch,
+                         int threads) {
+    const int64_t G = Hq / Hkv, per_task = MAX_ROWS / G > 0 ? MAX_ROWS / G : 1;
+    const int width = D % (4 * LANES) == 0 ? 4 * LANES : LANES; /* V panels */
+    int64_t ntasks = 0;
+    for (int64_t b = 0; b < B; b++) ntasks += Hkv * ((ext_lens[b] + per_task - 1) / per_task);
+    task_t *tasks = malloc((ntasks > 0 ? ntasks : 1) * sizeof *tasks);
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t first = 0; first < ext_lens[b]; first += per_task)
+            for (int64_t h = 0; h < Hkv; h++) {
+                const int64_t left = ext_lens[b] - first;
+                tasks[n++] = (task_t){b, h, first, left < per_task ? left : per_task};
+            }
+
+#pragma omp parallel num_threads(threads)
+    {
+        float *kt = scratch + (int64_t)omp_get_thread_num() * attention_scratch_floats(D);
+        float *vp = kt + KEYS * D, *s = vp + KEYS * D, *pv = s + MAX_ROWS * KEYS, *o = pv + MAX_ROWS * D;
+        float *row_max = o + MAX_ROWS * D, *row_sum = row_max + MAX_ROWS;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < n; t++) {
+            const task_t task = tasks[t];
+            const int64_t rows = task.count * G, prefix = seq_lens[task.b] - ext_lens[task.b];
+            const int tiled = rows >= TILED_ROWS;
+            const int32_t *slots = kv_slots + task.b * stride;
+            const float *qrow[MAX_ROWS], *krow[KEYS], *vrow[KEYS];
+            float *srow[MAX_ROWS], *pvrow[MAX_ROWS];
+            for (int64_t r = 0; r < rows; r++) {
+                qrow[r] = q + ((q_starts[task.b] + task.first + r / G) * Hq + task.h * G + r % G) * D;
+                srow[r] = s + r * KEYS, pvrow[r] = pv + r * D;
+                row_max[r] = -INFINITY, row_sum[r] = 0;
+            }
+            memset(o, 0, rows * D * sizeof(float));
+            const int64_t keys = prefix + task.first + task.count; /* what the block's last token sees */
+            for (int64_t j0 = 0; j0 < keys; j0 += KEYS) {
+                const int64_t nk = keys - j0 < KEYS ? keys - j0 : KEYS;
+                for (int64_t j = 0; j < nk; j++) {
+                    krow[j] = k_cache + (slots[j0 + j] * Hkv + task.h) * D;
+                    vrow[j] = v_cache + (slots[j0 + j] * Hkv + task.h) * D;
+                }
+                if (tiled) { /* K^T as one (D, KEYS) panel, V as (KEYS, D) panels; keys past nk are 0 */
+                    for (int64_t j = 0; j < KEYS; j++) {
+                        for (int64_t d = 0; d < D; d++) kt[d * KEYS + j] = j < nk ? krow[j][d] : 0.0f;
+                        for (int64_t c = 0; c < D; c += width) {
+                            float *dst = vp + c * KEYS + j * width;
+                            if (j < nk)
+                                memcpy(dst, vrow[j] + c, width * sizeof(float));
+                            else
+                                memset(dst, 0, width * sizeof(float));
+                        }
+                    }
+                    matmul_rows(qrow, rows, kt, D, KEYS, 4 * LANES, srow);
+                } else {
+                    scores_direct(qrow, rows, krow, nk, D, srow);
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t seen = prefix + task.first + r / G + 1 - j0; /* keys of this block it sees */
+                    softmax_block(srow[r], seen < nk ? seen : nk, scale, row_max + r, row_sum + r, o + r * D, D);
+                }
+                if (tiled) {
+                    matmul_rows((const float *const *)srow, rows, vp, KEYS, D, width, pvrow);
+                    for (int64_t i = 0; i < rows * D; i++) o[i] += pv[i];
+                } else {
+                    weighted_sum_direct((const float *const *)srow, rows, vrow, nk, D, o);
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *dst = out + (qrow[r] - q);
+                const float inv = 1.0f / row_sum[r];
+                for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+            }
+        }
+    }
+    free(tasks);
+}

@@ -1,0 +1,49 @@
+"""Paged causal attention through attention_cpu.c: float32 on CPU, the whole batch in one call per layer."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from vlm_serve.llm.kernels import F32, I32, I64, LANES, PTR, bound_library, scratch
+
+
+def supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel runs this KV cache: float32, a head size a multiple of 16, and a kernel built."""
+    return dtype == torch.float32 and head_dim % LANES == 0 and _kernel() is not None
+
+
+def paged_attention(
+    q: torch.Tensor,  # (tokens, heads, head_dim): the new tokens, request after request
+    k_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    kv_slots: torch.Tensor,  # (batch, >= max seq len) int32: request b's tokens are at kv_slots[b, :seq_lens[b]]
+    seq_lens: torch.Tensor,  # (batch,) int64: tokens per request, new ones included
+    ext_lens: torch.Tensor,  # (batch,) int64: new tokens per request (its last ones)
+    q_starts: torch.Tensor,  # (batch,) int64: each request's first row of q
+    scale: float,
+) -> torch.Tensor:
+    """Each new token's attention over its request's tokens up to itself, (tokens, heads, head_dim)."""
+    lib = _kernel()
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    threads = torch.get_num_threads()
+    work = scratch(threads * lib.attention_scratch_floats(head_dim), torch.float32)
+    lib.paged_attention_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_slots.data_ptr(), kv_slots.stride(0),
+        seq_lens.data_ptr(), ext_lens.data_ptr(), q_starts.data_ptr(), seq_lens.numel(), heads, kv_heads, head_dim,
+        scale, out.data_ptr(), work.data_ptr(), threads,
+    )  # fmt: skip
+    return out
+
+
+def _kernel() -> ctypes.CDLL | None:
+    return bound_library(
+        "attention_cpu",
+        {
+            "attention_scratch_floats": (I64, I64),
+            "paged_attention_f32": (None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, PTR, I32),
+        },
+    )

@@ -1,0 +1,28 @@
+/* y = x @ w^T (+ bias), float32 on CPU, with w packed once into column panels (tiles.h).
+ *
+ * A task is one panel (`width` output columns) for a block of up to ROWS rows. At decode batch sizes
+ * there is one row block and the product is bound by reading the weights: the tasks, one per panel,
+ * keep every thread streaming its own panels, at close to the machine's memory bandwidth where oneDNN's
+ * GEMM, made for large products, reads at half of it. At prefill sizes both reach the same FLOP rate.
+ */
+#include "tiles.h"
+
+#define ROWS 64 /* rows per task: a task's rows of x stay in cache while its panel streams */
+
+/* x: (M, K) rows `x_stride` floats apart; w: (N, K) packed as N / width panels of (K, width);
+ * bias: (N) or NULL; y: (M, N). */
+void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const float *w, int64_t N, int width,
+                const float *bias, float *y, int threads) {
+    const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < panels * blocks; t++) {
+        const int64_t p = t % panels, r0 = t / panels * ROWS, rows = M - r0 < ROWS ? M - r0 : ROWS;
+        const float *a[ROWS];
+        float *c[ROWS];
+        for (int64_t r = 0; r < rows; r++) a[r] = x + (r0 + r) * x_stride, c[r] = y + (r0 + r) * N + p * width;
+        matmul_rows(a, rows, w + p * width * K, K, width, width, c);
+        if (bias != NULL)
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < width; j++) c[r][j] += bias[p * width + j];
+    }
+}

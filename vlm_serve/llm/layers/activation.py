@@ -1,0 +1,15 @@
+"""The gated MLP's activation: silu(gate) * up for x = [gate, up] along its last dimension."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vlm_serve.llm.kernels import rowwise_cpu
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if rowwise_cpu.supported(x):
+        return rowwise_cpu.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
