@@ -71,7 +71,8 @@ def _build(compiler: str, source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, f"-I{source.parent}", str(source), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        command = [compiler, *FLAGS, f"-I{source.parent}", str(source), "-o", tmp, "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

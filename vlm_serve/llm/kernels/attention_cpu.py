@@ -44,6 +44,8 @@ def _kernel() -> ctypes.CDLL | None:
         "attention_cpu",
         {
             "attention_scratch_floats": (I64, I64),
-            "paged_attention_f32": (None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, PTR, I32),
+            "paged_attention_f32": (
+                None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, PTR, I32
+            ),
         },
     )

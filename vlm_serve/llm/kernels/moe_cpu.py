@@ -43,7 +43,12 @@ def _panels(w: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def moe_forward(
-    x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool, expert_start: int, packed: PackedExperts
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_start: int,
+    packed: PackedExperts,
 ) -> torch.Tensor:
     """The experts' part of the layer's output, (tokens, hidden): each token's top_k experts by router
     logit, weighted by their softmax probabilities (renormalized over the top_k where `renormalize`),

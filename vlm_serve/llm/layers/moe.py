@@ -65,7 +65,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         if self.packed is not None:
-            return tp_all_reduce(moe_forward(x, logits, self.top_k, self.norm_topk_prob, self.expert_start, self.packed))
+            out = moe_forward(x, logits, self.top_k, self.norm_topk_prob, self.expert_start, self.packed)
+            return tp_all_reduce(out)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
