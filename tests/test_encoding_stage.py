@@ -18,7 +18,7 @@ from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.server.errors import InternalError
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.encoder import EncodeTask, InlineEncoder
+from vlm_serve.vision.encoder import InlineEncoder
 from vlm_serve.multimodal import MEDIA_STAGES
 from vlm_serve.vision.processor import MultimodalProcessor
 
@@ -83,14 +83,14 @@ def test_an_item_the_encoder_rejects_fails_only_its_request(tiny_moe_dir, monkey
     with Engine(tiny_moe_dir, dtype="float32", vit_dp=0) as engine:
         good, bad = (engine.processor.process_messages(_conv(make_image(64 * k, 64, seed=k))) for k in (1, 2))
         visual = engine.scheduler.encoding.encoder.visual
-        encode_steps = visual.encode_steps
+        encode = visual.encode
 
         def fail_on_the_bad_grid(pixels, grids, max_patches):
             if bad.mm_items[0].grid_thw in grids:
                 raise RuntimeError("out of memory")
-            return (yield from encode_steps(pixels, grids, max_patches))
+            return encode(pixels, grids, max_patches)
 
-        monkeypatch.setattr(visual, "encode_steps", fail_on_the_bad_grid)
+        monkeypatch.setattr(visual, "encode", fail_on_the_bad_grid)
         ok, failed = (engine.submit(x, max_tokens=3, temperature=0) for x in (good, bad))
         while not (ok.done and failed.done and engine.scheduler.is_idle()):
             engine.step()
@@ -188,50 +188,3 @@ def test_a_histogram_counts_each_value_in_the_first_bucket_it_fits():
         histogram.observe(value)
     assert histogram.counts == [2, 1, 1]  # <= 0.1, <= 1.0, above
     assert histogram.count == 4 and histogram.sum == pytest.approx(2.65)
-
-
-# ---- the vision tower in the scheduler's process (--vit-dp 0) ----------------------------------------
-
-
-def test_a_busy_poll_runs_one_block_of_the_inline_tower(tiny_moe_dir, make_req):
-    visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), torch.device("cpu"), torch.float32)
-    item = make_req(1).mm_items[0]
-    task = EncodeTask(item.hash, item.grid_thw, item.pixel_values)
-    whole = visual.encode(item.pixel_values, [item.grid_thw], 10**9)
-    encoder = InlineEncoder(visual, 10**9)
-    encoder.submit([task])
-    for _ in range(len(visual.blocks) - 1):
-        assert encoder.poll(busy=True) == []
-    (result,) = encoder.poll(busy=True)
-    torch.testing.assert_close(result.output.embeds, whole.embeds)
-    encoder.submit([task])
-    assert len(encoder.poll()) == 1  # not busy: the whole tower at once
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_running_requests_decode_between_the_inline_towers_blocks(tiny_moe_dir, monkeypatch, overlap):
-    with Engine(tiny_moe_dir, dtype="float32", vit_dp=0, disable_overlap_schedule=not overlap) as engine:
-        events: list[str] = []  # in the order they run: "vision" per block, "decode" per decode forward
-        for block in engine.scheduler.encoding.encoder.visual.blocks:
-            monkeypatch.setattr(block, "forward", _logged(block.forward, events, lambda *a: "vision"))
-        runner = engine.scheduler.runner
-        monkeypatch.setattr(runner, "forward", _logged(runner.forward, events, lambda b: b.forward_mode.name))
-        text = engine.processor.process_messages([{"role": "user", "content": "Count to fifty."}])
-        running = engine.submit(text, max_tokens=40, temperature=0, ignore_eos=True)
-        for _ in range(4):
-            engine.step()
-        image = engine.processor.process_messages(_conv(make_image(96, 96, seed=5)))
-        waiting = engine.submit(image, max_tokens=3, temperature=0)
-        while not (running.done and waiting.done):
-            engine.step()
-        first, last = events.index("vision"), len(events) - 1 - events[::-1].index("vision")
-        between = events[first:last]
-        assert between.count("DECODE") >= between.count("vision") - 1 > 0  # a decode step beside each block
-
-
-def _logged(forward, events: list[str], name):
-    def run(*args, **kwargs):
-        events.append(name(*args))
-        return forward(*args, **kwargs)
-
-    return run

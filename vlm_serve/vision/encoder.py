@@ -2,16 +2,14 @@
 
 Two encoders share this interface. `EncoderPool` (`encoder_pool.py`, `--vit-dp N`) runs the tower in
 N separate processes, so the scheduler loop never waits for it. `InlineEncoder` (`--vit-dp 0`) runs it
-in the scheduler's own process when polled, as SGLang and vLLM do, but a block at a time between the
-scheduler's forwards while requests are decoding, so that a large image or video does not stall them.
+in the scheduler's own process when polled: the simple baseline, and what SGLang and vLLM do.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Generator
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -54,52 +52,32 @@ class Executor(Protocol):
 
 
 def encode_tasks(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> list[EncodeResult]:
-    """Runs `tasks` through the vision tower together (see `SlicedEncode.advance`)."""
-    return SlicedEncode(visual, tasks, max_patches).advance(to_end=True)
+    """Runs `tasks` through the vision tower together. If the batch fails, each task is retried alone,
+    so one bad item fails only itself."""
+    started = time.monotonic()
+    try:
+        outputs, seconds = _forward(visual, tasks, max_patches)
+    except Exception as exc:  # noqa: BLE001 - any failure becomes the item's error, never the caller's crash
+        if len(tasks) > 1:
+            return [result for task in tasks for result in encode_tasks(visual, [task], max_patches)]
+        return [EncodeResult(tasks[0].hash, None, f"the vision encoder failed on this item: {exc}")]
+    total = sum(t.num_patches for t in tasks)
+    return [
+        EncodeResult(t.hash, out, wait=started - t.submitted, vit=seconds * t.num_patches / total)
+        for t, out in zip(tasks, outputs)
+    ]
 
 
-class SlicedEncode:
-    """Tasks going through the vision tower together, a block per `advance` or all at once."""
-
-    def __init__(self, visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> None:
-        self.visual, self.tasks, self.max_patches = visual, tasks, max_patches
-        self.started = time.monotonic()
-        self.seconds = 0.0  # compute time so far
-        self.steps: Generator[None, None, VisionOutput] | None = None
-
-    @torch.inference_mode()
-    def advance(self, to_end: bool) -> list[EncodeResult] | None:
-        """Runs the next block (every block left with `to_end`); the results once the last has run. If
-        the batch fails, each task is encoded again alone, so one bad item fails only itself."""
-        start = time.perf_counter()
-        try:
-            if self.steps is None:
-                pixels = torch.cat([t.pixel_values for t in self.tasks])
-                self.steps = self.visual.encode_steps(pixels, [t.grid_thw for t in self.tasks], self.max_patches)
-            next(self.steps)
-            while to_end:
-                next(self.steps)
-        except StopIteration as done:
-            output: VisionOutput = done.value
-        except Exception as exc:  # noqa: BLE001 - any failure becomes the items' errors, never the caller's crash
-            if len(self.tasks) > 1:
-                return [r for t in self.tasks for r in SlicedEncode(self.visual, [t], self.max_patches).advance(True)]
-            return [EncodeResult(self.tasks[0].hash, None, f"the vision encoder failed on this item: {exc}")]
-        else:
-            self._count_time(start)
-            return None
-        self._count_time(start)
-        merge = self.visual.merge * self.visual.merge
-        total = sum(t.num_patches for t in self.tasks)
-        return [
-            EncodeResult(t.hash, out, wait=self.started - t.submitted, vit=self.seconds * t.num_patches / total)
-            for t, out in zip(self.tasks, output.split([t.num_patches // merge for t in self.tasks]))
-        ]
-
-    def _count_time(self, start: float) -> None:
-        if self.visual.pos_embed.weight.is_cuda:
-            torch.cuda.synchronize(self.visual.pos_embed.weight.device)
-        self.seconds += time.perf_counter() - start
+@torch.inference_mode()
+def _forward(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> tuple[list[VisionOutput], float]:
+    start = time.perf_counter()
+    pixels = torch.cat([t.pixel_values for t in tasks])
+    out = visual.encode(pixels, [t.grid_thw for t in tasks], max_patches)
+    merge = visual.merge * visual.merge
+    outputs = out.split([t.num_patches // merge for t in tasks])
+    if out.embeds.is_cuda:
+        torch.cuda.synchronize(out.embeds.device)
+    return outputs, time.perf_counter() - start
 
 
 class VisionEncoder(ABC):
@@ -119,9 +97,8 @@ class VisionEncoder(ABC):
     def submit(self, tasks: list[EncodeTask]) -> None: ...
 
     @abstractmethod
-    def poll(self, timeout: float = 0.0, busy: bool = False) -> list[EncodeResult]:
-        """Results ready now, waiting up to `timeout` seconds for the first one. `busy`: the caller has
-        forwards to run, which an encoder running in its process should not hold up for long."""
+    def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
+        """Results ready now, waiting up to `timeout` seconds for the first one."""
 
     def run_on(self, executor: Executor) -> None:
         """Encoders that compute in the scheduler's process queue that work on `executor` from now on
@@ -132,10 +109,8 @@ class VisionEncoder(ABC):
 
 
 class InlineEncoder(VisionEncoder):
-    """Encodes submitted tasks in this process, together, when polled: on the polling thread, or queued on
-    an executor (under overlap scheduling, the forward thread, in order with the forwards). A `busy` poll
-    runs a single block of the tower, so that the caller's next forward follows soon; any other runs it
-    to the end."""
+    """Encodes submitted tasks in this process, all together, when polled: on the polling thread, or
+    queued on an executor (under overlap scheduling, the forward thread, in order with the forwards)."""
 
     def __init__(self, visual: Qwen3VLVisionModel, max_patches: int) -> None:
         super().__init__()
@@ -143,8 +118,7 @@ class InlineEncoder(VisionEncoder):
         self.max_patches = max_patches
         self.pending: list[EncodeTask] = []
         self.executor: Executor | None = None
-        self.job: SlicedEncode | None = None
-        self.running: Future[list[EncodeResult] | None] | None = None  # the job's step on the executor
+        self.running: list[Future[list[EncodeResult]]] = []
 
     def run_on(self, executor: Executor) -> None:
         self.executor = executor
@@ -155,21 +129,18 @@ class InlineEncoder(VisionEncoder):
             task.submitted = now
         self.pending.extend(tasks)
 
-    def poll(self, timeout: float = 0.0, busy: bool = False) -> list[EncodeResult]:
-        if self.job is None and self.pending:
-            self.job, self.pending = SlicedEncode(self.visual, self.pending, self.max_patches), []
-        if self.job is None:
+    def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
+        if self.pending:
+            tasks, self.pending = self.pending, []
+            if self.executor is None:
+                return self._count(encode_tasks(self.visual, tasks, self.max_patches))
+            self.running.append(self.executor.submit(encode_tasks, self.visual, tasks, self.max_patches))
+        if not self.running:
             return []
-        if self.executor is None:
-            results = self.job.advance(to_end=not busy)
-        else:
-            if self.running is None:
-                self.running = self.executor.submit(self.job.advance, not busy)
-            if not wait([self.running], timeout).done:
-                return []
-            results, self.running = self.running.result(), None
-        if results is None:
-            return []
-        self.job = None
+        done, _ = wait(self.running, timeout, FIRST_COMPLETED)
+        self.running = [f for f in self.running if f not in done]
+        return self._count([r for f in done for r in f.result()])
+
+    def _count(self, results: list[EncodeResult]) -> list[EncodeResult]:
         self.num_items += sum(r.output is not None for r in results)
         return results

@@ -347,7 +347,7 @@ class EncoderPool(VisionEncoder):
             rank.jobs[job_id] = job
             send_pyobj(rank.jobs_out, (job_id, job))  # pixels go as shared memory (moved there by the front end)
 
-    def poll(self, timeout: float = 0.0, busy: bool = False) -> list[EncodeResult]:
+    def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
         results: list[EncodeResult] = []
         if any(r.jobs or not (r.ready or r.down) for r in self.ranks) or self._orphans:
             poller = zmq.Poller()

@@ -8,7 +8,6 @@ the LLM's hidden size) and the deepstack features taken after the configured blo
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -70,15 +69,6 @@ def _bilinear_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor, to
     hi = (lo + 1).clamp(max=side - 1)
     return lo, hi, src - lo
 
-
-
-def run_steps(steps: Generator[None, None, VisionOutput]) -> VisionOutput:
-    """Runs a `*_steps` generator to its end; its output."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 class PatchMerger(nn.Module):
     """Merges each merge x merge block of patches into one LLM token (LayerNorm -> MLP)."""
@@ -191,10 +181,6 @@ class Qwen3VLVisionModel(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> VisionOutput:
         """pixel_values: the items' patches concatenated, (sum t*h*w, C*T*P*P); grids: their (t, h, w)."""
-        return run_steps(self.forward_steps(pixel_values, grids))
-
-    def forward_steps(self, pixel_values: torch.Tensor, grids: list[Grid]) -> Generator[None, None, VisionOutput]:
-        """`forward` one block at a time: a generator that pauses between blocks and returns the output."""
         device = self.pos_embed.weight.device
         x = self.patch_embed(pixel_values.to(device))
         x = x + torch.cat([self._pos_embed(g) for g in grids]).to(x.dtype)
@@ -206,20 +192,12 @@ class Qwen3VLVisionModel(nn.Module):
             x = block(x, cos, sin, segments)
             if i in self.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
-            if i < len(self.blocks) - 1:
-                yield
         return VisionOutput(self.merger(x), deepstack)
 
     def encode(self, pixel_values: torch.Tensor, grids: list[Grid], max_patches: int) -> VisionOutput:
         """`forward` in passes of at most `max_patches` patches (at least one temporal patch group),
         so peak memory is bounded by the setting, not by a video's length. Attention never crosses a
         temporal patch group, so cutting a video between groups gives the same embeddings."""
-        return run_steps(self.encode_steps(pixel_values, grids, max_patches))
-
-    def encode_steps(
-        self, pixel_values: torch.Tensor, grids: list[Grid], max_patches: int
-    ) -> Generator[None, None, VisionOutput]:
-        """`encode` one block of one pass at a time (see `forward_steps`)."""
         passes: list[list[tuple[int, Grid]]] = [[]]  # (first pixel row, grid) of each piece
         size, row = 0, 0
         for t, h, w in grids:
@@ -235,10 +213,8 @@ class Qwen3VLVisionModel(nn.Module):
                 row += patches
         outs = []
         for pieces in passes:
-            if outs:
-                yield
             rows = torch.cat([torch.arange(r, r + t * h * w) for r, (t, h, w) in pieces])
-            outs.append((yield from self.forward_steps(pixel_values[rows], [g for _, g in pieces])))
+            outs.append(self(pixel_values[rows], [g for _, g in pieces]))
         return VisionOutput.cat(outs)
 
     def _pos_embed(self, grid: Grid) -> torch.Tensor:

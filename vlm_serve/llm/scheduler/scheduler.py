@@ -269,8 +269,7 @@ class Scheduler:
         if self.grammar_queue:  # (the same on every rank: this step may broadcast)
             self.process_grammar_queue()
         if len(self.encoding):
-            busy = self._has_work()
-            self.process_encoding_results(0.0 if busy else ENCODER_WAIT_SECONDS, busy)
+            self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
 
     def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
         req = Req(message.rid, message.input_ids, message.sampling_params, message.mm_items, priority=message.priority)
@@ -382,11 +381,10 @@ class Scheduler:
                 self._finish(p.req, failure)
         self.grammar_queue = list(pending.values())
 
-    def process_encoding_results(self, timeout: float = 0.0, busy: bool = False) -> None:
+    def process_encoding_results(self, timeout: float = 0.0) -> None:
         """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be (as
-        the encoding stage says why). With TP, rank 0 tells the others which, with the embeddings. `busy`:
-        a batch runs (or can) now, which a vision tower in this process interleaves with."""
-        ready, failed = self.encoding.poll(timeout, busy) if self.tp_rank == 0 else ([], [])
+        the encoding stage says why). With TP, rank 0 tells the others which, with the embeddings."""
+        ready, failed = self.encoding.poll(timeout) if self.tp_rank == 0 else ([], [])
         if self.tp_size > 1:
             ready, failed = self.broadcast_encoding_results(ready, failed)
         for req in ready:
