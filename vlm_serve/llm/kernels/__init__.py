@@ -52,6 +52,14 @@ def cpu_library(name: str) -> ctypes.CDLL | None:
         return None
 
 
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """Weights (..., out, in) as tiles.h's column panels, (..., out / width, in, width): `width` output
+    columns of every input row together, 64 where they divide `out`, else 16 (`out` a multiple of 16)."""
+    *lead, out, inp = weight.shape
+    width = 4 * LANES if out % (4 * LANES) == 0 else LANES
+    return weight.detach().reshape(*lead, out // width, width, inp).transpose(-1, -2).contiguous()
+
+
 PTR, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 

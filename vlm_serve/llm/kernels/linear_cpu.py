@@ -6,17 +6,15 @@ import ctypes
 
 import torch
 
-from vlm_serve.llm.kernels import I32, I64, LANES, PTR, bound_library
+from vlm_serve.llm.kernels import I32, I64, LANES, PTR, bound_library, panels
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """An (out, in) weight as (out / width, in, width) panels, width 64 where it divides `out`, else 16;
-    None where the kernel cannot run it (not float32 on CPU, `out` not a multiple of 16, no kernel built)."""
-    out = weight.shape[0]
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or out % LANES or _kernel() is None:
+    """An (out, in) weight in column panels (`kernels.panels`); None where the kernel cannot run it (not
+    float32 on CPU, `out` not a multiple of 16, no kernel built)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[0] % LANES or _kernel() is None:
         return None
-    width = 4 * LANES if out % (4 * LANES) == 0 else LANES
-    return weight.detach().view(out // width, width, -1).transpose(1, 2).contiguous()
+    return panels(weight)
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm_serve.llm.kernels import I32, I64, LANES, PTR, bound_library, scratch
+from vlm_serve.llm.kernels import I32, I64, LANES, PTR, bound_library, panels, scratch
 
 
 @dataclass
@@ -30,16 +30,8 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | None:
         return None
     if _kernel() is None:
         return None
-    (p13, width13), (p2, width2) = _panels(w13), _panels(w2)
-    return PackedExperts(p13, width13, p2, width2, hidden, intermediate)
-
-
-def _panels(w: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(experts, out, in) -> (experts, out / width, in, width): `width` output columns of every input
-    row together (64 where they divide, else 16)."""
-    experts, out, inp = w.shape
-    width = 4 * LANES if out % (4 * LANES) == 0 else LANES
-    return w.view(experts, out // width, width, inp).permute(0, 1, 3, 2).contiguous(), width
+    p13, p2 = panels(w13), panels(w2)
+    return PackedExperts(p13, p13.shape[-1], p2, p2.shape[-1], hidden, intermediate)
 
 
 def moe_forward(
