@@ -48,11 +48,10 @@ static inline void softmax_block(float *s, int64_t visible, float scale, float *
         return;
     }
     vec sv[KEYS / LANES];
+    const vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     vec top = splat(-INFINITY);
     for (int v = 0; v < KEYS / LANES; v++) {
-        sv[v] = load(s + v * LANES) * scale;
-        for (int i = 0; i < LANES; i++)
-            if (v * LANES + i >= visible) sv[v][i] = -INFINITY;
+        sv[v] = vselect(lane + (float)(v * LANES) < (float)visible, load(s + v * LANES) * scale, splat(-INFINITY));
         top = vselect(sv[v] > top, sv[v], top);
     }
     const float new_max = fmaxf(*row_max, hmax(top));
@@ -80,14 +79,44 @@ static inline void scores_direct(const float *const *q, int64_t rows, const floa
         }
 }
 
+/* o[i0 : i0 + nv * LANES] += sum over j < nk of p[j] v[j][same columns], the sum held in registers */
+static inline __attribute__((always_inline)) void
+weighted_columns(const float *p, const float *const *v, int64_t nk, int64_t i0, int nv, float *o) {
+    vec acc[4];
+    for (int x = 0; x < nv; x++) acc[x] = load(o + i0 + x * LANES);
+    for (int64_t j = 0; j < nk; j++) {
+        const vec w = splat(p[j]);
+        for (int x = 0; x < nv; x++) acc[x] += w * load(v[j] + i0 + x * LANES);
+    }
+    for (int x = 0; x < nv; x++) store(o + i0 + x * LANES, acc[x]);
+}
+
 /* o[r] += sum over j < nk of p[r][j] v[j], for a few rows */
 static inline void weighted_sum_direct(const float *const *p, int64_t rows, const float *const *v, int64_t nk,
                                        int64_t d, float *o) {
-    for (int64_t j = 0; j < nk; j++)
-        for (int64_t r = 0; r < rows; r++) {
-            const vec w = splat(p[r][j]);
-            for (int64_t i = 0; i < d; i += LANES) store(o + r * d + i, load(o + r * d + i) + w * load(v[j] + i));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i0 = 0; i0 < d;) {
+            if (d - i0 >= 4 * LANES)
+                weighted_columns(p[r], v, nk, i0, 4, o + r * d), i0 += 4 * LANES;
+            else
+                weighted_columns(p[r], v, nk, i0, 1, o + r * d), i0 += LANES;
         }
+}
+
+/* Asks for the K and V rows of keys j0 ... j0 + KEYS (fewer at the end) into L2 ahead of their use. In a
+ * model the weights stream through the caches between two layers' attention, so every row comes from
+ * memory, and a request's slots lie anywhere in the pool, where the hardware prefetchers cannot foresee
+ * them. */
+static inline void prefetch_block(const float *k_cache, const float *v_cache, const int32_t *slots, int64_t j0,
+                                  int64_t keys, int64_t Hkv, int64_t h, int64_t D) {
+    const int64_t end = j0 + KEYS < keys ? j0 + KEYS : keys;
+    for (int64_t j = j0; j < end; j++) {
+        const int64_t at = (slots[j] * Hkv + h) * D;
+        for (int64_t c = 0; c < D; c += LANES) {
+            __builtin_prefetch(k_cache + at + c, 0, 1);
+            __builtin_prefetch(v_cache + at + c, 0, 1);
+        }
+    }
 }
 
 typedef struct {
@@ -131,8 +160,10 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
             }
             memset(o, 0, rows * D * sizeof(float));
             const int64_t keys = prefix + task.first + task.count; /* what the block's last token sees */
+            prefetch_block(k_cache, v_cache, slots, 0, keys, Hkv, task.h, D);
             for (int64_t j0 = 0; j0 < keys; j0 += KEYS) {
                 const int64_t nk = keys - j0 < KEYS ? keys - j0 : KEYS;
+                prefetch_block(k_cache, v_cache, slots, j0 + KEYS, keys, Hkv, task.h, D);
                 for (int64_t j = 0; j < nk; j++) {
                     krow[j] = k_cache + (slots[j0 + j] * Hkv + task.h) * D;
                     vrow[j] = v_cache + (slots[j0 + j] * Hkv + task.h) * D;
