@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vlm_serve.cli import build_parser, parse_args, server_args_of
+from vlm_serve.config import ServerArgs, setting_docs
 from vlm_serve.testing.media import make_image
 
 
@@ -76,3 +82,59 @@ def test_prefill_chunks_default_to_2048_tokens_on_cpu_and_8192_on_gpu():
     assert chunk("--device", "cuda") == 8192
     assert chunk("--device", "cpu", "--chunked-prefill-size", "512") == 512
     assert chunk("--chunked-prefill-size", "-1") is None
+
+
+def test_a_wrong_model_is_one_line_naming_it_in_every_command(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    image = tmp_path / "picture.png"
+    make_image(32, 32).save(image)
+    for command in (["serve", "--tp-size", "2"], ["serve"], ["generate", "--prompt", "hi"], ["caption", str(image),
+                    "--output", str(tmp_path / "c.jsonl")]):  # fmt: skip
+        result = _vlm_serve(*command, "--model", missing)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == f"vlm-serve: error: model {missing}: no such folder\n"
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, tiny_moe_dir):
+    # weights that cannot load: had the model been loaded first, the error would be about them
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_moe_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _vlm_serve("serve", "--model", str(broken), "--port", str(port))
+    assert result.returncode == 2
+    assert result.stderr == f"vlm-serve: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_serve_help_shows_every_setting_with_its_meaning_default_and_choices():
+    help_text = " ".join(_vlm_serve("serve", "--help").stdout.split())  # argparse wraps lines
+    docs = setting_docs()
+    for f in dataclasses.fields(ServerArgs):
+        assert "--" + f.name.replace("_", "-") in help_text
+        assert docs[f.name] and " ".join(docs[f.name].split()) in help_text, f.name
+    assert "--port PORT port the HTTP server listens on (default: 30000)" in help_text
+    assert "{auto,float32,bfloat16,float16}" in help_text and "{fcfs,lpm,dfs-weight,lof,random}" in help_text
+
+
+def test_generate_caption_and_demo_take_only_the_settings_an_engine_reads(tmp_path):
+    parser = build_parser()
+    for command in (["generate", "--prompt", "hi"], ["caption", "x.png", "--output", "c.jsonl"], ["demo"]):
+        for flag in ("--tp-size", "--api-key", "--max-media-mb", "--reasoning-parser"):
+            with pytest.raises(SystemExit):
+                parser.parse_args([*command, flag, "2"])
+        assert parse_args(parser, [*command, "--vit-dp", "0", "--page-size", "4"]).page_size == 4
+    assert parse_args(parser, ["demo", "--port", "8000"]).port == 8000  # the page's own port
+    config = tmp_path / "serve.yaml"
+    config.write_text("tp-size: 8\nchunked-prefill-size: 512\n")
+    with pytest.raises(ValueError, match="only `vlm-serve serve` takes: tp_size"):
+        parse_args(parser, ["generate", "--prompt", "hi", "--config", str(config)])
+
+
+def test_a_bad_choice_names_the_choices():
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16, not 'float8'"):
+        ServerArgs(dtype="float8")
+    result = _vlm_serve("serve", "--attention-backend", "triton")
+    assert result.returncode == 2 and "invalid choice: 'triton'" in result.stderr

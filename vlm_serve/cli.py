@@ -13,30 +13,37 @@ from typing import Any
 
 import yaml
 
-from vlm_serve.config import ServerArgs
+from vlm_serve.config import CHOICES, ENGINE_SETTINGS, ServerArgs, setting_docs
 
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
+SERVER_SETTINGS = tuple(f.name for f in dataclasses.fields(ServerArgs))
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per `ServerArgs` field (`--page-size` for `page_size`), with its default, and `--config`
-    (a YAML file of fields; flags given on the command line win over it)."""
+def add_server_args(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
+    """One flag per `ServerArgs` field in `names` (all by default; `--page-size` for `page_size`), its help
+    the field's comment, and `--config` (a YAML file of fields; flags given on the command line win)."""
     parser.add_argument("--config", default=None, help="YAML file of settings (flags win over it)")
+    parser.set_defaults(settings=names)
+    docs = setting_docs()
     for f in dataclasses.fields(ServerArgs):
+        if names is not None and f.name not in names:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = "" if f.type == "bool" else f" (default: {'none' if default is None else default})"
+        options: dict[str, Any] = {"default": default, "dest": f.name, "help": docs[f.name] + shown}
         if f.type == "bool":
-            parser.add_argument(flag, action="store_true", default=default, dest=f.name)
+            parser.add_argument(flag, action="store_true", **options)
         elif str(f.type).startswith("list["):
-            parser.add_argument(flag, nargs="*", default=default, dest=f.name)
+            parser.add_argument(flag, nargs="*", metavar="VALUE", **options)
         else:
             kind = _FLAG_TYPES[str(f.type).split("|")[0].strip()]  # annotations are strings: "int | None"
-            parser.add_argument(flag, type=kind, default=default, dest=f.name)
+            parser.add_argument(flag, type=kind, choices=CHOICES.get(f.name), **options)
 
 
-def load_config(path: str) -> dict[str, Any]:
-    """`ServerArgs` fields from a YAML mapping (keys may use - or _)."""
+def load_config(path: str, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """`ServerArgs` fields from a YAML mapping (keys may use - or _); with `names`, only those may appear."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
@@ -48,6 +55,9 @@ def load_config(path: str) -> dict[str, Any]:
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(f"unknown setting(s) in {path}: {', '.join(unknown)}")
+    unused = sorted(set(settings) - set(names if names is not None else known))
+    if unused:
+        raise ValueError(f"setting(s) in {path} that only `vlm-serve serve` takes: {', '.join(unused)}")
     return settings
 
 
@@ -55,13 +65,14 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     """Command-line flags over the `--config` file's settings over the defaults."""
     ns = parser.parse_args(argv)
     if getattr(ns, "config", None):
-        ns.subparser.set_defaults(**load_config(ns.config))
+        ns.subparser.set_defaults(**load_config(ns.config, ns.settings))
         ns = parser.parse_args(argv)
     return ns
 
 
 def server_args_from(ns: argparse.Namespace) -> dict:
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name != "model"}
+    """The `ServerArgs` fields the command took (all but `model`), as keywords."""
+    return {name: getattr(ns, name) for name in ns.settings or SERVER_SETTINGS if name != "model"}
 
 
 def server_args_of(ns: argparse.Namespace) -> ServerArgs:
@@ -94,11 +105,17 @@ def cmd_caption(ns: argparse.Namespace) -> int:
     from vlm_serve.engine import Engine
 
     paths = collect_images(ns.inputs)
-    with Engine(ns.model, **server_args_from(ns)) as engine:
-        summary = caption_images(
-            engine, paths, Path(ns.output), ns.prompt or DEFAULT_PROMPT, ns.batch_size, ns.resume,
-            max_tokens=ns.max_tokens, temperature=ns.temperature,
-        )  # fmt: skip
+    if ns.retry_failed and not ns.resume:
+        raise ValueError("--retry-failed goes with --resume")
+    try:
+        with Engine(ns.model, **server_args_from(ns)) as engine:
+            summary = caption_images(
+                engine, paths, Path(ns.output), ns.prompt or DEFAULT_PROMPT, ns.batch_size, ns.resume,
+                ns.retry_failed, max_tokens=ns.max_tokens, temperature=ns.temperature,
+            )  # fmt: skip
+    except KeyboardInterrupt:
+        print(f"\nvlm-serve: interrupted; the lines in {ns.output} are complete (--resume goes on)", file=sys.stderr)
+        return 130
     print(
         f"{summary.captioned} captioned, {summary.failed} failed, {summary.skipped} already in {ns.output}",
         file=sys.stderr,
@@ -116,7 +133,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_demo(ns: argparse.Namespace) -> int:
     from vlm_serve.demo import run_demo
     from vlm_serve.engine import Engine
+    from vlm_serve.server.launcher import bind_http_socket
 
+    bind_http_socket(ns.host, ns.port).close()  # a port in use is refused before the model loads
     with Engine(ns.model, **server_args_from(ns)) as engine:
         run_demo(engine, ns.host, ns.port)
     return 0
@@ -139,11 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve, subparser=serve)
 
     demo = sub.add_parser("demo", help="a Gradio chat page (images, short videos, streamed answers)")
-    add_server_args(demo)
-    demo.set_defaults(func=cmd_demo, subparser=demo, port=7860)
+    add_server_args(demo, ENGINE_SETTINGS)
+    demo.add_argument("--host", default="127.0.0.1", help="address the page is served on (default: %(default)s)")
+    demo.add_argument("--port", type=int, default=7860, help="port the page is served on (default: %(default)s)")
+    demo.set_defaults(func=cmd_demo, subparser=demo)
 
     gen = sub.add_parser("generate", help="answer one prompt (with images/videos) offline and print it")
-    add_server_args(gen)
+    add_server_args(gen, ENGINE_SETTINGS)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     gen.add_argument("--video", action="append", default=[], help="video file (repeatable)")
@@ -152,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate, subparser=gen)
 
     cap = sub.add_parser("caption", help="caption every image of files, folders or path lists into JSON lines")
-    add_server_args(cap)
+    add_server_args(cap, ENGINE_SETTINGS)
     cap.add_argument("inputs", nargs="+", metavar="INPUT", help="image file, folder (recursive) or text file of paths")
     cap.add_argument("--output", required=True, help="JSON-lines file: path, caption, tokens, time (and error)")
     cap.add_argument("--prompt", default=None, help="what to ask about each image (default: a one-sentence description)")
@@ -160,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--max-tokens", type=int, default=64)
     cap.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
     cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
+    cap.add_argument("--retry-failed", action="store_true", help="with --resume: caption failed images again")
     cap.set_defaults(func=cmd_caption, subparser=cap)
 
     tiny = sub.add_parser("create-tiny-model", help="write a small random Qwen3-VL checkpoint")

@@ -8,7 +8,12 @@ one transformers 5 writes (`rope_parameters`, `num_local_experts`).
 
 from __future__ import annotations
 
+import ast
+import inspect
+import io
 import json
+import textwrap
+import tokenize
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,46 +28,65 @@ if TYPE_CHECKING:
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 API_KEY_ENV = "VLM_SERVE_API_KEY"  # the API key when neither api_key nor api_key_file is set
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
+CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few names
+    "dtype": ("auto", *DTYPES),
+    "device": ("auto", "cpu", "cuda"),
+    "attention_backend": ("auto", "cpu", "torch", "flashinfer"),
+    "schedule_policy": SCHEDULE_POLICIES,
+    "reasoning_parser": tuple(REASONING_PARSERS),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+OPTIONAL_CHOICES = {"reasoning_parser"}  # of those, the ones that may also be None
+# What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
+# the HTTP server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes).
+ENGINE_SETTINGS = (
+    "model", "revision", "download_dir", "dtype", "device", "attention_backend", "page_size", "max_total_tokens",
+    "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "enable_mixed_chunk",
+    "disable_overlap_schedule", "schedule_policy", "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb",
+    "context_length", "vit_max_patches_per_pass", "vit_dp", "vit_threads", "log_interval", "log_level", "seed",
+)  # fmt: skip
 
 
 @dataclass
 class ServerArgs:
     """Everything a deployment can set. Field names are the command-line flags (`--page-size` ...)."""
 
-    model: str | None = None  # checkpoint directory; None = the built-in tiny MoE model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | cpu | torch | flashinfer
-    tp_size: int = 1
-    ep_size: int = 1
+    # a checkpoint folder, or a Hugging Face model id such as Qwen/Qwen3-VL-8B-Instruct
+    model: str | None = None  # none = the built-in model
+    revision: str | None = None  # branch, tag or commit of a Hugging Face model id; none = main
+    download_dir: str | None = None  # Hugging Face cache folder for model ids; none = huggingface_hub's ($HF_HOME)
+    dtype: str = "auto"  # weights and KV cache dtype; auto = float32 on CPU, the checkpoint's on GPU
+    device: str = "auto"  # auto = cuda if available, else cpu
+    attention_backend: str = "auto"  # auto = flashinfer on CUDA, the C kernel (cpu) on CPU where it runs, else torch
+    tp_size: int = 1  # tensor-parallel ranks (GPUs), one scheduler process each
+    ep_size: int = 1  # expert-parallel ranks among the TP ranks (MoE models; must divide tp_size)
     nnodes: int = 1  # machines the TP ranks span (tp_size / nnodes ranks each)
     node_rank: int = 0  # this machine's place; node 0 also runs the HTTP server and the encoder pool
     dist_init_addr: str | None = None  # HOST:PORT where the ranks meet (node 0's); needed with nnodes > 1
-    page_size: int = 1
-    max_total_tokens: int | None = None  # KV pool size in tokens; None = derived from memory
-    max_running_requests: int | None = None  # None = derived from the KV pool size
+    page_size: int = 1  # tokens per KV cache page
+    max_total_tokens: int | None = None  # KV pool size in tokens; none = derived from memory
+    max_running_requests: int | None = None  # requests decoded at once; none = derived from the KV pool size
     max_prefill_tokens: int = 16384  # new tokens per prefill batch (clipped to the KV pool)
-    chunked_prefill_size: int | None = None  # longest prefill chunk; -1 = no chunking; None = 2048 on CPU, 8192 on GPU
+    chunked_prefill_size: int | None = None  # longest prefill chunk; -1 = no chunking; none = 2048 on CPU, 8192 on GPU
     enable_mixed_chunk: bool = False  # run running requests' decode inside prefill chunks
     disable_overlap_schedule: bool = False  # process each batch's result before launching the next
-    schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | lof | random
+    schedule_policy: str = "fcfs"  # order of the waiting queue (lpm: longest cached prefix first)
     schedule_conservativeness: float = 1.0  # > 1 reserves more KV for running requests' outputs
-    disable_radix_cache: bool = False
+    disable_radix_cache: bool = False  # no prefix sharing between requests
     mm_cache_mb: int = 512  # budget of each multimodal cache (processed inputs, vision embeddings); 0 = off
     enable_priority_scheduling: bool = False  # requests' `priority` (higher first) orders the queue
     priority_scheduling_preemption_threshold: int = 10  # priority gap that lets a request preempt
-    context_length: int | None = None  # None = the model's max_position_embeddings
+    # longest prompt + answer in tokens
+    context_length: int | None = None  # none = the model's max_position_embeddings, at most the KV pool's size
     vit_max_patches_per_pass: int = 32768  # vision tower passes stay under this; long videos are cut
     vit_dp: int = 1  # encoder pool processes (GPU i each, or CPU threads); 0 = run the ViT in the scheduler loop
-    vit_threads: int | None = None  # CPU threads per encoder rank; None = an equal share with the LLM
-    # the HTTP server and what requests may ask of it
-    host: str = "127.0.0.1"
-    port: int = 30000
-    # every endpoint but /health then needs "Authorization: Bearer <key>"; api_key_file or $VLM_SERVE_API_KEY
-    # keep the key out of the command line (see `with_api_key`), repr=False out of logs
+    vit_threads: int | None = None  # CPU threads per encoder rank; none = an equal share with the LLM
+    host: str = "127.0.0.1"  # address the HTTP server listens on (0.0.0.0: every interface)
+    port: int = 30000  # port the HTTP server listens on
+    # every endpoint but /health then needs "Authorization: Bearer <key>" (never logged)
     api_key: str | None = field(default=None, repr=False)
-    api_key_file: str | None = None  # a file holding the API key (on one line)
-    served_model_name: str | None = None  # the model's name in the API; None = the checkpoint folder's name
+    api_key_file: str | None = None  # a file holding the API key on one line (keeps it off the command line)
+    served_model_name: str | None = None  # the model's name in the API; none = the checkpoint folder's name
     allowed_local_media_path: str | None = None  # requests may name local media files under this folder only
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from; none = off
     media_fetch_timeout: float = 10.0  # seconds for a whole remote download
@@ -76,16 +100,14 @@ class ServerArgs:
     reasoning_parser: str | None = None  # qwen3: split <think>...</think> into reasoning_content
     grammar_compile_timeout: float = 30.0  # seconds a structured-output request may wait for its grammar
     log_interval: int = 40  # scheduler steps between log lines
-    log_level: str = "warning"  # debug | info | warning | error (info shows the scheduler's log lines)
-    seed: int = 0
+    log_level: str = "warning"  # info shows the scheduler's log lines
+    seed: int = 0  # seed of the sampler's random numbers where a request gives none
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
-        if self.attention_backend not in ("auto", "cpu", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend must be auto, cpu, torch or flashinfer, not {self.attention_backend!r}")
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed and not (value is None and name in OPTIONAL_CHOICES):
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
         positive = (
             "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
             "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "limit_mm_per_prompt", "mm_max_image_pixels",
@@ -97,12 +119,6 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 1, not {value}")
         if self.chunked_prefill_size not in (None, -1) and self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= page_size, not {self.chunked_prefill_size}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
-        if self.reasoning_parser not in (None, *REASONING_PARSERS):
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"log_level must be debug, info, warning or error, not {self.log_level!r}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), not {self.node_rank}")
         if self.tp_size % self.nnodes != 0:
@@ -183,6 +199,26 @@ class ServerArgs:
         if self.resolved_device().type == "cpu":
             return torch.float32
         return getattr(torch, model_config.torch_dtype if model_config.torch_dtype in DTYPES else "bfloat16")
+
+
+def setting_docs() -> dict[str, str]:
+    """Each `ServerArgs` field's meaning, read from its comments in this file (the lines just above it and
+    the end of its own): the command line's help comes from here, so that it cannot drift from the code."""
+    lines = inspect.getsource(ServerArgs).splitlines()
+    comments = {}  # line number (0-based) -> comment text
+    for token in tokenize.generate_tokens(io.StringIO("\n".join(lines)).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0] - 1] = token.string.lstrip("#").strip()
+    docs = {}
+    for node in ast.parse(textwrap.dedent("\n".join(lines))).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        parts, line = [comments.get(node.end_lineno - 1, "")], node.lineno - 2
+        while line in comments and lines[line].lstrip().startswith("#"):
+            parts.insert(0, comments[line])
+            line -= 1
+        docs[node.target.id] = "; ".join(p for p in parts if p)
+    return docs
 
 
 @dataclass

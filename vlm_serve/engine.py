@@ -30,11 +30,11 @@ from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs
 from vlm_serve.llm.scheduler.scheduler import Scheduler
+from vlm_serve.model_source import model_name, resolve_model
 from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
 from vlm_serve.server.detokenizer_manager import DetokenizerManager
 from vlm_serve.server.io_struct import AbortReq, BatchTokenIdOut, GenerateReqInput, StrOut
-from vlm_serve.testing.tiny_model import default_model_path
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder_pool import create_encoder
 from vlm_serve.vision.processor import MultimodalProcessor
@@ -145,7 +145,8 @@ class _QueueIO:
 class Engine:
     """`Engine(model=path, dtype="float32").chat(messages, max_tokens=16, temperature=0).text`.
 
-    `model=None` uses the built-in tiny MoE checkpoint. Other keywords are `ServerArgs` fields
+    `model` is a checkpoint folder or a Hugging Face model id (`model_source`); None uses the built-in
+    tiny MoE checkpoint. Other keywords are `ServerArgs` fields
     (`chunked_prefill_size`, `schedule_policy`, `page_size`, `max_total_tokens`, ...). Sampling keywords
     are named as in the OpenAI API (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n`, ...);
     without `max_tokens` an answer may run to the context length, as in the server.
@@ -156,8 +157,10 @@ class Engine:
         unknown = set(options) - known
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        path = Path(model) if model is not None else default_model_path()
-        self.server_args = ServerArgs(model=str(path), **options)
+        settings = ServerArgs(model=None if model is None else str(model), **options)
+        path = resolve_model(model, settings.revision, settings.download_dir)
+        self.server_args = dataclasses.replace(settings, model=str(path))
+        self.model_name = settings.served_model_name or model_name(model, path)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.processor = MultimodalProcessor.from_pretrained(path, self.tokenizer, cache_mb=self.server_args.mm_cache_mb)

@@ -7,8 +7,8 @@ processed inputs, so the hash keys the processed-input cache, the embedding cach
 
 A pad value stands in for every placeholder token of one item in the scheduler's ids, so the prefix
 cache tells two different images apart and matches the same image across requests. It keeps 62 bits
-of the 128-bit hash (a collision between two live images is then practically impossible); the ids fed
-to the embedding table stay the original placeholders.
+of the 128-bit hash (a collision between two live images is then practically impossible). The model
+never embeds a pad value: its embedding rows are replaced by the item's vision embeddings.
 """
 
 from __future__ import annotations

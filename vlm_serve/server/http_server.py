@@ -345,9 +345,12 @@ def served_model_name(server_args: ServerArgs) -> str:
     return server_args.served_model_name or Path(server_args.model).name
 
 
-def serve_http(server_args: ServerArgs, port_args: PortArgs, limits: SchedulerLimits, children: ServerProcesses) -> str:
-    """Serves HTTP in this process until SIGTERM / Ctrl-C or a child's death; returns why it stopped
-    unhealthily ('' after a clean stop)."""
+def serve_http(
+    server_args: ServerArgs, port_args: PortArgs, limits: SchedulerLimits, children: ServerProcesses,
+    sock: socket.socket,
+) -> str:  # fmt: skip
+    """Serves HTTP on `sock` (bound to the host and port) in this process until SIGTERM / Ctrl-C or a
+    child's death; returns why it stopped unhealthily ('' after a clean stop)."""
     tm = TokenizerManager(server_args, port_args, limits)
     serving = OpenAIServing(tm, server_args, served_model_name(server_args))
     state = ServerState()
@@ -361,7 +364,7 @@ def serve_http(server_args: ServerArgs, port_args: PortArgs, limits: SchedulerLi
     # handlers found here restored: make that a no-op so the caller stops the children
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _ignore)
-    server.run()
+    server.run(sockets=[sock])
     return state.failure
 
 

@@ -24,11 +24,11 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from vlm_serve.config import API_KEY_ENV, ServerArgs
+from vlm_serve.model_source import model_name, resolve_model
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
 from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
 from vlm_serve.server.io_struct import PortArgs, SchedulerLimits
 from vlm_serve.server.scheduler_process import run_scheduler_process
-from vlm_serve.testing.tiny_model import default_model_path
 from vlm_serve.vision.encoder_pool import EncoderRanks, PoolAddresses
 
 STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint takes minutes)
@@ -129,34 +129,62 @@ def await_ready(children: ServerProcesses, readies: list[Connection], ranks: ran
 
 def launch_server(server_args: ServerArgs) -> int:
     """Runs this node's part of the server until SIGTERM / Ctrl-C (exit code 0) or a child's death (1)."""
-    if server_args.model is None:
-        server_args = dataclasses.replace(server_args, model=str(default_model_path()))
+    server_args = with_local_model(server_args)
     server_args = server_args.with_api_key(os.environ)  # the children get it pickled, not on a command line
     os.environ.pop(API_KEY_ENV, None)  # nor in their environment
+    # bound before the model loads, so that a port in use is refused at once (it listens once ready)
+    http_socket = bind_http_socket(server_args.host, server_args.port) if server_args.node_rank == 0 else None
     signal.signal(signal.SIGTERM, _raise_exit)  # while starting: unwind through `finally`, stopping children
     ipc_dir = tempfile.mkdtemp(prefix="vlm-serve-")
     port_args = None
-    if server_args.node_rank == 0:
+    if http_socket is not None:
         port_args = PortArgs(*(f"ipc://{ipc_dir}/{name}" for name in ("scheduler", "detokenizer", "tokenizer")))
         if server_args.vit_dp > 0:
             port_args.encoder = PoolAddresses.in_dir(ipc_dir, server_args.vit_dp)
     children, readies = start_processes(server_args, port_args)
     try:
         limits = await_ready(children, readies, server_args.node_tp_ranks)
-        if port_args is None:
+        if http_socket is None:
             failure = _watch_node(server_args, children)
         else:
-            failure = serve_http(server_args, port_args, limits, children)
+            failure = serve_http(server_args, port_args, limits, children, http_socket)
     except RuntimeError as exc:
         print(f"vlm-serve: {exc}", file=sys.stderr)
         return 1
     finally:
         children.stop()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+        if http_socket is not None:
+            http_socket.close()
     if failure:
         print(f"vlm-serve: stopped because {failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def with_local_model(server_args: ServerArgs) -> ServerArgs:
+    """`server_args` with `model` the local checkpoint folder it names (a Hugging Face id is found in or
+    downloaded into the cache), served under the id as given or else the folder's name. A ValueError
+    naming the model if there is none, before any process starts."""
+    folder = resolve_model(server_args.model, server_args.revision, server_args.download_dir)
+    served = server_args.served_model_name or model_name(server_args.model, folder)
+    return dataclasses.replace(server_args, model=str(folder), served_model_name=served)
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP server's socket, bound; a ValueError naming the address if it cannot be (in use, say)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a closed server's port is free
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
 
 
 def _watch_node(server_args: ServerArgs, children: ServerProcesses) -> str:

@@ -1,0 +1,80 @@
+"""Where a model's files are: a local checkpoint folder, a Hugging Face model id (found in, or downloaded
+into, huggingface_hub's cache: only the files serving reads), or the built-in model.
+
+Every command resolves its `--model` here before anything starts, so that a wrong one is one line naming
+it, in `serve` with any number of ranks as in `generate`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from vlm_serve.testing.tiny_model import default_model_path
+
+# what serving reads: config and processor JSON files, weights, the tokenizer (merges.txt), chat templates
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """The local folder holding the checkpoint `model` names (None: the built-in one). A ValueError of
+    one line naming `model` if there is none."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists() and is_hub_id(str(model)):
+        path = _from_hub(str(model), revision, download_dir)
+    elif not path.exists():
+        raise ValueError(f"model {model}: no such folder")
+    return check_checkpoint(path)
+
+
+def model_name(model: str | Path | None, folder: Path) -> str:
+    """What to call the model `model` named and `resolve_model` found in `folder`: a Hugging Face id as
+    given (as vLLM does), else the folder's name."""
+    from_hub = model is not None and not Path(model).expanduser().exists() and is_hub_id(str(model))
+    return str(model) if from_hub else folder.name
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether `model` has the form of a Hugging Face model id, `owner/name`."""
+    return _HUB_ID.fullmatch(model) is not None and ".." not in model
+
+
+def check_checkpoint(path: Path) -> Path:
+    """`path`, if it is a Hugging Face checkpoint folder (config.json and safetensors weights)."""
+    if not path.is_dir():
+        raise ValueError(f"model {path}: not a folder (a checkpoint folder holds config.json and *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {path}: no config.json in it (not a Hugging Face checkpoint folder)")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model {path}: no *.safetensors weights in it")
+    return path
+
+
+def _from_hub(repo_id: str, revision: str | None, cache_dir: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+    )  # fmt: skip
+
+    # read here, not at huggingface_hub's import: a process may set it after importing transformers
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=HUB_FILES, local_files_only=offline
+        )
+    except RevisionNotFoundError:
+        raise ValueError(f"model {repo_id}: no revision {revision!r} on the Hugging Face Hub") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {repo_id}: no such folder, nor a model on the Hugging Face Hub you can read") from None
+    except LocalEntryNotFoundError:
+        where = f"in {cache_dir}" if cache_dir else "in the Hugging Face cache"
+        why = "HF_HUB_OFFLINE is set" if offline else "and the Hub cannot be reached"
+        at = "" if revision is None else f" at revision {revision!r}"
+        raise ValueError(f"model {repo_id}: no such folder, nor{at} {where} ({why})") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ValueError(f"model {repo_id}: could not download it from the Hugging Face Hub: {exc}") from None
+    return Path(folder)
