@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -71,3 +75,48 @@ def test_inputs_can_be_files_folders_and_lists_of_paths(folder, tmp_path):
     assert len(paths) == 2 + 16 + 1 and all(p.suffix in (".png", ".jpg") for p in paths)
     with pytest.raises(FileNotFoundError, match="nowhere"):
         collect_images([str(tmp_path / "nowhere")])
+
+
+def test_resume_knows_images_however_they_are_named_and_retries_failed_ones(folder, tiny_moe_dir, tmp_path, monkeypatch):
+    output = tmp_path / "captions.jsonl"
+    options = ["--output", str(output), "--model", str(tiny_moe_dir), "--dtype", "float32", "--max-tokens", "3",
+               "--temperature", "0"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["caption", "photos/img01.jpg", "photos/trip/../broken.png", *options]) == 0
+    first = {r["path"]: r for r in _lines(output)}
+    assert set(first) == {str(folder / "img01.jpg"), str(folder / "broken.png")}  # absolute paths
+    assert "error" in first[str(folder / "broken.png")]
+
+    make_image(40, 40, seed=99).save(folder / "broken.png", format="PNG")  # mended since
+    assert main(["caption", str(folder), *options, "--resume"]) == 0
+    records = _lines(output)
+    assert len(records) == 50 and len({r["path"] for r in records}) == 50  # img01 and broken.png skipped
+    assert [r for r in records if r["path"] == str(folder / "broken.png")] == [first[str(folder / "broken.png")]]
+
+    assert main(["caption", str(folder), *options, "--resume", "--retry-failed"]) == 0
+    retried = {r["path"]: r for r in _lines(output)}
+    assert len(retried) == 50 == len(_lines(output))  # the failed lines replaced, not added to
+    assert "error" not in retried[str(folder / "broken.png")] and retried[str(folder / "broken.png")]["tokens"] > 0
+    assert "error" in retried[str(folder / "trip" / "truncated.jpg")]
+    assert retried[str(folder / "img01.jpg")] == first[str(folder / "img01.jpg")]  # kept as it was
+
+
+def test_retry_failed_needs_resume(folder, tmp_path):
+    assert main(["caption", str(folder), "--output", str(tmp_path / "c.jsonl"), "--retry-failed"]) == 2
+
+
+def test_ctrl_c_stops_quietly_leaving_whole_lines(folder, tiny_moe_dir, tmp_path):
+    output = tmp_path / "captions.jsonl"
+    command = [sys.executable, "-m", "vlm_serve.cli", "caption", str(folder), "--output", str(output), "--model",
+               str(tiny_moe_dir), "--dtype", "float32", "--max-tokens", "48", "--batch-size", "2"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (output.is_file() and output.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr
+    assert f"interrupted; the lines in {output} are complete" in stderr
+    lines = output.read_text().splitlines(keepends=True)
+    assert 2 <= len(lines) < 50 and all(line.endswith("\n") and json.loads(line)["path"] for line in lines)

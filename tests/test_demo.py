@@ -6,13 +6,20 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import signal
+import subprocess
+import sys
 import threading
+import tomllib
 from collections.abc import Iterator
+from importlib.metadata import requires
+from pathlib import Path
 
 import pytest
 from helpers import free_port
+from packaging.requirements import Requirement
 
-from vlm_serve.demo import to_openai_messages, user_turn
+from vlm_serve.demo import build_demo, to_openai_messages, user_turn
 from vlm_serve.testing.media import make_image
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -169,3 +176,33 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, im
         engine.scheduler.check_memory()
     finally:
         demo.close()
+
+
+def test_installing_the_demo_keeps_the_pillow_the_package_installed():
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    ours = next(Requirement(d) for d in project["dependencies"] if Requirement(d).name == "pillow").specifier
+    theirs = next(Requirement(r) for r in requires("gradio") if Requirement(r).name == "pillow").specifier
+    releases = [f"{major}.{minor}.0" for major in range(10, 20) for minor in range(4)]
+    assert [v for v in releases if v in ours and v not in theirs] == []  # nothing the demo would downgrade
+
+
+def test_the_page_names_the_model_and_opens_with_256_tokens(engine):
+    demo = build_demo(engine)
+    texts = [c.value for c in demo.blocks.values() if type(c).__name__ == "Markdown"]
+    assert any(engine.model_name in text for text in texts)
+    sliders = {c.label: c.value for c in demo.blocks.values() if type(c).__name__ == "Slider"}
+    assert sliders["Max tokens"] == 256
+
+
+def test_vlm_serve_demo_prints_its_address_and_nothing_about_share_links(tiny_moe_dir):
+    port = free_port()
+    command = [sys.executable, "-m", "vlm_serve.cli", "demo", "--model", str(tiny_moe_dir), "--port", str(port),
+               "--vit-dp", "0"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = process.stdout.readline()
+        assert first == f"vlm-serve: demo of {tiny_moe_dir.name} on http://127.0.0.1:{port}\n"
+    finally:
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=60)
+    assert "share" not in (first + rest).lower() and "Traceback" not in rest

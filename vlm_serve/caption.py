@@ -2,9 +2,11 @@
 
 The in-process engine does the work. Images are preprocessed one by one and submitted as they are
 ready, keeping up to `batch_size` in flight, so the scheduler batches them continuously. Each finished
-image becomes one JSON line: `{"path", "caption", "tokens", "time"}`, plus `"error"` when it could not
-be captioned (an unreadable image is reported in its line and the run goes on). With `resume`, images
-already in the output file are skipped and new lines are appended.
+image becomes one JSON line: `{"path", "caption", "tokens", "time"}` (the image's absolute path), plus
+`"error"` when it could not be captioned (an unreadable image is reported in its line and the run goes
+on). With `resume`, images already in the output file (by resolved path, however they were named) are
+skipped and new lines are appended; with `retry_failed` too, images whose line holds an error are
+captioned again and that line is replaced.
 """
 
 from __future__ import annotations
@@ -51,17 +53,19 @@ def collect_images(inputs: Sequence[str]) -> list[Path]:
     return list(dict.fromkeys(paths))
 
 
-def captioned_paths(output: Path) -> set[str]:
-    """Paths that already have a complete line in `output`."""
+def read_lines(output: Path) -> list[dict]:
+    """The complete records of an earlier run's `output` (none if there is no such file)."""
     if not output.is_file():
-        return set()
-    done = set()
+        return []
+    records = []
     for line in output.read_text().splitlines():
         try:
-            done.add(json.loads(line)["path"])
-        except (ValueError, KeyError, TypeError):
+            record = json.loads(line)
+        except ValueError:
             continue
-    return done
+        if isinstance(record, dict) and isinstance(record.get("path"), str):
+            records.append(record)
+    return records
 
 
 def caption_images(
@@ -71,17 +75,27 @@ def caption_images(
     prompt: str = DEFAULT_PROMPT,
     batch_size: int = 64,
     resume: bool = False,
+    retry_failed: bool = False,
     progress: bool = True,
     **sampling: Any,
 ) -> CaptionSummary:
     """Captions `paths` into the JSON-lines file `output` (see the module docstring)."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, not {batch_size}")
+    if retry_failed and not resume:
+        raise ValueError("retry_failed (--retry-failed) goes with resume (--resume)")
     engine.sampling_params(**sampling)  # bad sampling arguments fail before any work
+    paths = list(dict.fromkeys(p.resolve() for p in paths))
+    done: set[Path] = set()
     if resume:
-        _drop_partial_line(output)
-    done = captioned_paths(output) if resume else set()
-    todo = [p for p in paths if str(p) not in done]
+        records = read_lines(output)
+        if retry_failed:
+            records = [r for r in records if "error" not in r]
+            _rewrite(output, records)
+        else:
+            _drop_partial_line(output)
+        done = {Path(r["path"]).resolve() for r in records}
+    todo = [p for p in paths if p not in done]
     summary = CaptionSummary(skipped=len(paths) - len(todo))
     pending: dict[Submission, tuple[Path, float]] = {}
     with output.open("a" if resume else "w") as out, tqdm(total=len(todo), unit="img", disable=not progress) as bar:
@@ -120,6 +134,17 @@ def caption_images(
                 write(path, start, None, 0, str(exc))
         drain(0)
     return summary
+
+
+def _rewrite(output: Path, records: list[dict]) -> None:
+    """`output` holding just `records`, replaced in one step (an interruption leaves the old file)."""
+    if not output.is_file():
+        return
+    partial = output.with_name(output.name + ".partial")
+    with partial.open("w") as out:
+        for record in records:
+            _write_line(out, record)
+    partial.replace(output)
 
 
 def _drop_partial_line(output: Path) -> None:

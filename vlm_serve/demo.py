@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 # The settings in the page's "Sampling" accordion, OpenAI-named as `Engine.stream` takes them.
 SAMPLING_DEFAULTS: dict[str, Any] = {
-    "max_tokens": 1024,
+    "max_tokens": 256,
     "temperature": 0.7,
     "top_p": 0.8,
     "top_k": 20,  # 0 on the page = no limit
@@ -149,7 +149,10 @@ def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.
     init = initial_settings(engine, settings)
     stream_turn = _responder(engine, threading.Lock())
     with gr.Blocks(title="vlm-serve", fill_height=True, analytics_enabled=False) as demo:
-        gr.Markdown("## vlm-serve\nChat with the model; attach images or short videos with the paperclip.")
+        gr.Markdown(
+            f"## vlm-serve: {html.escape(engine.model_name)}\n"
+            "Chat with the model; attach images or short videos with the paperclip."
+        )
         chatbot = gr.Chatbot(elem_id="chatbot", label="Conversation", scale=1, height=480, buttons=["copy"])
         box = gr.MultimodalTextbox(
             elem_id="chat-input", file_types=["image", "video"], file_count="multiple", sources=["upload"],
@@ -180,7 +183,13 @@ def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.
 def run_demo(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> None:
     """Serves the page on http://host:port until Ctrl-C or SIGTERM."""
     signal.signal(signal.SIGTERM, _interrupt)  # Gradio stops on KeyboardInterrupt only
-    build_demo(engine).launch(server_name=host, server_port=port, show_error=True, max_file_size="200mb")
+    demo = build_demo(engine)
+    # quiet: Gradio's own lines (which suggest public share links) are replaced by this one
+    demo.launch(
+        server_name=host, server_port=port, show_error=True, max_file_size="200mb", quiet=True, prevent_thread_lock=True
+    )
+    print(f"vlm-serve: demo of {engine.model_name} on http://{host}:{port}", flush=True)
+    demo.block_thread()
 
 
 def _interrupt(signum: int, frame: Any) -> None:
