@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import av
@@ -20,13 +21,17 @@ def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Ima
 
 def make_video(path: str | Path, num_frames: int, fps: int, size: tuple[int, int], seed: int = 0) -> Path:
     """Writes an MPEG-4 video of `num_frames` frames of `size` (width, height) at `fps`."""
-    path = Path(path)
     width, height = size
-    with av.open(str(path), "w") as container:
+    write_video(path, [make_image(width, height, seed=seed + i) for i in range(num_frames)], fps)
+    return Path(path)
+
+
+def write_video(target: str | Path | io.BytesIO, frames: list[Image.Image], fps: int) -> None:
+    """`frames` (all one size) as an MPEG-4 video at `fps`, into a file or a buffer."""
+    width, height = frames[0].size
+    with av.open(target if isinstance(target, io.BytesIO) else str(target), "w", format="mp4") as container:
         stream = container.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(num_frames):
-            frame = av.VideoFrame.from_image(make_image(width, height, seed=seed + i))
-            container.mux(stream.encode(frame))
+        for image in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(image)))
         container.mux(stream.encode())
-    return path

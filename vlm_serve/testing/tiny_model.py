@@ -101,6 +101,9 @@ class ModelSize:
     # context; in deeper models, at full gain, that average outweighs the current token and greedy
     # decoding settles on one token repeated.
     attention_gain: float
+    image_max_pixels: int = 512 * 512  # the processor's limits (see the module docstring)
+    video_max_pixels: int = 1024 * 32 * 32 * 2  # a whole clip's
+    max_frames: int = 768
 
     def __post_init__(self) -> None:
         inter, hidden = self.experts.intermediate, self.moe.hidden
@@ -120,6 +123,7 @@ class ModelSize:
 
 _TINY_TEXT = TextShape(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=32, intermediate=128)
 _SMALL_TEXT = TextShape(hidden=512, layers=8, heads=8, kv_heads=2, head_dim=64, intermediate=1536)
+_BUILTIN_TEXT = TextShape(hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, intermediate=512)
 SIZES = {
     "tiny": ModelSize(
         dense=_TINY_TEXT,
@@ -141,6 +145,18 @@ SIZES = {
         experts=ExpertShape(num_experts=128, per_token=8, intermediate=96),
         vision=VisionShape(depth=12, hidden=512, heads=8, intermediate=2048, positions=2304, deepstack=(3, 7, 11)),
         attention_gain=RESIDUAL_GAIN / 4,
+    ),
+    # the built-in model's shape (trained on synthetic scenes, vlm_serve/builtin): pictures of at most
+    # 96 x 96 pixels, 3 x 3 tokens; clips of up to 16 such frames
+    "builtin": ModelSize(
+        dense=_BUILTIN_TEXT,
+        moe=_BUILTIN_TEXT,
+        experts=ExpertShape(num_experts=8, per_token=2, intermediate=64),
+        vision=VisionShape(depth=4, hidden=128, heads=4, intermediate=384, positions=64, deepstack=(2,)),
+        attention_gain=RESIDUAL_GAIN,
+        image_max_pixels=96 * 96,
+        video_max_pixels=16 * 96 * 96,
+        max_frames=16,
     ),
 }
 ROPE_THETA = 10000.0
@@ -495,7 +511,7 @@ def _tokenizer_config(tokenizer: Tokenizer) -> dict:
     }
 
 
-def _processor_configs() -> tuple[dict, dict]:
+def _processor_configs(size: ModelSize) -> tuple[dict, dict]:
     """`preprocessor_config.json` and `video_preprocessor_config.json` (tiny pixel limits, see module doc)."""
     common = {
         "patch_size": PATCH_SIZE,
@@ -506,16 +522,16 @@ def _processor_configs() -> tuple[dict, dict]:
         "processor_class": "Qwen3VLProcessor",
     }
     image = {
-        "size": {"shortest_edge": 32 * 32, "longest_edge": 512 * 512},
+        "size": {"shortest_edge": 32 * 32, "longest_edge": size.image_max_pixels},
         **common,
         "image_processor_type": "Qwen2VLImageProcessor",
     }
     video = {
-        "size": {"shortest_edge": 32 * 32, "longest_edge": 1024 * 32 * 32 * TEMPORAL_PATCH},
+        "size": {"shortest_edge": 32 * 32, "longest_edge": size.video_max_pixels},
         **common,
         "fps": 2,
         "min_frames": 4,
-        "max_frames": 768,
+        "max_frames": size.max_frames,
         "do_sample_frames": True,
         "cap_pixels_per_frame": False,
         "video_processor_type": "Qwen3VLVideoProcessor",
@@ -614,7 +630,7 @@ def create_tiny_model(
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer))
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-    image_config, video_config = _processor_configs()
+    image_config, video_config = _processor_configs(model_size)
     _write_json(out / "preprocessor_config.json", image_config)
     _write_json(out / "video_preprocessor_config.json", video_config)
     return out

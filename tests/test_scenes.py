@@ -1,0 +1,69 @@
+"""The synthetic scenes the built-in model learns from: what is drawn is what the texts say."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from vlm_serve.builtin.scenes import (
+    COLOURS, Motion, Scene, Shape, caption, colour_answer, comparison_answer, count_answer, presence_answer,
+    random_example, render, render_motion,
+)  # fmt: skip
+from vlm_serve.builtin.train import published_layout
+
+SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
+
+
+def test_the_texts_name_each_shape_its_colour_size_and_place():
+    assert caption(SCENE) == "A large red circle on the left and a small blue triangle at the bottom right."
+    assert count_answer(SCENE) == "There are two shapes."
+    assert colour_answer(SCENE, "circle") == "The circle is red."
+    assert colour_answer(SCENE, "star") == "There is no star."
+    assert presence_answer(SCENE, "triangle") == "Yes, a small blue triangle at the bottom right."
+    assert presence_answer(SCENE, "square") == "No, there is no square."
+    one = Scene([Shape("star", "green", "small", 0, 1)])
+    assert caption(one) == "A small green star at the top." and count_answer(one) == "There is one shape."
+    assert comparison_answer(SCENE, one) == "The first image has more shapes: two against one."
+
+
+def _near(pixel, colour) -> bool:
+    return all(abs(a - b) < 40 for a, b in zip(pixel, colour))
+
+
+def test_each_shape_is_drawn_in_its_cell_in_its_colour():
+    for width, height in ((96, 96), (384, 384), (480, 360)):
+        image = render(Scene(SCENE.shapes, 3, width, height))
+        assert image.size == (width, height)
+        assert _near(image.getpixel((width // 6, height // 2)), COLOURS["red"])  # the circle's cell centre
+        assert not _near(image.getpixel((width // 2, height // 2)), COLOURS["red"])  # the empty centre cell
+
+
+def test_a_moving_shape_goes_the_way_its_caption_says():
+    frames = render_motion(Motion(Shape("square", "yellow", "large", 1, 0), "from left to right", frames=6))
+
+    def centre_x(frame) -> float:
+        pixels = torch.tensor(np.array(frame), dtype=torch.int32)
+        mask = (pixels - torch.tensor(COLOURS["yellow"])).abs().max(-1).values < 40
+        return mask.nonzero()[:, 1].float().mean().item()
+
+    xs = [centre_x(f) for f in frames]
+    assert xs == sorted(xs) and xs[-1] - xs[0] > 40
+
+
+def test_examples_are_reproducible_from_a_seed():
+    a, b = random_example(random.Random(7)), random_example(random.Random(7))
+    assert (a.kind, a.question, a.answer) == (b.kind, b.question, b.answer)
+    assert [np.asarray(i).tolist() for i in a.images] == [np.asarray(i).tolist() for i in b.images]
+
+
+def test_trained_weights_are_written_in_the_published_layout(tiny_moe_dir):
+    import transformers
+
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    written = published_layout(model)
+    published = load_file(str(tiny_moe_dir / "model.safetensors"))
+    assert written.keys() == published.keys()
+    assert all(torch.equal(written[name], published[name]) for name in published)

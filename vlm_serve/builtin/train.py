@@ -1,0 +1,171 @@
+"""Trains the built-in model on synthetic scenes (`scenes.py`), from a seed:
+
+    python -m vlm_serve.builtin.train OUT_DIR [--steps 3000] [--batch-size 32] [--seed 0]
+
+It starts from a random checkpoint of the built-in shape (`create_tiny_model(size="builtin")`: the
+published Qwen3-VL-MoE layout, tokenizer and chat template; its processor sees every image as at most
+3 x 3 tokens), trains every weight with transformers' Qwen3VLMoeForConditionalGeneration on freshly
+generated examples (the loss is on the answer's tokens), and writes the weights back in the published
+layout. Examples go through the project's own MultimodalProcessor, whose ids and pixels are
+transformers' (test_preprocess). On this project's 2-core CPU machine the shipped weights took the
+time printed in their `training.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from vlm_serve.builtin.scenes import Example, random_example
+from vlm_serve.testing.media import write_video
+from vlm_serve.testing.tiny_model import create_tiny_model
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.processor import MultimodalProcessor
+
+IGNORE = -100  # label of the tokens the loss skips
+SHIPPED_DTYPE = torch.bfloat16  # as the published checkpoints; half the size (served as float32 on CPU)
+VIDEO_FPS = 2  # the clips' rate, the processor's sampling rate: every frame is seen
+
+
+def messages(example: Example) -> list[dict]:
+    """The example's question as one OpenAI-style user turn."""
+    content: list[dict] = [{"type": "image", "image": image} for image in example.images]
+    if example.video is not None:
+        buffer = io.BytesIO()
+        write_video(buffer, example.video, VIDEO_FPS)
+        content.append({"type": "video", "video": buffer.getvalue()})
+    content.append({"type": "text", "text": example.question})
+    return [{"role": "user", "content": content}]
+
+
+def encode(processor: MultimodalProcessor, example: Example) -> dict:
+    """Ids, labels (the answer and its end-of-turn token) and media of one example."""
+    question = messages(example)
+    prompt = processor.process_messages(question, add_generation_prompt=True)
+    answer = processor.tokenizer.encode(example.answer) + [processor.tokenizer.token_to_id("<|im_end|>")]
+    return {
+        "input_ids": prompt.input_ids + answer,
+        "labels": [IGNORE] * len(prompt.input_ids) + answer,
+        "items": prompt.mm_items,
+    }
+
+
+def collate(encoded: list[dict], pad_id: int, image_id: int, video_id: int) -> dict:
+    """Right-padded batch tensors as transformers' Qwen3-VL takes them."""
+    length = max(len(e["input_ids"]) for e in encoded)
+    ids = torch.full((len(encoded), length), pad_id)
+    labels = torch.full((len(encoded), length), IGNORE)
+    mask = torch.zeros((len(encoded), length), dtype=torch.long)
+    for row, e in enumerate(encoded):
+        n = len(e["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = torch.tensor(e["input_ids"]), torch.tensor(e["labels"]), 1
+    batch = {
+        "input_ids": ids, "labels": labels, "attention_mask": mask,
+        "mm_token_type_ids": (ids == image_id).int() + 2 * (ids == video_id).int(),
+    }  # fmt: skip
+    items = [item for e in encoded for item in e["items"]]
+    for modality, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        chosen = [it for it in items if it.modality == modality]
+        if chosen:
+            batch[key] = torch.cat([it.pixel_values for it in chosen])
+            batch[f"{modality}_grid_thw"] = torch.tensor([it.grid_thw for it in chosen])
+    return batch
+
+
+def published_layout(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """transformers 5's weights in the published checkpoints' layout (experts as [E, H, 2I] / [E, I, H];
+    a tied LM head left out) and `dtype`."""
+    fused = (".experts.gate_up_proj", ".experts.down_proj")
+    tied = model.config.get_text_config().tie_word_embeddings
+    return {
+        name: (t.transpose(-1, -2) if name.endswith(fused) else t).detach().to(dtype).contiguous()
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+
+
+def exact_match(model, processor: MultimodalProcessor, examples: list[Example], config) -> dict[str, float]:
+    """Greedy answers of `model` on `examples`: the share equal to the expected answer, per kind."""
+    tokenizer = processor.tokenizer
+    end = tokenizer.token_to_id("<|im_end|>")
+    scores: dict[str, list[bool]] = {}
+    model.eval()
+    with torch.no_grad():
+        for example in examples:
+            prompt = processor.process_messages(messages(example), add_generation_prompt=True)
+            unlabelled = {"input_ids": prompt.input_ids, "labels": [IGNORE] * len(prompt.input_ids), "items": prompt.mm_items}
+            batch = collate([unlabelled], 0, config.image_token_id, config.video_token_id)
+            del batch["labels"]
+            out = model.generate(**batch, max_new_tokens=64, do_sample=False, eos_token_id=end)
+            tokens = [t for t in out[0, len(prompt.input_ids) :].tolist() if t != end]
+            scores.setdefault(example.kind, []).append(tokenizer.decode(tokens) == example.answer)
+    model.train()
+    return {kind: sum(hits) / len(hits) for kind, hits in sorted(scores.items())}
+
+
+def train(out_dir: Path, steps: int, batch_size: int, seed: int, lr: float, eval_every: int) -> None:
+    import transformers
+
+    # the checkpoint's files; its weights are replaced by a fresh initialisation (transformers' own)
+    out_dir = create_tiny_model(
+        out_dir, arch="moe", seed=seed, size="builtin", tie_word_embeddings=True, dtype="bfloat16"
+    )
+    torch.manual_seed(seed)
+    rng, held_out = random.Random(seed), random.Random(seed + 1)
+    tokenizer = Tokenizer.from_pretrained(out_dir)
+    processor = MultimodalProcessor.from_pretrained(out_dir, tokenizer, cache_mb=0)
+    config = transformers.AutoConfig.from_pretrained(out_dir)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(config).float()
+    pad = tokenizer.token_to_id("<|endoftext|>")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, steps // 50)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    probe = [random_example(held_out) for _ in range(48)]
+    start = time.perf_counter()
+    model.train()
+    for step in range(1, steps + 1):
+        batch = collate([encode(processor, random_example(rng)) for _ in range(batch_size)], pad,
+                        config.image_token_id, config.video_token_id)  # fmt: skip
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 25 == 0:
+            print(f"step {step}/{steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+        if eval_every and step % eval_every == 0:
+            print(f"  exact match on held-out examples: {exact_match(model, processor, probe, config)}", flush=True)
+    seconds = time.perf_counter() - start
+    weights = published_layout(model, SHIPPED_DTYPE)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    record = {"steps": steps, "batch_size": batch_size, "seed": seed, "lr": lr, "seconds": round(seconds),
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
+    (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out_dir} after {seconds:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--eval-every", type=int, default=500, help="steps between held-out exact-match checks")
+    args = parser.parse_args()
+    train(args.out_dir, args.steps, args.batch_size, args.seed, args.lr, args.eval_every)
+
+
+if __name__ == "__main__":
+    main()
