@@ -597,6 +597,7 @@ def main() -> None:
             f"{percent(r.overlap.idle_share)} (goal < 2%) | overlap/normal tok/s {r.overlap.rate / r.normal.rate:.2f}x"
         )
     print(f"{'total run time':<28}{time.perf_counter() - began:.0f} s")
+    engine.shutdown()
 
 
 if __name__ == "__main__":
