@@ -129,9 +129,9 @@ def await_ready(children: ServerProcesses, readies: list[Connection], ranks: ran
 
 def launch_server(server_args: ServerArgs) -> int:
     """Runs this node's part of the server until SIGTERM / Ctrl-C (exit code 0) or a child's death (1)."""
-    server_args = with_local_model(server_args)
     server_args = server_args.with_api_key(os.environ)  # the children get it pickled, not on a command line
     os.environ.pop(API_KEY_ENV, None)  # nor in their environment
+    server_args = with_local_model(server_args)  # (after the settings' own checks: it may download)
     # bound before the model loads, so that a port in use is refused at once (it listens once ready)
     http_socket = bind_http_socket(server_args.host, server_args.port) if server_args.node_rank == 0 else None
     signal.signal(signal.SIGTERM, _raise_exit)  # while starting: unwind through `finally`, stopping children
