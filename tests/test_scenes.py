@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from vlm_serve.builtin.scenes import (
     COLOURS, Motion, Scene, Shape, caption, colour_answer, comparison_answer, count_answer, presence_answer,
-    random_example, render, render_motion,
+    random_example, random_scene, render, render_motion,
 )  # fmt: skip
 from vlm_serve.builtin.train import published_layout
 
@@ -67,3 +67,9 @@ def test_trained_weights_are_written_in_the_published_layout(tiny_moe_dir):
     published = load_file(str(tiny_moe_dir / "model.safetensors"))
     assert written.keys() == published.keys()
     assert all(torch.equal(written[name], published[name]) for name in published)
+
+
+def test_the_curriculum_can_keep_pictures_to_one_shape():
+    rng = random.Random(0)
+    assert {len(random_scene(rng, most=1).shapes) for _ in range(50)} == {1}
+    assert {len(random_scene(rng).shapes) for _ in range(200)} == {1, 2, 3, 4}

@@ -86,10 +86,10 @@ def random_shape(rng: random.Random, row: int, column: int) -> Shape:
     return Shape(rng.choice(KINDS), rng.choice(list(COLOURS)), rng.choice(SIZES), row, column)
 
 
-def random_scene(rng: random.Random, count: int | None = None) -> Scene:
-    """1-4 shapes (or `count`) in random cells, the picture 96 px square or, now and then, larger or
+def random_scene(rng: random.Random, count: int | None = None, most: int = 4) -> Scene:
+    """1 to `most` shapes (or `count`) in random cells, the picture 96 px square or, now and then, larger or
     oblong (the processor brings it back to 3 x 3 tokens or near)."""
-    count = count if count is not None else rng.randint(1, 4)
+    count = count if count is not None else rng.randint(1, most)
     cells = sorted(rng.sample([(r, c) for r in range(3) for c in range(3)], count))
     width, height = rng.choice([(96, 96)] * 6 + [(192, 192), (288, 288), (384, 384), (480, 360), (360, 480)])
     return Scene([random_shape(rng, r, c) for r, c in cells], rng.randrange(1 << 30), width, height)
@@ -259,8 +259,9 @@ class Example:
     video: list[Image.Image] | None = None
 
 
-def random_example(rng: random.Random) -> Example:
-    """A training or test example of a kind drawn with the weights below."""
+def random_example(rng: random.Random, most: int = 4) -> Example:
+    """A training or test example of a kind drawn with the weights below, its pictures holding at most
+    `most` shapes."""
     kind = rng.choices(
         ("caption", "count", "colour", "presence", "motion", "compare", "greeting"), (30, 14, 18, 14, 12, 8, 1)
     )[0]
@@ -270,9 +271,10 @@ def random_example(rng: random.Random) -> Example:
         motion = random_motion(rng)
         return Example(kind, rng.choice(MOTION_PROMPTS), motion_caption(motion), video=render_motion(motion))
     if kind == "compare":
-        first, second = random_scene(rng), random_scene(rng)
-        return Example(kind, rng.choice(COMPARE_PROMPTS), comparison_answer(first, second), [render(first), render(second)])
-    scene = random_scene(rng)
+        first, second = random_scene(rng, most=most), random_scene(rng, most=most)
+        answer = comparison_answer(first, second)
+        return Example(kind, rng.choice(COMPARE_PROMPTS), answer, [render(first), render(second)])
+    scene = random_scene(rng, most=most)
     if kind == "caption":
         return Example(kind, rng.choice(CAPTION_PROMPTS), caption(scene), [render(scene)])
     if kind == "count":
@@ -280,5 +282,7 @@ def random_example(rng: random.Random) -> Example:
     present = [s.kind for s in scene.shapes]
     asked = rng.choice(present) if rng.random() < 0.75 else rng.choice(KINDS)
     if kind == "colour":
-        return Example(kind, rng.choice(COLOUR_PROMPTS).format(kind=asked), colour_answer(scene, asked), [render(scene)])
-    return Example(kind, rng.choice(PRESENCE_PROMPTS).format(kind=asked), presence_answer(scene, asked), [render(scene)])
+        question, answer = rng.choice(COLOUR_PROMPTS).format(kind=asked), colour_answer(scene, asked)
+    else:
+        question, answer = rng.choice(PRESENCE_PROMPTS).format(kind=asked), presence_answer(scene, asked)
+    return Example(kind, question, answer, [render(scene)])

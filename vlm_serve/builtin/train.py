@@ -101,7 +101,8 @@ def exact_match(model, processor: MultimodalProcessor, examples: list[Example], 
     with torch.no_grad():
         for example in examples:
             prompt = processor.process_messages(messages(example), add_generation_prompt=True)
-            unlabelled = {"input_ids": prompt.input_ids, "labels": [IGNORE] * len(prompt.input_ids), "items": prompt.mm_items}
+            ids = prompt.input_ids
+            unlabelled = {"input_ids": ids, "labels": [IGNORE] * len(ids), "items": prompt.mm_items}
             batch = collate([unlabelled], 0, config.image_token_id, config.video_token_id)
             del batch["labels"]
             out = model.generate(**batch, max_new_tokens=64, do_sample=False, eos_token_id=end)
@@ -111,7 +112,14 @@ def exact_match(model, processor: MultimodalProcessor, examples: list[Example], 
     return {kind: sum(hits) / len(hits) for kind, hits in sorted(scores.items())}
 
 
-def train(out_dir: Path, steps: int, batch_size: int, seed: int, lr: float, eval_every: int) -> None:
+def train(
+    out_dir: Path, steps: int, batch_size: int, seed: int, lr: float, eval_every: int, single_share: float = 0.3
+) -> None:
+    """`steps` steps of `batch_size` examples; the first `single_share` of them show one shape per picture.
+
+    That curriculum is there because from scratch the language model at first ignores the pictures (their
+    features are mostly one shared vector): on single shapes it learns to read them within about 1000
+    steps (colour 13% -> 91% by step 1600), on the full mix it had not by step 1000."""
     import transformers
 
     # the checkpoint's files; its weights are replaced by a fresh initialisation (transformers' own)
@@ -134,7 +142,8 @@ def train(out_dir: Path, steps: int, batch_size: int, seed: int, lr: float, eval
     start = time.perf_counter()
     model.train()
     for step in range(1, steps + 1):
-        batch = collate([encode(processor, random_example(rng)) for _ in range(batch_size)], pad,
+        most = 1 if step <= single_share * steps else 4
+        batch = collate([encode(processor, random_example(rng, most)) for _ in range(batch_size)], pad,
                         config.image_token_id, config.video_token_id)  # fmt: skip
         loss = model(**batch).loss
         loss.backward()
@@ -149,7 +158,8 @@ def train(out_dir: Path, steps: int, batch_size: int, seed: int, lr: float, eval
     seconds = time.perf_counter() - start
     weights = published_layout(model, SHIPPED_DTYPE)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    record = {"steps": steps, "batch_size": batch_size, "seed": seed, "lr": lr, "seconds": round(seconds),
+    record = {"steps": steps, "batch_size": batch_size, "seed": seed, "lr": lr, "single_share": single_share,
+              "seconds": round(seconds),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
     (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out_dir} after {seconds:.0f} s")
@@ -161,10 +171,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=500, help="steps between held-out exact-match checks")
+    parser.add_argument("--single-share", type=float, default=0.3, help="share of steps on one-shape pictures")
     args = parser.parse_args()
-    train(args.out_dir, args.steps, args.batch_size, args.seed, args.lr, args.eval_every)
+    train(args.out_dir, args.steps, args.batch_size, args.seed, args.lr, args.eval_every, args.single_share)
 
 
 if __name__ == "__main__":
