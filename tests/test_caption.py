@@ -93,16 +93,12 @@ def test_resume_knows_images_however_they_are_named_and_retries_failed_ones(fold
     assert len(records) == 50 and len({r["path"] for r in records}) == 50  # img01 and broken.png skipped
     assert [r for r in records if r["path"] == str(folder / "broken.png")] == [first[str(folder / "broken.png")]]
 
-    assert main(["caption", str(folder), *options, "--resume", "--retry-failed"]) == 0
+    assert main(["caption", str(folder), *options, "--retry-failed"]) == 0  # resumes too
     retried = {r["path"]: r for r in _lines(output)}
     assert len(retried) == 50 == len(_lines(output))  # the failed lines replaced, not added to
     assert "error" not in retried[str(folder / "broken.png")] and retried[str(folder / "broken.png")]["tokens"] > 0
     assert "error" in retried[str(folder / "trip" / "truncated.jpg")]
     assert retried[str(folder / "img01.jpg")] == first[str(folder / "img01.jpg")]  # kept as it was
-
-
-def test_retry_failed_needs_resume(folder, tmp_path):
-    assert main(["caption", str(folder), "--output", str(tmp_path / "c.jsonl"), "--retry-failed"]) == 2
 
 
 def test_ctrl_c_stops_quietly_leaving_whole_lines(folder, tiny_moe_dir, tmp_path):

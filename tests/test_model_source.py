@@ -13,8 +13,7 @@ import pytest
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
-from vlm_serve.model_source import HUB_FILES, resolve_model
-from vlm_serve.server.launcher import with_local_model
+from vlm_serve.model_source import HUB_FILES, resolve_model, with_local_model
 
 
 def hub_cache(cache: Path, repo_id: str, checkpoint: Path, commit: str, refs: tuple[str, ...] = ("main",)) -> Path:

@@ -5,8 +5,8 @@ ready, keeping up to `batch_size` in flight, so the scheduler batches them conti
 image becomes one JSON line: `{"path", "caption", "tokens", "time"}` (the image's absolute path), plus
 `"error"` when it could not be captioned (an unreadable image is reported in its line and the run goes
 on). With `resume`, images already in the output file (by resolved path, however they were named) are
-skipped and new lines are appended; with `retry_failed` too, images whose line holds an error are
-captioned again and that line is replaced.
+skipped and new lines are appended; `retry_failed` resumes too, and captions again the images whose line
+holds an error, replacing that line.
 """
 
 from __future__ import annotations
@@ -82,18 +82,13 @@ def caption_images(
     """Captions `paths` into the JSON-lines file `output` (see the module docstring)."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, not {batch_size}")
-    if retry_failed and not resume:
-        raise ValueError("retry_failed (--retry-failed) goes with resume (--resume)")
     engine.sampling_params(**sampling)  # bad sampling arguments fail before any work
     paths = list(dict.fromkeys(p.resolve() for p in paths))
     done: set[Path] = set()
-    if resume:
-        records = read_lines(output)
-        if retry_failed:
-            records = [r for r in records if "error" not in r]
-            _rewrite(output, records)
-        else:
-            _drop_partial_line(output)
+    resume = resume or retry_failed
+    if resume:  # the earlier lines kept: whole ones only (an interrupted run may have cut the last one)
+        records = [r for r in read_lines(output) if not (retry_failed and "error" in r)]
+        _rewrite(output, records)
         done = {Path(r["path"]).resolve() for r in records}
     todo = [p for p in paths if p not in done]
     summary = CaptionSummary(skipped=len(paths) - len(todo))
@@ -145,16 +140,6 @@ def _rewrite(output: Path, records: list[dict]) -> None:
         for record in records:
             _write_line(out, record)
     partial.replace(output)
-
-
-def _drop_partial_line(output: Path) -> None:
-    """Cuts a last line left unfinished by an interrupted run, so appended lines start on their own."""
-    if not output.is_file():
-        return
-    data = output.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with output.open("r+b") as file:
-            file.truncate(data.rfind(b"\n") + 1)
 
 
 def _write_line(out: TextIO, record: dict) -> None:

@@ -105,8 +105,6 @@ def cmd_caption(ns: argparse.Namespace) -> int:
     from vlm_serve.engine import Engine
 
     paths = collect_images(ns.inputs)
-    if ns.retry_failed and not ns.resume:
-        raise ValueError("--retry-failed goes with --resume")
     try:
         with Engine(ns.model, **server_args_from(ns)) as engine:
             summary = caption_images(
@@ -181,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--max-tokens", type=int, default=64)
     cap.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
     cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
-    cap.add_argument("--retry-failed", action="store_true", help="with --resume: caption failed images again")
+    cap.add_argument("--retry-failed", action="store_true", help="--resume, and caption failed images again")
     cap.set_defaults(func=cmd_caption, subparser=cap)
 
     tiny = sub.add_parser("create-tiny-model", help="write a small random Qwen3-VL checkpoint")

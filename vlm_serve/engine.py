@@ -30,7 +30,7 @@ from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs
 from vlm_serve.llm.scheduler.scheduler import Scheduler
-from vlm_serve.model_source import model_name, resolve_model
+from vlm_serve.model_source import with_local_model
 from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
 from vlm_serve.server.detokenizer_manager import DetokenizerManager
@@ -157,10 +157,9 @@ class Engine:
         unknown = set(options) - known
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        settings = ServerArgs(model=None if model is None else str(model), **options)
-        path = resolve_model(model, settings.revision, settings.download_dir)
-        self.server_args = dataclasses.replace(settings, model=str(path))
-        self.model_name = settings.served_model_name or model_name(model, path)
+        self.server_args = with_local_model(ServerArgs(model=None if model is None else str(model), **options))
+        self.model_name = self.server_args.served_model_name
+        path = Path(self.server_args.model)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.processor = MultimodalProcessor.from_pretrained(path, self.tokenizer, cache_mb=self.server_args.mm_cache_mb)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
+from vlm_serve.config import ServerArgs
 from vlm_serve.testing.tiny_model import default_model_path
 
 # what serving reads: config and processor JSON files, weights, the tokenizer (merges.txt), chat templates
@@ -31,11 +33,14 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
     return check_checkpoint(path)
 
 
-def model_name(model: str | Path | None, folder: Path) -> str:
-    """What to call the model `model` named and `resolve_model` found in `folder`: a Hugging Face id as
-    given (as vLLM does), else the folder's name."""
-    from_hub = model is not None and not Path(model).expanduser().exists() and is_hub_id(str(model))
-    return str(model) if from_hub else folder.name
+def with_local_model(server_args: ServerArgs) -> ServerArgs:
+    """`server_args` with `model` the local checkpoint folder it names (`resolve_model`), served under
+    its Hugging Face id as given (as vLLM does) or else the folder's name, unless a name is set."""
+    model = server_args.model
+    folder = resolve_model(model, server_args.revision, server_args.download_dir)
+    from_hub = model is not None and folder != Path(model).expanduser()
+    served = server_args.served_model_name or (model if from_hub else folder.name)
+    return replace(server_args, model=str(folder), served_model_name=served)
 
 
 def is_hub_id(model: str) -> bool:

@@ -9,7 +9,6 @@ child; a child that dies stops the server (an encoder rank is restarted instead)
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -24,7 +23,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from vlm_serve.config import API_KEY_ENV, ServerArgs
-from vlm_serve.model_source import model_name, resolve_model
+from vlm_serve.model_source import with_local_model
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
 from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
 from vlm_serve.server.io_struct import PortArgs, SchedulerLimits
@@ -160,15 +159,6 @@ def launch_server(server_args: ServerArgs) -> int:
         print(f"vlm-serve: stopped because {failure}", file=sys.stderr)
         return 1
     return 0
-
-
-def with_local_model(server_args: ServerArgs) -> ServerArgs:
-    """`server_args` with `model` the local checkpoint folder it names (a Hugging Face id is found in or
-    downloaded into the cache), served under the id as given or else the folder's name. A ValueError
-    naming the model if there is none, before any process starts."""
-    folder = resolve_model(server_args.model, server_args.revision, server_args.download_dir)
-    served = server_args.served_model_name or model_name(server_args.model, folder)
-    return dataclasses.replace(server_args, model=str(folder), served_model_name=served)
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
