@@ -12,7 +12,7 @@ from vlm_serve.builtin.scenes import (
     COLOURS, Motion, Scene, Shape, caption, colour_answer, comparison_answer, count_answer, presence_answer,
     random_example, random_scene, render, render_motion,
 )  # fmt: skip
-from vlm_serve.builtin.train import published_layout
+from vlm_serve.builtin.train import messages, published_layout
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
 
@@ -73,3 +73,15 @@ def test_the_curriculum_can_keep_pictures_to_one_shape():
     rng = random.Random(0)
     assert {len(random_scene(rng, most=1).shapes) for _ in range(50)} == {1}
     assert {len(random_scene(rng).shapes) for _ in range(200)} == {1, 2, 3, 4}
+
+
+def test_questions_come_as_people_ask_them_text_first_or_last_in_any_case():
+    examples = [random_example(random.Random(seed)) for seed in range(300)]
+    first = [e for e in examples if e.question_first]
+    assert 0.2 < len(first) / len(examples) < 0.45
+    assert any(e.question[0].islower() for e in examples) and any(e.question[0].isupper() for e in examples)
+    assert any(not e.question.endswith(("?", ".", "!")) for e in examples)
+    one_picture = [e for e in examples if len(e.images) == 1]
+    for example in (next(e for e in one_picture if e.question_first), next(e for e in one_picture if not e.question_first)):
+        parts = [p["type"] for p in messages(example)[0]["content"]]
+        assert parts == (["text", "image"] if example.question_first else ["image", "text"])

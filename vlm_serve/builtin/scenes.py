@@ -135,8 +135,9 @@ def render_motion(motion: Motion) -> list[Image.Image]:
 
 
 def background(rng: random.Random, width: int, height: int) -> Image.Image:
-    """A grey-toned background (plain, a gradient or blotches, lightly noisy): never one of `COLOURS`."""
-    low, high = sorted(rng.randint(20, 235) for _ in range(2))
+    """A grey-toned background, white to black (plain, a gradient or blotches, more or less noisy): never one
+    of `COLOURS`."""
+    low, high = sorted(rng.randint(0, 255) for _ in range(2))
     tint = [rng.randint(-12, 12) for _ in range(3)]
     style = rng.choice(("plain", "gradient", "blotches"))
     image = Image.new("RGB", (width, height), tuple(max(0, min(255, high + t)) for t in tint))
@@ -154,7 +155,7 @@ def background(rng: random.Random, width: int, height: int) -> Image.Image:
             v = rng.randint(low, high)
             draw.ellipse([x - r, y - r, x + r, y + r], fill=tuple(max(0, min(255, v + t)) for t in tint))
         image = image.filter(ImageFilter.GaussianBlur(min(width, height) / 24))
-    noise = np.random.default_rng(rng.randrange(1 << 32)).normal(128, rng.uniform(20, 120), (height, width))
+    noise = np.random.default_rng(rng.randrange(1 << 32)).normal(128, rng.uniform(0, 120), (height, width))
     return Image.blend(image, Image.fromarray(noise.clip(0, 255).astype(np.uint8)).convert("RGB"), 0.08)
 
 
@@ -257,32 +258,57 @@ class Example:
     answer: str
     images: list[Image.Image] = field(default_factory=list)
     video: list[Image.Image] | None = None
+    question_first: bool = False  # the question's text comes before the media (as OpenAI's examples have it)
 
 
 def random_example(rng: random.Random, most: int = 4) -> Example:
     """A training or test example of a kind drawn with the weights below, its pictures holding at most
-    `most` shapes."""
+    `most` shapes; its question before the media one time in three, now and then in lower case."""
     kind = rng.choices(
         ("caption", "count", "colour", "presence", "motion", "compare", "greeting"), (30, 14, 18, 14, 12, 8, 1)
     )[0]
+    example = _random_example_of(rng, kind, most)
+    example.question_first = rng.random() < 1 / 3
+    if rng.random() < 1 / 4:  # people type questions in lower case, or without their question mark
+        example.question = example.question[0].lower() + example.question[1:]
+    if rng.random() < 1 / 6:
+        example.question = example.question.rstrip("?.!")
+    return example
+
+
+def _random_example_of(rng: random.Random, kind: str, most: int) -> Example:
     if kind == "greeting":
         return Example(kind, rng.choice(GREETINGS), GREETING_ANSWER)
     if kind == "motion":
-        motion = random_motion(rng)
-        return Example(kind, rng.choice(MOTION_PROMPTS), motion_caption(motion), video=render_motion(motion))
+        return motion_example(rng, random_motion(rng))
     if kind == "compare":
         first, second = random_scene(rng, most=most), random_scene(rng, most=most)
-        answer = comparison_answer(first, second)
-        return Example(kind, rng.choice(COMPARE_PROMPTS), answer, [render(first), render(second)])
+        return compare_example(rng, first, second, [render(first), render(second)])
     scene = random_scene(rng, most=most)
+    return scene_example(rng, kind, scene, render(scene))
+
+
+def scene_example(rng: random.Random, kind: str, scene: Scene, image: Image.Image) -> Example:
+    """A question of `kind` (caption | count | colour | presence) about `scene`, drawn as `image`."""
     if kind == "caption":
-        return Example(kind, rng.choice(CAPTION_PROMPTS), caption(scene), [render(scene)])
+        return Example(kind, rng.choice(CAPTION_PROMPTS), caption(scene), [image])
     if kind == "count":
-        return Example(kind, rng.choice(COUNT_PROMPTS), count_answer(scene), [render(scene)])
+        return Example(kind, rng.choice(COUNT_PROMPTS), count_answer(scene), [image])
     present = [s.kind for s in scene.shapes]
     asked = rng.choice(present) if rng.random() < 0.75 else rng.choice(KINDS)
     if kind == "colour":
         question, answer = rng.choice(COLOUR_PROMPTS).format(kind=asked), colour_answer(scene, asked)
     else:
         question, answer = rng.choice(PRESENCE_PROMPTS).format(kind=asked), presence_answer(scene, asked)
-    return Example(kind, question, answer, [render(scene)])
+    return Example(kind, question, answer, [image])
+
+
+def motion_example(rng: random.Random, motion: Motion, frames: list[Image.Image] | None = None) -> Example:
+    """A question about the clip of `motion` (its frames drawn once by the caller, or here)."""
+    question = rng.choice(MOTION_PROMPTS)
+    return Example("motion", question, motion_caption(motion), video=frames or render_motion(motion))
+
+
+def compare_example(rng: random.Random, first: Scene, second: Scene, images: list[Image.Image]) -> Example:
+    """Which of two scenes, drawn as `images`, has more shapes."""
+    return Example("compare", rng.choice(COMPARE_PROMPTS), comparison_answer(first, second), images)

@@ -42,8 +42,8 @@ def messages(example: Example) -> list[dict]:
         buffer = io.BytesIO()
         write_video(buffer, example.video, VIDEO_FPS)
         content.append({"type": "video", "video": buffer.getvalue()})
-    content.append({"type": "text", "text": example.question})
-    return [{"role": "user", "content": content}]
+    text = {"type": "text", "text": example.question}
+    return [{"role": "user", "content": [text, *content] if example.question_first else [*content, text]}]
 
 
 def encode(processor: MultimodalProcessor, example: Example) -> dict:
@@ -80,6 +80,26 @@ def collate(encoded: list[dict], pad_id: int, image_id: int, video_id: int) -> d
     return batch
 
 
+class Batches(torch.utils.data.IterableDataset):
+    """The training batches, made in a worker process while the model trains on the previous ones: drawing,
+    video encoding and preprocessing are about a third of a step. The first `single_steps` show one shape
+    per picture."""
+
+    def __init__(self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int) -> None:
+        self.out_dir, self.seed, self.steps, self.single_steps, self.batch_size = (
+            out_dir, seed, steps, single_steps, batch_size)  # fmt: skip
+
+    def __iter__(self):
+        tokenizer = Tokenizer.from_pretrained(self.out_dir)
+        processor = MultimodalProcessor.from_pretrained(self.out_dir, tokenizer, cache_mb=0)
+        pad = tokenizer.token_to_id("<|endoftext|>")
+        rng = random.Random(self.seed)
+        for step in range(1, self.steps + 1):
+            most = 1 if step <= self.single_steps else 4
+            examples = [encode(processor, random_example(rng, most)) for _ in range(self.batch_size)]
+            yield collate(examples, pad, processor.image_token_id, processor.video_token_id)
+
+
 def published_layout(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """transformers 5's weights in the published checkpoints' layout (experts as [E, H, 2I] / [E, I, H];
     a tied LM head left out) and `dtype`."""
@@ -92,22 +112,33 @@ def published_layout(model: torch.nn.Module, dtype: torch.dtype = torch.float32)
     }
 
 
-def exact_match(model, processor: MultimodalProcessor, examples: list[Example], config) -> dict[str, float]:
+def answer_greedily(out_dir: Path) -> None:
+    """Makes greedy decoding the checkpoint's default (its generation_config.json): the model's answers
+    are facts about the picture, and sampling would only add mistakes."""
+    path = out_dir / "generation_config.json"
+    config = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("temperature", "top_k", "top_p")}
+    path.write_text(json.dumps({**config, "do_sample": False}, indent=2) + "\n")
+
+
+def greedy_answer(model, processor: MultimodalProcessor, example: Example, max_tokens: int = 64) -> str:
+    """transformers' greedy `generate` answer of `model` (a Qwen3-VL) to `example`'s question."""
+    end = processor.tokenizer.token_to_id("<|im_end|>")
+    prompt = processor.process_messages(messages(example), add_generation_prompt=True)
+    ids = prompt.input_ids
+    unlabelled = {"input_ids": ids, "labels": [IGNORE] * len(ids), "items": prompt.mm_items}
+    batch = collate([unlabelled], 0, processor.image_token_id, processor.video_token_id)
+    del batch["labels"]
+    out = model.generate(**batch, max_new_tokens=max_tokens, do_sample=False, eos_token_id=end)
+    return processor.tokenizer.decode([t for t in out[0, len(ids) :].tolist() if t != end])
+
+
+def exact_match(model, processor: MultimodalProcessor, examples: list[Example]) -> dict[str, float]:
     """Greedy answers of `model` on `examples`: the share equal to the expected answer, per kind."""
-    tokenizer = processor.tokenizer
-    end = tokenizer.token_to_id("<|im_end|>")
     scores: dict[str, list[bool]] = {}
     model.eval()
     with torch.no_grad():
         for example in examples:
-            prompt = processor.process_messages(messages(example), add_generation_prompt=True)
-            ids = prompt.input_ids
-            unlabelled = {"input_ids": ids, "labels": [IGNORE] * len(ids), "items": prompt.mm_items}
-            batch = collate([unlabelled], 0, config.image_token_id, config.video_token_id)
-            del batch["labels"]
-            out = model.generate(**batch, max_new_tokens=64, do_sample=False, eos_token_id=end)
-            tokens = [t for t in out[0, len(prompt.input_ids) :].tolist() if t != end]
-            scores.setdefault(example.kind, []).append(tokenizer.decode(tokens) == example.answer)
+            scores.setdefault(example.kind, []).append(greedy_answer(model, processor, example) == example.answer)
     model.train()
     return {kind: sum(hits) / len(hits) for kind, hits in sorted(scores.items())}
 
@@ -127,12 +158,11 @@ def train(
         out_dir, arch="moe", seed=seed, size="builtin", tie_word_embeddings=True, dtype="bfloat16"
     )
     torch.manual_seed(seed)
-    rng, held_out = random.Random(seed), random.Random(seed + 1)
+    held_out = random.Random(seed + 1)
     tokenizer = Tokenizer.from_pretrained(out_dir)
     processor = MultimodalProcessor.from_pretrained(out_dir, tokenizer, cache_mb=0)
     config = transformers.AutoConfig.from_pretrained(out_dir)
     model = transformers.Qwen3VLMoeForConditionalGeneration(config).float()
-    pad = tokenizer.token_to_id("<|endoftext|>")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 50)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -140,11 +170,9 @@ def train(
     )
     probe = [random_example(held_out) for _ in range(48)]
     start = time.perf_counter()
+    batches = Batches(out_dir, seed, steps, round(single_share * steps), batch_size)
     model.train()
-    for step in range(1, steps + 1):
-        most = 1 if step <= single_share * steps else 4
-        batch = collate([encode(processor, random_example(rng, most)) for _ in range(batch_size)], pad,
-                        config.image_token_id, config.video_token_id)  # fmt: skip
+    for step, batch in enumerate(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1), 1):
         loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -154,10 +182,11 @@ def train(
         if step % 25 == 0:
             print(f"step {step}/{steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
         if eval_every and step % eval_every == 0:
-            print(f"  exact match on held-out examples: {exact_match(model, processor, probe, config)}", flush=True)
+            print(f"  exact match on held-out examples: {exact_match(model, processor, probe)}", flush=True)
     seconds = time.perf_counter() - start
     weights = published_layout(model, SHIPPED_DTYPE)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    answer_greedily(out_dir)
     record = {"steps": steps, "batch_size": batch_size, "seed": seed, "lr": lr, "single_share": single_share,
               "seconds": round(seconds),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
