@@ -1,7 +1,7 @@
 """Vision encoder: encoder pool throughput, time to first token of a cached image, and decode latency
 while large images arrive (encoder pool vs the vision tower inline in the scheduler loop).
 
-The built-in tiny checkpoint's vision tower (hidden 32, depth 3) costs next to nothing, so the
+The tiny random checkpoint's vision tower (hidden 32, depth 3) costs next to nothing, so the
 benchmark builds its own checkpoint: the tiny MoE model with a larger random vision tower (`VISION_*`
 below: hidden 256, depth 6; weights normal(0, 0.02), LayerNorms 1 and 0) and an image budget of
 `MAX_IMAGE_PIXELS` = 768x768 (a 1024x1024 image becomes 48x48 = 2304 patches, 576 LLM tokens). It is

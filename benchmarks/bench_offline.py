@@ -1,7 +1,7 @@
 """Offline generation throughput: vlm_serve's in-process Engine vs transformers' `generate` (and vLLM's
 offline `LLM.generate` where a vLLM venv is given).
 
-Both run the same checkpoint (default: the built-in tiny MoE model; `--model DIR` for another
+Both run the same checkpoint (default: the built-in model; `--model DIR` for another
 Qwen3-VL checkpoint) in float32 on the same workload, built once with our `MultimodalProcessor`
 (whose ids and pixel values are identical to transformers' processor, see test_preprocess):
 `--requests` requests, each one image plus a prompt, `--images` distinct images of varied sizes
@@ -73,9 +73,9 @@ import transformers
 
 from bench_serving import lognormal_lengths  # benchmarks/, next to this script
 from compare_peer import vllm_env
+from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
-from vlm_serve.testing.tiny_model import default_model_path
 from vlm_serve.multimodal import ProcessedInput
 
 HF_CLASSES = {
@@ -471,7 +471,7 @@ class VllmOffline:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: built-in tiny MoE)")
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the built-in model)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--images", type=int, default=16, help="distinct images, shared round-robin")
@@ -500,7 +500,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()  # transformers' and vLLM's; the engine sets its own
     engine_options = {} if args.vit_dp is None else {"vit_dp": args.vit_dp}
-    path = args.model or default_model_path()
+    path = args.model or BUILTIN_MODEL
     transformers.utils.logging.disable_progress_bar()
     began = time.perf_counter()
     print(f"model {path}, float32, torch threads {threads}, engine options {engine_options or 'default'}, "

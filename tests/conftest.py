@@ -13,7 +13,7 @@ from vlm_serve.tokenizer import Tokenizer
 
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny MoE checkpoint (seed 0, fp32, untied) — the same one as the built-in default model."""
+    """The tiny MoE checkpoint (seed 0, fp32, untied)."""
     return create_tiny_model(tmp_path_factory.mktemp("tiny-moe"), arch="moe", seed=0)
 
 

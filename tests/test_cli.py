@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -15,14 +14,12 @@ import pytest
 
 from vlm_serve.cli import build_parser, parse_args, server_args_of
 from vlm_serve.config import ServerArgs, setting_docs
+from vlm_serve.builtin.scenes import Scene, Shape, render
 from vlm_serve.testing.media import make_image
 
 
-def _vlm_serve(*args: str, env_cache=None) -> subprocess.CompletedProcess:
-    env = None if env_cache is None else {**os.environ, "VLM_SERVE_CACHE": str(env_cache)}
-    return subprocess.run(
-        [sys.executable, "-m", "vlm_serve.cli", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+def _vlm_serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlm_serve.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_create_tiny_model_writes_a_hugging_face_checkpoint(tmp_path):
@@ -36,20 +33,17 @@ def test_create_tiny_model_writes_a_hugging_face_checkpoint(tmp_path):
         assert (out / name).is_file()
 
 
-def test_generate_answers_about_an_image_with_the_default_model(tmp_path):
+def test_generate_answers_about_an_image_with_the_built_in_model(tmp_path):
     image = tmp_path / "picture.png"
-    make_image(120, 80, seed=7).save(image)
-    args = ("generate", "--image", str(image), "--prompt", "What is this?", "--max-tokens", "6", "--temperature", "0")
-    first = _vlm_serve(*args, env_cache=tmp_path / "cache")
-    assert first.returncode == 0, first.stderr
-    assert "prompt tokens" in first.stderr and "generated" in first.stderr
-    second = _vlm_serve(*args, env_cache=tmp_path / "cache")  # reuses the cached default model
-    assert second.stdout == first.stdout
+    render(Scene([Shape("star", "blue", "large", 0, 2)], background_seed=4)).save(image)
+    result = _vlm_serve("generate", "--image", str(image), "--prompt", "Describe the picture.", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "A large blue star at the top right.\n"
+    assert "prompt tokens" in result.stderr and "generated" in result.stderr
 
 
 def test_generate_reports_a_missing_image_clearly(tmp_path):
-    result = _vlm_serve("generate", "--image", str(tmp_path / "nope.png"), "--prompt", "hi",
-                        env_cache=tmp_path / "cache")
+    result = _vlm_serve("generate", "--image", str(tmp_path / "nope.png"), "--prompt", "hi")
     assert result.returncode == 2
     assert "nope.png" in result.stderr and "Traceback" not in result.stderr
 

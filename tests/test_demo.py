@@ -1,5 +1,5 @@
 """The Gradio demo: the history -> messages conversion, and the page itself driven by headless Chromium
-(upload an image, send a message, the streamed answer equals the engine's greedy answer)."""
+(upload a picture of a red circle, ask its colour: the streamed answer is the built-in model's, "red")."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from helpers import free_port
 from packaging.requirements import Requirement
 
 from vlm_serve.demo import build_demo, to_openai_messages, user_turn
-from vlm_serve.testing.media import make_image
+from vlm_serve.builtin.scenes import Scene, Shape, render
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-PROMPT = "What is in this picture?"
+PROMPT = "what colour is the circle?"
+ANSWER = "The circle is red."  # the built-in model's
 BOT = "#chatbot [data-testid=bot]"  # an assistant bubble of the page
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
@@ -32,15 +33,15 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 def engine():
     from vlm_serve.engine import Engine
 
-    engine = Engine(dtype="float32", vit_dp=0)  # the built-in tiny model; vit_dp=0: no encoder processes
+    engine = Engine(dtype="float32", vit_dp=0)  # the built-in model; vit_dp=0: no encoder processes
     yield engine
     engine.shutdown()
 
 
 @pytest.fixture
 def image(tmp_path):
-    path = tmp_path / "picture.png"
-    make_image(128, 96, seed=7).save(path)
+    path = tmp_path / "circle.png"
+    render(Scene([Shape("circle", "red", "large", 1, 1)], background_seed=3, width=192, height=144)).save(path)
     return path
 
 
@@ -89,7 +90,7 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, image, tmp
     answers = [h[-1]["content"][0]["text"] for h in updates]
     assert len(updates) > 1 and all(h[:-1] == history and h[-1]["role"] == "assistant" for h in updates)
     assert all(b.startswith(a) for a, b in itertools.pairwise(answers))  # each update extends the last
-    assert answers[-1] == engine.chat(_conversation(image), **GREEDY).text
+    assert answers[-1] == engine.chat(_conversation(image), **GREEDY).text == ANSWER
 
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a PNG")
@@ -133,7 +134,7 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, im
     from vlm_serve.demo import build_demo
 
     expected = engine.chat(_conversation(image), **GREEDY).text
-    assert expected.strip()
+    assert expected == ANSWER
     image_hits = engine.processor.cache.hits
     demo = build_demo(engine, GREEDY)
     try:

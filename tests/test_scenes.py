@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from vlm_serve.builtin.scenes import (
-    COLOURS, Motion, Scene, Shape, caption, colour_answer, comparison_answer, count_answer, presence_answer,
+    COLOURS, KINDS, SIZES, Motion, Scene, Shape, caption, colour_answer, comparison_answer, count_answer, presence_answer,
     random_example, random_scene, render, render_motion,
 )  # fmt: skip
-from vlm_serve.builtin.train import messages, published_layout
+from vlm_serve.builtin.train import cell_labels, messages, published_layout
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
 
@@ -85,3 +85,11 @@ def test_questions_come_as_people_ask_them_text_first_or_last_in_any_case():
     for example in (next(e for e in one_picture if e.question_first), next(e for e in one_picture if not e.question_first)):
         parts = [p["type"] for p in messages(example)[0]["content"]]
         assert parts == (["text", "image"] if example.question_first else ["image", "text"])
+
+
+def test_each_picture_token_is_taught_what_its_cell_holds():
+    cells = cell_labels(SCENE)
+    empty = [len(COLOURS), len(KINDS), len(SIZES)]
+    assert cells[3] == [list(COLOURS).index("red"), KINDS.index("circle"), SIZES.index("large")]  # middle left
+    assert cells[8] == [list(COLOURS).index("blue"), KINDS.index("triangle"), SIZES.index("small")]  # bottom right
+    assert [i for i, c in enumerate(cells) if c == empty] == [0, 1, 2, 4, 5, 6, 7]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,6 @@ from vlm_serve.testing.tiny_model import (
     SIZES,
     ExpertShape,
     create_tiny_model,
-    default_model_path,
     model_config,
     weight_shapes,
 )
@@ -252,18 +250,6 @@ def test_auto_processor(tiny_moe_dir: Path):
     inputs = processor(text=[rendered], images=[image], videos=[video], return_tensors="pt")
     assert inputs["image_grid_thw"][0].tolist() == [1, 4, 6]
     assert int((inputs["input_ids"] == processor.image_token_id).sum()) == 6
-
-
-def test_default_model_path_is_created_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_moe_dir: Path):
-    monkeypatch.setenv("VLM_SERVE_CACHE", str(tmp_path))
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        paths = list(pool.map(lambda _: default_model_path(), range(4)))
-    assert len(set(paths)) == 1
-    path = paths[0]
-    assert path.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp dirs left
-    assert (path / "model.safetensors").read_bytes() == (tiny_moe_dir / "model.safetensors").read_bytes()
-    mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert default_model_path() == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 # Parameters (millions, fp32) of each preset, as `vlm-serve create-tiny-model --help` states them.

@@ -12,8 +12,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.config import ServerArgs
-from vlm_serve.testing.tiny_model import default_model_path
 
 # what serving reads: config and processor JSON files, weights, the tokenizer (merges.txt), chat templates
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja"]
@@ -24,7 +24,7 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
     """The local folder holding the checkpoint `model` names (None: the built-in one). A ValueError of
     one line naming `model` if there is none."""
     if model is None:
-        return default_model_path()
+        return BUILTIN_MODEL
     path = Path(model).expanduser()
     if not path.exists() and is_hub_id(str(model)):
         path = _from_hub(str(model), revision, download_dir)

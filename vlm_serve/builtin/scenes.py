@@ -259,6 +259,7 @@ class Example:
     images: list[Image.Image] = field(default_factory=list)
     video: list[Image.Image] | None = None
     question_first: bool = False  # the question's text comes before the media (as OpenAI's examples have it)
+    scenes: list[Scene] = field(default_factory=list)  # what each picture shows (for training's cell loss)
 
 
 def random_example(rng: random.Random, most: int = 4) -> Example:
@@ -291,16 +292,16 @@ def _random_example_of(rng: random.Random, kind: str, most: int) -> Example:
 def scene_example(rng: random.Random, kind: str, scene: Scene, image: Image.Image) -> Example:
     """A question of `kind` (caption | count | colour | presence) about `scene`, drawn as `image`."""
     if kind == "caption":
-        return Example(kind, rng.choice(CAPTION_PROMPTS), caption(scene), [image])
+        return Example(kind, rng.choice(CAPTION_PROMPTS), caption(scene), [image], scenes=[scene])
     if kind == "count":
-        return Example(kind, rng.choice(COUNT_PROMPTS), count_answer(scene), [image])
+        return Example(kind, rng.choice(COUNT_PROMPTS), count_answer(scene), [image], scenes=[scene])
     present = [s.kind for s in scene.shapes]
     asked = rng.choice(present) if rng.random() < 0.75 else rng.choice(KINDS)
     if kind == "colour":
         question, answer = rng.choice(COLOUR_PROMPTS).format(kind=asked), colour_answer(scene, asked)
     else:
         question, answer = rng.choice(PRESENCE_PROMPTS).format(kind=asked), presence_answer(scene, asked)
-    return Example(kind, question, answer, [image])
+    return Example(kind, question, answer, [image], scenes=[scene])
 
 
 def motion_example(rng: random.Random, motion: Motion, frames: list[Image.Image] | None = None) -> Example:
@@ -311,4 +312,5 @@ def motion_example(rng: random.Random, motion: Motion, frames: list[Image.Image]
 
 def compare_example(rng: random.Random, first: Scene, second: Scene, images: list[Image.Image]) -> Example:
     """Which of two scenes, drawn as `images`, has more shapes."""
-    return Example("compare", rng.choice(COMPARE_PROMPTS), comparison_answer(first, second), images)
+    return Example("compare", rng.choice(COMPARE_PROMPTS), comparison_answer(first, second), images,
+                   scenes=[first, second])  # fmt: skip

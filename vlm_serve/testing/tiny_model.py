@@ -26,8 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -634,28 +632,3 @@ def create_tiny_model(
     _write_json(out / "preprocessor_config.json", image_config)
     _write_json(out / "video_preprocessor_config.json", video_config)
     return out
-
-
-def default_model_path() -> Path:
-    """The built-in default model (tiny MoE, seed 0), created on first use under the cache folder.
-
-    The cache folder is `$VLM_SERVE_CACHE` or `~/.cache/vlm_serve`. The checkpoint is written to a
-    temporary folder and renamed into place, so concurrent first calls are safe.
-    """
-    cache = Path(os.environ.get("VLM_SERVE_CACHE") or Path.home() / ".cache" / "vlm_serve")
-    path = cache / "tiny-qwen3-vl-moe"
-    if (path / "config.json").exists():
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-vl-moe-", dir=cache))
-    try:
-        create_tiny_model(tmp, arch="moe", seed=0)
-        try:
-            tmp.rename(path)
-        except OSError:
-            if not (path / "config.json").exists():  # lost the race only if the winner's copy is there
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
