@@ -20,7 +20,8 @@ from vlm_serve.testing.media import write_video
 
 RED_CIRCLE = Scene([Shape("circle", "red", "large", 1, 1)], background_seed=3)
 THREE_SHAPES = Scene(
-    [Shape("square", "blue", "large", 0, 0), Shape("star", "yellow", "small", 1, 1), Shape("triangle", "green", "large", 2, 2)],
+    [Shape("square", "blue", "large", 0, 0), Shape("star", "yellow", "small", 1, 1),
+     Shape("triangle", "green", "large", 2, 2)],
     background_seed=11,
 )  # fmt: skip
 TO_THE_RIGHT = Motion(Shape("square", "green", "large", 1, 0), "from left to right", frames=6, background_seed=5)

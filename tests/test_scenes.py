@@ -82,7 +82,8 @@ def test_questions_come_as_people_ask_them_text_first_or_last_in_any_case():
     assert any(e.question[0].islower() for e in examples) and any(e.question[0].isupper() for e in examples)
     assert any(not e.question.endswith(("?", ".", "!")) for e in examples)
     one_picture = [e for e in examples if len(e.images) == 1]
-    for example in (next(e for e in one_picture if e.question_first), next(e for e in one_picture if not e.question_first)):
+    for first in (True, False):
+        example = next(e for e in one_picture if e.question_first == first)
         parts = [p["type"] for p in messages(example)[0]["content"]]
         assert parts == (["text", "image"] if example.question_first else ["image", "text"])
 
