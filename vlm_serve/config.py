@@ -86,7 +86,7 @@ class ServerArgs:
     # every endpoint but /health then needs "Authorization: Bearer <key>" (never logged)
     api_key: str | None = field(default=None, repr=False)
     api_key_file: str | None = None  # a file holding the API key on one line (keeps it off the command line)
-    served_model_name: str | None = None  # the model's name in the API; none = the checkpoint folder's name
+    served_model_name: str | None = None  # name in the API; none = the model id given, else its folder
     allowed_local_media_path: str | None = None  # requests may name local media files under this folder only
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from; none = off
     media_fetch_timeout: float = 10.0  # seconds for a whole remote download

@@ -146,7 +146,7 @@ class Engine:
     """`Engine(model=path, dtype="float32").chat(messages, max_tokens=16, temperature=0).text`.
 
     `model` is a checkpoint folder or a Hugging Face model id (`model_source`); None uses the built-in
-    tiny MoE checkpoint. Other keywords are `ServerArgs` fields
+    model (`vlm_serve.builtin`). Other keywords are `ServerArgs` fields
     (`chunked_prefill_size`, `schedule_policy`, `page_size`, `max_total_tokens`, ...). Sampling keywords
     are named as in the OpenAI API (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n`, ...);
     without `max_tokens` an answer may run to the context length, as in the server.

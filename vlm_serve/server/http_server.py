@@ -21,7 +21,6 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -341,10 +340,6 @@ async def warmup(tm: TokenizerManager) -> None:
     tm.metrics = ServerMetrics()
 
 
-def served_model_name(server_args: ServerArgs) -> str:
-    return server_args.served_model_name or Path(server_args.model).name
-
-
 def serve_http(
     server_args: ServerArgs, port_args: PortArgs, limits: SchedulerLimits, children: ServerProcesses,
     sock: socket.socket,
@@ -352,7 +347,7 @@ def serve_http(
     """Serves HTTP on `sock` (bound to the host and port) in this process until SIGTERM / Ctrl-C or a
     child's death; returns why it stopped unhealthily ('' after a clean stop)."""
     tm = TokenizerManager(server_args, port_args, limits)
-    serving = OpenAIServing(tm, server_args, served_model_name(server_args))
+    serving = OpenAIServing(tm, server_args, server_args.served_model_name)  # set by `with_local_model`
     state = ServerState()
     app = create_app(tm, serving, state, server_args.api_key)
     config = uvicorn.Config(
@@ -392,7 +387,7 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             host, port = self.config.host, self.servers[0].sockets[0].getsockname()[1]
-            print(f"vlm-serve: serving {served_model_name(self.tm.server_args)} on http://{host}:{port}", flush=True)
+            print(f"vlm-serve: serving {self.tm.server_args.served_model_name} on http://{host}:{port}", flush=True)
             self.state.ready = True
 
     async def watch_children(self) -> None:
