@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from vlm_serve.builtin.scenes import (
-    COLOURS, KINDS, SIZES, Motion, Scene, Shape, caption, colour_answer, comparison_answer, count_answer, presence_answer,
-    random_example, random_scene, render, render_motion,
+    COLOURS, KINDS, SIZES, Motion, Scene, Shape, caption, colour_answer, comparison_answer, count_answer,
+    presence_answer, random_example, random_scene, render, render_motion, scene_example,
 )  # fmt: skip
-from vlm_serve.builtin.train import cell_labels, messages, published_layout
+from vlm_serve.builtin.train import IGNORE, answer_loss, cell_labels, messages, published_layout
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
 
@@ -94,3 +94,21 @@ def test_each_picture_token_is_taught_what_its_cell_holds():
     assert cells[3] == [list(COLOURS).index("red"), KINDS.index("circle"), SIZES.index("large")]  # middle left
     assert cells[8] == [list(COLOURS).index("blue"), KINDS.index("triangle"), SIZES.index("small")]  # bottom right
     assert [i for i, c in enumerate(cells) if c == empty] == [0, 1, 2, 4, 5, 6, 7]
+
+
+def test_is_there_questions_ask_as_often_about_an_absent_kind_as_a_present_one():
+    rng = random.Random(0)
+    scenes = [random_scene(rng) for _ in range(400)]
+    asked = [scene_example(rng, "presence", scene, None) for scene in scenes]
+    absent = sum(e.answer.startswith("No") for e in asked)
+    assert 0.4 < absent / len(asked) < 0.6
+
+
+def test_each_example_weighs_the_same_in_the_answers_loss_whatever_its_length():
+    logits = torch.randn(2, 8, 5)
+    labels = torch.full((2, 8), IGNORE)
+    labels[0, 6:], labels[1, 1:] = torch.tensor([1, 2]), torch.tensor([3, 0, 4, 1, 2, 3, 0])  # 2 and 7 tokens
+    per_example = [
+        torch.nn.functional.cross_entropy(logits[row, :-1], labels[row, 1:], ignore_index=IGNORE) for row in (0, 1)
+    ]
+    assert torch.allclose(answer_loss(logits, labels), (per_example[0] + per_example[1]) / 2)
