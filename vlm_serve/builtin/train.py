@@ -131,10 +131,10 @@ class CellProbe(torch.nn.Module):
         if module.training:
             self.seen.append((kwargs.get("grid_thw", args[1] if len(args) > 1 else None), output.pooler_output))
 
-    def loss(self, batch: dict) -> torch.Tensor:
-        """Cross-entropy of the cells of the batch's square pictures (0 without any)."""
+    def loss(self, grid: torch.Tensor | None, cells: torch.Tensor | None) -> torch.Tensor:
+        """Cross-entropy of the cells of the batch's square pictures (0 without any), given the batch's
+        image_grid_thw and cell_labels (`collate`)."""
         seen, self.seen = self.seen, []
-        grid = batch.get("image_grid_thw")
         tokens = next((out for g, out in seen if grid is not None and g is not None and torch.equal(g, grid)), None)
         if tokens is None:
             return torch.zeros(())
@@ -143,7 +143,7 @@ class CellProbe(torch.nn.Module):
         if not square:
             return torch.zeros(())
         logits = self.head(torch.stack([per_picture[i] for i in square]))  # [pictures, 9, classes]
-        labels = batch["cell_labels"][square]
+        labels = cells[square]
         parts = logits.split([len(COLOURS) + 1, len(KINDS) + 1, len(SIZES) + 1], dim=-1)
         cross_entropy = torch.nn.functional.cross_entropy
         losses = [cross_entropy(p.flatten(0, 1), labels[..., k].flatten()) for k, p in enumerate(parts)]
@@ -249,7 +249,7 @@ def train(
     for step, batch in enumerate(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1), 1):
         cells, labels = batch.pop("cell_labels", None), batch.pop("labels")
         loss = answer_loss(model(**batch).logits, labels)
-        cell_loss = probe_cells.loss({**batch, "cell_labels": cells})
+        cell_loss = probe_cells.loss(batch.get("image_grid_thw"), cells)
         (loss + cell_weight * cell_loss).backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
