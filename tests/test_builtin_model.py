@@ -1,7 +1,7 @@
 """The built-in model, as shipped with the package: a Qwen3-VL checkpoint in the published layout that
 answers truly about simple scenes, through the real server. Its accuracy over 1000 held-out questions is
-benchmarks/bench_quality.py's; where it says a shape it was asked about is ("is there a star?") is
-not reliable yet, so that is not asserted here."""
+benchmarks/bench_quality.py's; the place it gives when asked about a shape that is there ("is there a
+star?") is not reliable yet, so only a kind that is absent is asked about here."""
 
 from __future__ import annotations
 
