@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_serve.cli import build_parser, parse_args, server_args_of
+from vlm_serve.cli import build_parser, main, parse_args, server_args_of
 from vlm_serve.config import ServerArgs, setting_docs
 from vlm_serve.builtin.scenes import Scene, Shape, render
 from vlm_serve.testing.media import make_image
@@ -111,6 +112,28 @@ def test_serve_help_shows_every_setting_with_its_meaning_default_and_choices():
         assert docs[f.name] and " ".join(docs[f.name].split()) in help_text, f.name
     assert "--port PORT port the HTTP server listens on (default: 30000)" in help_text
     assert "{auto,float32,bfloat16,float16}" in help_text and "{fcfs,lpm,dfs-weight,lof,random}" in help_text
+
+
+def test_every_flag_and_argument_of_every_command_has_a_help_text():
+    (commands,) = [a.choices for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(commands) == {"serve", "demo", "generate", "caption", "create-tiny-model"}
+    for name, command in commands.items():
+        for action in command._actions:
+            assert action.help and action.help != argparse.SUPPRESS, f"vlm-serve {name}: {action.dest}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["serve"], ["demo"], ["generate", "--prompt", "hi"], ["caption", "x.png", "--output", "c.jsonl"],
+     ["create-tiny-model", "out"]],
+)  # fmt: skip
+def test_an_unknown_flag_is_refused_with_the_usage_of_its_command(command, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main([*command, "--bogus", "1"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: vlm-serve {command[0]} [-h]")
+    assert err.endswith(f"vlm-serve {command[0]}: error: unrecognized arguments: --bogus 1\n")
 
 
 def test_generate_caption_and_demo_take_only_the_settings_an_engine_reads(tmp_path):

@@ -63,10 +63,19 @@ def load_config(path: str, names: Sequence[str] | None = None) -> dict[str, Any]
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line flags over the `--config` file's settings over the defaults."""
-    ns = parser.parse_args(argv)
+    ns = _parse_known(parser, argv)
     if getattr(ns, "config", None):
         ns.subparser.set_defaults(**load_config(ns.config, ns.settings))
-        ns = parser.parse_args(argv)
+        ns = _parse_known(parser, argv)
+    return ns
+
+
+def _parse_known(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, except that arguments no subcommand knows are refused by that subcommand's
+    parser, with its usage (argparse would show the top level's, which lists no flags)."""
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        ns.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return ns
 
 
@@ -147,6 +156,15 @@ def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def add_answer_args(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--max-tokens` and `--temperature` of an offline command that answers with `what`."""
+    parser.add_argument("--max-tokens", type=int, default=64, help=f"longest {what} in tokens (default: %(default)s)")
+    parser.add_argument(
+        "--temperature", type=float, default=None,
+        help="sampling temperature, 0 = greedy (default: the checkpoint's generation_config.json)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm-serve", description="Serve Qwen3-VL vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,11 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="answer one prompt (with images/videos) offline and print it")
     add_server_args(gen, ENGINE_SETTINGS)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the question or instruction about the images and videos")
     gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     gen.add_argument("--video", action="append", default=[], help="video file (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
+    add_answer_args(gen, "answer")
     gen.set_defaults(func=cmd_generate, subparser=gen)
 
     cap = sub.add_parser("caption", help="caption every image of files, folders or path lists into JSON lines")
@@ -175,25 +192,27 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("inputs", nargs="+", metavar="INPUT", help="image file, folder (recursive) or text file of paths")
     cap.add_argument("--output", required=True, help="JSON-lines file: path, caption, tokens, time (and error)")
     cap.add_argument("--prompt", default=None, help="what to ask about each image (default: a one-sentence description)")
-    cap.add_argument("--batch-size", type=int, default=64, help="images in flight at once")
-    cap.add_argument("--max-tokens", type=int, default=64)
-    cap.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's")
+    cap.add_argument("--batch-size", type=int, default=64, help="images in flight at once (default: %(default)s)")
+    add_answer_args(cap, "caption")
     cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
     cap.add_argument("--retry-failed", action="store_true", help="--resume, and caption failed images again")
     cap.set_defaults(func=cmd_caption, subparser=cap)
 
     tiny = sub.add_parser("create-tiny-model", help="write a small random Qwen3-VL checkpoint")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=["moe", "dense"], default="moe")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out_dir", help="folder the checkpoint is written into (made if missing)")
+    tiny.add_argument(
+        "--arch", choices=["moe", "dense"], default="moe",
+        help="Qwen3-VL-MoE (moe) or dense Qwen3-VL (dense) layers (default: %(default)s)",
+    )  # fmt: skip
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     tiny.add_argument(
         "--size",
         choices=["tiny", "small", "medium"],
         default="tiny",
         help="parameters (fp32) dense / MoE: tiny 0.5M / 0.6M (for tests), small 50M / 233M, medium 261M / 425M "
-        "(benchmark models shaped like scaled-down Qwen3-VL-235B-A22B: 128 experts, top-8)",
+        "(benchmark models shaped like scaled-down Qwen3-VL-235B-A22B: 128 experts, top-8) (default: %(default)s)",
     )
-    tiny.set_defaults(func=cmd_create_tiny_model)
+    tiny.set_defaults(func=cmd_create_tiny_model, subparser=tiny)
     return parser
 
 
