@@ -5,10 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cpu_targets import require_kernels, targets
 from helpers import ServerProcess, openai_client, running_server
 
+from vlm_serve.llm.kernels import Target
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
+
+
+@pytest.fixture(params=targets())
+def kernel_target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Target:
+    """Runs the test once per ISA the CPU kernels are tested for (cpu_targets.py), with the kernels built
+    for it; a kernel that does not build fails the test."""
+    monkeypatch.setattr(Target, "from_env", lambda: request.param)
+    require_kernels(request.param)
+    return request.param
+
+
+@pytest.fixture
+def native_kernels() -> None:
+    """The CPU kernels built for this machine; a kernel that does not build fails the test."""
+    require_kernels(Target.from_env())
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The decoder layer's row-by-row ops compute what their torch formulas compute, through the C kernel on
-float32 CPU tensors (RMSNorm reads q and k in place, as head-by-head views inside the qkv output) and
-through torch elsewhere: RMSNorm, RMSNorm followed by the rotary embedding, SiLU-and-multiply."""
+float32 CPU tensors (RMSNorm reads q and k in place, as head-by-head views inside the qkv output), on
+every ISA the kernel is built for (cpu_targets.py), and through torch elsewhere: RMSNorm, RMSNorm followed by the rotary embedding, SiLU-and-multiply."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ def norm(n: int) -> RMSNorm:
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 512), (300, 48), (5, 4, 64)])
-def test_contiguous_rows(shape):
+def test_contiguous_rows(shape, kernel_target):
     layer, x = norm(shape[-1]), 3 * torch.randn(shape)
     torch.testing.assert_close(layer(x), formula(x, layer.weight, 1e-6))
 
 
-def test_heads_inside_the_qkv_output_are_read_in_place():
+def test_heads_inside_the_qkv_output_are_read_in_place(kernel_target):
     tokens, heads, kv_heads, dim = 6, 8, 2, 32
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
@@ -47,7 +47,7 @@ def test_bfloat16_goes_through_torch():
     torch.testing.assert_close(layer.to(torch.bfloat16)(x), formula(x, layer.weight, 1e-6))
 
 
-def test_norm_with_rotary_is_the_norm_then_the_rotation():
+def test_norm_with_rotary_is_the_norm_then_the_rotation(kernel_target):
     tokens, heads, dim = 5, 4, 64
     qkv = torch.randn(tokens, 3 * heads * dim)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
@@ -58,7 +58,7 @@ def test_norm_with_rotary_is_the_norm_then_the_rotation():
 
 
 @pytest.mark.parametrize("width", [48, 40])  # (a tail past the last whole vector)
-def test_silu_and_mul(width):
+def test_silu_and_mul(width, kernel_target):
     x = 4 * torch.randn(9, 2 * width)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up)

@@ -1,10 +1,20 @@
-"""C kernels for the CPU, compiled on first use with the system's C compiler for this machine's CPU
-(`-march=native`, as vLLM's CPU build targets the host ISA) and cached on disk. Without a working
-compiler `cpu_library` returns None and callers keep their torch paths."""
+"""C kernels for the CPU, built on first use with the system's C compiler for this machine's ISA and
+cached on disk.
+
+Built here rather than shipped prebuilt: the package stays pure Python, every machine gets code for its
+own ISA and tuning (`-march=native`, as vLLM's CPU build and llama.cpp's default build do), and the same
+portable source (simd.h: the vector width and register blocking follow the ISA) serves x86-64 from SSE to
+AVX-512 and Arm. A build takes a few seconds, once per machine; the first start says so while it builds.
+
+A kernel that cannot be had — no compiler, a failed build, a build this CPU cannot run — is one warning
+line per process, saying which and why, and its callers keep their torch paths. A failed build is
+remembered (keyed by the sources, the compiler and its flags, and the CPU) and not tried again.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -14,84 +24,185 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
-LANES = 16  # floats per vector in tiles.h: row widths must be multiples of it
 CACHE_ENV = "VLM_SERVE_KERNEL_CACHE"  # where built kernels are kept (default ~/.cache/vlm_serve/kernels)
+MARCH_ENV = "VLM_SERVE_CPU_MARCH"  # the -march they are built for (default native: this machine's CPU)
+FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+SOURCES = Path(__file__).parent
+
+PTR, I64, I32, F32, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
+# what every library exports besides its kernels (simd.h, tiles.h)
+COMMON = {"kernel_isa": (STR,), "kernel_lanes": (I32,), "kernel_panel": (I32,), "kernel_runs_here": (I32,)}
+
+
+class Unavailable(Exception):
+    """Why a kernel library cannot be had here."""
+
+
+class Target(NamedTuple):
+    """What the kernels are built with and for, and where they are kept: a C compiler (`$CC`, default
+    `cc`), its -march (`$VLM_SERVE_CPU_MARCH`, default native) and the cache folder."""
+
+    compiler: str
+    march: str
+    cache: str  # "" for the default folder (`cache_dir`)
+
+    @classmethod
+    def from_env(cls) -> Target:
+        return cls(os.environ.get("CC") or "cc", os.environ.get(MARCH_ENV) or "native", os.environ.get(CACHE_ENV, ""))
+
+    def command(self, source: Path, output: str) -> list[str]:
+        return [self.compiler, f"-march={self.march}", *FLAGS, f"-I{SOURCES}", str(source), "-o", output, "-lm"]
+
+    def open(self, path: Path, signatures: dict[str, tuple]) -> CpuKernel:
+        return CpuKernel(ctypes.CDLL(str(path)), signatures)
+
+
+class CpuKernel:
+    """A loaded kernel library. Its functions are called with tensors (passed by their data pointers),
+    None (a null pointer), ints and floats, as their signatures {function: (restype, *argtypes)} say."""
+
+    def __init__(self, lib: ctypes.CDLL, signatures: dict[str, tuple]) -> None:
+        self.lib = lib
+        for function, (restype, *argtypes) in {**COMMON, **signatures}.items():
+            getattr(lib, function).restype, getattr(lib, function).argtypes = restype, argtypes
+        self.describe()
+
+    def describe(self) -> None:
+        self.runs_here = bool(self.kernel_runs_here())
+        self.isa, self.lanes, self.panel = self.kernel_isa().decode(), self.kernel_lanes(), self.kernel_panel()
+
+    def __getattr__(self, function: str):
+        return lambda *args: self.invoke(function, args)
+
+    def invoke(self, function: str, args: tuple):
+        return getattr(self.lib, function)(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+
+    def panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """Weights (..., out, in) as tiles.h's column panels, (..., out / width, in, width): `width` output
+        columns of every input row together, `self.panel` where it divides `out`, else one vector
+        (`out` a multiple of `self.lanes`)."""
+        *lead, out, inp = weight.shape
+        width = self.panel if out % self.panel == 0 else self.lanes
+        return weight.detach().reshape(*lead, out // width, width, inp).transpose(-1, -2).contiguous()
+
+
+class KernelLibrary:
+    """One kernel source, `<name>.c` in this folder, and the signatures of its functions."""
+
+    def __init__(self, name: str, signatures: dict[str, tuple]) -> None:
+        self.name, self.signatures = name, signatures
+        self.loaded: dict[Target, CpuKernel | Unavailable] = {}
+
+    def get(self) -> CpuKernel | None:
+        """The library built for the current target (`Target.from_env`), or None where it cannot be had."""
+        kernel = self.load(Target.from_env())
+        return kernel if isinstance(kernel, CpuKernel) else None
+
+    def load(self, target: Target) -> CpuKernel | Unavailable:
+        """The library built for `target`, or why it cannot be had (said once, as a warning)."""
+        if target not in self.loaded:
+            try:
+                self.loaded[target] = _load(self, target)
+            except Unavailable as e:
+                logger.warning("CPU kernel %s unavailable (%s): using torch ops", self.name, e)
+                self.loaded[target] = e
+        return self.loaded[target]
+
+
+def _load(library: KernelLibrary, target: Target) -> CpuKernel:
+    path = build(library.name, target)
+    try:
+        kernel = target.open(path, library.signatures)
+    except OSError as e:
+        raise Unavailable(f"{path} does not load: {e}") from None
+    if not kernel.runs_here:
+        raise Unavailable(f"built for -march={target.march} ({kernel.isa}), which this CPU cannot run")
+    return kernel
+
+
+def build(name: str, target: Target) -> Path:
+    """The shared library of `<name>.c` for `target`, from the cache. The first request for a library
+    that is neither built nor failed builds every missing one at once (in parallel, a few seconds), under
+    a lock file: processes starting together build them once."""
+    compiler = shutil.which(target.compiler)
+    if compiler is None:
+        raise Unavailable(f"no C compiler: {target.compiler} not found; install gcc or set CC")
+    folder = Path(target.cache) if target.cache else cache_dir()
+    outputs = {source: _outputs(source, target, compiler, folder) for source in sorted(SOURCES.glob("*.c"))}
+    built, failed = outputs[SOURCES / f"{name}.c"]
+    if not built.exists() and not failed.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            missing = {source: out for source, out in outputs.items() if not out[0].exists() and not out[1].exists()}
+            if missing:
+                _compile(target, missing, folder)
+    if failed.exists():
+        raise Unavailable(f"the build failed: {_first_error(failed.read_text())}; the compiler's output is in {failed}")
+    return built
+
+
+def _outputs(source: Path, target: Target, compiler: str, folder: Path) -> tuple[Path, Path]:
+    """Where `source`'s library is kept, and where the compiler's output goes if its build fails: named
+    by a hash of what the build depends on."""
+    texts = [source.read_bytes(), *(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))]
+    identity = [*texts, " ".join(target.command(source, "")).encode(), _compiler_version(compiler), _cpu_flags()]
+    key = hashlib.sha256(b"\0".join(identity)).hexdigest()[:16]
+    return folder / f"{source.stem}-{key}.so", folder / f"{source.stem}-{key}.log"
+
+
+def _compile(target: Target, outputs: dict[Path, tuple[Path, Path]], folder: Path) -> None:
+    logger.warning("building the CPU kernels for this machine (-march=%s), once: they are kept in %s",
+                   target.march, folder)  # fmt: skip
+    # each built beside its place and renamed into it: a reader never sees half a file
+    tmps = {source: tempfile.mkstemp(suffix=".so", dir=folder) for source in outputs}
+    try:
+        running = {
+            source: subprocess.Popen(target.command(source, tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for source, (fd, tmp) in tmps.items()
+            if not os.close(fd)
+        }
+        for source, process in running.items():
+            output = process.communicate()[0].decode(errors="replace")
+            built, failed = outputs[source]
+            if process.returncode == 0:
+                os.replace(tmps[source][1], built)
+            else:
+                failed.write_text(" ".join(target.command(source, str(built))) + "\n" + output)
+    finally:
+        for _, tmp in tmps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _first_error(output: str) -> str:
+    lines = [line.strip().replace(f"{SOURCES}/", "") for line in output.splitlines()[1:]]
+    return next((line for line in lines if "error" in line), lines[0] if lines else "no output")
 
 
 def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlm_serve" / "kernels"
 
 
 @functools.cache
-def cpu_library(name: str) -> ctypes.CDLL | None:
-    """The shared library built from `<name>.c` in this folder, or None where it cannot be built. (torch,
-    imported above, has loaded its libgomp: the library's OpenMP is the one torch runs on, one pool.)"""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.warning("no C compiler found: CPU kernel %s not built, using torch ops", name)
-        return None
-    source = Path(__file__).with_name(f"{name}.c")
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(text + " ".join([compiler, *FLAGS]).encode() + _cpu_flags()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+def _compiler_version(compiler: str) -> bytes:
     try:
-        if not target.exists():
-            _build(compiler, source, target)
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("CPU kernel %s could not be built or loaded, using torch ops: %s", name, detail.strip()[-500:])
-        return None
-
-
-def panels(weight: torch.Tensor) -> torch.Tensor:
-    """Weights (..., out, in) as tiles.h's column panels, (..., out / width, in, width): `width` output
-    columns of every input row together, 64 where they divide `out`, else 16 (`out` a multiple of 16)."""
-    *lead, out, inp = weight.shape
-    width = 4 * LANES if out % (4 * LANES) == 0 else LANES
-    return weight.detach().reshape(*lead, out // width, width, inp).transpose(-1, -2).contiguous()
-
-
-PTR, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-
-
-def bound_library(name: str, signatures: dict[str, tuple]) -> ctypes.CDLL | None:
-    """`cpu_library(name)` with the signatures of its functions set, once: {function: (restype, *argtypes)}."""
-    lib = cpu_library(name)
-    if lib is not None and not getattr(lib, "bound", False):
-        for function, (restype, *argtypes) in signatures.items():
-            getattr(lib, function).restype, getattr(lib, function).argtypes = restype, argtypes
-        lib.bound = True
-    return lib
-
-
-def _build(compiler: str, source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # built beside the target and renamed into place: processes building at once each get a whole file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        command = [compiler, *FLAGS, f"-I{source.parent}", str(source), "-o", tmp, "-lm"]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        return subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return b""
 
 
 def _cpu_flags() -> bytes:
     """What -march=native depends on, so a cache shared between machines keeps one build per CPU."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
     except OSError:
         return b""
 

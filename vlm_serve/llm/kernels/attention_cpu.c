@@ -24,20 +24,6 @@
 /* floats of scratch one thread needs for head_dim d (the caller provides threads times this) */
 int64_t attention_scratch_floats(int64_t d) { return KEYS * d * 2 + MAX_ROWS * (KEYS + 2 * d + 2); }
 
-static inline float hmax(vec v) {
-    float m = v[0];
-    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
-    return m;
-}
-
-static inline float hsum(vec v) {
-    typedef int32_t mask __attribute__((vector_size(LANES * sizeof(int32_t))));
-    v += __builtin_shuffle(v, (mask){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (mask){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-    v += __builtin_shuffle(v, (mask){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-    return v[0] + v[1];
-}
-
 /* One row's scores for a block of keys, s[0 : KEYS] of which the first `visible` count, become its
  * softmax weights against the running maximum (the rest 0); the row's sum and output o (d floats) are
  * rescaled to the new maximum. */
@@ -48,11 +34,11 @@ static inline void softmax_block(float *s, int64_t visible, float scale, float *
         return;
     }
     vec sv[KEYS / LANES];
-    const vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vec lane = lane_index();
     vec top = splat(-INFINITY);
     for (int v = 0; v < KEYS / LANES; v++) {
         sv[v] = vselect(lane + (float)(v * LANES) < (float)visible, load(s + v * LANES) * scale, splat(-INFINITY));
-        top = vselect(sv[v] > top, sv[v], top);
+        top = vmax(sv[v], top);
     }
     const float new_max = fmaxf(*row_max, hmax(top));
     const float alpha = expf(*row_max - new_max);
@@ -112,7 +98,7 @@ static inline void prefetch_block(const float *k_cache, const float *v_cache, co
     const int64_t end = j0 + KEYS < keys ? j0 + KEYS : keys;
     for (int64_t j = j0; j < end; j++) {
         const int64_t at = (slots[j] * Hkv + h) * D;
-        for (int64_t c = 0; c < D; c += LANES) {
+        for (int64_t c = 0; c < D; c += 16) { /* one 64-byte line at a time */
             __builtin_prefetch(k_cache + at + c, 0, 1);
             __builtin_prefetch(v_cache + at + c, 0, 1);
         }
@@ -128,7 +114,7 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
                          int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float *out, float *scratch,
                          int threads) {
     const int64_t G = Hq / Hkv, per_task = MAX_ROWS / G > 0 ? MAX_ROWS / G : 1;
-    const int width = D % (4 * LANES) == 0 ? 4 * LANES : LANES; /* V panels */
+    const int width = D % PANEL == 0 ? PANEL : LANES; /* V panels */
     int64_t ntasks = 0;
     for (int64_t b = 0; b < B; b++) ntasks += Hkv * ((ext_lens[b] + per_task - 1) / per_task);
     task_t *tasks = malloc((ntasks > 0 ? ntasks : 1) * sizeof *tasks);
@@ -168,9 +154,10 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
                     krow[j] = k_cache + (slots[j0 + j] * Hkv + task.h) * D;
                     vrow[j] = v_cache + (slots[j0 + j] * Hkv + task.h) * D;
                 }
-                if (tiled) { /* K^T as one (D, KEYS) panel, V as (KEYS, D) panels; keys past nk are 0 */
+                if (tiled) { /* K^T as (D, KEYS) and V as (KEYS, D) in panels; keys past nk are 0 */
                     for (int64_t j = 0; j < KEYS; j++) {
-                        for (int64_t d = 0; d < D; d++) kt[d * KEYS + j] = j < nk ? krow[j][d] : 0.0f;
+                        float *col = kt + j / PANEL * D * PANEL + j % PANEL;
+                        for (int64_t d = 0; d < D; d++) col[d * PANEL] = j < nk ? krow[j][d] : 0.0f;
                         for (int64_t c = 0; c < D; c += width) {
                             float *dst = vp + c * KEYS + j * width;
                             if (j < nk)
@@ -179,7 +166,7 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
                                 memset(dst, 0, width * sizeof(float));
                         }
                     }
-                    matmul_rows(qrow, rows, kt, D, KEYS, 4 * LANES, srow);
+                    matmul_rows(qrow, rows, kt, D, KEYS, PANEL, srow);
                 } else {
                     scores_direct(qrow, rows, krow, nk, D, srow);
                 }

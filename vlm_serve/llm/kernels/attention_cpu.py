@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from vlm_serve.llm.kernels import F32, I32, I64, LANES, PTR, bound_library, scratch
+from vlm_serve.llm.kernels import F32, I32, I64, PTR, KernelLibrary, scratch
+
+LIBRARY = KernelLibrary(
+    "attention_cpu",
+    {
+        "attention_scratch_floats": (I64, I64),
+        "paged_attention_f32": (None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, PTR, I32),
+    },
+)
 
 
 def supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernel runs this KV cache: float32, a head size a multiple of 16, and a kernel built."""
-    return dtype == torch.float32 and head_dim % LANES == 0 and _kernel() is not None
+    """Whether the kernel runs this KV cache: float32, a head size a multiple of the vector width, and a
+    kernel built."""
+    if dtype != torch.float32:
+        return False
+    kernel = LIBRARY.get()
+    return kernel is not None and head_dim % kernel.lanes == 0
 
 
 def paged_attention(
@@ -25,27 +35,15 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Each new token's attention over its request's tokens up to itself, (tokens, heads, head_dim)."""
-    lib = _kernel()
+    kernel = LIBRARY.get()
     q = q.contiguous()
     out = torch.empty_like(q)
     heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
     threads = torch.get_num_threads()
-    work = scratch(threads * lib.attention_scratch_floats(head_dim), torch.float32)
-    lib.paged_attention_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_slots.data_ptr(), kv_slots.stride(0),
-        seq_lens.data_ptr(), ext_lens.data_ptr(), q_starts.data_ptr(), seq_lens.numel(), heads, kv_heads, head_dim,
-        scale, out.data_ptr(), work.data_ptr(), threads,
+    work = scratch(threads * kernel.attention_scratch_floats(head_dim), torch.float32)
+    kernel.paged_attention_f32(
+        q, k_cache, v_cache, kv_slots, kv_slots.stride(0), seq_lens, ext_lens, q_starts, seq_lens.numel(), heads,
+        kv_heads, head_dim, scale, out, work, threads,
     )  # fmt: skip
     return out
 
-
-def _kernel() -> ctypes.CDLL | None:
-    return bound_library(
-        "attention_cpu",
-        {
-            "attention_scratch_floats": (I64, I64),
-            "paged_attention_f32": (
-                None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, PTR, I32
-            ),
-        },
-    )

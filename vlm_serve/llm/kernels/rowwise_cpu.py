@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from vlm_serve.llm.kernels import F32, I32, I64, PTR, bound_library
+from vlm_serve.llm.kernels import F32, I32, I64, PTR, KernelLibrary
+
+LIBRARY = KernelLibrary(
+    "rowwise_cpu",
+    {
+        "rms_norm_f32": (None, PTR, I64, I64, I64, I64, PTR, F32, PTR, PTR, PTR, I32),
+        "silu_and_mul_f32": (None, PTR, I64, I64, PTR, I32),
+    },
+)
 
 
 def supported(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and _kernel() is not None
+    return x.dtype == torch.float32 and x.device.type == "cpu" and LIBRARY.get() is not None
 
 
 def rms_norm(
@@ -24,14 +30,11 @@ def rms_norm(
     if x.stride(-1) != 1 or (x.shape[1] > 1 and x.stride(1) != n):
         x = x.contiguous()
     y = torch.empty(shape, dtype=x.dtype)
-    cos_ptr = sin_ptr = None
     if cos is not None:
         cos, sin = cos.contiguous(), sin.contiguous()
-        cos_ptr, sin_ptr = cos.data_ptr(), sin.data_ptr()
-    _kernel().rms_norm_f32(
-        x.data_ptr(), x.shape[0] * x.shape[1], x.shape[1], x.stride(0), n, weight.data_ptr(), eps, cos_ptr, sin_ptr,
-        y.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    LIBRARY.get().rms_norm_f32(
+        x, x.shape[0] * x.shape[1], x.shape[1], x.stride(0), n, weight, eps, cos, sin, y, torch.get_num_threads()
+    )
     return y
 
 
@@ -40,15 +43,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     n = x.shape[-1] // 2
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    _kernel().silu_and_mul_f32(x.data_ptr(), x.numel() // (2 * n), n, y.data_ptr(), torch.get_num_threads())
+    LIBRARY.get().silu_and_mul_f32(x, x.numel() // (2 * n), n, y, torch.get_num_threads())
     return y
 
-
-def _kernel() -> ctypes.CDLL | None:
-    return bound_library(
-        "rowwise_cpu",
-        {
-            "rms_norm_f32": (None, PTR, I64, I64, I64, I64, PTR, F32, PTR, PTR, PTR, I32),
-            "silu_and_mul_f32": (None, PTR, I64, I64, PTR, I32),
-        },
-    )

@@ -40,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the whole vocabulary (gathered from the TP ranks)."""
 
-    panels: torch.Tensor | None = None
+    panels: linear_cpu.Panels | None = None
 
     def prepack(self) -> None:
         """On CPU in float32, a copy of the weight in the C kernel's panels (linear_cpu.c), which reads it at

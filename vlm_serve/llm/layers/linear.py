@@ -25,7 +25,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         # the weight as `prepack` leaves it on CPU: the C kernel's panels, else oneDNN's blocked layout
-        self.panels: torch.Tensor | None = None
+        self.panels: linear_cpu.Panels | None = None
         self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:

@@ -32,8 +32,9 @@ def create_attention_backend(
     if name == "cpu":
         if not cpu_runs:
             raise ValueError(
-                f"the cpu attention backend needs a float32 KV cache on CPU with a head size a multiple of 16 and a "
-                f"C compiler (here: {token_to_kv_pool.dtype}, head size {head_dim}, on {token_to_kv_pool.device.type})"
+                "the cpu attention backend needs a float32 KV cache on CPU, a head size a multiple of the kernel's "
+                "vector width (16 floats with AVX-512, 8 with AVX2, 4 with NEON) and the kernel built (here: "
+                f"{token_to_kv_pool.dtype}, head size {head_dim}, on {token_to_kv_pool.device.type})"
             )
         return CpuAttnBackend(req_to_token_pool, token_to_kv_pool)
     if not on_cuda:

@@ -21,7 +21,7 @@ class _Metadata:
 
 
 class CpuAttnBackend(AttentionBackend):
-    """Float32 K/V on CPU, a head size a multiple of 16 (`kernels.attention_cpu.supported`)."""
+    """Float32 K/V on CPU, a head size a multiple of the vector width (`kernels.attention_cpu.supported`)."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> _Metadata:
         # a copy: the scheduler may hand a finished request's row to a new one while this batch runs

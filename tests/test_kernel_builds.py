@@ -1,0 +1,121 @@
+"""How the CPU kernels are built: from the same sources for every ISA users have (x86-64 levels v2, v3
+and v4 on any x86 machine, aarch64 where a cross compiler is installed); once per machine, by one of the
+processes starting together; and a kernel that cannot be had is one line saying which and why, never
+the compiler's output, with a failed build remembered rather than tried again at every start."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vlm_serve.llm.kernels import SOURCES, CpuKernel, KernelLibrary, Target, Unavailable, build
+from vlm_serve.llm.kernels import linear_cpu
+
+KERNELS = sorted(source.stem for source in SOURCES.glob("*.c"))
+
+
+def matrix() -> list:
+    """(compiler, -march) pairs every kernel must build for."""
+    x86 = "cc" if platform.machine() == "x86_64" else "x86_64-linux-gnu-gcc"
+    arm = "cc" if platform.machine() == "aarch64" else "aarch64-linux-gnu-gcc"
+    pairs = [(x86, level) for level in ("x86-64-v2", "x86-64-v3", "x86-64-v4")]
+    pairs += [(arm, "armv8-a"), (arm, "armv8.2-a+sve")]  # (with SVE enabled, the NEON code still builds)
+    return [
+        pytest.param(compiler, march, id=march, marks=[] if shutil.which(compiler) else
+                     [pytest.mark.skip(reason=f"{compiler} not installed (apt-get install gcc-aarch64-linux-gnu)")])
+        for compiler, march in pairs
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("compiler,march", matrix())
+def test_every_kernel_builds_for_every_isa_without_a_warning(compiler, march, tmp_path):
+    target = Target(compiler, march, str(tmp_path))
+    for name in KERNELS:
+        try:
+            build(name, target)
+        except Unavailable as e:
+            pytest.fail(f"{name} for -march={march}: {e}")
+    for name in KERNELS:  # the compiler said nothing at all: warnings are bugs waiting for another ISA
+        source = SOURCES / f"{name}.c"
+        result = subprocess.run(target.command(source, str(tmp_path / "again.so")), capture_output=True, text=True)
+        assert result.returncode == 0 and result.stdout + result.stderr == "", result.stderr
+
+
+@pytest.fixture
+def compiler_log(tmp_path) -> Path:
+    """A file each compiler call below appends its arguments to."""
+    return tmp_path / "calls"
+
+
+def fake_compiler(tmp_path: Path, log: Path, body: str) -> str:
+    path = tmp_path / "fake-cc"
+    path.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo "fake 1.0" && exit 0\necho "$@" >> {log}\n{body}\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_failed_build_is_one_line_naming_the_first_error_and_is_not_tried_again(tmp_path, compiler_log, caplog):
+    broken = fake_compiler(tmp_path, compiler_log, textwrap.dedent("""\
+        echo "In file included from linear_cpu.c:8:" >&2
+        echo "tiles.h:37:9: error: impossible constraint in 'asm'" >&2
+        echo "tiles.h:40:9: error: something else" >&2
+        exit 1"""))
+    target = Target(broken, "native", str(tmp_path / "cache"))
+    caplog.set_level(logging.WARNING, logger="vlm_serve.llm.kernels")
+
+    first = KernelLibrary("linear_cpu", linear_cpu.LIBRARY.signatures)
+    assert isinstance(first.load(target), Unavailable)
+    assert first.load(target) is first.load(target)  # (said once per process)
+    unavailable = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(unavailable) == 1 and "\n" not in unavailable[0]
+    assert "linear_cpu" in unavailable[0] and "tiles.h:37:9: error: impossible constraint in 'asm'" in unavailable[0]
+    assert "something else" not in unavailable[0]
+    builds = compiler_log.read_text().count("\n")
+    assert builds == len(KERNELS)  # every kernel tried once, together
+
+    again = KernelLibrary("linear_cpu", linear_cpu.LIBRARY.signatures)  # as in the next process started
+    assert isinstance(again.load(target), Unavailable)
+    assert compiler_log.read_text().count("\n") == builds
+
+
+def test_without_a_compiler_the_line_says_so(tmp_path, caplog):
+    target = Target(str(tmp_path / "no-such-cc"), "native", str(tmp_path))
+    library = KernelLibrary("linear_cpu", linear_cpu.LIBRARY.signatures)
+    assert isinstance(library.load(target), Unavailable)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"CPU kernel linear_cpu unavailable (no C compiler: {tmp_path / 'no-such-cc'} not found; install gcc or set "
+        "CC): using torch ops"
+    ]
+
+
+def test_a_build_this_cpu_cannot_run_is_not_used(tmp_path, monkeypatch, native_kernels):
+    """(A cache shared with another machine, or $VLM_SERVE_CPU_MARCH naming an ISA this CPU lacks.)"""
+    describe = CpuKernel.describe
+
+    def built_for_another_cpu(kernel: CpuKernel) -> None:
+        describe(kernel)
+        kernel.runs_here = False
+
+    monkeypatch.setattr(CpuKernel, "describe", built_for_another_cpu)
+    library = KernelLibrary("linear_cpu", linear_cpu.LIBRARY.signatures)
+    reason = library.load(Target.from_env())
+    assert isinstance(reason, Unavailable) and "which this CPU cannot run" in str(reason)
+
+
+def test_processes_starting_together_build_the_kernels_once(tmp_path, compiler_log, native_kernels):
+    real = shutil.which(Target.from_env().compiler)
+    counting = fake_compiler(tmp_path, compiler_log, f'exec {real} "$@"')
+    start = textwrap.dedent(f"""\
+        from vlm_serve.llm.kernels import Target, linear_cpu
+        assert not isinstance(linear_cpu.LIBRARY.load(Target({counting!r}, "native", {str(tmp_path / "cache")!r})), Exception)
+    """)
+    processes = [subprocess.Popen([sys.executable, "-c", start]) for _ in range(3)]
+    assert [p.wait(timeout=300) for p in processes] == [0, 0, 0]
+    assert compiler_log.read_text().count("\n") == len(KERNELS)
