@@ -1,0 +1,113 @@
+"""The README's examples run as written.
+
+Its code blocks run in the order they come, in one fresh folder, as a reader who follows the README from
+the top would run them (the built-in model's example makes `circle.png` and `clip.mp4`, which the later
+ones use): python blocks with python, bash blocks with bash (stopping at the first failing command). A
+real `vlm-serve serve` of the built-in model with the default settings answers them, as in the README; it
+listens on a free port rather than the README's 30000, which may be taken on a test machine, so each
+block's `http://127.0.0.1:30000` is rewritten to the test server's address.
+
+What a block promises is checked: a `vlm-serve generate ...  # ANSWER` line prints ANSWER, and a ```text
+block right after a block is what that block prints. Blocks that cannot run on a test machine are skipped
+by a rule in `SKIPPED`, which gives the reason; a rule that skips no block fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import ServerProcess, running_server
+
+from vlm_serve.builtin import BUILTIN_MODEL
+
+README = Path(__file__).parent.parent / "README.md"
+README_URL = "http://127.0.0.1:30000"
+
+# (language, text in the block) -> why a block holding it is not run here
+SKIPPED = {
+    ("bash", "pip install"): "installs packages (the set-up)",
+    ("bash", "vlm-serve serve --model Qwen/Qwen3-VL-8B-Instruct"): (
+        "serves until stopped, from a Hugging Face download, a /models folder and an 8-GPU config"
+    ),
+}
+_GENERATE_ANSWER = re.compile(r"^vlm-serve generate .*  # (.+)$", re.MULTILINE)
+
+
+@dataclass
+class Block:
+    """A fenced code block of the README; `output` is the ```text block right after it, if any."""
+
+    language: str
+    code: str
+    line: int
+    output: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"line{self.line}-{self.language}"
+
+    def skip_reason(self) -> str | None:
+        return next((why for (lang, text), why in SKIPPED.items() if lang == self.language and text in self.code), None)
+
+
+def readme_blocks() -> list[Block]:
+    """The README's code blocks but ```text ones, which become the `output` of the block before them."""
+    text = README.read_text()
+    blocks: list[Block] = []
+    for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.MULTILINE | re.DOTALL):
+        language, code = m.group(1), m.group(2)
+        if language == "text":
+            blocks[-1].output = code
+        else:
+            blocks.append(Block(language, code, text.count("\n", 0, m.start()) + 1))
+    return blocks
+
+
+BLOCKS = readme_blocks()
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    with running_server(BUILTIN_MODEL) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reader's folder, shared by the blocks in order."""
+    return tmp_path_factory.mktemp("readme")
+
+
+def run_block(block: Block, folder: Path, server: ServerProcess) -> subprocess.CompletedProcess:
+    """Runs `block` in `folder` against `server`, with this Python's `python` and `vlm-serve` first on PATH."""
+    code = block.code.replace(README_URL, server.url)
+    interpreter = {"python": [sys.executable, "-c"], "bash": ["bash", "-e", "-o", "pipefail", "-c"]}[block.language]
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([*interpreter, code], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_readme_has_python_and_bash_blocks_only_and_every_skip_rule_is_used():
+    assert {b.language for b in BLOCKS} == {"python", "bash"}
+    for (language, text), why in SKIPPED.items():
+        assert any(b.language == language and text in b.code for b in BLOCKS), f"no block to skip for: {why}"
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
+def test_a_readme_block_runs_as_written_and_prints_what_it_says(block, folder, server):
+    if reason := block.skip_reason():
+        pytest.skip(reason)
+    result = run_block(block, folder, server)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"error":' not in result.stdout, result.stdout  # curl exits 0 on an HTTP error
+    printed = result.stdout.splitlines()
+    for answer in _GENERATE_ANSWER.findall(block.code):
+        assert answer in printed
+    if block.output is not None:
+        assert result.stdout == block.output
