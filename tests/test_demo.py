@@ -1,5 +1,6 @@
-"""The Gradio demo: the history -> messages conversion, and the page itself driven by headless Chromium
-(upload a picture of a red circle, ask its colour: the streamed answer is the built-in model's, "red")."""
+"""The Gradio demo: the history -> messages conversion, what a model that knows single questions only is
+sent, and the page itself driven by headless Chromium (upload a picture of a red circle, ask its colour:
+the streamed answer is the built-in model's, "red")."""
 
 from __future__ import annotations
 
@@ -12,21 +13,27 @@ import sys
 import threading
 import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from importlib.metadata import requires
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import free_port
 from packaging.requirements import Requirement
 
-from vlm_serve.demo import build_demo, to_openai_messages, user_turn
+from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import Scene, Shape, render
+from vlm_serve.demo import (
+    SINGLE_TURN_NOTE, build_demo, latest_question, single_turn_only, to_openai_messages, user_turn,
+)  # fmt: skip
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 PROMPT = "what colour is the circle?"
 ANSWER = "The circle is red."  # the built-in model's
 BOT = "#chatbot [data-testid=bot]"  # an assistant bubble of the page
 GREEDY = {"temperature": 0, "max_tokens": 12}
+CONTROLS = (GREEDY["max_tokens"], GREEDY["temperature"], 1.0, 0, 1.0, None)  # the page's: top_k 0 = off, no seed
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +54,25 @@ def image(tmp_path):
 
 def _conversation(image) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", "image": str(image)}, {"type": "text", "text": PROMPT}]}]
+
+
+@dataclass
+class RecordingEngine:
+    """Stands in for `Engine` where only what the demo sends matters: it keeps each conversation it is
+    sent and answers "ok"."""
+
+    model_dir: Path
+    model_name: str = "recording"
+    default_sampling: dict = field(default_factory=dict)
+    sent: list[list[dict]] = field(default_factory=list)
+
+    @property
+    def server_args(self) -> SimpleNamespace:
+        return SimpleNamespace(model=str(self.model_dir))
+
+    def stream(self, messages: list[dict], **sampling) -> Iterator[SimpleNamespace]:
+        self.sent.append(messages)
+        yield SimpleNamespace(text="ok")
 
 
 def test_history_and_new_message_become_openai_messages():
@@ -83,10 +109,9 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, image, tmp
     pytest.importorskip("gradio")
     from vlm_serve.demo import _responder
 
-    respond = _responder(engine, threading.Lock())
-    controls = (GREEDY["max_tokens"], GREEDY["temperature"], 1.0, 0, 1.0, None)  # top_k 0 = off, no seed
+    respond = _responder(engine, threading.Lock(), single_turn=True)
     history = [user_turn({"text": PROMPT, "files": [str(image)]})]
-    updates = list(respond(history, *controls))
+    updates = list(respond(history, *CONTROLS))
     answers = [h[-1]["content"][0]["text"] for h in updates]
     assert len(updates) > 1 and all(h[:-1] == history and h[-1]["role"] == "assistant" for h in updates)
     assert all(b.startswith(a) for a, b in itertools.pairwise(answers))  # each update extends the last
@@ -96,8 +121,61 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, image, tmp
     broken.write_bytes(b"not a PNG")
     history = [*updates[-1], user_turn({"text": "And this one?", "files": [str(broken)]})]
     with pytest.warns(UserWarning, match="The message was not sent"):  # gr.Warning outside a page
-        assert list(respond(history, *controls)) == [updates[-1]]  # the rejected turn is taken back
+        assert list(respond(history, *CONTROLS)) == [updates[-1]]  # the rejected turn is taken back
     engine.scheduler.check_memory()
+
+
+def test_a_model_that_knows_single_questions_only_is_sent_the_latest_one_with_the_latest_pictures():
+    def user(*parts: str) -> dict:
+        return {"role": "user", "content": [
+            {"type": "image", "image": p} if p.endswith(".png") else {"type": "text", "text": p} for p in parts
+        ]}  # fmt: skip
+
+    first = [user("a.png", "What colour is the circle?"), {"role": "assistant", "content": "The circle is red."}]
+    assert latest_question([*first, user("b.png", "c.png", "Which image has more shapes?")]) == [
+        user("b.png", "c.png", "Which image has more shapes?")
+    ]
+    follow_up = [*first, user("b.png", "Describe this image."), {"role": "assistant", "content": "A star."}]
+    assert latest_question([*follow_up, user("How many shapes are there?")]) == [
+        user("b.png", "How many shapes are there?")
+    ]
+    assert latest_question([user("Hello.")]) == [user("Hello.")]
+
+
+def test_the_built_in_model_is_the_one_marked_as_knowing_single_questions_only(tiny_moe_dir):
+    assert single_turn_only(BUILTIN_MODEL)
+    assert not single_turn_only(tiny_moe_dir)
+
+
+def test_a_picture_attached_in_a_later_turn_gets_an_answer_about_that_picture(engine, image, tmp_path):
+    pytest.importorskip("gradio")
+    from vlm_serve.demo import _responder
+
+    star = tmp_path / "star.png"
+    render(Scene([Shape("star", "blue", "large", 0, 2)], background_seed=4)).save(star)
+    respond = _responder(engine, threading.Lock(), single_turn_only(BUILTIN_MODEL))
+    history: list[dict] = []
+    for message, answer in [
+        ({"text": PROMPT, "files": [str(image)]}, ANSWER),
+        ({"text": "Describe this image.", "files": [str(star)]}, "A large blue star at the top right."),
+        ({"text": "How many shapes are there?"}, "There is one shape."),  # about the star, the latest picture
+    ]:
+        history = list(respond([*history, user_turn(message)], *CONTROLS))[-1]
+        assert history[-1]["content"][0]["text"] == answer
+
+
+def test_other_models_are_sent_the_whole_conversation(tiny_moe_dir):
+    pytest.importorskip("gradio")
+    from vlm_serve.demo import _responder
+
+    engine = RecordingEngine(tiny_moe_dir)
+    history = [
+        user_turn({"text": "What is this?", "files": ["/up/a.png"]}),
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        user_turn({"text": "And this?", "files": ["/up/b.png"]}),
+    ]
+    list(_responder(engine, threading.Lock(), single_turn_only(tiny_moe_dir))(history, *CONTROLS))
+    assert engine.sent == [to_openai_messages(history)] and len(engine.sent[0]) == 3
 
 
 # ---- the page in a browser ---------------------------------------------------------------------------
@@ -193,6 +271,15 @@ def test_the_page_names_the_model_and_opens_with_256_tokens(engine):
     assert any(engine.model_name in text for text in texts)
     sliders = {c.label: c.value for c in demo.blocks.values() if type(c).__name__ == "Slider"}
     assert sliders["Max tokens"] == 256
+
+
+def test_the_page_says_when_each_question_is_sent_alone(tiny_moe_dir):
+    def page_text(model_dir: Path) -> str:
+        demo = build_demo(RecordingEngine(model_dir))
+        return " ".join(c.value for c in demo.blocks.values() if type(c).__name__ == "Markdown")
+
+    assert SINGLE_TURN_NOTE in page_text(BUILTIN_MODEL)
+    assert SINGLE_TURN_NOTE not in page_text(tiny_moe_dir)
 
 
 def test_vlm_serve_demo_prints_its_address_and_nothing_about_share_links(tiny_moe_dir):

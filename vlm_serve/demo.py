@@ -2,12 +2,14 @@
 
 `run_demo(Engine(model))` serves it; `build_demo(engine)` returns the `gr.Blocks` without launching.
 The engine is single-threaded, so generation runs one conversation at a time: other users queue.
+A model trained on single questions only (the built-in one) is sent each question alone (`latest_question`).
 Gradio is imported on first use, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import logging
 import mimetypes
 import signal
@@ -33,6 +35,10 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "seed": None,  # None = a random seed per answer
 }
 _ENGINE = "engine"  # the concurrency group of every event that drives the engine
+SINGLE_TURN_NOTE = (
+    "This model knows single questions only, so each message is sent to it alone; a message without an image "
+    "or video asks about the last ones sent."
+)
 
 
 # ---- Gradio history <-> OpenAI messages --------------------------------------------------------------
@@ -71,6 +77,31 @@ def user_turn(message: Mapping[str, Any]) -> dict:
     if message.get("text"):
         content.append({"type": "text", "text": message["text"]})
     return {"role": "user", "content": content}
+
+
+def latest_question(messages: list[dict]) -> list[dict]:
+    """What a model that knows single questions only is sent of a conversation (OpenAI messages): its last
+    user message alone, after the images and videos of the latest user message that had any if it has none
+    (a follow-up question about the same picture)."""
+    contents = [m["content"] for m in messages if m["role"] == "user"]
+    if not contents:
+        return []
+    last = contents[-1]
+    if not _media(last):
+        last = next((_media(c) for c in reversed(contents) if _media(c)), []) + last
+    return [{"role": "user", "content": last}]
+
+
+def single_turn_only(model_dir: Path) -> bool:
+    """Whether the checkpoint at `model_dir` was trained on single questions only (`"single_turn": true` in
+    its training.json, as the built-in model's): shown a whole conversation, such a model answers about
+    every picture in it, or its first question again."""
+    record = model_dir / "training.json"
+    return record.is_file() and json.loads(record.read_text()).get("single_turn") is True
+
+
+def _media(content: list[dict]) -> list[dict]:
+    return [p for p in content if p["type"] != "text"]
 
 
 def _parts(content: Any) -> list[dict]:
@@ -147,11 +178,13 @@ def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.
     import gradio as gr
 
     init = initial_settings(engine, settings)
-    stream_turn = _responder(engine, threading.Lock())
+    single_turn = single_turn_only(Path(engine.server_args.model))
+    stream_turn = _responder(engine, threading.Lock(), single_turn)
     with gr.Blocks(title="vlm-serve", fill_height=True, analytics_enabled=False) as demo:
         gr.Markdown(
             f"## vlm-serve: {html.escape(engine.model_name)}\n"
             "Chat with the model; attach images or short videos with the paperclip."
+            + (" " + SINGLE_TURN_NOTE if single_turn else "")
         )
         chatbot = gr.Chatbot(elem_id="chatbot", label="Conversation", scale=1, height=480, buttons=["copy"])
         box = gr.MultimodalTextbox(
@@ -212,8 +245,9 @@ def _reset() -> tuple[list[dict], Any]:
     return [], gr.MultimodalTextbox(value=None, interactive=True)
 
 
-def _responder(engine: Engine, lock: threading.Lock):
-    """The streaming handler: answers the last user turn of the history, one chunk per yield."""
+def _responder(engine: Engine, lock: threading.Lock, single_turn: bool):
+    """The streaming handler: answers the last user turn of the history, one chunk per yield. The model
+    sees the whole conversation, or with `single_turn` its `latest_question` alone."""
     import gradio as gr
 
     def stream_turn(history: list[dict], *controls: Any) -> Iterator[list[dict]]:
@@ -222,6 +256,8 @@ def _responder(engine: Engine, lock: threading.Lock):
         turn = len(history) - 1
         try:
             messages = to_openai_messages(history)
+            if single_turn:
+                messages = latest_question(messages)
             sampling = sampling_kwargs(*controls)
             answer = ""
             for chunk in _serialised(engine.stream(messages, **sampling), lock):

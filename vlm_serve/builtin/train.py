@@ -267,6 +267,7 @@ def train(
     save(model, out_dir)
     record = {"steps": steps, "batch_size": batch_size, "seed": seed, "lr": lr, "single_share": single_share,
               "cell_weight": cell_weight,
+              "single_turn": True,  # every example is one question: the demo sends it questions alone
               "seconds": round(seconds),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
     (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
