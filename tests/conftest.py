@@ -5,12 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cpu_targets import require_kernels, targets
+from cpu_targets import LIBRARIES, require_kernels, targets
 from helpers import ServerProcess, openai_client, running_server
 
 from vlm_serve.llm.kernels import Target
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def built_kernels() -> None:
+    """The CPU kernels are built (or found unavailable) before any test runs, so that no test's output
+    depends on being the first to load them (the first load says it builds them)."""
+    for library in LIBRARIES:
+        library.get()
 
 
 @pytest.fixture(params=targets())

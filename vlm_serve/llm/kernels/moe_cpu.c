@@ -93,12 +93,7 @@ void moe_forward_f32(const float *x, int64_t T, int64_t K, const int64_t *order,
                 const float *xr[MR];
                 float *yr[MR];
                 for (int r = 0; r < nr; r++) xr[r] = x + order[r0 + r] / K * H, yr[r] = ys + (r0 + r) * H;
-                switch (nr) { /* a copy per tile height: its accumulators stay in registers */
-                    case 1: expert_tile(xr, 1, e13, width13, e2, width2, H, I, gate_up, yr); break;
-                    case 2: expert_tile(xr, 2, e13, width13, e2, width2, H, I, gate_up, yr); break;
-                    case 3: expert_tile(xr, 3, e13, width13, e2, width2, H, I, gate_up, yr); break;
-                    default: expert_tile(xr, MR, e13, width13, e2, width2, H, I, gate_up, yr); break;
-                }
+                WITH_TILE_HEIGHT(nr, expert_tile(xr, NR, e13, width13, e2, width2, H, I, gate_up, yr));
                 for (int r = 0; r < nr; r++) {
                     const float w = weights[order[r0 + r]];
                     for (int64_t h = 0; h < H; h++) yr[r][h] *= w;

@@ -58,7 +58,15 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-static inline vec splat(float s) { return (vec){0} + s; }
+/* (an initializer is one broadcast; `(vec){0} + s` would add 0.0 first, and a loop makes inserts) */
+#define S4(s) s, s, s, s
+#if LANES == 16
+static inline vec splat(float s) { return (vec){S4(s), S4(s), S4(s), S4(s)}; }
+#elif LANES == 8
+static inline vec splat(float s) { return (vec){S4(s), S4(s)}; }
+#else
+static inline vec splat(float s) { return (vec){S4(s)}; }
+#endif
 
 /* {0, 1, ..., LANES - 1} */
 static inline vec lane_index(void) {
