@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from cpu_isa import ISAS, environment
 
 HERE = Path(__file__).resolve().parent
 CORES = len(os.sched_getaffinity(0))
@@ -128,20 +129,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def our_server(model: Path, name: str, extra: str) -> Server:
+def our_server(model: Path, name: str, extra: str, isa: str) -> Server:
     port = free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model), "--port", str(port),
                "--served-model-name", name, *shlex.split(extra)]  # fmt: skip
-    return Server("ours", command, {}, f"http://127.0.0.1:{port}")
+    return Server("ours", command, environment(isa), f"http://127.0.0.1:{port}")
 
 
-def vllm_server(venv: Path, model: Path, name: str, extra: str) -> Server:
+def vllm_server(venv: Path, model: Path, name: str, extra: str, isa: str) -> Server:
     """vLLM's CPU build as ../shared/PEERS.md runs it."""
     port = free_port()
     command = [str(venv / "bin" / "python"), str(HERE / "vllm_launcher.py"), "serve", str(model),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
                "--served-model-name", name, *shlex.split(extra)]  # fmt: skip
-    return Server("vllm", command, vllm_env(venv, CORES), f"http://127.0.0.1:{port}")
+    return Server("vllm", command, vllm_env(venv, CORES) | environment(isa), f"http://127.0.0.1:{port}")
 
 
 def vllm_env(venv: Path, threads: int) -> dict[str, str]:
@@ -263,9 +264,9 @@ Key = tuple[str, str, str]  # (workload, client, server)
 
 def compare(args: argparse.Namespace) -> dict[Key, list[Figures]]:
     name = args.model.name
-    servers = [our_server(args.model, name, args.ours_args)]
+    servers = [our_server(args.model, name, args.ours_args, args.isa)]
     if args.vllm is not None:
-        servers.append(vllm_server(args.vllm, args.model, name, args.vllm_args))
+        servers.append(vllm_server(args.vllm, args.model, name, args.vllm_args, args.isa))
     runs: dict[Key, list[Figures]] = defaultdict(list)
     for round_ in range(args.rounds):
         for server in servers if round_ % 2 == 0 else servers[::-1]:
@@ -328,6 +329,8 @@ def main() -> int:
     parser.add_argument("--model", type=Path, required=True, help="checkpoint directory both servers load")
     parser.add_argument("--vllm", type=Path, default=None, help="the venv of vLLM's CPU build (none: ours alone)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
+    parser.add_argument("--isa", choices=ISAS, default="native",
+                        help="avx2: both servers run their AVX2 code on any x86 machine (cpu_isa.py)")  # fmt: skip
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--prompts-scale", type=float, default=1.0, help="scales every workload's request count")
     parser.add_argument("--ours-args", default="--vit-dp 0", help="flags for `vlm-serve serve` (--vit-dp 0)")

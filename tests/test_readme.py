@@ -111,3 +111,9 @@ def test_a_readme_block_runs_as_written_and_prints_what_it_says(block, folder, s
         assert answer in printed
     if block.output is not None:
         assert result.stdout == block.output
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    (command,) = [b.code.strip() for b in BLOCKS if "python -m pytest" in b.code]
+    ci = (README.parent / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == command
