@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -76,16 +77,29 @@ def process_name(pid: int) -> str:
 
 @dataclass
 class ServerProcess:
-    """A server started by `start_server`: its process and base URL."""
+    """A server started by `start_server`: its process (leading a process group of its own), base URL
+    and output lines (stdout and stderr), read by `reader`."""
 
     process: subprocess.Popen
     url: str
     output: list[str]
+    reader: threading.Thread
+    after_stop: list[str] = field(default_factory=list)  # the output lines that followed `stop`'s signal
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, sig: signal.Signals = signal.SIGTERM, group: bool = False, timeout: float = 30) -> int:
+        """Sends `sig` to the server, or with `group` to its whole process group (as a terminal sends
+        Ctrl-C, or a service manager SIGTERM), and returns its exit code once every process that shares
+        its output has closed it (multiprocessing's resource tracker prints after the server's exit)."""
+        said = len(self.output)
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
+            if group:
+                os.killpg(self.process.pid, sig)
+            else:
+                self.process.send_signal(sig)
+        code = self.process.wait(timeout)
+        self.reader.join(timeout)
+        self.after_stop = self.output[said:]
+        return code
 
 
 def _stop_with_parent() -> None:
@@ -101,16 +115,18 @@ def spawn_serve(model_dir: Path, *flags: str, port: int | None = None) -> Server
     port = port or free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model_dir), "--port", str(port), *flags]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_stop_with_parent
-    )
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=_stop_with_parent,
+    )  # fmt: skip
     output: list[str] = []
 
     def read() -> None:
         for line in process.stdout:
             output.append(line)
 
-    threading.Thread(target=read, daemon=True).start()
-    return ServerProcess(process, f"http://127.0.0.1:{port}", output)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return ServerProcess(process, f"http://127.0.0.1:{port}", output, reader)
 
 
 def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerProcess:
@@ -127,12 +143,13 @@ def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerPr
 
 @contextlib.contextmanager
 def running_server(model_dir: Path, *flags: str) -> Iterator[ServerProcess]:
-    """`start_server` for a `with` block (a module's server fixture): it must stop cleanly at the end."""
+    """`start_server` for a `with` block (a module's server fixture): at the end SIGTERM must stop it
+    cleanly and silently."""
     server = start_server(model_dir, *flags)
     try:
         yield server
     finally:
-        assert server.stop() == 0, "".join(server.output)
+        assert server.stop() == 0 and not server.after_stop, "".join(server.output)
 
 
 def openai_client(server: ServerProcess, api_key: str = "EMPTY") -> openai.OpenAI:

@@ -1,17 +1,24 @@
-"""Starting and stopping the server's processes: SIGTERM stops every child, a child that dies takes
-the server to unhealthy and then down, and a bad --config is refused before anything starts."""
+"""Starting and stopping the server's processes: SIGTERM or Ctrl-C stops every child silently, a child
+that dies takes the server to unhealthy and then down, and a bad --config is refused before anything
+starts."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+import pytest
+import uvicorn
 from helpers import descendants, process_name, start_server
+
+from vlm_serve.server.http_server import ServerState, _Server
 
 
 def _gone(pids: list[int], timeout: float = 15) -> bool:
@@ -30,13 +37,50 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def test_sigterm_stops_the_server_and_every_child(tiny_moe_dir):
-    server = start_server(tiny_moe_dir, "--vit-dp", "1")
+STOPS = {  # signal, sent to the whole process group
+    "sigterm": (signal.SIGTERM, False),  # kill, docker stop
+    "sigterm-to-group": (signal.SIGTERM, True),  # a service manager (systemd's default KillMode)
+    "ctrl-c": (signal.SIGINT, True),  # a terminal
+}
+
+
+@pytest.mark.parametrize("vit_dp", [1, 2])
+@pytest.mark.parametrize("stop", STOPS)
+def test_a_stop_ends_the_server_and_every_child_silently(tiny_moe_dir, stop, vit_dp):
+    """Exit code 0, no process left, and not a line printed after the signal: no encoder rank taken for
+    dead and restarted, no child's exit taken for a failure, no leaked semaphore, no traceback."""
+    server = start_server(tiny_moe_dir, "--vit-dp", str(vit_dp))
     children = descendants(server.process.pid)
     names = {process_name(pid) for pid in children}
-    assert {"vlm-scheduler-0", "vlm-detokenizer", "vlm-encoder-0"} <= names
-    assert server.stop() == 0
+    assert {"vlm-scheduler-0", "vlm-detokenizer", *(f"vlm-encoder-{i}" for i in range(vit_dp))} <= names
+    assert server.stop(*STOPS[stop]) == 0, "".join(server.output)
+    assert server.after_stop == []
     assert _gone(children), "children outlived the server"
+
+
+class _ChildrenGone:
+    """A server's children once they have all exited, as a signal to the whole process group leaves them."""
+
+    encoders = None
+
+    def __init__(self) -> None:
+        self.restarts = 0
+
+    def restart_encoders(self) -> None:
+        self.restarts += 1
+
+    def dead(self) -> str:
+        return "the scheduler TP0 process exited (code 0)"
+
+
+def test_children_that_exit_while_the_server_stops_are_neither_restarted_nor_a_failure():
+    """The watchdog's side of a stop by a signal to the process group (which the tests above reach only
+    when its tick falls in the server's shutdown)."""
+    children, state, failed = _ChildrenGone(), ServerState(), []
+    server = _Server(uvicorn.Config(app=None), SimpleNamespace(fail_all=failed.append), state, children)
+    server.should_exit = True  # what uvicorn's handler of SIGTERM and SIGINT does
+    asyncio.run(server.watch_children())
+    assert children.restarts == 0 and state.failure == "" and failed == []
 
 
 def test_a_child_that_dies_makes_the_server_unhealthy_then_stops_it(tiny_moe_dir):

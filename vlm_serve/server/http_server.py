@@ -391,8 +391,13 @@ class _Server(uvicorn.Server):
             self.state.ready = True
 
     async def watch_children(self) -> None:
+        """Until the server stops: restarts encoder ranks that died, and stops the server when another
+        child died. Once it stops, children that exit were asked to (SIGTERM or Ctrl-C sent to the
+        process group reaches them as well as this process)."""
         while True:
             await asyncio.sleep(WATCHDOG_SECONDS)
+            if self.should_exit:
+                return
             self.children.restart_encoders()
             if self.children.encoders is not None:
                 self.state.encoders_down = self.children.encoders.failure

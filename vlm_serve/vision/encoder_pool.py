@@ -32,8 +32,8 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event
 
 import torch
 import torch.multiprocessing as mp
@@ -71,10 +71,10 @@ class PoolAddresses:
 
 
 @exits_at_once
-def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loaded: Event) -> None:
-    """An encoder process: load the vision tower, then encode jobs until stopped. Events it sends:
-    ("ready", index, pid), ("error", index, message) when it cannot start, ("started", index, job id)
-    and ("done", index, job id, results)."""
+def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loaded: Connection) -> None:
+    """An encoder process: load the vision tower, say so on `loaded` (a pipe to `EncoderRanks`), then
+    encode jobs until stopped. Events it sends: ("ready", index, pid), ("error", index, message) when it
+    cannot start, ("started", index, job id) and ("done", index, job id, results)."""
     init_child_process(f"vlm-encoder-{index}")
     torch.set_num_threads(rank_threads(server_args))
     context = zmq.Context()
@@ -90,7 +90,8 @@ def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loa
         send_pyobj(events, ("error", index, f"{type(exc).__name__}: {exc}"))
         events.close(linger=5000)
         return
-    loaded.set()
+    loaded.send_bytes(b"")
+    loaded.close()
     send_pyobj(events, ("ready", index, os.getpid()))
     parent = mp.parent_process()
     while True:
@@ -130,7 +131,7 @@ def llm_threads(server_args: ServerArgs) -> int:
 class _Process:
     index: int
     process: BaseProcess
-    loaded: Event  # set by the rank once its tower is loaded
+    loaded: Connection  # a message on it once the rank's tower is loaded, EOF alone if it died before
     start_failures: int = 0  # deaths before loading, in a row
     down: bool = False
 
@@ -153,13 +154,16 @@ class EncoderRanks:
         self._finalizer = weakref.finalize(self, _stop_processes, self.ranks)  # also when dropped unstopped
 
     def _start(self, index: int) -> _Process:
-        loaded = self._ctx.Event()
+        # (a pipe, not an Event: that is five named semaphores, reported as leaked by multiprocessing's
+        # resource tracker when the server ends through os._exit)
+        loaded, tells_loaded = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
-            target=rank_main, args=(self.server_args, index, self.addresses, loaded), name=f"vit-rank-{index}",
+            target=rank_main, args=(self.server_args, index, self.addresses, tells_loaded), name=f"vit-rank-{index}",
             daemon=True,
         )  # fmt: skip
         with _main_module_hidden():
             process.start()
+        tells_loaded.close()  # the rank holds the only write end: its death is EOF
         return _Process(index, process, loaded)
 
     @property
@@ -179,7 +183,8 @@ class EncoderRanks:
             if rank.down or rank.process.is_alive():
                 continue
             rank.process.join()
-            rank.start_failures = 0 if rank.loaded.is_set() else rank.start_failures + 1
+            rank.start_failures = 0 if _had_loaded(rank.loaded) else rank.start_failures + 1
+            rank.loaded.close()
             if rank.start_failures >= MAX_START_FAILURES:
                 reason = f"it failed to start {rank.start_failures} times in a row"
                 logger.error("encoder rank %d stays down: %s", rank.index, reason)
@@ -194,6 +199,14 @@ class EncoderRanks:
         self._finalizer()
 
 
+def _had_loaded(loaded: Connection) -> bool:
+    """Whether an exited rank had loaded its tower: its message waits on `loaded`, not EOF alone."""
+    try:
+        return loaded.poll() and loaded.recv_bytes() == b""
+    except EOFError:
+        return False
+
+
 def _stop_processes(ranks: list[_Process]) -> None:
     """SIGTERM to every rank, then SIGKILL to those still running after `SHUTDOWN_TIMEOUT`."""
     for rank in ranks:
@@ -205,6 +218,7 @@ def _stop_processes(ranks: list[_Process]) -> None:
         if rank.process.is_alive():
             rank.process.kill()
             rank.process.join()
+        rank.loaded.close()
 
 
 @contextlib.contextmanager
