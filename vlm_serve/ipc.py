@@ -1,15 +1,27 @@
 """Python objects over ZMQ sockets between the server's processes. Multiprocessing's pickler is used, so a
 CPU tensor in shared memory (pixel values, vision embeddings) crosses as a file descriptor and a CUDA
-tensor as an IPC handle, not as a copy of its data."""
+tensor as an IPC handle, not as a copy of its data.
+
+A file descriptor is not in the message itself: unpickling fetches it from the sender, through
+multiprocessing's resource sharer (a thread of the sender that hands it over a socket, after an
+authentication handshake). A receiver that stopped in the middle of that exchange would leave the sender's
+thread printing a traceback, so `recv_pyobj` holds SIGINT and SIGTERM back until the message is read.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import signal
+import threading
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import zmq
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def send_pyobj(socket: zmq.Socket, obj: Any, flags: int = 0) -> None:
@@ -19,4 +31,25 @@ def send_pyobj(socket: zmq.Socket, obj: Any, flags: int = 0) -> None:
 
 
 def recv_pyobj(socket: zmq.Socket, flags: int = 0) -> Any:
-    return pickle.loads(socket.recv(flags))
+    """The next object on `socket`, read whole: a stop signal that arrives meanwhile is handled after."""
+    data = socket.recv(flags)
+    with _stop_signals_deferred():
+        return pickle.loads(data)
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """Runs the block, then the handlers of the SIGINT and SIGTERM that arrived during it (their exception
+    replaces one the block raised: a stop wins over the failure of work it interrupted)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs signal handlers in the main thread only: none can interrupt this one
+        return
+    arrived: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for sig in arrived:
+            signal.raise_signal(sig)  # (now to its own handler)

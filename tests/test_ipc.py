@@ -1,0 +1,76 @@
+"""Messages between the server's processes: a stop signal never cuts the reading of one in half.
+
+Reading a message that holds shared-memory tensors fetches their file descriptors from the sender's
+process (multiprocessing's resource sharer); a receiver stopped in the middle left the sender printing
+a traceback. Here unpickling sends the signal itself, as Ctrl-C or SIGTERM landing during the fetch."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from vlm_serve.ipc import recv_pyobj, send_pyobj
+
+_unpickled: list[str] = []  # what each `_SignalledWhileRead` got to do, in order
+
+
+class _SignalledWhileRead:
+    """Unpickled, it sends `sig` to this process, then finishes, or fails as a fetch from a sender that
+    has exited does."""
+
+    def __init__(self, sig: signal.Signals, fails: bool = False) -> None:
+        self.sig, self.fails = sig, fails
+
+    def __setstate__(self, state: dict) -> None:
+        os.kill(os.getpid(), state["sig"])
+        if state["fails"]:
+            raise ConnectionResetError("the sender is gone")
+        _unpickled.append("whole")
+
+
+@pytest.fixture
+def channel() -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    context = zmq.Context()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    pull.bind("inproc://messages")
+    push.connect("inproc://messages")
+    yield push, pull
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit, as in the server's child processes (`init_child_process`)."""
+    def exit_(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, exit_)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize(
+    "sig, stop", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)], ids=["ctrl-c", "sigterm"]
+)
+def test_a_stop_signal_during_a_read_is_handled_once_the_message_is_whole(channel, sigterm_exits, sig, stop):
+    push, pull = channel
+    _unpickled.clear()
+    handler = signal.getsignal(sig)
+    send_pyobj(push, _SignalledWhileRead(sig))
+    with pytest.raises(stop):
+        recv_pyobj(pull)
+    assert _unpickled == ["whole"]
+    assert signal.getsignal(sig) is handler
+
+
+def test_a_stop_wins_over_the_failed_read_it_came_with(channel, sigterm_exits):
+    """Stopped together with the sender of a message it was reading: the receiver stops, quietly, rather
+    than failing on the sender's absence."""
+    push, pull = channel
+    send_pyobj(push, _SignalledWhileRead(signal.SIGTERM, fails=True))
+    with pytest.raises(SystemExit):
+        recv_pyobj(pull)
