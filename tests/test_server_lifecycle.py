@@ -1,6 +1,6 @@
-"""Starting and stopping the server's processes: SIGTERM or Ctrl-C stops every child silently, a child
-that dies takes the server to unhealthy and then down, and a bad --config is refused before anything
-starts."""
+"""Starting and stopping the server's processes: SIGTERM or Ctrl-C stops every child silently (also
+while it starts), a child that dies takes the server to unhealthy and then down, and a bad --config is
+refused before anything starts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import uvicorn
-from helpers import descendants, process_name, start_server
+from helpers import descendants, process_name, spawn_serve, start_server
 
 from vlm_serve.server.http_server import ServerState, _Server
 
@@ -54,6 +54,20 @@ def test_a_stop_ends_the_server_and_every_child_silently(tiny_moe_dir, stop, vit
     names = {process_name(pid) for pid in children}
     assert {"vlm-scheduler-0", "vlm-detokenizer", *(f"vlm-encoder-{i}" for i in range(vit_dp))} <= names
     assert server.stop(*STOPS[stop]) == 0, "".join(server.output)
+    assert server.after_stop == []
+    assert _gone(children), "children outlived the server"
+
+
+def test_ctrl_c_while_the_server_starts_stops_it_silently(tiny_moe_dir):
+    """Ctrl-C while the model loads (and the encoder ranks' fork server imports torch): exit code 130, no
+    process left, and no KeyboardInterrupt traceback from any of them."""
+    server = spawn_serve(tiny_moe_dir, "--vit-dp", "2")
+    deadline = time.monotonic() + 120
+    while not any(process_name(pid) == "vlm-scheduler-0" for pid in descendants(server.process.pid)):
+        assert server.process.poll() is None and time.monotonic() < deadline, "".join(server.output)
+        time.sleep(0.05)
+    children = descendants(server.process.pid)
+    assert server.stop(signal.SIGINT, group=True) == 130, "".join(server.output)
     assert server.after_stop == []
     assert _gone(children), "children outlived the server"
 

@@ -231,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"vlm-serve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (while loading, say): the stop needs no traceback
+        return 130
 
 
 if __name__ == "__main__":

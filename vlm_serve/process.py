@@ -1,17 +1,20 @@
 """What every child process of the server does first: take a name that `ps` and `top` show, and leave
-Ctrl-C to the launcher; and how it ends: at once, without the interpreter's teardown (whose garbage
-collection of torch's objects takes most of a second per process of a stopping server)."""
+Ctrl-C to the launcher (from its birth: `children_ignore_ctrl_c`); and how it ends: at once, without the
+interpreter's teardown (whose garbage collection of torch's objects takes most of a second per process
+of a stopping server)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import os
 import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 _PR_SET_NAME = 15
@@ -25,6 +28,23 @@ def init_child_process(name: str) -> None:
     ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit)
+
+
+@contextlib.contextmanager
+def children_ignore_ctrl_c() -> Iterator[None]:
+    """Processes started in the block ignore SIGINT from their first instruction (an ignored signal stays
+    ignored through exec, and Python leaves it so), not only once `init_child_process` runs: Ctrl-C
+    reaches the whole process group, and a child still importing torch would print a KeyboardInterrupt
+    traceback. This process ignores it meanwhile too, so the block must be short (it starts processes,
+    and waits for none)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (only the main thread may set handlers; processes started elsewhere keep this one's)
+        return
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def _exit(signum: int, frame: Any) -> None:

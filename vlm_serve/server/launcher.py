@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.model_source import with_local_model
+from vlm_serve.process import children_ignore_ctrl_c
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
 from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
 from vlm_serve.server.io_struct import PortArgs, SchedulerLimits
@@ -78,10 +79,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_processes(server_args: ServerArgs, port_args: PortArgs | None) -> tuple[ServerProcesses, list[Connection]]:
-    """This node's children, and a pipe per local TP rank on which it reports that it is ready."""
+def start_processes(children: ServerProcesses, server_args: ServerArgs, port_args: PortArgs | None) -> list[Connection]:
+    """Starts this node's children into `children` (so that those started are stopped should this be
+    interrupted); returns a pipe per local TP rank on which it reports that it is ready."""
     ctx = mp.get_context("spawn")
-    children = ServerProcesses([])
     init_addr = server_args.dist_init_addr or f"127.0.0.1:{_free_port()}"
     readies = []
     for rank in server_args.node_tp_ranks:
@@ -90,7 +91,8 @@ def start_processes(server_args: ServerArgs, port_args: PortArgs | None) -> tupl
             target=run_scheduler_process, args=(server_args, port_args, rank, init_addr, writer),
             name=f"scheduler TP{rank}", daemon=True,
         )  # fmt: skip
-        process.start()
+        with children_ignore_ctrl_c():
+            process.start()
         writer.close()
         children.schedulers.append(process)
         readies.append(reader)
@@ -98,10 +100,11 @@ def start_processes(server_args: ServerArgs, port_args: PortArgs | None) -> tupl
         children.detokenizer = ctx.Process(
             target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer", daemon=True
         )
-        children.detokenizer.start()
+        with children_ignore_ctrl_c():
+            children.detokenizer.start()
     if port_args is not None and port_args.encoder is not None:  # they load while the LLM does
         children.encoders = EncoderRanks(server_args, port_args.encoder)
-    return children, readies
+    return readies
 
 
 def await_ready(children: ServerProcesses, readies: list[Connection], ranks: range) -> SchedulerLimits:
@@ -140,8 +143,9 @@ def launch_server(server_args: ServerArgs) -> int:
         port_args = PortArgs(*(f"ipc://{ipc_dir}/{name}" for name in ("scheduler", "detokenizer", "tokenizer")))
         if server_args.vit_dp > 0:
             port_args.encoder = PoolAddresses.in_dir(ipc_dir, server_args.vit_dp)
-    children, readies = start_processes(server_args, port_args)
+    children = ServerProcesses([])
     try:
+        readies = start_processes(children, server_args, port_args)
         limits = await_ready(children, readies, server_args.node_tp_ranks)
         if http_socket is None:
             failure = _watch_node(server_args, children)

@@ -32,6 +32,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -41,7 +42,7 @@ import zmq
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.ipc import recv_pyobj, send_pyobj
-from vlm_serve.process import exits_at_once, init_child_process
+from vlm_serve.process import children_ignore_ctrl_c, exits_at_once, init_child_process
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 from vlm_serve.vision.vision_tower import VisionOutput, load_vision_model
 
@@ -90,7 +91,10 @@ def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loa
         send_pyobj(events, ("error", index, f"{type(exc).__name__}: {exc}"))
         events.close(linger=5000)
         return
-    loaded.send_bytes(b"")
+    try:
+        loaded.send_bytes(b"")
+    except BrokenPipeError:
+        return  # the owner was killed without a chance to stop us
     loaded.close()
     send_pyobj(events, ("ready", index, os.getpid()))
     parent = mp.parent_process()
@@ -148,10 +152,14 @@ class EncoderRanks:
         # must not initialize CUDA, which a forked process could not use; the ranks do that themselves.)
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload([__name__])
+        with children_ignore_ctrl_c():  # the fork server (importing torch for seconds), and so its forks
+            forkserver.ensure_running()
         self._events = zmq.Context.instance().socket(zmq.PUSH)
         self._events.connect(addresses.events)
-        self.ranks = [self._start(i) for i in range(server_args.vit_dp)]
+        self.ranks: list[_Process] = []
         self._finalizer = weakref.finalize(self, _stop_processes, self.ranks)  # also when dropped unstopped
+        for i in range(server_args.vit_dp):  # (the first waits for the fork server to import torch)
+            self.ranks.append(self._start(i))
 
     def _start(self, index: int) -> _Process:
         # (a pipe, not an Event: that is five named semaphores, reported as leaked by multiprocessing's
