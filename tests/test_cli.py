@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from helpers import descendants, process_name
 
 from vlm_serve.cli import build_parser, main, parse_args, server_args_of
 from vlm_serve.config import ServerArgs, setting_docs
@@ -47,6 +51,25 @@ def test_generate_reports_a_missing_image_clearly(tmp_path):
     result = _vlm_serve("generate", "--image", str(tmp_path / "nope.png"), "--prompt", "hi")
     assert result.returncode == 2
     assert "nope.png" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ctrl_c_stops_generate_silently(tmp_path, tiny_moe_dir):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) once the encoder rank runs, while the
+    model loads or answers: exit code 130, and not a line from it or its encoder rank."""
+    image = tmp_path / "picture.png"
+    make_image(64, 64).save(image)
+    command = [sys.executable, "-m", "vlm_serve.cli", "generate", "--model", str(tiny_moe_dir), "--image", str(image),
+               "--prompt", "Describe.", "--max-tokens", "4000"]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while not any(process_name(pid) == "vlm-encoder-0" for pid in descendants(process.pid)):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.communicate(timeout=60) == ("", "")
+    assert process.returncode == 130
 
 
 def test_settings_come_from_the_config_file_and_command_line_flags_win(tmp_path):
