@@ -10,18 +10,14 @@ thread printing a traceback, so `recv_pyobj` holds SIGINT and SIGTERM back until
 
 from __future__ import annotations
 
-import contextlib
 import io
 import pickle
-import signal
-import threading
-from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import zmq
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from vlm_serve.process import stop_signals_deferred
 
 
 def send_pyobj(socket: zmq.Socket, obj: Any, flags: int = 0) -> None:
@@ -33,23 +29,5 @@ def send_pyobj(socket: zmq.Socket, obj: Any, flags: int = 0) -> None:
 def recv_pyobj(socket: zmq.Socket, flags: int = 0) -> Any:
     """The next object on `socket`, read whole: a stop signal that arrives meanwhile is handled after."""
     data = socket.recv(flags)
-    with _stop_signals_deferred():
+    with stop_signals_deferred():
         return pickle.loads(data)
-
-
-@contextlib.contextmanager
-def _stop_signals_deferred() -> Iterator[None]:
-    """Runs the block, then the handlers of the SIGINT and SIGTERM that arrived during it (their exception
-    replaces one the block raised: a stop wins over the failure of work it interrupted)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # Python runs signal handlers in the main thread only: none can interrupt this one
-        return
-    arrived: list[int] = []
-    handlers = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        for sig in arrived:
-            signal.raise_signal(sig)  # (now to its own handler)

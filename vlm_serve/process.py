@@ -1,7 +1,8 @@
 """What every child process of the server does first: take a name that `ps` and `top` show, and leave
-Ctrl-C to the launcher (from its birth: `children_ignore_ctrl_c`); and how it ends: at once, without the
+Ctrl-C to the launcher (from its birth: `starting_children`); how it ends: at once, without the
 interpreter's teardown (whose garbage collection of torch's objects takes most of a second per process
-of a stopping server)."""
+of a stopping server); and how a stop signal waits for work that must not be cut in half
+(`stop_signals_deferred`)."""
 
 from __future__ import annotations
 
@@ -30,21 +31,37 @@ def init_child_process(name: str) -> None:
     signal.signal(signal.SIGTERM, _exit)
 
 
+def starting_children() -> contextlib.AbstractContextManager[None]:
+    """For a block that starts child processes (and waits for none: it must be short). They ignore SIGINT
+    from their first instruction (an ignored signal stays ignored through exec, and Python leaves it so),
+    not only once `init_child_process` runs: Ctrl-C reaches the whole process group, and a child still
+    importing torch would print a KeyboardInterrupt traceback. This process ignores it meanwhile too, and
+    handles a SIGTERM after the block: in the middle of a start it would leave a child reading half of
+    what it was sent."""
+    return _signals_held(ignored=(signal.SIGINT,), deferred=(signal.SIGTERM,))
+
+
+def stop_signals_deferred() -> contextlib.AbstractContextManager[None]:
+    """Runs the block, then the handlers of the SIGINT and SIGTERM that arrived during it (their exception
+    replaces one the block raised: a stop wins over the failure of work it interrupted)."""
+    return _signals_held(deferred=(signal.SIGINT, signal.SIGTERM))
+
+
 @contextlib.contextmanager
-def children_ignore_ctrl_c() -> Iterator[None]:
-    """Processes started in the block ignore SIGINT from their first instruction (an ignored signal stays
-    ignored through exec, and Python leaves it so), not only once `init_child_process` runs: Ctrl-C
-    reaches the whole process group, and a child still importing torch would print a KeyboardInterrupt
-    traceback. This process ignores it meanwhile too, so the block must be short (it starts processes,
-    and waits for none)."""
+def _signals_held(ignored: tuple[int, ...] = (), deferred: tuple[int, ...] = ()) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
-        yield  # (only the main thread may set handlers; processes started elsewhere keep this one's)
+        yield  # Python runs signal handlers in the main thread only: none can interrupt this one
         return
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    arrived: list[int] = []
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    handlers |= {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in deferred}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, handler)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for sig in arrived:
+            signal.raise_signal(sig)  # (now to its own handler)
 
 
 def _exit(signum: int, frame: Any) -> None:

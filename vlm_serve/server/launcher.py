@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.model_source import with_local_model
-from vlm_serve.process import children_ignore_ctrl_c
+from vlm_serve.process import starting_children
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
 from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
 from vlm_serve.server.io_struct import PortArgs, SchedulerLimits
@@ -91,17 +91,18 @@ def start_processes(children: ServerProcesses, server_args: ServerArgs, port_arg
             target=run_scheduler_process, args=(server_args, port_args, rank, init_addr, writer),
             name=f"scheduler TP{rank}", daemon=True,
         )  # fmt: skip
-        with children_ignore_ctrl_c():
+        with starting_children():
             process.start()
+            children.schedulers.append(process)
         writer.close()
-        children.schedulers.append(process)
         readies.append(reader)
     if port_args is not None:
-        children.detokenizer = ctx.Process(
+        process = ctx.Process(
             target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer", daemon=True
         )
-        with children_ignore_ctrl_c():
-            children.detokenizer.start()
+        with starting_children():
+            process.start()
+            children.detokenizer = process
     if port_args is not None and port_args.encoder is not None:  # they load while the LLM does
         children.encoders = EncoderRanks(server_args, port_args.encoder)
     return readies

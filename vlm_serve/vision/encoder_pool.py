@@ -42,7 +42,7 @@ import zmq
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.ipc import recv_pyobj, send_pyobj
-from vlm_serve.process import children_ignore_ctrl_c, exits_at_once, init_child_process
+from vlm_serve.process import exits_at_once, init_child_process, starting_children
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 from vlm_serve.vision.vision_tower import VisionOutput, load_vision_model
 
@@ -152,7 +152,7 @@ class EncoderRanks:
         # must not initialize CUDA, which a forked process could not use; the ranks do that themselves.)
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload([__name__])
-        with children_ignore_ctrl_c():  # the fork server (importing torch for seconds), and so its forks
+        with starting_children():  # the fork server (importing torch for seconds), and so its forks
             forkserver.ensure_running()
         self._events = zmq.Context.instance().socket(zmq.PUSH)
         self._events.connect(addresses.events)

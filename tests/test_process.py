@@ -1,0 +1,29 @@
+"""Starting child processes: they ignore Ctrl-C from birth (the launcher decides how they stop), and a
+SIGTERM never lands in the middle of a start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from vlm_serve.process import starting_children
+
+
+def test_children_started_in_the_block_ignore_ctrl_c_and_a_sigterm_waits_for_its_end():
+    terminated: list[int] = []
+    sigint, sigterm = signal.getsignal(signal.SIGINT), signal.signal(signal.SIGTERM, lambda s, f: terminated.append(s))
+    try:
+        with starting_children():
+            child = subprocess.run(
+                [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert terminated == []
+        assert terminated == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) is sigint  # this process takes Ctrl-C again
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert child.stdout == "True\n"
