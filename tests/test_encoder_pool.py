@@ -161,6 +161,17 @@ def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, medi
         pool.shutdown()
 
 
+def test_a_pool_shut_down_while_its_ranks_read_their_jobs_says_nothing(tiny_moe_dir, capfd):
+    """A rank reading a job fetches its pixels' file descriptors from this process (multiprocessing's
+    resource sharer): stopped in the middle, it left this process printing the broken handshake."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=2), CPU)
+        pool.submit([EncodeTask(k, (1, 8, 8), torch.randn(64, 1536, generator=gen)) for k in range(8)])
+        pool.shutdown()
+    assert capfd.readouterr().err == ""
+
+
 def test_a_hung_rank_is_killed_and_replaced(tiny_moe_dir, media, monkeypatch):
     monkeypatch.setattr(encoder_pool, "STALL_TIMEOUT", 1.0)
     pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)

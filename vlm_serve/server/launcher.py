@@ -131,7 +131,9 @@ def await_ready(children: ServerProcesses, readies: list[Connection], ranks: ran
 
 
 def launch_server(server_args: ServerArgs) -> int:
-    """Runs this node's part of the server until SIGTERM / Ctrl-C (exit code 0) or a child's death (1)."""
+    """Runs this node's part of the server until SIGTERM / Ctrl-C (exit code 0) or a child's death (1).
+    Stopped before it serves, it stops the children started so far, then raises (KeyboardInterrupt for
+    Ctrl-C, SystemExit(1) for SIGTERM)."""
     server_args = server_args.with_api_key(os.environ)  # the children get it pickled, not on a command line
     os.environ.pop(API_KEY_ENV, None)  # nor in their environment
     server_args = with_local_model(server_args)  # (after the settings' own checks: it may download)
