@@ -282,7 +282,7 @@ def test_the_page_says_when_each_question_is_sent_alone(tiny_moe_dir):
     assert SINGLE_TURN_NOTE not in page_text(tiny_moe_dir)
 
 
-def test_vlm_serve_demo_prints_its_address_and_nothing_about_share_links(tiny_moe_dir):
+def test_vlm_serve_demo_prints_its_address_and_nothing_else_until_stopped(tiny_moe_dir):
     port = free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "demo", "--model", str(tiny_moe_dir), "--port", str(port),
                "--vit-dp", "0"]  # fmt: skip
@@ -293,4 +293,5 @@ def test_vlm_serve_demo_prints_its_address_and_nothing_about_share_links(tiny_mo
     finally:
         process.send_signal(signal.SIGINT)
         rest, _ = process.communicate(timeout=60)
-    assert "share" not in (first + rest).lower() and "Traceback" not in rest
+    assert "share" not in first.lower()
+    assert (process.returncode, rest) == (0, "")  # Ctrl-C stops it without a word
