@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,7 @@ def lscpu() -> str:
 
 def fma_roof(march: str, threads: int) -> float:
     """GFLOP/s of independent vector multiply-adds on every thread, built like the kernels."""
-    from vlm_serve.llm.kernels import Target
+    from vlm_serve.llm.kernels import SOURCES, Target
 
     source = """
         #include <omp.h>
@@ -89,6 +90,7 @@ def fma_roof(march: str, threads: int) -> float:
     with tempfile.TemporaryDirectory() as folder:
         c, so = Path(folder) / "roof.c", Path(folder) / "roof.so"
         c.write_text(source)
+        shutil.copy(SOURCES / "simd.h", folder)
         command = Target.from_env()._replace(march=march).command(c, str(so))
         subprocess.run(command, check=True, capture_output=True)
         lib = ctypes.CDLL(str(so))

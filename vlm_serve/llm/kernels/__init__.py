@@ -57,7 +57,7 @@ class Target(NamedTuple):
         return cls(os.environ.get("CC") or "cc", os.environ.get(MARCH_ENV) or "native", os.environ.get(CACHE_ENV, ""))
 
     def command(self, source: Path, output: str) -> list[str]:
-        return [self.compiler, f"-march={self.march}", *FLAGS, f"-I{SOURCES}", str(source), "-o", output, "-lm"]
+        return [self.compiler, f"-march={self.march}", *FLAGS, f"-I{source.parent}", str(source), "-o", output, "-lm"]
 
     def open(self, path: Path, signatures: dict[str, tuple]) -> CpuKernel:
         return CpuKernel(ctypes.CDLL(str(path)), signatures)
@@ -134,55 +134,56 @@ def build(name: str, target: Target) -> Path:
     if compiler is None:
         raise Unavailable(f"no C compiler: {target.compiler} not found; install gcc or set CC")
     folder = Path(target.cache) if target.cache else cache_dir()
-    outputs = {source: _outputs(source, target, compiler, folder) for source in sorted(SOURCES.glob("*.c"))}
-    built, failed = outputs[SOURCES / f"{name}.c"]
+    # read once: what is compiled is what the libraries' names were hashed from
+    texts = {path.name: path.read_bytes() for path in sorted(SOURCES.glob("*.[ch]"))}
+    outputs = {file: _outputs(file, texts, target, compiler, folder) for file in texts if file.endswith(".c")}
+    built, failed = outputs[f"{name}.c"]
     if not built.exists() and not failed.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "build.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            missing = {source: out for source, out in outputs.items() if not out[0].exists() and not out[1].exists()}
+            missing = {file: out for file, out in outputs.items() if not out[0].exists() and not out[1].exists()}
             if missing:
-                _compile(target, missing, folder)
+                _compile(target, missing, texts, folder)
     if failed.exists():
         raise Unavailable(f"the build failed: {_first_error(failed.read_text())}; the compiler's output is in {failed}")
     return built
 
 
-def _outputs(source: Path, target: Target, compiler: str, folder: Path) -> tuple[Path, Path]:
-    """Where `source`'s library is kept, and where the compiler's output goes if its build fails: named
-    by a hash of what the build depends on."""
-    texts = [source.read_bytes(), *(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))]
-    identity = [*texts, " ".join(target.command(source, "")).encode(), _compiler_version(compiler), _cpu_flags()]
-    key = hashlib.sha256(b"\0".join(identity)).hexdigest()[:16]
-    return folder / f"{source.stem}-{key}.so", folder / f"{source.stem}-{key}.log"
+def _outputs(file: str, texts: dict[str, bytes], target: Target, compiler: str, folder: Path) -> tuple[Path, Path]:
+    """Where the library of source `file` is kept, and where the compiler's output goes if its build
+    fails: named by a hash of what the build depends on."""
+    headers = [text for name, text in texts.items() if name.endswith(".h")]
+    command = " ".join(target.command(Path(file), "")).encode()
+    key = hashlib.sha256(b"\0".join([texts[file], *headers, command, _compiler_version(compiler), _cpu_flags()]))
+    stem = Path(file).stem
+    return folder / f"{stem}-{key.hexdigest()[:16]}.so", folder / f"{stem}-{key.hexdigest()[:16]}.log"
 
 
-def _compile(target: Target, outputs: dict[Path, tuple[Path, Path]], folder: Path) -> None:
+def _compile(target: Target, outputs: dict[str, tuple[Path, Path]], texts: dict[str, bytes], folder: Path) -> None:
     logger.warning("building the CPU kernels for this machine (-march=%s), once: they are kept in %s",
                    target.march, folder)  # fmt: skip
-    # each built beside its place and renamed into it: a reader never sees half a file
-    tmps = {source: tempfile.mkstemp(suffix=".so", dir=folder) for source in outputs}
-    try:
+    # built in a folder of their own and renamed into place: a reader never sees half a file
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        for file, text in texts.items():
+            (Path(tmp) / file).write_bytes(text)
         running = {
-            source: subprocess.Popen(target.command(source, tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for source, (fd, tmp) in tmps.items()
-            if not os.close(fd)
+            file: subprocess.Popen(
+                target.command(Path(tmp) / file, f"{tmp}/{file}.so"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+            for file in outputs
         }
-        for source, process in running.items():
-            output = process.communicate()[0].decode(errors="replace")
-            built, failed = outputs[source]
+        for file, process in running.items():
+            output = process.communicate()[0].decode(errors="replace").replace(f"{tmp}/", "")
+            built, failed = outputs[file]
             if process.returncode == 0:
-                os.replace(tmps[source][1], built)
+                os.replace(f"{tmp}/{file}.so", built)
             else:
-                failed.write_text(" ".join(target.command(source, str(built))) + "\n" + output)
-    finally:
-        for _, tmp in tmps.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+                failed.write_text(" ".join(target.command(SOURCES / file, str(built))) + "\n" + output)
 
 
 def _first_error(output: str) -> str:
-    lines = [line.strip().replace(f"{SOURCES}/", "") for line in output.splitlines()[1:]]
+    lines = [line.strip() for line in output.splitlines()[1:]]
     return next((line for line in lines if "error" in line), lines[0] if lines else "no output")
 
 
