@@ -139,13 +139,19 @@ static inline vec vexp(vec x) {
 
 /* What the Python side asks every kernel library: the ISA it was built for, its vector width, and
  * whether this CPU can run it (a build for another -march than this machine's, or a cache shared with
- * other machines). The check itself is compiled for the baseline ISA, so that it runs anywhere. */
-const char *kernel_isa(void) { return ISA; }
+ * other machines). These are compiled for the baseline ISA (BASELINE), so that they run anywhere. */
+#if defined(__x86_64__)
+#define BASELINE __attribute__((target("arch=x86-64")))
+#else
+#define BASELINE
+#endif
 
-int kernel_lanes(void) { return LANES; }
+BASELINE const char *kernel_isa(void) { return ISA; }
+
+BASELINE int kernel_lanes(void) { return LANES; }
 
 #if defined(__x86_64__)
-__attribute__((target("arch=x86-64"))) int kernel_runs_here(void) {
+BASELINE int kernel_runs_here(void) {
     __builtin_cpu_init();
 #if defined(__AVX512F__)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -17,7 +17,7 @@
 #define NV (REGISTERS >= 32 ? 4 : 2) /* vectors per panel row */
 #define PANEL (NV * LANES)           /* floats per panel row: 64 on AVX-512, 16 on AVX2 and NEON */
 
-int kernel_panel(void) { return PANEL; }
+BASELINE int kernel_panel(void) { return PANEL; }
 
 /* Floats a tile of two rows or more reads its panel ahead of itself with software prefetches: 1 KB where
  * a k-step reads one cache line (AVX2, NEON) or less, none where it reads four (AVX-512). Measured on an
