@@ -6,15 +6,16 @@ their own choice; `--isa avx2` builds them for x86-64-v3 (AVX2 + FMA) and caps t
 (cpu_isa.py), so that an AVX-512 machine measures what an AVX2 one runs. The ISA the kernels were built
 for and the CPU (`lscpu`) are printed with the figures.
 
-- Roofs, measured here: FMA (independent multiply-adds on registers, every core, the ISA's vector
-  width) and memory read bandwidth (a sum over 1 GB).
+- Roofs, measured here, built like the kernels: FMA (independent multiply-adds on registers, every
+  core, the ISA's vector width) and memory read bandwidth (vector loads over 1 GB, every core).
 - Linear (y = x @ w^T, float32): our kernel (linear_cpu.c, panels) against oneDNN with its prepacked
   weight, what a float32 linear runs without the kernel. Shapes of the benchmark models' layers.
 - MoE experts (128 experts, top 8, the small and medium MoE's shapes): our kernel (moe_cpu.c) against
   the torch path of the same layer (a matmul per active expert each way).
 
 Decode streams every layer's weights from memory: each timed call uses the next of enough copies of
-the weights to fill 256 MB (more than any last-level cache measured), so no call finds its weights in cache. Each figure is the
+the weights to fill 256 MB (more than any last-level cache measured), so no call finds its weights in cache
+(and each MoE call brings new tokens, so other experts). Each figure is the
 median of `--repeats` calls after a warm-up; GB/s counts the weight bytes the call reads.
 
     python benchmarks/bench_kernels.py --isa avx2 [--threads 2] [--repeats 30]
@@ -53,7 +54,7 @@ def main() -> None:
     cpu = next(line.split(":", 1)[1].strip() for line in lscpu().splitlines() if line.startswith("Model name"))
     print(f"CPU: {cpu}, {args.threads} threads; kernels built for -march={march}: {kernel.isa}, {kernel.lanes} "
           f"floats per vector; torch/oneDNN/MKL: {'capped at AVX2' if args.isa == 'avx2' else 'their own choice'}")
-    fma, bandwidth = fma_roof(march, args.threads), read_bandwidth(torch)
+    fma, bandwidth = roofs(torch, march, args.threads)
     print(f"roofs: FMA {fma:.0f} GFLOP/s, memory read {bandwidth:.1f} GB/s\n")
     bench_linear(torch, args.repeats, fma)
     bench_moe(torch, args.repeats, fma)
@@ -63,56 +64,64 @@ def lscpu() -> str:
     return subprocess.run(["lscpu"], capture_output=True, text=True).stdout
 
 
-def fma_roof(march: str, threads: int) -> float:
-    """GFLOP/s of independent vector multiply-adds on every thread, built like the kernels."""
-    from vlm_serve.llm.kernels import SOURCES, Target
+ROOFS = """
+    #include <omp.h>
+    #include "simd.h"
 
-    source = """
-        #include <omp.h>
-        #include "simd.h"
-        double fma_flops(int64_t iters, int threads, float *sink) {
-            #pragma omp parallel num_threads(threads)
-            {
-                vec a[12];
-                for (int i = 0; i < 12; i++) a[i] = splat((float)i);
-                const vec x = splat(0.999999f), y = splat(1e-6f);
-                for (int64_t n = 0; n < iters; n++)
-                    for (int i = 0; i < 12; i++) a[i] = a[i] * x + y;
-                float s = 0;
-                for (int i = 0; i < 12; i++) s += a[i][0];
-                sink[omp_get_thread_num()] = s;
-            }
-            return 2.0 * LANES * 12 * iters * threads;
+    /* flops of `iters` rounds of 12 independent vector multiply-adds on every thread */
+    double fma_flops(int64_t iters, int threads, float *sink) {
+        #pragma omp parallel num_threads(threads)
+        {
+            vec a[12];
+            for (int i = 0; i < 12; i++) a[i] = splat((float)i);
+            const vec x = splat(0.999999f), y = splat(1e-6f);
+            for (int64_t n = 0; n < iters; n++)
+                for (int i = 0; i < 12; i++) a[i] = a[i] * x + y;
+            float s = 0;
+            for (int i = 0; i < 12; i++) s += a[i][0];
+            sink[omp_get_thread_num()] = s;
         }
-    """
+        return 2.0 * LANES * 12 * iters * threads;
+    }
+
+    /* reads x[0 : n] (n a multiple of 4 * LANES), each thread a contiguous share, as the kernels read weights */
+    void read_all(const float *x, int64_t n, int threads, float *sink) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < n; i += 4 * LANES) {
+            vec s = load(x + i) + load(x + i + LANES) + load(x + i + 2 * LANES) + load(x + i + 3 * LANES);
+            if (s[0] == 12345.0f) sink[omp_get_thread_num()] = s[1]; /* (keeps the loads) */
+        }
+    }
+"""
+
+
+def roofs(torch, march: str, threads: int) -> tuple[float, float]:
+    """GFLOP/s of independent vector multiply-adds and GB/s of reading 1 GB, on every thread, built like
+    the kernels."""
     import ctypes
 
+    from vlm_serve.llm.kernels import SOURCES, Target
+
     with tempfile.TemporaryDirectory() as folder:
-        c, so = Path(folder) / "roof.c", Path(folder) / "roof.so"
-        c.write_text(source)
+        c, so = Path(folder) / "roofs.c", Path(folder) / "roofs.so"
+        c.write_text(ROOFS)
         shutil.copy(SOURCES / "simd.h", folder)
         command = Target.from_env()._replace(march=march).command(c, str(so))
         subprocess.run(command, check=True, capture_output=True)
         lib = ctypes.CDLL(str(so))
     lib.fma_flops.restype, lib.fma_flops.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.read_all.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     sink = (ctypes.c_float * 256)()
-    best = 0.0
+    big = torch.ones(256 * 2**20)  # 1 GB
+    fma, read = 0.0, 0.0
     for _ in range(5):
         start = time.perf_counter()
         flops = lib.fma_flops(20_000_000, threads, sink)
-        best = max(best, flops / (time.perf_counter() - start) / 1e9)
-    return best
-
-
-def read_bandwidth(torch) -> float:
-    big = torch.ones(256 * 2**20)  # 1 GB
-    big.sum()
-    times = []
-    for _ in range(5):
+        fma = max(fma, flops / (time.perf_counter() - start) / 1e9)
         start = time.perf_counter()
-        big.sum()
-        times.append(time.perf_counter() - start)
-    return big.numel() * 4 / min(times) / 1e9
+        lib.read_all(big.data_ptr(), big.numel(), threads, sink)
+        read = max(read, big.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return fma, read
 
 
 def copies_for(nbytes: int) -> int:
@@ -122,11 +131,11 @@ def copies_for(nbytes: int) -> int:
 
 
 def timed(repeats: int, run) -> float:
-    """Median seconds of `run(i)` over `repeats` calls, after warm-up."""
+    """Median seconds of `run(i)` for i = 3 ... repeats + 2, after `run(0 ... 2)` as warm-up."""
     for i in range(3):
         run(i)
     times = []
-    for i in range(repeats):
+    for i in range(3, repeats + 3):
         start = time.perf_counter()
         run(i)
         times.append(time.perf_counter() - start)
@@ -185,16 +194,16 @@ def bench_moe(torch, repeats: int, fma: float) -> None:
             moe.w2.data = torch.randn(EXPERTS, hidden, inter, generator=g) * inter**-0.5
             layers.append(moe)
         for tokens in [1, 4, 16, 64, 256]:
-            x = torch.randn(tokens, hidden)
+            # new tokens every call, as in decode: other experts, not the ones the last call left in cache
+            xs = [torch.randn(tokens, hidden) for _ in range(repeats + 3)]
             with torch.no_grad():
-                logits = layers[0].gate(x)
-                active = torch.topk(logits, TOP_K).indices.unique().numel()
+                active = sum(torch.topk(layers[0].gate(x), TOP_K).indices.unique().numel() for x in xs) / len(xs)
                 for moe in layers:
                     moe.packed = None
-                t_theirs = timed(repeats, lambda i: layers[i % count](x))
+                t_theirs = timed(repeats, lambda i: layers[i % count](xs[i]))
                 for moe in layers:
                     moe.prepack()
-                t_ours = timed(repeats, lambda i: layers[i % count](x))
+                t_ours = timed(repeats, lambda i: layers[i % count](xs[i]))
                 for moe in layers:  # back to plain weights for the next batch size's torch run
                     moe.w13.data = moe.packed.w13.transpose(-1, -2).reshape(EXPERTS, 2 * inter, hidden).contiguous()
                     moe.w2.data = moe.packed.w2.transpose(-1, -2).reshape(EXPERTS, hidden, inter).contiguous()
