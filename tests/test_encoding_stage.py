@@ -15,7 +15,7 @@ from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import Histogram
 from vlm_serve.llm.scheduler.schedule_batch import Req
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.server.errors import InternalError
+from vlm_serve.errors import InternalError
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import InlineEncoder

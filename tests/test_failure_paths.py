@@ -17,7 +17,7 @@ import torch
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
-from vlm_serve.server.errors import BadRequest, InternalError, ServiceUnavailable
+from vlm_serve.errors import BadRequest, InternalError, ServiceUnavailable
 from vlm_serve.testing.media import make_image
 from vlm_serve.vision.encoder import EncodeTask
 from vlm_serve.vision.encoder_pool import EncoderPool

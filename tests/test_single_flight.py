@@ -25,7 +25,7 @@ from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.server.io_struct import BatchTokenIdOut, TokenizedGenerateReq
+from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder_pool import create_encoder

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 import vlm_serve
-from vlm_serve.server.errors import ServiceUnavailable
+from vlm_serve.errors import ServiceUnavailable
 from vlm_serve.testing.media import make_image
 
 SCHEMA = {

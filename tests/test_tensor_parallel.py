@@ -17,7 +17,7 @@ from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.server.io_struct import BatchTokenIdOut, TokenizedGenerateReq
+from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder_pool import create_encoder
 

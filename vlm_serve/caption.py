@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from vlm_serve.engine import Engine, Submission
-from vlm_serve.server.errors import ApiError
+from vlm_serve.errors import ApiError
 from vlm_serve.vision.media import MediaError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}

@@ -8,7 +8,7 @@ detokenizer process runs. Each blocking call steps until its own requests finish
 together (a batch, or `n` > 1) are scheduled together with continuous batching.
 
 A request that could not be served never comes back as an answer: the call raises the error the server
-would answer with (`vlm_serve.server.errors`): `BadRequest` (a ValueError) when the request is at fault
+would answer with (`vlm_serve.errors`): `BadRequest` (a ValueError) when the request is at fault
 (refused by the scheduler, an invalid grammar), `ServiceUnavailable` when the server cannot serve it now
 (no encoder rank could encode its image, its grammar did not compile in time), `InternalError` when
 something failed that should not have (the vision tower raised on its image). Only `Engine.abort` (or
@@ -34,7 +34,8 @@ from vlm_serve.model_source import with_local_model
 from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
 from vlm_serve.server.detokenizer_manager import DetokenizerManager
-from vlm_serve.server.io_struct import AbortReq, BatchTokenIdOut, GenerateReqInput, StrOut
+from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut
+from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder_pool import create_encoder
 from vlm_serve.vision.processor import MultimodalProcessor

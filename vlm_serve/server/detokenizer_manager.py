@@ -18,7 +18,9 @@ import zmq
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import TextStream
 from vlm_serve.ipc import recv_pyobj, send_pyobj
-from vlm_serve.server.io_struct import BatchStrOut, BatchTokenIdOut, PortArgs, StrOut, TokenIdOut
+from vlm_serve.messages.backend import BatchTokenIdOut, TokenIdOut
+from vlm_serve.messages.frontend import BatchStrOut, StrOut
+from vlm_serve.server.ports import PortArgs
 from vlm_serve.process import IDLE_POLL_MS, exits_at_once, init_child_process
 from vlm_serve.tokenizer import Tokenizer
 

@@ -32,7 +32,7 @@ from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.server.errors import (
+from vlm_serve.errors import (
     ApiError,
     BadRequest,
     Conflict,
@@ -41,7 +41,9 @@ from vlm_serve.server.errors import (
     NotFound,
     Unauthorized,
 )
-from vlm_serve.server.io_struct import GenerateReqInput, PortArgs, SchedulerLimits
+from vlm_serve.messages.backend import SchedulerLimits
+from vlm_serve.messages.frontend import GenerateReqInput
+from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
 from vlm_serve.server.protocol import (

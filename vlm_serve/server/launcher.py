@@ -27,7 +27,8 @@ from vlm_serve.model_source import with_local_model
 from vlm_serve.process import starting_children
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
 from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
-from vlm_serve.server.io_struct import PortArgs, SchedulerLimits
+from vlm_serve.messages.backend import SchedulerLimits
+from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.scheduler_process import run_scheduler_process
 from vlm_serve.vision.encoder_pool import EncoderRanks, PoolAddresses
 

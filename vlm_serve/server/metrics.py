@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vlm_serve.llm.scheduler.metrics import Histogram
 from vlm_serve.mm_cache.cache import MultimodalCache
-from vlm_serve.server.io_struct import StatsOut
+from vlm_serve.messages.backend import StatsOut
 from vlm_serve.server.tokenizer_manager import ServerMetrics
 
 PREFIX = "vlm_serve:"

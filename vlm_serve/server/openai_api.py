@@ -16,7 +16,8 @@ from pydantic import BaseModel
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs
-from vlm_serve.server.io_struct import GenerateReqInput, StrOut, TokenizedGenerateReq
+from vlm_serve.messages.backend import TokenizedGenerateReq
+from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -48,7 +49,7 @@ from vlm_serve.server.protocol import (
     now,
 )
 from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
-from vlm_serve.server.errors import ApiError, InternalError, ModelNotFoundError
+from vlm_serve.errors import ApiError, InternalError, ModelNotFoundError
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.server.tool_parser import ToolCall
 from vlm_serve.multimodal import ProcessedInput

@@ -28,20 +28,10 @@ from vlm_serve.config import ServerArgs
 from vlm_serve.llm.scheduler.metrics import Histogram
 from vlm_serve.ipc import send_pyobj
 from vlm_serve.sampling_params import generation_defaults
-from vlm_serve.server.errors import ApiError
-from vlm_serve.server.io_struct import (
-    AbortReq,
-    BatchStrOut,
-    FlushCacheOut,
-    FlushCacheReq,
-    GenerateReqInput,
-    GetStatsReq,
-    PortArgs,
-    SchedulerLimits,
-    StatsOut,
-    StrOut,
-    TokenizedGenerateReq,
-)
+from vlm_serve.errors import ApiError
+from vlm_serve.messages.backend import AbortReq, FlushCacheOut, FlushCacheReq, GetStatsReq, SchedulerLimits, StatsOut, TokenizedGenerateReq
+from vlm_serve.messages.frontend import BatchStrOut, GenerateReqInput, StrOut
+from vlm_serve.server.ports import PortArgs
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.multimodal import ProcessedInput
 from vlm_serve.vision.media import MediaAccess

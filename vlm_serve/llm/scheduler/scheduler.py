@@ -47,17 +47,7 @@ from vlm_serve.llm.scheduler.schedule_policy import (
     SchedulePolicy,
 )
 from vlm_serve.mm_cache.hashing import pad_input_ids
-from vlm_serve.server.io_struct import (
-    AbortReq,
-    BatchTokenIdOut,
-    FlushCacheOut,
-    FlushCacheReq,
-    GetStatsReq,
-    SchedulerLimits,
-    StatsOut,
-    TokenIdOut,
-    TokenizedGenerateReq,
-)
+from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut, FlushCacheOut, FlushCacheReq, GetStatsReq, SchedulerLimits, StatsOut, TokenIdOut, TokenizedGenerateReq
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import VisionEncoder
 from vlm_serve.vision.vision_tower import VisionOutput

@@ -1,0 +1,112 @@
+"""Messages to and from the scheduler. Front end (the HTTP process's TokenizerManager, or the in-process
+`Engine`) -> scheduler: `TokenizedGenerateReq`, `AbortReq`, `FlushCacheReq`, `GetStatsReq`. Scheduler ->
+detokenizer: `BatchTokenIdOut` (new token ids of the iteration's requests) and replies (`FlushCacheOut`,
+`StatsOut`), which the detokenizer passes on. The scheduler reports `SchedulerLimits` when it is ready."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vlm_serve.multimodal import MediaTimings, MultimodalItem
+from vlm_serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vlm_serve.llm.prompt_logprobs import PromptLogprobs
+
+
+@dataclass
+class SchedulerLimits:
+    """What the scheduler can take, reported when it is ready: front ends check requests against it."""
+
+    max_total_tokens: int  # KV pool size
+    context_length: int  # longest prompt + output
+    max_running_requests: int
+    page_size: int
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest prompt + output that can ever run: the context, or what the KV pool holds."""
+        return min(self.context_length, self.max_total_tokens - self.page_size)
+
+
+@dataclass
+class TokenizedGenerateReq:
+    """One choice of a request: prompt ids (placeholders not yet padded) and preprocessed media."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    mm_items: list[MultimodalItem] = field(default_factory=list)
+    priority: int = 0
+
+
+@dataclass
+class AbortReq:
+    rid: str
+    message: str = "aborted"
+
+
+@dataclass
+class FlushCacheReq:
+    """Drop the prefix cache and both multimodal caches (refused while requests are in flight)."""
+
+
+@dataclass
+class FlushCacheOut:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetStatsReq:
+    """Ask the scheduler for a `StatsOut` snapshot (for /metrics)."""
+
+
+@dataclass
+class StatsOut:
+    """Gauges and cumulative counters of the scheduler side, for Prometheus."""
+
+    num_running: int
+    num_waiting: int
+    num_encoding: int
+    kv_usage: float  # share of KV slots held by requests (not counting evictable cache)
+    max_total_tokens: int
+    prefix_cache_hit_rate: float
+    cached_prompt_tokens: int
+    computed_prompt_tokens: int
+    generated_tokens: int
+    num_retractions: int
+    embedding_cache: dict[str, float]  # hits, misses, inflight_hits, evictions, usage_bytes
+    encoder_load: list[int]  # patches in flight per encoder rank (empty for the inline tower)
+    encoder_restarts: int
+    media_items: int
+    media_seconds: dict[str, Any]  # stage -> Histogram
+    vit_items: int  # images and videos run through a vision tower (once each, however many requests wait)
+
+
+@dataclass
+class TokenIdOut:
+    """What one request produced in one step. A request that could not be served ends with finish reason
+    "error", its `status` and `code` (see `FinishReason`); one the scheduler refused gets only that."""
+
+    rid: str
+    new_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort | error
+    matched_stop: int | str | None = None
+    message: str = ""  # why it was aborted or failed
+    status: int = 0  # of an error: its HTTP status
+    code: str = ""  # of an error: its cause in a word
+    output_text: str | None = None  # final text cut before a matched stop string
+    stop_holdback: int = 0  # characters a stop string could still take back from the text so far
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    media_timings: list[MediaTimings] = field(default_factory=list)  # per image / video, when finished
+    prompt_logprobs: PromptLogprobs | None = None  # with its first report, when asked
+
+
+@dataclass
+class BatchTokenIdOut:
+    outs: list[TokenIdOut]

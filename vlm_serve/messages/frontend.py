@@ -1,0 +1,83 @@
+"""Messages of the front ends: the `GenerateReqInput` a front end receives (turned into one
+`TokenizedGenerateReq` per choice by `normalize`), and the text the detokenizer sends back to it
+(`BatchStrOut` of `StrOut`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vlm_serve.errors import ApiError, BadRequest, InternalError, ServiceUnavailable
+from vlm_serve.messages.backend import SchedulerLimits, TokenizedGenerateReq
+from vlm_serve.multimodal import MediaTimings, ProcessedInput
+from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
+
+if TYPE_CHECKING:
+    from vlm_serve.llm.prompt_logprobs import PromptLogprobs
+
+
+@dataclass
+class GenerateReqInput:
+    """A generation request as a front end receives it: a processed prompt, OpenAI-named sampling
+    settings (`max_tokens`, `temperature`, `n`, ...) and a priority. The HTTP server and `Engine` both
+    turn it into scheduler messages with `normalize`, so they agree on defaults and on choices."""
+
+    input: ProcessedInput
+    sampling: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+
+    def sampling_params(self, defaults: dict[str, Any], limits: SchedulerLimits) -> SamplingParams:
+        """The settings over `defaults` (the checkpoint's generation config). Without max_tokens an
+        answer may run to the context length, or what the KV pool can hold, as in vLLM. Unknown names
+        raise TypeError, bad values ValueError."""
+        sampling = dict(self.sampling)
+        if sampling.get("max_tokens") is None and sampling.get("max_completion_tokens") is None:
+            sampling["max_tokens"] = max(limits.max_sequence_tokens - len(self.input.input_ids), 1)
+        return sampling_params_from_openai(defaults, sampling)
+
+    def normalize(self, rid: str, defaults: dict[str, Any], limits: SchedulerLimits) -> list[TokenizedGenerateReq]:
+        """One message per choice, with ids `{rid}-{i}` (choice i of a seeded request uses seed + i)."""
+        params = self.sampling_params(defaults, limits)
+        x = self.input
+        return [
+            TokenizedGenerateReq(f"{rid}-{i}", x.input_ids, choice, x.mm_items, self.priority)
+            for i, choice in enumerate(params.per_choice())
+        ]
+
+
+@dataclass
+class StrOut:
+    """One request's output step as text: `text` is what was added since the last message."""
+
+    rid: str
+    text: str
+    new_ids: list[int]  # the tokens whose text `text` completes (with their logprobs); the last message has the rest
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str | None
+    matched_stop: int | str | None
+    message: str
+    prompt_tokens: int
+    cached_tokens: int
+    media_timings: list[MediaTimings] = field(default_factory=list)
+    status: int = 0  # of an error
+    code: str = ""
+    prompt_logprobs: PromptLogprobs | None = None  # with its first output, when asked
+
+    @classmethod
+    def failed(cls, rid: str, status: int, code: str, message: str) -> StrOut:
+        """The end of a request that could not be served, as a front end learns it."""
+        return cls(rid, "", [], [], [], "error", None, message, 0, 0, status=status, code=code)
+
+    def failure(self) -> ApiError:
+        """The error a request ends with when this output says it failed: 400 the request's fault
+        (`BadRequest`, a ValueError), 503 the server cannot serve it now, else an internal error."""
+        kind = {400: BadRequest, 503: ServiceUnavailable}.get(self.status, InternalError)
+        error = kind(self.message)
+        error.code = self.code
+        return error
+
+
+@dataclass
+class BatchStrOut:
+    outs: list[StrOut]
