@@ -35,6 +35,8 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "schedule_policy": SCHEDULE_POLICIES,
     "reasoning_parser": tuple(REASONING_PARSERS),
     "log_level": ("debug", "info", "warning", "error"),
+    "disaggregation_mode": ("null", "prefill", "decode"),
+    "disaggregation_transfer_backend": ("mooncake", "fake"),
 }
 OPTIONAL_CHOICES = {"reasoning_parser"}  # of those, the ones that may also be None
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
@@ -99,6 +101,11 @@ class ServerArgs:
     tokenizer_workers: int = 4  # threads rendering, loading and preprocessing requests in the HTTP process
     reasoning_parser: str | None = None  # qwen3: split <think>...</think> into reasoning_content
     grammar_compile_timeout: float = 30.0  # seconds a structured-output request may wait for its grammar
+    # prefill/decode disaggregation (PD), behind sglang-router --pd-disaggregation
+    disaggregation_mode: str = "null"  # null: prefill and decode here; prefill / decode: this server's side of PD
+    disaggregation_bootstrap_port: int = 8998  # prefill side: where decode servers find its ranks
+    disaggregation_transfer_backend: str = "mooncake"  # how KV moves (fake: it does not; for tests)
+    disaggregation_ib_device: str | None = None  # RDMA device(s) for Mooncake, e.g. mlx5_0; none = TCP
     log_interval: int = 40  # scheduler steps between log lines
     log_level: str = "warning"  # info shows the scheduler's log lines
     seed: int = 0  # seed of the sampler's random numbers where a request gives none
@@ -133,8 +140,9 @@ class ServerArgs:
             raise ValueError(f"vit_dp must be >= 0 (0 runs the vision tower in the scheduler), not {self.vit_dp}")
         if self.mm_cache_mb < 0:
             raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], not {self.port}")
+        for name in ("port", "disaggregation_bootstrap_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], not {getattr(self, name)}")
         for name in ("media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")

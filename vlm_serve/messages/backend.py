@@ -31,6 +31,17 @@ class SchedulerLimits:
 
 
 @dataclass
+class BootstrapInfo:
+    """Where the KV of a request served by a prefill/decode pair comes from: the prefill server's
+    bootstrap address, and the room, a key both sides of the request share (sglang-router gives both
+    the same `bootstrap_room`; choice i of a request with `n` > 1 is room "ROOM/i")."""
+
+    host: str
+    port: int
+    room: str
+
+
+@dataclass
 class TokenizedGenerateReq:
     """One choice of a request: prompt ids (placeholders not yet padded) and preprocessed media."""
 
@@ -39,6 +50,7 @@ class TokenizedGenerateReq:
     sampling_params: SamplingParams
     mm_items: list[MultimodalItem] = field(default_factory=list)
     priority: int = 0
+    bootstrap: BootstrapInfo | None = None  # set on both sides of a prefill/decode pair
 
 
 @dataclass
