@@ -138,6 +138,8 @@ class ServerArgs:
                 raise ValueError(f"dist_init_addr must be HOST:PORT, not {self.dist_init_addr!r}")
         if self.vit_dp < 0:
             raise ValueError(f"vit_dp must be >= 0 (0 runs the vision tower in the scheduler), not {self.vit_dp}")
+        if self.disaggregation_mode == "decode":
+            self.vit_dp = 0  # a decode server never encodes media (its KV comes from the prefill server)
         if self.mm_cache_mb < 0:
             raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
         for name in ("port", "disaggregation_bootstrap_port"):

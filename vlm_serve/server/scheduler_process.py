@@ -79,7 +79,8 @@ def run_scheduler_process(
         runner = ModelRunner(server_args, model_config)
         encoder, io = None, None  # rank 0 alone encodes and talks to the other processes
         if tp_rank == 0:
-            encoder = create_encoder(server_args, model_config, runner.device, port_args.encoder)
+            if server_args.disaggregation_mode != "decode":  # (a decode server never encodes: PD)
+                encoder = create_encoder(server_args, model_config, runner.device, port_args.encoder)
             io = ZmqSchedulerIO(port_args)
         scheduler = Scheduler(server_args, runner, Tokenizer.from_pretrained(server_args.model), encoder, io)
     except Exception:  # noqa: BLE001 - reported to the server, which stops

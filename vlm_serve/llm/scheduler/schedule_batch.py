@@ -23,6 +23,8 @@ from vlm_serve.vision.vision_tower import VisionOutput
 
 if TYPE_CHECKING:
     from vlm_serve.llm.constrained.grammar_backend import Grammar
+    from vlm_serve.llm.disaggregation.transfer import KVReceiver, KVSender
+    from vlm_serve.messages.backend import BootstrapInfo
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _DISCARDED_ROW = SampleRow(SamplingParams(temperature=0), None, [], [], 0)  # greedy, and thrown away
@@ -86,6 +88,10 @@ class Req:
     output_text: str | None = None  # the text cut before the stop string that ended the request
     first_token_time: float | None = None
     to_abort: str | None = None  # set by an abort; the scheduler releases the request next step
+    # prefill/decode disaggregation: the prefill server its KV comes from or goes to, and the transfer
+    bootstrap: BootstrapInfo | None = None
+    transfer: KVSender | KVReceiver | None = None
+    kv_sent: int = 0  # prefill side: prompt positions whose KV was handed to the transfer
     # overlap scheduling and streaming
     future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none
     send_token_offset: int = 0  # output_ids before this were already reported

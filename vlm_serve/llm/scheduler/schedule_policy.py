@@ -181,6 +181,16 @@ class PrefillAdder:
             self.new_chunked_req = req
         return self.budget_state()
 
+    def add_prompt_kv(self, req: Req) -> bool:
+        """Counts a request whose whole prompt's KV is allocated now without a prefill (the decode side of
+        PD, where it arrives by transfer), if the budget holds it and what it may generate, as
+        `add_one_req` admits a prefill."""
+        prompt_len = len(req.origin_input_ids)
+        if prompt_len + self._new_tokens_estimate(req) + self.page_size > self.rem_total_tokens:
+            return False
+        self._take(req, prompt_len, self._new_tokens_estimate(req))
+        return True
+
     def preempt_to_schedule(self, req: Req, running_batch: ScheduleBatch, threshold: int) -> list[Req]:
         """Frees room for a high-priority `req` by releasing running requests whose priority is lower
         by more than `threshold`, lowest first. Returns the released requests (to requeue), or [] when

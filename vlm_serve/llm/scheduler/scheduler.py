@@ -30,9 +30,12 @@ import torch.distributed as dist
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from vlm_serve.llm.constrained.grammar_backend import GrammarBackend, GrammarError, grammar_key
+from vlm_serve.llm.disaggregation.common import META_SLOT_BYTES
+from vlm_serve.llm.disaggregation.decode import DecodeDisaggregation
+from vlm_serve.llm.disaggregation.prefill import PrefillDisaggregation
+from vlm_serve.llm.disaggregation.transfer import KVLayout, create_transfer_backend
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardMode, ForwardOutput
-from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
@@ -63,6 +66,7 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minim
 RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
 ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per iteration
 GRAMMAR_WAIT_SECONDS = 0.01  # the same for grammars being compiled
+TRANSFER_WAIT_SECONDS = 0.002  # the same for KV transfers (PD)
 
 
 class SchedulerIO(Protocol):
@@ -91,6 +95,7 @@ class LaunchedBatch:
     forward_mode: ForwardMode
     num_prefill_reqs: int  # the first rows; the others (a mixed batch) were decoding
     samples: list[bool]  # per row: whether its sampled token is an output (not for a chunk before the end)
+    kv_ends: list[int]  # per row: its tokens with KV once the batch has run
     future_start: int  # FutureMap slot of row 0's token
     result: Future[ForwardOutput]
 
@@ -114,6 +119,7 @@ class Scheduler:
         self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
         self.tp_cpu_group, self.tp_broadcast_group = parallel.tp_cpu_group, parallel.tp_broadcast_group
         self.vocab_size = runner.model_config.text.vocab_size
+        self.merge_size = runner.model_config.vision.spatial_merge_size
         self.eos_token_ids = set(runner.model_config.eos_token_ids)
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.allocator
@@ -136,7 +142,7 @@ class Scheduler:
         self._grammar_backend: GrammarBackend | None = None  # made for the first structured-output request
         self.grammar_queue: list[PendingGrammar] = []
         self.waiting_queue: list[Req] = []
-        self.running_batch = self._new_batch([])
+        self.running_batch = self.new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
         self.reqs: dict[str, Req] = {}  # every unfinished request, by id
@@ -163,8 +169,23 @@ class Scheduler:
         self._finished: list[Req] = []  # finished this iteration, reported by stream_output
         self._outputs: list[TokenIdOut] = []  # refusals, reported by stream_output
         self._replies: list[Any] = []  # answers to control requests
+        self.disagg = self._init_disaggregation()
+
+    def _init_disaggregation(self) -> PrefillDisaggregation | DecodeDisaggregation | None:
+        """This rank's side of PD (`--disaggregation-mode`): its transfer backend, with the KV pool and a
+        metadata slot per request row registered, and the side's queues."""
+        mode = self.server_args.disaggregation_mode
+        if mode == "null":
+            return None
+        meta = torch.zeros(self.req_to_token_pool.size, META_SLOT_BYTES, dtype=torch.uint8)
+        layout = KVLayout.of(self.runner.token_to_kv_pool, meta)
+        backend = create_transfer_backend(self.server_args, mode, self.tp_rank, layout)
+        side = PrefillDisaggregation if mode == "prefill" else DecodeDisaggregation
+        return side(self, backend)
 
     def shutdown(self) -> None:
+        if self.disagg is not None:
+            self.disagg.backend.close()
         if self.forward_thread is not None:
             self.forward_thread.shutdown()
             self.forward_thread = None
@@ -173,7 +194,7 @@ class Scheduler:
         if self._grammar_backend is not None:
             self._grammar_backend.shutdown()
 
-    def _new_batch(self, reqs: list[Req], mode: ForwardMode = ForwardMode.DECODE) -> ScheduleBatch:
+    def new_batch(self, reqs: list[Req], mode: ForwardMode = ForwardMode.DECODE) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, mode)
 
     @property
@@ -260,9 +281,16 @@ class Scheduler:
             self.process_grammar_queue()
         if len(self.encoding):
             self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
+        if self.disagg is not None and len(self.disagg):
+            if not self._has_work() and not len(self.encoding):
+                time.sleep(TRANSFER_WAIT_SECONDS)  # (the transfers move on other threads)
+            self.disagg.process()
 
     def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
-        req = Req(message.rid, message.input_ids, message.sampling_params, message.mm_items, priority=message.priority)
+        req = Req(
+            message.rid, message.input_ids, message.sampling_params, message.mm_items, priority=message.priority,
+            bootstrap=message.bootstrap,
+        )
         try:
             self.add_request(req)
         except ValueError as exc:  # the request's own fault: refused before it started
@@ -294,6 +322,15 @@ class Scheduler:
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if req.bootstrap is not None and self.disagg is None:
+            req.bootstrap = None  # a colocated server serves it whole
+        if req.bootstrap is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
+        if self.server_args.disaggregation_mode == "decode" and req.mm_items and req.bootstrap is None:
+            raise ValueError(
+                "this decode server takes images and videos only with bootstrap_host, bootstrap_port and "
+                "bootstrap_room (from sglang-router's PD mode): it has no vision tower"
+            )
         limit = self.runner.context_len
         if prompt_len + max_new > limit:
             raise ValueError(
@@ -318,7 +355,15 @@ class Scheduler:
         self._enqueue(req)
 
     def _enqueue(self, req: Req) -> None:
-        """An admitted request to `waiting_queue`, through the encoding stage if its media need it."""
+        """An admitted request goes on: to its side's PD queue if it came with bootstrap info, else to
+        `waiting_queue`."""
+        if req.bootstrap is not None:
+            self.disagg.add(req)
+        else:
+            self.to_waiting_queue(req)
+
+    def to_waiting_queue(self, req: Req) -> None:
+        """A request to `waiting_queue`, through the encoding stage if its media need it."""
         if req.mm_items:
             covered = len(self.tree_cache.match_prefix(req.origin_input_ids[:-1]).indices)
             if req.prompt_logprobs_pending:  # it computes its whole prompt: no cached prefix covers an item
@@ -368,7 +413,7 @@ class Scheduler:
             if failure is None:
                 self._enqueue(p.req)
             else:
-                self._finish(p.req, failure)
+                self.finish(p.req, failure)
         self.grammar_queue = list(pending.values())
 
     def process_encoding_results(self, timeout: float = 0.0) -> None:
@@ -381,7 +426,7 @@ class Scheduler:
             self.metrics.observe_media(req.mm_items)
             self.waiting_queue.append(req)
         for req, failure in failed:
-            self._finish(req, failure)
+            self.finish(req, failure)
 
     def broadcast_encoding_results(
         self, ready: list[Req], failed: list[tuple[Req, FinishReason]]
@@ -426,17 +471,21 @@ class Scheduler:
         queued = [p for p in self.grammar_queue if p.req is req]
         if queued:
             self.grammar_queue.remove(queued[0])
-            self._finish(req, FinishReason("abort", message=message))
+            self.finish(req, FinishReason("abort", message=message))
         elif req in self.encoding:
             self.encoding.remove(req)
-            self._finish(req, FinishReason("abort", message=message))
+            self.finish(req, FinishReason("abort", message=message))
         elif req in self.waiting_queue:
             self.waiting_queue.remove(req)
-            self._finish(req, FinishReason("abort", message=message))
+            self.finish(req, FinishReason("abort", message=message))
+        elif self.disagg is not None and self.disagg.remove(req):
+            self.finish(req, FinishReason("abort", message=message))
         else:
             req.to_abort = message
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        if req.transfer is not None and reason.kind in ("abort", "error"):
+            req.transfer.abort()  # (the other side learns it; a finished transfer ignores it)
         self.encoding.release(req)
         req.finished_reason = reason
         del self.reqs[req.rid]
@@ -457,7 +506,10 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if self.last_batch is not None and not self.last_batch.forward_mode.is_decode():
             # the last prefill's requests (but the one still being chunked) start decoding
-            joined = [r for r in self.last_batch.reqs if not r.finished and r is not self.chunked_req]
+            joined = [
+                r for r in self.last_batch.reqs
+                if not r.finished and r is not self.chunked_req and r.transfer is None  # (PD prefill: none decode here)
+            ]  # fmt: skip
             self.running_batch.reqs = self.running_batch.reqs + joined
         self._release_aborted()
         batch = self.get_new_batch_prefill()
@@ -471,12 +523,12 @@ class Scheduler:
         ones, which run after it."""
         if self.chunked_req is not None and self.chunked_req.to_abort is not None:
             self.tree_cache.cache_finished_req(self.chunked_req)
-            self._finish(self.chunked_req, FinishReason("abort", message=self.chunked_req.to_abort))
+            self.finish(self.chunked_req, FinishReason("abort", message=self.chunked_req.to_abort))
             self.chunked_req = None
         for req in self.running_batch.reqs:
             if req.to_abort is not None and not req.finished:
                 self.tree_cache.cache_finished_req(req)
-                self._finish(req, FinishReason("abort", message=req.to_abort))
+                self.finish(req, FinishReason("abort", message=req.to_abort))
         self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished]
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
@@ -536,7 +588,7 @@ class Scheduler:
                 req.cached_tokens = max(req.cached_tokens, len(req.prefix_indices))
                 self.metrics.cached_prompt_tokens += len(req.prefix_indices)
             self.metrics.computed_prompt_tokens += req.extend_len
-        batch = self._new_batch(adder.can_run_list, ForwardMode.EXTEND)
+        batch = self.new_batch(adder.can_run_list, ForwardMode.EXTEND)
         if mixed:
             batch.mix_with_running(mixed)
             self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.needs_decode]
@@ -552,6 +604,8 @@ class Scheduler:
         if not batch.check_decode_mem():
             retracted = batch.retract_decode(RETRACT_DECODE_STEPS)
             self.metrics.num_retractions += len(retracted)
+            if isinstance(self.disagg, DecodeDisaggregation):
+                retracted = self.disagg.requeue(retracted)
             self.waiting_queue = retracted + self.waiting_queue
             total_max_new = sum(r.sampling_params.max_new_tokens for r in batch.reqs)
             decoded = sum(len(r.output_ids) for r in batch.reqs)
@@ -563,7 +617,7 @@ class Scheduler:
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         decoding = [r for r in batch.reqs if r.needs_decode]  # the others' last token is in flight
-        return self._new_batch(decoding) if decoding else None
+        return self.new_batch(decoding) if decoding else None
 
     # ---- running a batch ---------------------------------------------------------------------------
 
@@ -582,7 +636,7 @@ class Scheduler:
             self.tree_cache.cache_unfinished_req(req)
         launched = LaunchedBatch(
             list(batch.reqs), batch.forward_mode, batch.num_prefill_reqs, list(batch.samples),
-            forward_batch.future_start, Future(),
+            list(forward_batch.seq_lens_cpu), forward_batch.future_start, Future(),
         )  # fmt: skip
         t1 = time.perf_counter()
         self.metrics.time_schedule += t1 - t0
@@ -619,11 +673,19 @@ class Scheduler:
                 req.prompt_logprobs.extend(result.prompt_logprobs[i])
             if i < batch.num_prefill_reqs and req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
                 self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
+            pd_prefill = i < batch.num_prefill_reqs and req.transfer is not None  # its KV goes to a decode server
             if not batch.samples[i]:  # a chunk that is not the last: nothing to sample yet
+                if pd_prefill:
+                    self.disagg.chunk_done(req, batch.kv_ends[i])
                 continue
             if req.future_token == FutureMap.future_id(batch.future_start + i):
                 req.future_token = 0  # (a later batch may already have given it the next one)
-            self._append_token(req, next_token_ids[i], out, i)
+            if pd_prefill:
+                self.disagg.prompt_done(req, next_token_ids[i], out, i)
+                continue
+            logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
+            top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
+            self.append_token(req, next_token_ids[i], logprobs, top)
             if req.finished:
                 if req.req_pool_idx is not None:
                     self.tree_cache.cache_finished_req(req)
@@ -633,18 +695,21 @@ class Scheduler:
         if self.forward_thread is not None:
             self.metrics.time_forward = self.forward_thread.busy_seconds
 
-    def _append_token(self, req: Req, token: int, out: SampleOutput, i: int) -> None:
+    def append_token(
+        self, req: Req, token: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None
+    ) -> None:
+        """A token for the request's answer (with its log-probs where it asked for them); it may end it."""
         req.output_ids.append(token)
         self.metrics.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if req.sampling_params.logprobs:
-            req.output_logprobs.append(out.logprobs[i])
+            req.output_logprobs.append(logprob)
             if req.sampling_params.top_logprobs:
-                req.output_top_logprobs.append(out.top_logprobs[i])
+                req.output_top_logprobs.append(top_logprobs)
         reason = self._check_finished(req, token)
         if reason is not None:
-            self._finish(req, reason)
+            self.finish(req, reason)
 
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
@@ -722,9 +787,9 @@ class Scheduler:
         """Gauges and counters for /metrics (rank 0, which sends them; None elsewhere)."""
         if self.tp_rank != 0:
             return None
-        if not len(self.encoding):  # (else it is polled every iteration) catch up on the encoder's news
-            self.encoding.poll()
         m, cache, encoder = self.metrics, self.encoding.cache, self.encoding.encoder
+        if encoder is not None and not len(self.encoding):  # (else it is polled every iteration) the encoder's news
+            self.encoding.poll()
         return StatsOut(
             num_running=len(self.running_batch.reqs), num_waiting=len(self.waiting_queue),
             num_encoding=len(self.encoding), kv_usage=self.num_used_tokens / self.max_total_tokens,
@@ -735,9 +800,9 @@ class Scheduler:
                 "hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "usage_bytes": cache.usage_bytes,
                 "inflight_hits": self.encoding.inflight_hits,
             },
-            encoder_load=encoder.load, encoder_restarts=encoder.num_restarts,
+            encoder_load=encoder.load if encoder else [], encoder_restarts=encoder.num_restarts if encoder else 0,
             media_items=m.media_items, media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
-            vit_items=encoder.num_items,
+            vit_items=encoder.num_items if encoder else 0,
         )  # fmt: skip
 
     def self_check_when_idle(self) -> None:

@@ -1,0 +1,58 @@
+"""What the prefill and decode sides of PD share: the metadata record that goes with a request's KV, and
+how the TP ranks of one server agree on where their transfers stand."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from vlm_serve.llm.disaggregation.transfer import KVPoll, KVReceiver, KVSender
+from vlm_serve.llm.scheduler.schedule_batch import FinishReason
+
+META_SLOT_BYTES = 4096  # one record; a request's record (its first token's top log-probs at most) is far smaller
+
+
+@dataclass
+class PrefillRecord:
+    """What the decode side learns from the prefill side besides the KV: the first token (sampled there,
+    with its log-probs where asked), how many prompt tokens the prefix cache served, each media item's
+    token count, and the MRoPE position delta of generated tokens."""
+
+    prompt_len: int
+    first_token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    cached_tokens: int = 0
+    media_tokens: list[int] = field(default_factory=list)
+    mrope_delta: int = 0
+
+    def to_bytes(self) -> bytes:
+        data = json.dumps(asdict(self), separators=(",", ":")).encode()
+        if len(data) > META_SLOT_BYTES:
+            raise ValueError(f"the prefill record takes {len(data)} bytes, more than a metadata slot ({META_SLOT_BYTES})")
+        return data
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PrefillRecord:
+        fields = json.loads(data.rstrip(b"\0"))
+        if fields.get("top_logprobs") is not None:
+            fields["top_logprobs"] = [tuple(pair) for pair in fields["top_logprobs"]]
+        return cls(**fields)
+
+
+def agreed_polls(polls: list[KVPoll], tp_size: int, group: dist.ProcessGroup | None) -> list[KVPoll]:
+    """Each transfer's state as the whole TP group sees it: the least advanced of the ranks' states (a
+    request moves on only when every rank's part of its KV has), so every rank decides the same."""
+    if tp_size == 1 or not polls:
+        return polls
+    states = torch.tensor([int(p) for p in polls], dtype=torch.int32)
+    dist.all_reduce(states, op=dist.ReduceOp.MIN, group=group)
+    return [KVPoll(s) for s in states.tolist()]
+
+
+def transfer_failed(transfer: KVSender | KVReceiver, stage: str) -> FinishReason:
+    """How a request whose transfer failed ends: the server's fault (503), with the backend's reason."""
+    return FinishReason.error(503, "kv_transfer_failed", f"the KV transfer failed at {stage}: {transfer.failure}")

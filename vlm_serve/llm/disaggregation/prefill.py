@@ -1,0 +1,113 @@
+"""The prefill side of PD (seed 000 §8.2): `bootstrap_queue` → the usual way (encoding stage,
+`waiting_queue`, chunked prefill) → `inflight_queue`.
+
+A request that came with bootstrap info gets a KV sender for its room and waits in the bootstrap queue
+until its decode server has said where its KV goes. After each of its chunks runs, the KV of the whole
+pages that chunk completed goes out; after the last one, the rest with the metadata record (the first
+token, sampled here). The request then waits in the inflight queue, holding its KV, until the transfer
+has succeeded: only then does its KV go into the prefix cache, and the request ends here (with its one
+token: the router answers its client from the decode side).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vlm_serve.llm.disaggregation.common import PrefillRecord, agreed_polls, transfer_failed
+from vlm_serve.llm.disaggregation.transfer import KVPoll, TransferBackend
+from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req
+
+if TYPE_CHECKING:
+    from vlm_serve.llm.layers.sampler import SampleOutput
+    from vlm_serve.llm.scheduler.scheduler import Scheduler
+
+
+class PrefillDisaggregation:
+    """The prefill server's PD queues, driven by its scheduler."""
+
+    def __init__(self, scheduler: Scheduler, backend: TransferBackend) -> None:
+        self.scheduler = scheduler
+        self.backend = backend
+        self.bootstrap_queue: list[Req] = []  # waiting for the decode side's destination
+        self.inflight_queue: list[Req] = []  # prompt done, KV on its way
+
+    def __len__(self) -> int:
+        return len(self.bootstrap_queue) + len(self.inflight_queue)
+
+    def add(self, req: Req) -> None:
+        req.transfer = self.backend.sender(req.bootstrap)
+        self.bootstrap_queue.append(req)
+
+    def process(self) -> None:
+        """Moves on the requests whose transfers moved on (every TP rank, every iteration)."""
+        s = self.scheduler
+        if self.bootstrap_queue:
+            polls = agreed_polls([r.transfer.poll() for r in self.bootstrap_queue], s.tp_size, s.tp_cpu_group)
+            waiting = []
+            for req, state in zip(self.bootstrap_queue, polls):
+                if state == KVPoll.FAILED:
+                    s.finish(req, transfer_failed(req.transfer, "bootstrap"))
+                elif state == KVPoll.BOOTSTRAPPING:
+                    waiting.append(req)
+                elif req.transfer.num_slots != len(req.origin_input_ids):
+                    message = (
+                        f"the decode server sees a prompt of {req.transfer.num_slots} tokens, this one of "
+                        f"{len(req.origin_input_ids)}: they do not serve the same model or settings"
+                    )
+                    s.finish(req, FinishReason.error(500, "disaggregation_mismatch", message))
+                else:
+                    s.to_waiting_queue(req)
+            self.bootstrap_queue = waiting
+        if self.inflight_queue:
+            polls = agreed_polls([r.transfer.poll() for r in self.inflight_queue], s.tp_size, s.tp_cpu_group)
+            inflight = []
+            for req, state in zip(self.inflight_queue, polls):
+                if state == KVPoll.SUCCESS:
+                    req.transfer = None
+                    s.tree_cache.cache_finished_req(req)
+                    s.finish(req, FinishReason("length"))
+                elif state == KVPoll.FAILED:
+                    s.tree_cache.cache_finished_req(req)  # (its KV is good: it stays in the prefix cache)
+                    s.finish(req, transfer_failed(req.transfer, "transfer"))
+                else:
+                    inflight.append(req)
+            self.inflight_queue = inflight
+
+    def chunk_done(self, req: Req, computed: int) -> None:
+        """A forward computed the request's prompt up to position `computed` (not its end): the KV of the
+        whole pages before it goes out."""
+        self._send(req, computed - computed % self.scheduler.page_size)
+
+    def prompt_done(self, req: Req, token: int, out: SampleOutput, row: int) -> None:
+        """The last chunk ran and sampled the first token: the rest of the KV goes out with the record,
+        and the request waits for the transfer in the inflight queue."""
+        s, params = self.scheduler, req.sampling_params
+        req.output_ids.append(token)
+        record = PrefillRecord(
+            prompt_len=len(req.origin_input_ids), first_token=token,
+            logprob=out.logprobs[row] if params.logprobs else None,
+            top_logprobs=out.top_logprobs[row] if params.logprobs and params.top_logprobs else None,
+            cached_tokens=req.cached_tokens, media_tokens=[it.num_tokens(s.merge_size) for it in req.mm_items],
+            mrope_delta=req.mrope_delta,
+        )  # fmt: skip
+        self._send(req, len(req.origin_input_ids), record.to_bytes())
+        self.inflight_queue.append(req)
+
+    def _send(self, req: Req, end: int, meta: bytes | None = None) -> None:
+        if end > req.kv_sent or meta is not None:
+            row = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx]
+            req.transfer.send(row[req.kv_sent : end].tolist(), req.kv_sent, meta)
+            req.kv_sent = end
+
+    def remove(self, req: Req) -> bool:
+        """Takes an aborted request out of the PD queues (releasing what it holds); False if it is in
+        neither."""
+        if req in self.bootstrap_queue:
+            self.bootstrap_queue.remove(req)
+            return True
+        if req in self.inflight_queue:
+            self.inflight_queue.remove(req)
+            self.scheduler.tree_cache.cache_finished_req(req)
+            return True
+        return False
+
