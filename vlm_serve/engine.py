@@ -254,7 +254,7 @@ class Engine:
         self._io.outbox.clear()
         stalled = (
             scheduler.last_batch is None and not scheduler.result_queue and not len(scheduler.encoding)
-            and not scheduler.grammar_queue
+            and not scheduler.grammar_queue and not (scheduler.disagg is not None and len(scheduler.disagg))
         )  # fmt: skip
         if stalled and scheduler.reqs and not self._io.inbox:
             raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")

@@ -1,0 +1,135 @@
+"""The PD schedulers (llm/disaggregation/prefill.py, decode.py) as a prefill and a decode engine joined by a
+loopback transfer (tests/pd_loopback.py): a request sent to both sides with one room is answered by the
+decode side exactly as one colocated engine answers it — text, images, chunked prefill, pages, both event
+loops, `n`, log-probs, stop strings, grammars — and a transfer that fails or a request aborted in any
+queue ends as an error or an abort on both sides, whose KV then returns to idle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pd_loopback import PDPair
+
+from vlm_serve.engine import Engine
+from vlm_serve.testing.media import make_image
+
+TEXT = [{"role": "user", "content": "Tell me a story about a cat and a dog."}]
+
+
+def image_chat(seed: int) -> list[dict]:
+    image = make_image(96, 64, seed=seed)
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]}]
+
+
+OPTIONS = {  # the scheduler paths the PD queues must compose with
+    "overlap": {},
+    "normal loop, chunks of 16": {"disable_overlap_schedule": True, "chunked_prefill_size": 16},
+    "pages of 4, chunks of 16": {"page_size": 4, "chunked_prefill_size": 16},
+}
+
+
+@pytest.fixture(scope="module", params=list(OPTIONS))
+def engines(request, tiny_moe_dir):
+    monkeypatch = pytest.MonkeyPatch()
+    options = {"dtype": "float32", **OPTIONS[request.param]}
+    pair = PDPair(tiny_moe_dir, monkeypatch, **options)
+    colocated = Engine(tiny_moe_dir, **options)
+    yield pair, colocated
+    pair.close()
+    colocated.shutdown()
+    monkeypatch.undo()
+
+
+@pytest.fixture(autouse=True)
+def idle_after_each_test(engines):
+    yield
+    pair, colocated = engines
+    for engine in (pair.prefill, pair.decode, colocated):
+        engine.scheduler.check_memory()
+    assert not pair.prefill.scheduler.disagg and not pair.decode.scheduler.disagg  # (every PD queue empty)
+
+
+def answer(pair: PDPair, messages: list[dict], **sampling):
+    x = pair.decode.processor.process_messages(messages, add_generation_prompt=True)
+    prefill, decode = pair.submit(x, **sampling)
+    pair.run((prefill, decode))
+    return pair.prefill.result(prefill), pair.decode.result(decode)
+
+
+@pytest.mark.parametrize("messages", [TEXT, image_chat(1)], ids=["text", "image"])
+def test_the_decode_side_answers_as_one_engine_does(engines, messages):
+    pair, colocated = engines
+    want = colocated.chat(messages, max_tokens=12, temperature=0, ignore_eos=True)
+    prefill, got = answer(pair, messages, max_tokens=12, temperature=0, ignore_eos=True)
+    assert got.token_ids == want.token_ids and got.finish_reason == "length"
+    assert got.prompt_tokens == want.prompt_tokens
+    assert prefill.token_ids == want.token_ids[:1]  # the prefill side sampled the first token only
+    assert pair.decode.scheduler.metrics.computed_prompt_tokens == 0  # the decode side computed no prompt
+
+
+def test_a_repeated_prompt_is_served_from_the_prefill_sides_prefix_cache(engines):
+    pair, _ = engines
+    _, first = answer(pair, image_chat(2), max_tokens=4, temperature=0)
+    _, again = answer(pair, image_chat(2), max_tokens=4, temperature=0)
+    assert again.token_ids == first.token_ids and again.cached_tokens > 0
+
+
+def test_choices_logprobs_and_stop_strings(engines):
+    pair, colocated = engines
+    sampling = {"max_tokens": 10, "temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2}
+    want = colocated.chat(TEXT, **sampling)
+    _, got = answer(pair, TEXT, **sampling)
+    for a, b in zip(got.choices, want.choices, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    stop = colocated.tokenizer.decode(want.choices[0].token_ids[3:5])
+    want = colocated.chat(TEXT, max_tokens=10, temperature=0, stop=[stop])
+    _, got = answer(pair, TEXT, max_tokens=10, temperature=0, stop=[stop])
+    assert (got.text, got.finish_reason) == (want.text, "stop")
+
+
+def test_a_grammar_holds_from_the_prefill_sides_first_token_on(engines):
+    pair, colocated = engines
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    sampling = {"max_tokens": 24, "temperature": 0, "json_schema": json.dumps(schema)}
+    want = colocated.chat(TEXT, **sampling)
+    _, got = answer(pair, TEXT, **sampling)
+    assert got.token_ids == want.token_ids
+    if got.finish_reason == "stop":
+        assert set(json.loads(got.text)) == {"n"}
+
+
+def test_a_failed_transfer_is_an_error_on_both_sides(engines):
+    pair, _ = engines
+    pair.hub.fail_rooms.add(f"{pair.next_room}/0")
+    x = pair.decode.processor.process_messages(TEXT, add_generation_prompt=True)
+    prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
+    pair.run((prefill, decode))
+    for engine, submission in ((pair.prefill, prefill), (pair.decode, decode)):
+        with pytest.raises(Exception, match="KV transfer failed.*injected failure") as failure:
+            engine.result(submission)
+        assert failure.value.status == 503
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_an_aborted_request_ends_on_both_sides(engines, side):
+    """Aborted at once, it is in the prefill side's bootstrap queue or the decode side's prealloc
+    queue; the other side learns it through the transfer."""
+    pair, _ = engines
+    x = pair.decode.processor.process_messages(image_chat(3), add_generation_prompt=True)
+    prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
+    submissions = {"prefill": prefill, "decode": decode}
+    aborted, other = side, {"prefill": "decode", "decode": "prefill"}[side]
+    getattr(pair, aborted).abort(submissions[aborted])
+    pair.run((prefill, decode))
+    assert getattr(pair, aborted).result(submissions[aborted]).finish_reason == "abort"
+    with pytest.raises(Exception, match=f"aborted by the {aborted} side") as failure:
+        getattr(pair, other).result(submissions[other])
+    assert failure.value.status == 503
+
+
+def test_the_decode_side_refuses_media_without_bootstrap_fields(engines):
+    pair, _ = engines
+    with pytest.raises(ValueError, match="bootstrap_room"):
+        pair.decode.chat(image_chat(4), max_tokens=2)
