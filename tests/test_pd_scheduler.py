@@ -133,3 +133,19 @@ def test_the_decode_side_refuses_media_without_bootstrap_fields(engines):
     pair, _ = engines
     with pytest.raises(ValueError, match="bootstrap_room"):
         pair.decode.chat(image_chat(4), max_tokens=2)
+
+
+def test_both_sides_count_their_transfers_for_metrics(engines):
+    pair, _ = engines
+    before = [e.scheduler.get_stats() for e in (pair.prefill, pair.decode)]
+    prefill, _ = answer(pair, TEXT, max_tokens=2, temperature=0)
+    pair.hub.fail_rooms.add(f"{pair.next_room}/0")
+    with pytest.raises(Exception, match="KV transfer failed"):
+        answer(pair, TEXT, max_tokens=2, temperature=0)
+    for engine, old, queues in zip((pair.prefill, pair.decode), before, ({"bootstrap", "inflight"}, {"prealloc", "transfer"})):
+        stats = engine.scheduler.get_stats()
+        assert stats.disaggregation_queues == dict.fromkeys(queues, 0)
+        token_bytes = engine.scheduler.disagg.token_bytes
+        assert stats.kv_transfer_bytes - old.kv_transfer_bytes == prefill.prompt_tokens * token_bytes
+        assert stats.kv_transfer_seconds["count"] == old.kv_transfer_seconds["count"] + 1
+        assert stats.kv_transfer_failures.get("transfer", 0) == old.kv_transfer_failures.get("transfer", 0) + 1

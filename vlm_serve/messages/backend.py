@@ -95,6 +95,12 @@ class StatsOut:
     media_items: int
     media_seconds: dict[str, Any]  # stage -> Histogram
     vit_items: int  # images and videos run through a vision tower (once each, however many requests wait)
+    # PD (none in a colocated server): queue sizes by name, and the KV transfers (all TP ranks' bytes)
+    disaggregation_queues: dict[str, int] = field(default_factory=dict)
+    kv_transfer_bytes: int = 0
+    kv_transfer_request_bytes: dict[str, Any] | None = None  # a Histogram's fields
+    kv_transfer_seconds: dict[str, Any] | None = None
+    kv_transfer_failures: dict[str, int] = field(default_factory=dict)  # by the stage they failed at
 
 
 @dataclass

@@ -86,6 +86,24 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
         "media_stage_seconds", {k: Histogram(**v) for k, v in stats.media_seconds.items()}, "stage",
         "Time per image/video in each stage: fetch, decode, preprocess, hash, encoder_wait, vit.",
     )  # fmt: skip
+    if stats.kv_transfer_seconds is not None:  # a PD server
+        out.labelled(
+            "disaggregation_queue_size", "gauge", stats.disaggregation_queues, "queue",
+            "Requests in each prefill/decode queue (bootstrap, inflight; prealloc, transfer).",
+        )  # fmt: skip
+        out.counter("kv_transfer_bytes", stats.kv_transfer_bytes, "KV bytes of finished transfers (sent or received).")
+        out.histograms(
+            "kv_transfer_request_bytes", {"": Histogram(**stats.kv_transfer_request_bytes)}, "",
+            "KV bytes per request's transfer.",
+        )  # fmt: skip
+        out.histograms(
+            "kv_transfer_seconds", {"": Histogram(**stats.kv_transfer_seconds)}, "",
+            "Time from a request's first KV sent (prefill) or destination given (decode) to the end of its transfer.",
+        )  # fmt: skip
+        out.labelled(
+            "kv_transfer_failures_total", "counter", stats.kv_transfer_failures, "stage",
+            "KV transfers that failed, by the stage they failed at (bootstrap, transfer, mismatch).",
+        )  # fmt: skip
     out.counter("requests", server.num_requests, "Requests received (a request with n choices counts once).")
     out.labelled("requests_finished_total", "counter", server.num_finished, "reason", "Choices finished, by reason.")
     out.counter("requests_rejected", server.num_rejected, "Requests that failed by their own fault (400).")

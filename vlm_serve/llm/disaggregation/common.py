@@ -4,13 +4,18 @@ how the TP ranks of one server agree on where their transfers stand."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from vlm_serve.llm.disaggregation.transfer import KVPoll, KVReceiver, KVSender
-from vlm_serve.llm.scheduler.schedule_batch import FinishReason
+from vlm_serve.llm.disaggregation.transfer import KVPoll, KVReceiver, KVSender, TransferBackend
+from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req
+
+if TYPE_CHECKING:
+    from vlm_serve.llm.scheduler.scheduler import Scheduler
 
 META_SLOT_BYTES = 4096  # one record; a request's record (its first token's top log-probs at most) is far smaller
 
@@ -53,6 +58,38 @@ def agreed_polls(polls: list[KVPoll], tp_size: int, group: dist.ProcessGroup | N
     return [KVPoll(s) for s in states.tolist()]
 
 
-def transfer_failed(transfer: KVSender | KVReceiver, stage: str) -> FinishReason:
-    """How a request whose transfer failed ends: the server's fault (503), with the backend's reason."""
-    return FinishReason.error(503, "kv_transfer_failed", f"the KV transfer failed at {stage}: {transfer.failure}")
+class Disaggregation:
+    """What both sides' queues share: the scheduler that drives them, the rank's transfer backend, and
+    the transfers' figures for /metrics."""
+
+    def __init__(self, scheduler: Scheduler, backend: TransferBackend) -> None:
+        self.scheduler = scheduler
+        self.backend = backend
+        pool = scheduler.runner.token_to_kv_pool
+        # one token's KV on all TP ranks (equal shares: this rank's times their number)
+        self.token_bytes = sum(b[0].nbytes for b in (*pool.k_buffer, *pool.v_buffer)) * scheduler.tp_size
+        self.started: dict[str, float] = {}  # rid -> when its transfer started
+
+    def polls(self, reqs: list[Req]) -> list[KVPoll]:
+        s = self.scheduler
+        return agreed_polls([r.transfer.poll() for r in reqs], s.tp_size, s.tp_cpu_group)
+
+    def transfer_started(self, req: Req) -> None:
+        self.started.setdefault(req.rid, time.monotonic())
+
+    def transfer_succeeded(self, req: Req) -> None:
+        seconds = time.monotonic() - self.started.pop(req.rid)
+        self.scheduler.metrics.observe_transfer(len(req.origin_input_ids) * self.token_bytes, seconds)
+
+    def fail(self, req: Req, stage: str, reason: FinishReason | None = None) -> None:
+        """Ends a request whose transfer failed at `stage` (as the backend says why, unless `reason`)."""
+        self.started.pop(req.rid, None)
+        self.scheduler.metrics.transfer_failed(stage)
+        if reason is None:
+            message = f"the KV transfer failed at {stage}: {req.transfer.failure}"
+            reason = FinishReason.error(503, "kv_transfer_failed", message)
+        self.scheduler.finish(req, reason)
+
+    def forget(self, req: Req) -> None:
+        """An aborted request's transfer is not timed."""
+        self.started.pop(req.rid, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vlm_serve.llm.disaggregation.common import PrefillRecord, agreed_polls, transfer_failed
+from vlm_serve.llm.disaggregation.common import Disaggregation, PrefillRecord
 from vlm_serve.llm.disaggregation.transfer import KVPoll, TransferBackend
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req
 from vlm_serve.llm.scheduler.schedule_policy import PrefillAdder
@@ -22,17 +22,19 @@ if TYPE_CHECKING:
     from vlm_serve.llm.scheduler.scheduler import Scheduler
 
 
-class DecodeDisaggregation:
+class DecodeDisaggregation(Disaggregation):
     """The decode server's PD queues, driven by its scheduler."""
 
     def __init__(self, scheduler: Scheduler, backend: TransferBackend) -> None:
-        self.scheduler = scheduler
-        self.backend = backend
+        super().__init__(scheduler, backend)
         self.prealloc_queue: list[Req] = []  # waiting for its prefill rank and for KV slots
         self.transfer_queue: list[Req] = []  # slots allocated, KV on its way
 
     def __len__(self) -> int:
         return len(self.prealloc_queue) + len(self.transfer_queue)
+
+    def queue_sizes(self) -> dict[str, int]:
+        return {"prealloc": len(self.prealloc_queue), "transfer": len(self.transfer_queue)}
 
     def add(self, req: Req) -> None:
         req.transfer = self.backend.receiver(req.bootstrap)
@@ -40,13 +42,11 @@ class DecodeDisaggregation:
 
     def process(self) -> None:
         """Moves on the requests whose transfers moved on (every TP rank, every iteration)."""
-        s = self.scheduler
         if self.prealloc_queue:
-            polls = agreed_polls([r.transfer.poll() for r in self.prealloc_queue], s.tp_size, s.tp_cpu_group)
             adder, waiting, full = None, [], False
-            for req, state in zip(self.prealloc_queue, polls):
+            for req, state in zip(self.prealloc_queue, self.polls(self.prealloc_queue)):
                 if state == KVPoll.FAILED:
-                    s.finish(req, transfer_failed(req.transfer, "bootstrap"))
+                    self.fail(req, "bootstrap")
                 elif state == KVPoll.BOOTSTRAPPING or full:  # (in order: none overtakes one waiting for KV)
                     waiting.append(req)
                 else:
@@ -58,14 +58,13 @@ class DecodeDisaggregation:
                         full = True
             self.prealloc_queue = waiting
         if self.transfer_queue:
-            polls = agreed_polls([r.transfer.poll() for r in self.transfer_queue], s.tp_size, s.tp_cpu_group)
             transferring = []
-            for req, state in zip(self.transfer_queue, polls):
+            for req, state in zip(self.transfer_queue, self.polls(self.transfer_queue)):
                 if state == KVPoll.SUCCESS:
                     self._start_decoding(req)
                 elif state == KVPoll.FAILED:
                     self.release(req)
-                    s.finish(req, transfer_failed(req.transfer, "transfer"))
+                    self.fail(req, "transfer")
                 else:
                     transferring.append(req)
             self.transfer_queue = transferring
@@ -95,6 +94,7 @@ class DecodeDisaggregation:
         req.req_pool_idx, req.last_node = rows[0], s.tree_cache.root
         s.req_to_token_pool.write(req.req_pool_idx, 0, slots)
         req.transfer.init(slots.tolist(), req.req_pool_idx)
+        self.transfer_started(req)
         return True
 
     def _start_decoding(self, req: Req) -> None:
@@ -108,8 +108,9 @@ class DecodeDisaggregation:
                 f"{record.media_tokens} tokens; this one has {len(req.origin_input_ids)} and {media_tokens}"
             )
             self.release(req)
-            s.finish(req, FinishReason.error(500, "disaggregation_mismatch", message))
+            self.fail(req, "mismatch", FinishReason.error(500, "disaggregation_mismatch", message))
             return
+        self.transfer_succeeded(req)
         req.kv_len, req.cached_tokens, req.mrope_delta = record.prompt_len, record.cached_tokens, record.mrope_delta
         req.transfer = None  # (done: the request is an ordinary running one from here on)
         if req.grammar is not None:
@@ -141,6 +142,7 @@ class DecodeDisaggregation:
     def remove(self, req: Req) -> bool:
         """Takes an aborted request out of the PD queues (releasing what it holds); False if it is in
         neither."""
+        self.forget(req)
         if req in self.prealloc_queue:
             self.prealloc_queue.remove(req)
             return True

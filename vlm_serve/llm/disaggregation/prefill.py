@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vlm_serve.llm.disaggregation.common import PrefillRecord, agreed_polls, transfer_failed
+from vlm_serve.llm.disaggregation.common import Disaggregation, PrefillRecord
 from vlm_serve.llm.disaggregation.transfer import KVPoll, TransferBackend
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req
 
@@ -22,17 +22,19 @@ if TYPE_CHECKING:
     from vlm_serve.llm.scheduler.scheduler import Scheduler
 
 
-class PrefillDisaggregation:
+class PrefillDisaggregation(Disaggregation):
     """The prefill server's PD queues, driven by its scheduler."""
 
     def __init__(self, scheduler: Scheduler, backend: TransferBackend) -> None:
-        self.scheduler = scheduler
-        self.backend = backend
+        super().__init__(scheduler, backend)
         self.bootstrap_queue: list[Req] = []  # waiting for the decode side's destination
         self.inflight_queue: list[Req] = []  # prompt done, KV on its way
 
     def __len__(self) -> int:
         return len(self.bootstrap_queue) + len(self.inflight_queue)
+
+    def queue_sizes(self) -> dict[str, int]:
+        return {"bootstrap": len(self.bootstrap_queue), "inflight": len(self.inflight_queue)}
 
     def add(self, req: Req) -> None:
         req.transfer = self.backend.sender(req.bootstrap)
@@ -42,11 +44,10 @@ class PrefillDisaggregation:
         """Moves on the requests whose transfers moved on (every TP rank, every iteration)."""
         s = self.scheduler
         if self.bootstrap_queue:
-            polls = agreed_polls([r.transfer.poll() for r in self.bootstrap_queue], s.tp_size, s.tp_cpu_group)
             waiting = []
-            for req, state in zip(self.bootstrap_queue, polls):
+            for req, state in zip(self.bootstrap_queue, self.polls(self.bootstrap_queue)):
                 if state == KVPoll.FAILED:
-                    s.finish(req, transfer_failed(req.transfer, "bootstrap"))
+                    self.fail(req, "bootstrap")
                 elif state == KVPoll.BOOTSTRAPPING:
                     waiting.append(req)
                 elif req.transfer.num_slots != len(req.origin_input_ids):
@@ -54,21 +55,21 @@ class PrefillDisaggregation:
                         f"the decode server sees a prompt of {req.transfer.num_slots} tokens, this one of "
                         f"{len(req.origin_input_ids)}: they do not serve the same model or settings"
                     )
-                    s.finish(req, FinishReason.error(500, "disaggregation_mismatch", message))
+                    self.fail(req, "mismatch", FinishReason.error(500, "disaggregation_mismatch", message))
                 else:
                     s.to_waiting_queue(req)
             self.bootstrap_queue = waiting
         if self.inflight_queue:
-            polls = agreed_polls([r.transfer.poll() for r in self.inflight_queue], s.tp_size, s.tp_cpu_group)
             inflight = []
-            for req, state in zip(self.inflight_queue, polls):
+            for req, state in zip(self.inflight_queue, self.polls(self.inflight_queue)):
                 if state == KVPoll.SUCCESS:
+                    self.transfer_succeeded(req)
                     req.transfer = None
                     s.tree_cache.cache_finished_req(req)
                     s.finish(req, FinishReason("length"))
                 elif state == KVPoll.FAILED:
                     s.tree_cache.cache_finished_req(req)  # (its KV is good: it stays in the prefix cache)
-                    s.finish(req, transfer_failed(req.transfer, "transfer"))
+                    self.fail(req, "transfer")
                 else:
                     inflight.append(req)
             self.inflight_queue = inflight
@@ -95,6 +96,7 @@ class PrefillDisaggregation:
 
     def _send(self, req: Req, end: int, meta: bytes | None = None) -> None:
         if end > req.kv_sent or meta is not None:
+            self.transfer_started(req)
             row = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx]
             req.transfer.send(row[req.kv_sent : end].tolist(), req.kv_sent, meta)
             req.kv_sent = end
@@ -102,6 +104,7 @@ class PrefillDisaggregation:
     def remove(self, req: Req) -> bool:
         """Takes an aborted request out of the PD queues (releasing what it holds); False if it is in
         neither."""
+        self.forget(req)
         if req in self.bootstrap_queue:
             self.bootstrap_queue.remove(req)
             return True
@@ -110,4 +113,3 @@ class PrefillDisaggregation:
             self.scheduler.tree_cache.cache_finished_req(req)
             return True
         return False
-

@@ -31,6 +31,9 @@ class Histogram:
         self.count += 1
 
 
+BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 12))  # 4 KiB ... 4 GiB
+
+
 def _stage_histograms() -> dict[str, Histogram]:
     return {stage: Histogram() for stage in MEDIA_STAGES}
 
@@ -56,6 +59,11 @@ class SchedulerMetrics:
     time_process: float = 0.0
     media_items: int = 0  # images and videos of requests that passed the encoding stage
     media_seconds: dict[str, Histogram] = field(default_factory=_stage_histograms)  # per MEDIA_STAGES stage
+    # PD: requests' KV transfers (sent on the prefill side, received on the decode side), this rank's share
+    kv_transfer_bytes: int = 0
+    kv_transfer_request_bytes: Histogram = field(default_factory=lambda: Histogram(BYTES_BUCKETS))
+    kv_transfer_seconds: Histogram = field(default_factory=Histogram)  # first KV sent / destination given .. done
+    kv_transfer_failures: dict[str, int] = field(default_factory=dict)  # by the stage it failed at
 
     def reset(self) -> None:
         for f in fields(self):
@@ -66,6 +74,14 @@ class SchedulerMetrics:
             self.media_items += 1
             for stage, histogram in self.media_seconds.items():
                 histogram.observe(getattr(item.timings, stage))
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        self.kv_transfer_bytes += nbytes
+        self.kv_transfer_request_bytes.observe(nbytes)
+        self.kv_transfer_seconds.observe(seconds)
+
+    def transfer_failed(self, stage: str) -> None:
+        self.kv_transfer_failures[stage] = self.kv_transfer_failures.get(stage, 0) + 1
 
     @property
     def cache_hit_rate(self) -> float:

@@ -790,7 +790,7 @@ class Scheduler:
         m, cache, encoder = self.metrics, self.encoding.cache, self.encoding.encoder
         if encoder is not None and not len(self.encoding):  # (else it is polled every iteration) the encoder's news
             self.encoding.poll()
-        return StatsOut(
+        stats = StatsOut(
             num_running=len(self.running_batch.reqs), num_waiting=len(self.waiting_queue),
             num_encoding=len(self.encoding), kv_usage=self.num_used_tokens / self.max_total_tokens,
             max_total_tokens=self.max_total_tokens, prefix_cache_hit_rate=m.cache_hit_rate,
@@ -804,6 +804,13 @@ class Scheduler:
             media_items=m.media_items, media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
             vit_items=encoder.num_items if encoder else 0,
         )  # fmt: skip
+        if self.disagg is not None:
+            stats.disaggregation_queues = self.disagg.queue_sizes()
+            stats.kv_transfer_bytes = m.kv_transfer_bytes
+            stats.kv_transfer_request_bytes = asdict(m.kv_transfer_request_bytes)
+            stats.kv_transfer_seconds = asdict(m.kv_transfer_seconds)
+            stats.kv_transfer_failures = dict(m.kv_transfer_failures)
+        return stats
 
     def self_check_when_idle(self) -> None:
         if self.is_idle() and not self._idle_checked:
