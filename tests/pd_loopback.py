@@ -113,6 +113,10 @@ class LoopbackBackend(TransferBackend):
     def receiver(self, bootstrap: BootstrapInfo) -> KVReceiver:
         return LoopbackReceiver(self.hub, bootstrap.room)
 
+    @property
+    def num_rooms(self) -> int:
+        return len(self.hub.rooms)
+
     def close(self) -> None:
         pass
 
@@ -121,7 +125,7 @@ class PDPair:
     """A prefill and a decode `Engine` of the same checkpoint, joined by a loopback hub; `submit` sends a
     request to both with one room, as sglang-router sends it, and `result` is the decode side's answer."""
 
-    def __init__(self, model, monkeypatch, **options) -> None:
+    def __init__(self, model, monkeypatch, decode_options: dict | None = None, **options) -> None:
         self.hub = Hub()
         # the loopback copies between the pools themselves: the "layout" it gets is the pool
         monkeypatch.setattr(scheduler_module.KVLayout, "of", staticmethod(lambda pool, meta: pool), raising=False)
@@ -129,7 +133,7 @@ class PDPair:
             scheduler_module, "create_transfer_backend", lambda args, mode, rank, pool: LoopbackBackend(self.hub, mode, pool)
         )
         self.prefill = Engine(model, disaggregation_mode="prefill", **options)
-        self.decode = Engine(model, disaggregation_mode="decode", **options)
+        self.decode = Engine(model, disaggregation_mode="decode", **{**options, **(decode_options or {})})
         self.next_room = 0  # the room the next request gets
 
     def submit(self, x: ProcessedInput, **sampling) -> tuple[Submission, Submission]:

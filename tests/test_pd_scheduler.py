@@ -42,9 +42,11 @@ def engines(request, tiny_moe_dir):
 
 
 @pytest.fixture(autouse=True)
-def idle_after_each_test(engines):
+def idle_after_each_test(request):
     yield
-    pair, colocated = engines
+    if "engines" not in request.fixturenames:
+        return
+    pair, colocated = request.getfixturevalue("engines")
     for engine in (pair.prefill, pair.decode, colocated):
         engine.scheduler.check_memory()
     assert not pair.prefill.scheduler.disagg and not pair.decode.scheduler.disagg  # (every PD queue empty)
@@ -149,3 +151,21 @@ def test_both_sides_count_their_transfers_for_metrics(engines):
         assert stats.kv_transfer_bytes - old.kv_transfer_bytes == prefill.prompt_tokens * token_bytes
         assert stats.kv_transfer_seconds["count"] == old.kv_transfer_seconds["count"] + 1
         assert stats.kv_transfer_failures.get("transfer", 0) == old.kv_transfer_failures.get("transfer", 0) + 1
+
+
+def test_a_request_the_decode_side_refuses_fails_on_the_prefill_side_at_once(tiny_moe_dir, monkeypatch):
+    """(Too long for the decode server's context: a 400 there, and the prefill side stops waiting.)"""
+    pair = PDPair(tiny_moe_dir, monkeypatch, decode_options={"context_length": 16}, dtype="float32")
+    try:
+        x = pair.decode.processor.process_messages(TEXT, add_generation_prompt=True)
+        prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
+        pair.run((prefill, decode))
+        with pytest.raises(ValueError, match="context length 16"):
+            pair.decode.result(decode)
+        with pytest.raises(Exception, match="aborted by the decode side") as failure:
+            pair.prefill.result(prefill)
+        assert failure.value.status == 503
+        for engine in (pair.prefill, pair.decode):
+            engine.scheduler.check_memory()
+    finally:
+        pair.close()

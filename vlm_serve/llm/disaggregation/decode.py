@@ -20,6 +20,7 @@ from vlm_serve.llm.scheduler.schedule_policy import PrefillAdder
 
 if TYPE_CHECKING:
     from vlm_serve.llm.scheduler.scheduler import Scheduler
+    from vlm_serve.messages.backend import BootstrapInfo
 
 
 class DecodeDisaggregation(Disaggregation):
@@ -39,6 +40,10 @@ class DecodeDisaggregation(Disaggregation):
     def add(self, req: Req) -> None:
         req.transfer = self.backend.receiver(req.bootstrap)
         self.prealloc_queue.append(req)
+
+    def refuse(self, bootstrap: BootstrapInfo, why: str) -> None:
+        """This side refused a request: its prefill side learns it at once rather than waiting for it."""
+        self.backend.receiver(bootstrap).abort()
 
     def process(self) -> None:
         """Moves on the requests whose transfers moved on (every TP rank, every iteration)."""

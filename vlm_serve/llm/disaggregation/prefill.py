@@ -19,6 +19,7 @@ from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req
 
 if TYPE_CHECKING:
     from vlm_serve.llm.layers.sampler import SampleOutput
+    from vlm_serve.messages.backend import BootstrapInfo
     from vlm_serve.llm.scheduler.scheduler import Scheduler
 
 
@@ -39,6 +40,10 @@ class PrefillDisaggregation(Disaggregation):
     def add(self, req: Req) -> None:
         req.transfer = self.backend.sender(req.bootstrap)
         self.bootstrap_queue.append(req)
+
+    def refuse(self, bootstrap: BootstrapInfo, why: str) -> None:
+        """This side refused a request: its decode side learns it at once rather than waiting for it."""
+        self.backend.sender(bootstrap).abort()
 
     def process(self) -> None:
         """Moves on the requests whose transfers moved on (every TP rank, every iteration)."""

@@ -297,6 +297,8 @@ class Scheduler:
             self._outputs.append(
                 TokenIdOut(message.rid, finish_reason="error", message=str(exc), status=400, code="invalid_request")
             )
+            if req.bootstrap is not None and self.disagg is not None:
+                self.disagg.refuse(req.bootstrap, str(exc))
 
     def add_request(self, req: Req) -> None:
         """Validates and queues a request; a request that can never run raises ValueError."""
