@@ -136,20 +136,20 @@ class PDPair:
         self.decode = Engine(model, disaggregation_mode="decode", **{**options, **(decode_options or {})})
         self.next_room = 0  # the room the next request gets
 
-    def submit(self, x: ProcessedInput, **sampling) -> tuple[Submission, Submission]:
-        """The request on both sides (prefill's, decode's), with a new room."""
+    def submit(self, x: ProcessedInput, sides: tuple[str, ...] = ("prefill", "decode"), **sampling) -> list[Submission]:
+        """The request on both sides (prefill's, decode's), or on those named, with a new room."""
         room, self.next_room = self.next_room, self.next_room + 1
         submissions = []
-        for engine in (self.prefill, self.decode):
+        for engine in (getattr(self, side) for side in sides):
             before = len(engine._io.inbox)
             submissions.append(engine.submit(x, **sampling))
             for i, message in enumerate(list(engine._io.inbox)[before:]):
                 message.bootstrap = BootstrapInfo("loopback", 0, f"{room}/{i}")
-        return submissions[0], submissions[1]
+        return submissions
 
-    def run(self, *pairs: tuple[Submission, Submission]) -> None:
+    def run(self, *submissions: Submission) -> None:
         """Steps both engines until every submission is done."""
-        while not all(p.done and d.done for p, d in pairs):
+        while not all(s.done for s in submissions):
             self.prefill.step()
             self.decode.step()
 

@@ -55,7 +55,7 @@ def idle_after_each_test(request):
 def answer(pair: PDPair, messages: list[dict], **sampling):
     x = pair.decode.processor.process_messages(messages, add_generation_prompt=True)
     prefill, decode = pair.submit(x, **sampling)
-    pair.run((prefill, decode))
+    pair.run(prefill, decode)
     return pair.prefill.result(prefill), pair.decode.result(decode)
 
 
@@ -107,7 +107,7 @@ def test_a_failed_transfer_is_an_error_on_both_sides(engines):
     pair.hub.fail_rooms.add(f"{pair.next_room}/0")
     x = pair.decode.processor.process_messages(TEXT, add_generation_prompt=True)
     prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
-    pair.run((prefill, decode))
+    pair.run(prefill, decode)
     for engine, submission in ((pair.prefill, prefill), (pair.decode, decode)):
         with pytest.raises(Exception, match="KV transfer failed.*injected failure") as failure:
             engine.result(submission)
@@ -124,7 +124,7 @@ def test_an_aborted_request_ends_on_both_sides(engines, side):
     submissions = {"prefill": prefill, "decode": decode}
     aborted, other = side, {"prefill": "decode", "decode": "prefill"}[side]
     getattr(pair, aborted).abort(submissions[aborted])
-    pair.run((prefill, decode))
+    pair.run(prefill, decode)
     assert getattr(pair, aborted).result(submissions[aborted]).finish_reason == "abort"
     with pytest.raises(Exception, match=f"aborted by the {aborted} side") as failure:
         getattr(pair, other).result(submissions[other])
@@ -159,7 +159,7 @@ def test_a_request_the_decode_side_refuses_fails_on_the_prefill_side_at_once(tin
     try:
         x = pair.decode.processor.process_messages(TEXT, add_generation_prompt=True)
         prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
-        pair.run((prefill, decode))
+        pair.run(prefill, decode)
         with pytest.raises(ValueError, match="context length 16"):
             pair.decode.result(decode)
         with pytest.raises(Exception, match="aborted by the decode side") as failure:
@@ -167,5 +167,22 @@ def test_a_request_the_decode_side_refuses_fails_on_the_prefill_side_at_once(tin
         assert failure.value.status == 503
         for engine in (pair.prefill, pair.decode):
             engine.scheduler.check_memory()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_request_whose_other_side_never_comes_fails_after_the_timeout(tiny_moe_dir, monkeypatch, side):
+    pair = PDPair(tiny_moe_dir, monkeypatch, dtype="float32", disaggregation_timeout=0.2)
+    try:
+        x = pair.decode.processor.process_messages(TEXT, add_generation_prompt=True)
+        (alone,) = pair.submit(x, sides=(side,), max_tokens=4, temperature=0)
+        pair.run(alone)
+        with pytest.raises(Exception, match="did not answer within 0.2 s") as failure:
+            getattr(pair, side).result(alone)
+        assert failure.value.status == 503
+        assert getattr(pair, side).scheduler.get_stats().kv_transfer_failures == {"timeout": 1}
+        getattr(pair, side).scheduler.check_memory()
+        assert not getattr(pair, side).scheduler.disagg.entered  # (nothing left behind)
     finally:
         pair.close()

@@ -106,6 +106,7 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998  # prefill side: where decode servers find its ranks
     disaggregation_transfer_backend: str = "mooncake"  # how KV moves (fake: it does not; for tests)
     disaggregation_ib_device: str | None = None  # RDMA device(s) for Mooncake, e.g. mlx5_0; none = TCP
+    disaggregation_timeout: float = 300.0  # seconds a PD request waits for its other side in each queue
     log_interval: int = 40  # scheduler steps between log lines
     log_level: str = "warning"  # info shows the scheduler's log lines
     seed: int = 0  # seed of the sampler's random numbers where a request gives none
@@ -145,7 +146,7 @@ class ServerArgs:
         for name in ("port", "disaggregation_bootstrap_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], not {getattr(self, name)}")
-        for name in ("media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout"):
+        for name in ("media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout", "disaggregation_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
         if self.schedule_conservativeness <= 0:

@@ -59,37 +59,62 @@ def agreed_polls(polls: list[KVPoll], tp_size: int, group: dist.ProcessGroup | N
 
 
 class Disaggregation:
-    """What both sides' queues share: the scheduler that drives them, the rank's transfer backend, and
-    the transfers' figures for /metrics."""
+    """What both sides' queues share: the scheduler that drives them, the rank's transfer backend, the
+    wait limit in each queue (`--disaggregation-timeout`: the other side may have died), and the
+    transfers' figures for /metrics."""
 
     def __init__(self, scheduler: Scheduler, backend: TransferBackend) -> None:
         self.scheduler = scheduler
         self.backend = backend
+        self.timeout = scheduler.server_args.disaggregation_timeout
         pool = scheduler.runner.token_to_kv_pool
         # one token's KV on all TP ranks (equal shares: this rank's times their number)
         self.token_bytes = sum(b[0].nbytes for b in (*pool.k_buffer, *pool.v_buffer)) * scheduler.tp_size
+        self.entered: dict[str, float] = {}  # rid -> when it entered its PD queue
         self.started: dict[str, float] = {}  # rid -> when its transfer started
+        self.timed_out: set[str] = set()
+
+    def enter(self, req: Req) -> None:
+        """The request enters one of the PD queues, where it may wait `timeout` for the other side."""
+        self.entered[req.rid] = time.monotonic()
 
     def polls(self, reqs: list[Req]) -> list[KVPoll]:
-        s = self.scheduler
-        return agreed_polls([r.transfer.poll() for r in reqs], s.tp_size, s.tp_cpu_group)
+        """Where each request's transfer stands, as the TP group agrees; one that waited too long in its
+        queue has FAILED."""
+        s, now, states = self.scheduler, time.monotonic(), []
+        for req in reqs:
+            state = req.transfer.poll()
+            if state not in (KVPoll.SUCCESS, KVPoll.FAILED) and now - self.entered[req.rid] > self.timeout:
+                state = KVPoll.FAILED
+                self.timed_out.add(req.rid)
+            states.append(state)
+        return agreed_polls(states, s.tp_size, s.tp_cpu_group)
 
     def transfer_started(self, req: Req) -> None:
         self.started.setdefault(req.rid, time.monotonic())
 
     def transfer_succeeded(self, req: Req) -> None:
         seconds = time.monotonic() - self.started.pop(req.rid)
+        self.entered.pop(req.rid, None)
         self.scheduler.metrics.observe_transfer(len(req.origin_input_ids) * self.token_bytes, seconds)
 
     def fail(self, req: Req, stage: str, reason: FinishReason | None = None) -> None:
         """Ends a request whose transfer failed at `stage` (as the backend says why, unless `reason`)."""
-        self.started.pop(req.rid, None)
-        self.scheduler.metrics.transfer_failed(stage)
-        if reason is None:
-            message = f"the KV transfer failed at {stage}: {req.transfer.failure}"
+        if req.rid in self.timed_out:
+            stage = "timeout"
+            message = (
+                f"the other side of this prefill/decode pair did not answer within {self.timeout:g} s "
+                "(--disaggregation-timeout)"
+            )
+            reason = FinishReason.error(503, "kv_transfer_timeout", message)
+        elif reason is None:
+            message = f"the KV transfer failed at {stage}: {req.transfer.failure or 'the other side failed'}"
             reason = FinishReason.error(503, "kv_transfer_failed", message)
+        self.scheduler.metrics.transfer_failed(stage)
         self.scheduler.finish(req, reason)
 
     def forget(self, req: Req) -> None:
-        """An aborted request's transfer is not timed."""
-        self.started.pop(req.rid, None)
+        """A request has finished (the scheduler calls this for every request)."""
+        for held in (self.entered, self.started):
+            held.pop(req.rid, None)
+        self.timed_out.discard(req.rid)

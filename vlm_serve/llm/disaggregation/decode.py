@@ -40,6 +40,7 @@ class DecodeDisaggregation(Disaggregation):
     def add(self, req: Req) -> None:
         req.transfer = self.backend.receiver(req.bootstrap)
         self.prealloc_queue.append(req)
+        self.enter(req)
 
     def refuse(self, bootstrap: BootstrapInfo, why: str) -> None:
         """This side refused a request: its prefill side learns it at once rather than waiting for it."""
@@ -58,6 +59,7 @@ class DecodeDisaggregation(Disaggregation):
                     adder = adder or self._budget()
                     if self._preallocate(req, adder):
                         self.transfer_queue.append(req)
+                        self.enter(req)
                     else:
                         waiting.append(req)
                         full = True
@@ -147,7 +149,6 @@ class DecodeDisaggregation(Disaggregation):
     def remove(self, req: Req) -> bool:
         """Takes an aborted request out of the PD queues (releasing what it holds); False if it is in
         neither."""
-        self.forget(req)
         if req in self.prealloc_queue:
             self.prealloc_queue.remove(req)
             return True

@@ -40,6 +40,7 @@ class PrefillDisaggregation(Disaggregation):
     def add(self, req: Req) -> None:
         req.transfer = self.backend.sender(req.bootstrap)
         self.bootstrap_queue.append(req)
+        self.enter(req)
 
     def refuse(self, bootstrap: BootstrapInfo, why: str) -> None:
         """This side refused a request: its decode side learns it at once rather than waiting for it."""
@@ -98,6 +99,7 @@ class PrefillDisaggregation(Disaggregation):
         )  # fmt: skip
         self._send(req, len(req.origin_input_ids), record.to_bytes())
         self.inflight_queue.append(req)
+        self.enter(req)
 
     def _send(self, req: Req, end: int, meta: bytes | None = None) -> None:
         if end > req.kv_sent or meta is not None:
@@ -109,7 +111,6 @@ class PrefillDisaggregation(Disaggregation):
     def remove(self, req: Req) -> bool:
         """Takes an aborted request out of the PD queues (releasing what it holds); False if it is in
         neither."""
-        self.forget(req)
         if req in self.bootstrap_queue:
             self.bootstrap_queue.remove(req)
             return True

@@ -488,6 +488,8 @@ class Scheduler:
     def finish(self, req: Req, reason: FinishReason) -> None:
         if req.transfer is not None and reason.kind in ("abort", "error"):
             req.transfer.abort()  # (the other side learns it; a finished transfer ignores it)
+        if self.disagg is not None:
+            self.disagg.forget(req)
         self.encoding.release(req)
         req.finished_reason = reason
         del self.reqs[req.rid]
