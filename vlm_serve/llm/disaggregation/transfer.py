@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    import torch
+
     from vlm_serve.config import ServerArgs
+    from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
     from vlm_serve.messages.backend import BootstrapInfo
 
 Mode = Literal["prefill", "decode"]
@@ -55,11 +58,29 @@ class KVLayout:
     meta_slots: int
     meta_slot_bytes: int
 
+    @classmethod
+    def of(cls, pool: TokenToKVPool, meta: torch.Tensor) -> KVLayout:
+        """The layout of `pool`'s buffers and of `meta`, a (records, bytes per record) tensor. The tensors
+        must outlive every backend made with it: the layout holds their addresses, not them."""
+        buffers = [*pool.k_buffer, *pool.v_buffer]
+        if not all(b.is_contiguous() for b in [*buffers, meta]):
+            raise ValueError("KV and metadata buffers must be contiguous to be transferred as bytes")
+        return cls(
+            buffer_ptrs=[b.data_ptr() for b in buffers],
+            buffer_lens=[b.numel() * b.element_size() for b in buffers],
+            slot_bytes=[b[0].numel() * b.element_size() for b in buffers],
+            page_size=pool.page_size,
+            meta_ptr=meta.data_ptr(),
+            meta_slots=meta.shape[0],
+            meta_slot_bytes=meta[0].numel() * meta.element_size(),
+        )
+
 
 class KVSender(ABC):
     """The prefill side of one request's transfer."""
 
     failure: str | None = None  # why poll() says FAILED
+    bytes_sent: int = 0  # KV and record bytes written to the decode side so far (none by the fake backend)
 
     @abstractmethod
     def poll(self) -> KVPoll: ...
@@ -107,10 +128,27 @@ class TransferBackend(ABC):
     @abstractmethod
     def receiver(self, bootstrap: BootstrapInfo) -> KVReceiver: ...
 
+    @property
+    @abstractmethod
+    def num_rooms(self) -> int:
+        """Rooms this rank holds state for: live senders or receivers, destinations waiting for their
+        request, and the short-lived notes of rooms that failed before their peer knew (which expire)."""
+
     @abstractmethod
     def close(self) -> None: ...
 
 
 def create_transfer_backend(server_args: ServerArgs, mode: Mode, tp_rank: int, layout: KVLayout) -> TransferBackend:
-    """The backend `--disaggregation-transfer-backend` names, for this rank."""
-    raise NotImplementedError
+    """The backend `--disaggregation-transfer-backend` names, for this rank. A prefill rank registers
+    with its server's bootstrap server (which the launcher has started) before this returns."""
+    from vlm_serve.llm.disaggregation.bootstrap import bootstrap_address, rank_host
+
+    host, tp_size = rank_host(server_args), server_args.tp_size
+    bootstrap = bootstrap_address(server_args) if mode == "prefill" else None
+    if server_args.disaggregation_transfer_backend == "fake":
+        from vlm_serve.llm.disaggregation.fake import FakeBackend
+
+        return FakeBackend(mode, tp_rank, tp_size, host, layout, bootstrap)
+    from vlm_serve.llm.disaggregation.mooncake import MooncakeBackend
+
+    return MooncakeBackend(mode, tp_rank, tp_size, host, layout, bootstrap, server_args.disaggregation_ib_device)
