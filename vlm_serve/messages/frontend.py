@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vlm_serve.errors import ApiError, BadRequest, InternalError, ServiceUnavailable
-from vlm_serve.messages.backend import SchedulerLimits, TokenizedGenerateReq
+from vlm_serve.messages.backend import BootstrapInfo, SchedulerLimits, TokenizedGenerateReq
 from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
 
@@ -19,12 +19,15 @@ if TYPE_CHECKING:
 @dataclass
 class GenerateReqInput:
     """A generation request as a front end receives it: a processed prompt, OpenAI-named sampling
-    settings (`max_tokens`, `temperature`, `n`, ...) and a priority. The HTTP server and `Engine` both
-    turn it into scheduler messages with `normalize`, so they agree on defaults and on choices."""
+    settings (`max_tokens`, `temperature`, `n`, ...), a priority and, behind sglang-router's PD mode,
+    where its KV comes from: one `BootstrapInfo` for the request, or one per choice. The HTTP server and
+    `Engine` both turn it into scheduler messages with `normalize`, so they agree on defaults and on
+    choices."""
 
     input: ProcessedInput
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
+    bootstrap: BootstrapInfo | list[BootstrapInfo] | None = None
 
     def sampling_params(self, defaults: dict[str, Any], limits: SchedulerLimits) -> SamplingParams:
         """The settings over `defaults` (the checkpoint's generation config). Without max_tokens an
@@ -36,13 +39,27 @@ class GenerateReqInput:
         return sampling_params_from_openai(defaults, sampling)
 
     def normalize(self, rid: str, defaults: dict[str, Any], limits: SchedulerLimits) -> list[TokenizedGenerateReq]:
-        """One message per choice, with ids `{rid}-{i}` (choice i of a seeded request uses seed + i)."""
+        """One message per choice, with ids `{rid}-{i}` (choice i of a seeded request uses seed + i, and
+        of a request with one bootstrap room ROOM and `n` > 1, room "ROOM/i")."""
         params = self.sampling_params(defaults, limits)
+        choices = params.per_choice()
         x = self.input
         return [
-            TokenizedGenerateReq(f"{rid}-{i}", x.input_ids, choice, x.mm_items, self.priority)
-            for i, choice in enumerate(params.per_choice())
+            TokenizedGenerateReq(f"{rid}-{i}", x.input_ids, choice, x.mm_items, self.priority, bootstrap)
+            for i, (choice, bootstrap) in enumerate(zip(choices, self._bootstraps(len(choices))))
         ]
+
+    def _bootstraps(self, n: int) -> list[BootstrapInfo | None]:
+        """The bootstrap info of each of `n` choices; ValueError if one per choice was given for another `n`."""
+        if self.bootstrap is None:
+            return [None] * n
+        if isinstance(self.bootstrap, list):
+            if len(self.bootstrap) != n:
+                raise ValueError(f"bootstrap_room: {len(self.bootstrap)} rooms were given for {n} choices")
+            return self.bootstrap
+        if n == 1:
+            return [self.bootstrap]
+        return [replace(self.bootstrap, room=f"{self.bootstrap.room}/{i}") for i in range(n)]
 
 
 @dataclass

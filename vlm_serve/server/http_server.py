@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import importlib.metadata
+import json
 import logging
 import re
 import signal
@@ -20,7 +21,8 @@ import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -46,6 +48,7 @@ from vlm_serve.messages.frontend import GenerateReqInput
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
+from vlm_serve.server.sglang_api import GenerateRequest, GenerateServing
 from vlm_serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -219,6 +222,7 @@ class _Route(APIRoute):
 
 def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState, api_key: str | None) -> FastAPI:
     app = FastAPI(title="vlm_serve", docs_url=None, redoc_url=None)
+    generation = GenerateServing(serving)
     app.router.route_class = _Route
     app.add_exception_handler(StarletteHTTPException, error_response)  # unknown routes, wrong methods
     if api_key is not None:
@@ -259,6 +263,20 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await _respond(request, serving.completion(body))
 
+    @app.api_route("/generate", methods=["POST", "PUT"])  # SGLang's native API (both methods, as SGLang)
+    async def generate(body: GenerateRequest, request: Request) -> Any:
+        return await _respond(request, generation.generate(body))
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # SGLang's older name, which sglang-router falls back to
+    async def model_info() -> JSONResponse:
+        return JSONResponse(_model_info(tm, serving))
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> JSONResponse:
+        return JSONResponse(_server_info(tm, serving))
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
@@ -286,6 +304,30 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
         return JSONResponse({"flushed": True})
 
     return app
+
+
+def _model_info(tm: TokenizerManager, serving: OpenAIServing) -> dict[str, Any]:
+    """SGLang's /model_info. sglang-router names the model by `served_model_name` (else `model_path`) and
+    loads its tokenizer from `tokenizer_path`, a local folder (an absolute path: it runs elsewhere)."""
+    path = str(Path(tm.server_args.model).resolve())
+    config = json.loads((Path(path) / "config.json").read_text())
+    return {
+        "model_path": path, "tokenizer_path": path, "served_model_name": serving.model_name, "is_generation": True,
+        "has_image_understanding": True, "has_audio_understanding": False, "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"), "preferred_sampling_params": None, "weight_version": "default",
+    }  # fmt: skip
+
+
+def _server_info(tm: TokenizerManager, serving: OpenAIServing) -> dict[str, Any]:
+    """SGLang's /server_info: the settings (SGLang's names where they differ, no API key) and the
+    scheduler's limits as SGLang reports them."""
+    settings = {k: v for k, v in asdict(tm.server_args).items() if k not in ("api_key", "model")}
+    limits = tm.limits
+    return {
+        **settings, **_model_info(tm, serving), "dp_size": 1, "context_length": limits.context_length,
+        "max_total_num_tokens": limits.max_total_tokens, "max_running_requests": limits.max_running_requests,
+        "max_req_input_len": limits.max_sequence_tokens - 1, "version": importlib.metadata.version("vlm_serve"),
+    }  # fmt: skip
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Any:

@@ -49,7 +49,7 @@ from vlm_serve.server.protocol import (
     now,
 )
 from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
-from vlm_serve.errors import ApiError, InternalError, ModelNotFoundError
+from vlm_serve.errors import ApiError, BadRequest, InternalError, ModelNotFoundError
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.server.tool_parser import ToolCall
 from vlm_serve.multimodal import ProcessedInput
@@ -66,8 +66,9 @@ class OpenAIServing:
         self.model_name = model_name
 
     def check_model(self, name: str | None) -> None:
-        """A request may name the served model, "default" (SGLang's alias for it) or none."""
-        if name not in (None, "default", self.model_name):
+        """A request may name the served model, "default" (SGLang's alias for it) or none (sglang-router
+        sends a chat request without a model as "unknown")."""
+        if name not in (None, "default", "unknown", self.model_name):
             raise ModelNotFoundError(name)
 
     # ---- chat --------------------------------------------------------------------------------------
@@ -97,12 +98,13 @@ class OpenAIServing:
         sampling["reasoning"] = self.server_args.reasoning_parser is not None and thinking
         if tools.grammar is not None:
             sampling["ebnf"] = tools.grammar
-        choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority))
+        (bootstrap,) = request.bootstraps(1, request.n)
+        choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority, bootstrap))
         params = choices[0].sampling_params
         parsers = [ChatOutput(self.server_args.reasoning_parser, tools.parse, thinking) for _ in choices]
         if request.stream:
-            return _errors_as_events(self._chat_stream(request, x, choices, parsers))
-        per_choice = await self._collect(choices)
+            return errors_as_events(self._chat_stream(request, x, choices, parsers))
+        per_choice = await self.collect(choices)
         choices = []
         for i, outs in enumerate(per_choice):
             logprobs = [t for out in outs for t in self._token_logprobs(out)] if params.logprobs else None
@@ -132,7 +134,7 @@ class OpenAIServing:
         rid, created, params = new_id("chatcmpl"), now(), choices[0].sampling_params
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
-            return _sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage))
+            return sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage))
 
         started = [False] * params.n
         per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
@@ -183,11 +185,16 @@ class OpenAIServing:
         sampling.update(logprobs=top is not None, top_logprobs=top or 0)  # the legacy API's integer logprobs
         if request.echo and top is not None:  # the echoed prompt tokens get their entries too
             sampling["prompt_logprobs"] = max(request.prompt_logprobs or 0, top)
-        choices = [c for x in inputs for c in self.tm.normalize(GenerateReqInput(x, sampling, request.priority))]
+        bootstraps = request.bootstraps(len(inputs), request.n)
+        choices = [
+            choice
+            for x, bootstrap in zip(inputs, bootstraps)
+            for choice in self.tm.normalize(GenerateReqInput(x, sampling, request.priority, bootstrap))
+        ]
         echoes = [self._prompt_text(prompt) for prompt in prompts] if request.echo else [None] * len(prompts)
         if request.stream:
-            return _errors_as_events(self._completion_stream(request, inputs, echoes, choices))
-        per_choice = await self._collect(choices)
+            return errors_as_events(self._completion_stream(request, inputs, echoes, choices))
+        per_choice = await self.collect(choices)
         n = len(choices) // len(inputs)
         choices = []
         for i, outs in enumerate(per_choice):
@@ -222,12 +229,12 @@ class OpenAIServing:
                     offsets[i] += len(text)
                     choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason)
                     usage = self._usage([inputs[i // n]], [per_choice[i]]) if continuous_usage else None  # so far
-                    yield _sse(CompletionResponse(
+                    yield sse(CompletionResponse(
                         id=rid, created=created, model=self.model_name, choices=[choice], usage=usage
                     ))  # fmt: skip
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = self._usage(inputs, per_choice)
-            yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
+            yield sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
@@ -254,7 +261,7 @@ class OpenAIServing:
 
     # ---- pieces ------------------------------------------------------------------------------------
 
-    async def _collect(self, choices: list[TokenizedGenerateReq]) -> list[list[StrOut]]:
+    async def collect(self, choices: list[TokenizedGenerateReq]) -> list[list[StrOut]]:
         """Every output of each choice, in order (the last one finishes it)."""
         per_choice: list[list[StrOut]] = [[] for _ in choices]
         async with contextlib.aclosing(self.tm.generate(choices)) as outputs:
@@ -354,12 +361,14 @@ def _tool_call_delta(index: int, call: ToolCall) -> ToolCallDelta:
     return ToolCallDelta(index=index, id=call.id, type="function", function=function)
 
 
-def _sse(body: BaseModel) -> str:
-    data = json.dumps(body.model_dump(exclude_none=True), ensure_ascii=False, separators=(",", ":"))
+def sse(body: BaseModel | dict | list) -> str:
+    """One server-sent event of JSON: a model without its unset fields, or a dict or list as it is."""
+    value = body.model_dump(exclude_none=True) if isinstance(body, BaseModel) else body
+    data = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
 
 
-async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """A stream's events; a failure after the first becomes an event `{"error": {...}}` in OpenAI's shape,
     then `[DONE]`, as vLLM and SGLang send it (the openai client raises it as an `APIError`). A failure
     before the first is raised as it is: the response is then an error status, not a stream."""
@@ -390,11 +399,7 @@ def check_media_parts(request: ChatPrompt, server_args: ServerArgs) -> None:
         for part in message.content
         if isinstance(part, (ImagePart, VideoPart))
     ]
-    if len(parts) > server_args.limit_mm_per_prompt:
-        raise ValueError(
-            f"the request has {len(parts)} images and videos; this server accepts at most "
-            f"{server_args.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)"
-        )
+    check_media_count(len(parts), server_args)
     request_wide = request.media_options()
     for part in parts:
         kind = "image" if isinstance(part, ImagePart) else "video"
@@ -410,3 +415,13 @@ def check_media_parts(request: ChatPrompt, server_args: ServerArgs) -> None:
         low, high = options.get("min_pixels"), options.get("max_pixels")
         if low is not None and high is not None and low > high:
             raise ValueError(f"{kind} min_pixels={low} is larger than max_pixels={high}")
+
+
+def check_media_count(count: int, server_args: ServerArgs, param: str | None = None) -> None:
+    """A prompt may bring at most `limit_mm_per_prompt` images and videos."""
+    if count > server_args.limit_mm_per_prompt:
+        raise BadRequest(
+            f"the request has {count} images and videos; this server accepts at most "
+            f"{server_args.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)",
+            param=param,
+        )

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
+from vlm_serve.errors import BadRequest
+from vlm_serve.messages.backend import BootstrapInfo
 from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, OPENAI_SAMPLING_KEYS, SEED_MAX, SEED_MIN
 
 
@@ -213,7 +215,81 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-class _SamplingRequest(BaseModel):
+# ---- prefill/decode disaggregation ---------------------------------------------------------------------
+
+_BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+_MAX_ROOM = 2**64 - 1
+
+
+def _bootstrap_value(name: str, value: Any) -> bool:
+    """Whether `value` is a valid bootstrap_host (a non-empty string), bootstrap_port (an integer port)
+    or bootstrap_room (a non-negative 64-bit integer, SGLang's type)."""
+    if name == "bootstrap_host":
+        return isinstance(value, str) and value != ""
+    limit = 65535 if name == "bootstrap_port" else _MAX_ROOM
+    low = 1 if name == "bootstrap_port" else 0
+    return type(value) is int and low <= value <= limit
+
+
+class BootstrapFields(BaseModel):
+    """What sglang-router's PD mode adds to a request it sends to both a prefill and a decode server:
+    the prefill server's bootstrap address and a room both sides share. All three or none; each is one
+    value, or (as the router sends them for a chat request with `n` > 1) a list with one per choice.
+    A colocated server accepts them and ignores them."""
+
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+
+    @field_validator(*_BOOTSTRAP_FIELDS, mode="before")
+    @classmethod
+    def _check_bootstrap(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        values = value if isinstance(value, list) else [value]
+        if value is not None and (value == [] or not all(_bootstrap_value(name, v) for v in values)):
+            kind = {
+                "bootstrap_host": "a non-empty string",
+                "bootstrap_port": "an integer port in [1, 65535]",
+                "bootstrap_room": f"an integer in [0, {_MAX_ROOM}]",
+            }[name]
+            raise ValueError(f"must be {kind}, or a non-empty list of them (one per choice), not {json.dumps(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> BootstrapFields:
+        given = [name for name in _BOOTSTRAP_FIELDS if getattr(self, name) is not None]
+        if given and len(given) < len(_BOOTSTRAP_FIELDS):
+            missing = [name for name in _BOOTSTRAP_FIELDS if name not in given]
+            raise ValueError(f"{' and '.join(missing)} must be given with {' and '.join(given)} (all three or none)")
+        lengths = {len(getattr(self, name)) for name in given if isinstance(getattr(self, name), list)}
+        if len(lengths) > 1:
+            raise ValueError("bootstrap_host, bootstrap_port and bootstrap_room lists must have the same length")
+        return self
+
+    def bootstraps(self, prompts: int, n: int) -> list[BootstrapInfo | list[BootstrapInfo] | None]:
+        """Each prompt's bootstrap info: one for a single prompt given single values (its choices get
+        rooms "ROOM/i" from `GenerateReqInput.normalize`), else one per choice, choice i of all
+        `prompts * n` having list entry i or room "ROOM/i"."""
+        if self.bootstrap_room is None:
+            return [None] * prompts
+        fields = [getattr(self, name) for name in _BOOTSTRAP_FIELDS]
+        count = prompts * n
+        if not any(isinstance(value, list) for value in fields):
+            host, port, room = fields
+            if prompts == 1:
+                return [BootstrapInfo(host, port, str(room))]
+            fields = [host, port, [f"{room}/{i}" for i in range(count)]]
+        (length,) = {len(value) for value in fields if isinstance(value, list)}  # one length: `_all_or_none`
+        if length != count:
+            raise BadRequest(
+                f"the bootstrap fields give {length} entries but the request has {count} choices", param="bootstrap_room"
+            )
+        per_choice = [value if isinstance(value, list) else [value] * count for value in fields]
+        infos = [BootstrapInfo(host, port, str(room)) for host, port, room in zip(*per_choice)]
+        return [infos[k * n : (k + 1) * n] for k in range(prompts)]
+
+
+class _SamplingRequest(BootstrapFields):
     """Fields shared by chat and text completions."""
 
     model: str | None = None

@@ -124,11 +124,16 @@ class TokenizerManager:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(self._process_messages, messages, **options))
 
+    async def process_prompt(self, prompt: str, images: list[str], videos: list[str]) -> ProcessedInput:
+        """A rendered prompt holding one `<|image_pad|>` / `<|video_pad|>` per image / video (as the chat
+        template writes them) with its media, processed on the thread pool; a count that does not match
+        is a ValueError."""
+        loop = asyncio.get_running_loop()
+        work = functools.partial(self.processor.process, prompt, images, videos)
+        return await loop.run_in_executor(self.executor, lambda: _in_shared_memory(work()))
+
     def _process_messages(self, messages: list[dict[str, Any]], **options: Any) -> ProcessedInput:
-        processed = self.processor.process_messages(messages, **options)
-        for item in processed.mm_items:
-            item.pixel_values.share_memory_()  # the scheduler maps these pages instead of copying them
-        return processed
+        return _in_shared_memory(self.processor.process_messages(messages, **options))
 
     def tokenize(self, prompt: str | list[int]) -> ProcessedInput:
         if isinstance(prompt, str):
@@ -231,3 +236,11 @@ class TokenizerManager:
         if out.success:
             self.processor.cache.clear()
         return out
+
+
+def _in_shared_memory(processed: ProcessedInput) -> ProcessedInput:
+    """`processed` with its pixel values in shared memory: the scheduler maps these pages instead of
+    copying them."""
+    for item in processed.mm_items:
+        item.pixel_values.share_memory_()
+    return processed
