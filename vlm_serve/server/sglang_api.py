@@ -25,6 +25,7 @@ from vlm_serve.multimodal import ProcessedInput
 from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 from vlm_serve.server.openai_api import OpenAIServing, check_media_count, errors_as_events, sse
 from vlm_serve.server.protocol import BootstrapFields
+from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.vision.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
 # SGLang's sampling parameter -> the OpenAI-named setting of `GenerateReqInput.sampling` (same name if absent)
@@ -161,7 +162,10 @@ class GenerateServing:
 
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
-        self.tm = serving.tm
+
+    @property
+    def tm(self) -> TokenizerManager:
+        return self.serving.tm
 
     async def generate(self, request: GenerateRequest) -> dict | list[dict] | AsyncIterator[str]:
         """SGLang's answer: a dict (one prompt, one choice) or a list, or SSE chunks when it streams."""
