@@ -258,8 +258,8 @@ def test_the_cache_holds_any_value_such_as_embeddings_with_deepstack_features():
 
 def test_a_repeated_image_skips_decoding_and_equals_fresh_processing(cached, uncached, png_file, monkeypatch):
     decodes = []
-    real_load_image = processor_module.load_image
-    monkeypatch.setattr(processor_module, "load_image", lambda *a, **k: decodes.append(a) or real_load_image(*a, **k))
+    real_decode_image = processor_module.decode_image
+    monkeypatch.setattr(processor_module, "decode_image", lambda *a: decodes.append(a) or real_decode_image(*a))
     first = cached.process(ONE_IMAGE + "Describe.", images=[str(png_file)])
     prompt = "Earlier text shifts the image." + ONE_IMAGE + "Again."
     second = cached.process(prompt, images=[data_url(png_file.read_bytes())])

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 Modality = Literal["image", "video"]
 EmbeddingSource = Literal["", "cache", "encoder", "prefix"]
-MEDIA_STAGES = ("fetch", "decode", "preprocess", "hash", "encoder_wait", "vit")  # the timed fields below
+MEDIA_STAGES = ("fetch", "probe", "decode", "preprocess", "hash", "encoder_wait", "vit")  # the timed fields below
 
 
 @dataclass
@@ -19,12 +19,13 @@ class MediaTimings:
     """Where one media item's time went, in seconds, and which caches served it."""
 
     fetch: float = 0.0  # resolve the source and get its bytes (data URL, local file, download)
+    probe: float = 0.0  # read the header: image size and orientation; video frame count, rate and size
     decode: float = 0.0  # image / video decoding (for videos, frame decoding)
     preprocess: float = 0.0  # resize, normalise, patchify
     hash: float = 0.0  # content hash of the raw bytes
     encoder_wait: float = 0.0  # from submission to the encoder until a rank started on it
     vit: float = 0.0  # vision tower compute (its share of the pass it ran in)
-    processor_cache_hit: bool = False  # decode and preprocessing were skipped
+    processor_cache_hit: bool = False  # probe, decode and preprocessing were skipped
     embedding_source: EmbeddingSource = ""  # "cache" hit, "encoder" run, or covered by the "prefix" cache
 
 
@@ -35,7 +36,9 @@ class MultimodalItem:
     `pixel_values` is `(t * h * w, C * temporal_patch * patch * patch)` in patch order (the layout the
     vision tower's 3D patch embedding expects) and `grid_thw` is `(t, h, w)` in patches. In the prompt
     ids the item occupies `spans`: `(start, end)` runs of its placeholder token. An image has one span;
-    a video has one span per temporal patch group, separated by its timestamp text.
+    a video has one span per temporal patch group, separated by its timestamp text. A pixel-free item
+    (made for a PD decode server, which never runs the vision tower) has a `meta` tensor of that shape
+    instead, and the same grid, spans, timestamps and hash.
     """
 
     modality: Modality

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vlm_serve.llm.scheduler.metrics import Histogram
 from vlm_serve.mm_cache.cache import MultimodalCache
+from vlm_serve.multimodal import MEDIA_STAGES
 from vlm_serve.messages.backend import StatsOut
 from vlm_serve.server.tokenizer_manager import ServerMetrics
 
@@ -84,7 +85,7 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
     out.counter("vit_items", stats.vit_items, "Images and videos run through a vision tower (once per item in flight).")
     out.histograms(
         "media_stage_seconds", {k: Histogram(**v) for k, v in stats.media_seconds.items()}, "stage",
-        "Time per image/video in each stage: fetch, decode, preprocess, hash, encoder_wait, vit.",
+        f"Time per image/video in each stage: {', '.join(MEDIA_STAGES)}.",
     )  # fmt: skip
     if stats.kv_transfer_seconds is not None:  # a PD server
         out.labelled(

@@ -236,6 +236,13 @@ def image_normalizer(rescale_factor: float, mean: tuple[float, ...], std: tuple[
     return PixelNormalizer(table, [("div_sub", divisor, offset), ("sub_div", scaled_mean, divisor)])
 
 
+def meta_pixel_values(grid_thw: tuple[int, int, int], patch_size: int, temporal_patch_size: int) -> torch.Tensor:
+    """A `meta` tensor of the shape (and dtype) of the pixel values of an item of `grid_thw`: a pixel-free
+    item's stand-in, which holds no memory."""
+    t, h, w = grid_thw
+    return torch.empty((t * h * w, 3 * temporal_patch_size * patch_size**2), dtype=torch.float32, device="meta")
+
+
 def patchify(
     pixels: np.ndarray, normalizer: PixelNormalizer, patch_size: int, merge_size: int, temporal_patch_size: int
 ) -> torch.Tensor:
@@ -280,8 +287,7 @@ class ImageProcessor:
     ) -> MultimodalItem:
         """Resize, normalise and patchify `image` (any Pillow mode; converted to RGB like transformers)."""
         config = self.config.with_overrides(min_pixels, max_pixels)
-        check_image_size(image.width, image.height)
-        height, width = smart_resize(image.height, image.width, config.factor, config.min_pixels, config.max_pixels)
+        height, width = self._target_size(image.width, image.height, config)
         # Grayscale is resized as one band: Pillow resizes every band of an RGB image the same way.
         if has_transparency(image) or image.mode not in ("RGB", "L"):
             image = to_rgb(image)
@@ -292,8 +298,24 @@ class ImageProcessor:
         pixel_values = patchify(
             pixels, self._normalizer, config.patch_size, config.merge_size, config.temporal_patch_size
         )
-        return MultimodalItem(
-            modality="image",
-            pixel_values=pixel_values,
-            grid_thw=(1, height // config.patch_size, width // config.patch_size),
-        )
+        return MultimodalItem("image", pixel_values, _grid(height, width, config))
+
+    def describe(
+        self, width: int, height: int, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> MultimodalItem:
+        """The item `preprocess` makes of a `width` x `height` image, with `meta` pixel values: its grid,
+        for which no pixel is needed."""
+        config = self.config.with_overrides(min_pixels, max_pixels)
+        grid = _grid(*self._target_size(width, height, config), config)
+        return MultimodalItem("image", meta_pixel_values(grid, config.patch_size, config.temporal_patch_size), grid)
+
+    @staticmethod
+    def _target_size(width: int, height: int, config: ImageProcessorConfig) -> tuple[int, int]:
+        """(height, width) after resizing; a MediaError for an empty image or an extreme aspect ratio."""
+        check_image_size(width, height)
+        return smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+
+
+def _grid(height: int, width: int, config: ImageProcessorConfig) -> tuple[int, int, int]:
+    """(t, h, w) in patches of an image resized to `height` x `width`."""
+    return 1, height // config.patch_size, width // config.patch_size

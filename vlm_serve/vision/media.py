@@ -12,6 +12,9 @@ import binascii
 import io
 import os
 import re
+import struct
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 # Same as Pillow's own warning threshold (about 89.5 megapixels, a 9500x9500 image).
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _EXIF_ORIENTATION = 0x0112
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # turned or mirrored about a diagonal: width and height swap
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_EXIF_CHUNKS = (b"IHDR", b"eXIf", b"tEXt", b"zTXt", b"iTXt")  # the header, and where Pillow finds EXIF
+_PNG_IMAGE_DATA = (b"IDAT", b"fdAT")
 _DATA_URL_MEDIA_TYPES = {"image": ("image/",), "video": ("video/",)}
 _GENERIC_MEDIA_TYPE = "application/octet-stream"
 _URL_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -137,7 +144,12 @@ def load_image(
     if isinstance(source, Image.Image):
         check_image_size(source.width, source.height, max_pixels)
         return apply_exif_orientation(source)
-    data = read_media(source, "image", access)
+    return decode_image(open_image(read_media(source, "image", access), max_pixels))
+
+
+def open_image(data: bytes | Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """The image in `data`, opened lazily: its header is read and its pixel count checked against
+    `max_pixels`; no pixel is decoded."""
     try:
         image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
     except Image.DecompressionBombError as exc:
@@ -148,20 +160,69 @@ def load_image(
         raise MediaError(f"cannot decode image: {exc}") from exc
     try:
         check_image_size(image.width, image.height, max_pixels)
-        _decode_pixels(image)
     except MediaError:
         image.close()
         raise
-    return apply_exif_orientation(image)
+    return image
 
 
-def _decode_pixels(image: Image.Image) -> None:
+def decode_image(image: Image.Image) -> Image.Image:
+    """An image from `open_image` with its pixels decoded and its EXIF orientation applied."""
     try:
         image.load()
     except Image.DecompressionBombError as exc:
+        image.close()
         raise MediaError(f"image is too large to decode safely (decompression bomb): {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt data
+        image.close()
         raise MediaError(f"cannot decode image: {exc}") from exc
+    return apply_exif_orientation(image)
+
+
+def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """(width, height) of the image `load_image` makes of `data`, EXIF orientation applied, read from
+    its header and metadata: no pixel is decoded."""
+    with open_image(data, max_pixels) as image:
+        width, height = image.size
+        orientation = _orientation_after_decoding(image, data)
+    return (height, width) if orientation in _TRANSPOSING_ORIENTATIONS else (width, height)
+
+
+def _orientation_after_decoding(image: Image.Image, data: bytes) -> object:
+    """The EXIF orientation `apply_exif_orientation` finds once the image (opened from `data`) is decoded."""
+    if image.format == "TIFF":
+        return 1  # Pillow turns a TIFF upright as it decodes it, and states the upright size at open
+    if image.format == "PNG":
+        return _orientation(lambda: _png_exif(data, getattr(image, "is_animated", False)))
+    return _orientation(image.getexif)
+
+
+def _png_exif(data: bytes, animated: bool) -> Image.Exif:
+    """The EXIF Pillow finds in a PNG once its pixels are decoded, found without decoding them.
+
+    Metadata may follow the image data, and Pillow reads what follows only while decoding
+    (`PngImageFile.getexif` decodes to get there). So the chunks that can hold EXIF (eXIf, and text:
+    "Raw profile type exif", XMP) are copied in their order into a PNG without image data, whose
+    chunks Pillow reads when it opens it; the copy ends where decoding stops reading: at IEND, or at
+    an animation's second frame.
+    """
+    chunks = []
+    position, after_image_data = len(_PNG_SIGNATURE), False
+    while position + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, position)
+        body = data[position + 8 : position + 8 + length]
+        position += 12 + length
+        if kind == b"IEND" or (kind == b"fcTL" and animated and after_image_data) or len(body) < length:
+            break
+        if kind in _PNG_EXIF_CHUNKS:
+            chunks.append(_png_chunk(kind, body))  # a fresh CRC: decoding does not check those after the data
+        after_image_data = after_image_data or kind in _PNG_IMAGE_DATA
+    metadata = Image.open(io.BytesIO(_PNG_SIGNATURE + b"".join(chunks) + _png_chunk(b"IEND", b"")))
+    return Image.Image.getexif(metadata)  # not PngImageFile's, which would look for pixels to decode
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
 
 def check_image_size(width: int, height: int, max_pixels: int | None = None) -> None:
@@ -177,16 +238,20 @@ def check_image_size(width: int, height: int, max_pixels: int | None = None) -> 
 
 def apply_exif_orientation(image: Image.Image) -> Image.Image:
     """`image` turned upright according to its EXIF orientation tag (the same object when upright)."""
-    try:
-        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
-    except Exception:  # noqa: BLE001 - a broken EXIF block means "no orientation"
-        return image
-    if orientation not in (2, 3, 4, 5, 6, 7, 8):
+    if _orientation(image.getexif) not in (2, 3, 4, 5, 6, 7, 8):
         return image
     try:
         return ImageOps.exif_transpose(image)
     except Exception as exc:  # noqa: BLE001
         raise MediaError(f"cannot apply the image's EXIF orientation: {exc}") from exc
+
+
+def _orientation(read_exif: Callable[[], Image.Exif]) -> object:
+    """The EXIF orientation tag (1 when there is none: a broken EXIF block means "no orientation")."""
+    try:
+        return read_exif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001
+        return 1
 
 
 def has_transparency(image: Image.Image) -> bool:

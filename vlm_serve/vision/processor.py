@@ -8,6 +8,10 @@ as a whole (as there), and each item's pad runs are recorded as its `spans`.
 Every item carries its content hash (`mm_cache.hashing.media_hash`). A processed-input cache keyed by
 it lets a repeated image or video (same bytes, same settings) skip decoding, resizing and normalising;
 concurrent first requests for one (on the HTTP server's preprocessing threads) process it once.
+
+A pixel-free processor (`pixels=False`, a PD decode server's, which never runs the vision tower) reads
+only each item's header: image size and EXIF orientation, video frame count, rate and size. Its ids,
+grids, spans, timestamps and hashes are the full processor's; its pixel values are `meta` tensors.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor
 from vlm_serve.multimodal import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.vision.media import (
-    DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaAccess, MediaError, VideoSource, load_image, read_media,
+    DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaAccess, MediaError, VideoSource, decode_image, load_image, open_image,
+    probe_image, read_media,
 )
 from vlm_serve.vision.video import VideoProcessor
 
@@ -53,7 +58,8 @@ class MediaInput:
 class MultimodalProcessor:
     """Builds model inputs from prompts and media, equal to transformers' Qwen3VLProcessor output.
 
-    `cache_mb` is the processed-input cache's budget (0 disables it).
+    `cache_mb` is the processed-input cache's budget (0 disables it). `pixels` False makes pixel-free
+    items (see the module's doc); the cache, the processor's own, then holds only those.
     """
 
     def __init__(
@@ -64,12 +70,14 @@ class MultimodalProcessor:
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         access: MediaAccess = MediaAccess(),
         cache_mb: int = 0,
+        pixels: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.video_processor = video_processor
         self.max_image_pixels = max_image_pixels
         self.access = access
+        self.pixels = pixels
         self.cache: MultimodalCache[MultimodalItem] = MultimodalCache(cache_mb << 20)
         self.image_token_id = _required_token_id(tokenizer, IMAGE_PAD)
         self.video_token_id = _required_token_id(tokenizer, VIDEO_PAD)
@@ -82,6 +90,7 @@ class MultimodalProcessor:
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         access: MediaAccess = MediaAccess(),
         cache_mb: int = 0,
+        pixels: bool = True,
     ) -> MultimodalProcessor:
         """Processors configured by the checkpoint's `preprocessor_config.json` / `video_preprocessor_config.json`."""
         return cls(
@@ -91,6 +100,7 @@ class MultimodalProcessor:
             max_image_pixels=max_image_pixels,
             access=access,
             cache_mb=cache_mb,
+            pixels=pixels,
         )
 
     # -- public entry points -------------------------------------------------------------------------
@@ -190,15 +200,27 @@ class MultimodalProcessor:
             timings.fetch = time.perf_counter() - start
 
         def preprocess() -> MultimodalItem:
-            start = time.perf_counter()
-            image = data if isinstance(data, Image.Image) else load_image(data, self.max_image_pixels)
+            start = probed = time.perf_counter()
+            if isinstance(data, Image.Image):
+                image = data
+            else:
+                header = open_image(data, self.max_image_pixels)
+                probed = time.perf_counter()
+                image = decode_image(header)
             decoded = time.perf_counter()
             processed = self.image_processor.preprocess(image, **item.options)
-            timings.decode += decoded - start
+            timings.probe = probed - start
+            timings.decode += decoded - probed
             timings.preprocess = time.perf_counter() - decoded
             return processed
 
-        return self._cached(data, "image", settings, timings, preprocess)
+        def describe() -> MultimodalItem:
+            start = time.perf_counter()
+            width, height = data.size if isinstance(data, Image.Image) else probe_image(data, self.max_image_pixels)
+            timings.probe = time.perf_counter() - start
+            return self.image_processor.describe(width, height, **item.options)
+
+        return self._cached(data, "image", settings, timings, preprocess if self.pixels else describe)
 
     def _video_item(self, item: MediaInput) -> MultimodalItem:
         if not isinstance(item.source, (str, bytes, bytearray, memoryview, os.PathLike)):
@@ -210,8 +232,9 @@ class MultimodalProcessor:
         timings.fetch = time.perf_counter() - start
 
         def preprocess() -> MultimodalItem:
-            processed = self.video_processor.preprocess(data, **item.options)
-            timings.decode, timings.preprocess = processed.timings.decode, processed.timings.preprocess
+            processed = self.video_processor.preprocess(data, **item.options, pixels=self.pixels)
+            timings.probe, timings.decode = processed.timings.probe, processed.timings.decode
+            timings.preprocess = processed.timings.preprocess
             return processed
 
         return self._cached(data, "video", settings, timings, preprocess)
@@ -225,9 +248,7 @@ class MultimodalProcessor:
         start = time.perf_counter()
         key = media_hash(data, modality, settings)
         timings.hash = time.perf_counter() - start
-        item, computed = self.cache.get_or_compute(
-            key, lambda: replace(preprocess(), hash=key), lambda item: item.pixel_values.nbytes
-        )
+        item, computed = self.cache.get_or_compute(key, lambda: replace(preprocess(), hash=key), _cached_bytes)
         timings.processor_cache_hit = not computed
         return replace(item, spans=[], timings=timings)
 
@@ -264,6 +285,13 @@ class MultimodalProcessor:
                     raise ValueError(f"the {item.modality} placeholder tokens were split by tokenization")
                 item.spans.append((start, last + 1))
                 cursor += run
+
+
+def _cached_bytes(item: MultimodalItem) -> int:
+    """The memory a processed item holds: its pixel values, or a pixel-free item's grid and timestamps."""
+    if item.pixel_values.is_meta:
+        return 256 + 32 * len(item.timestamps or ())
+    return item.pixel_values.nbytes
 
 
 def _required_token_id(tokenizer: Tokenizer, token: str) -> int:

@@ -10,6 +10,11 @@ layout and per-group timestamps. One deliberate difference: a clip with a single
 
 Decoding is bounded: frames are decoded in order, only the sampled ones are converted to RGB, and each
 is resized as soon as it is decoded, so memory holds the kept frames at their final size.
+
+Which frames are kept, and their size, come from the container alone (`probe_video`: frames counted by
+demuxing, never decoded), so that a PD decode server gets the same grid and timestamps without
+decoding (`preprocess(..., pixels=False)`). A stream that decodes fewer frames than its container
+holds (truncated or corrupt) repeats its last decoded frame in place of the missing ones.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from vlm_serve.vision.image_processor import (
     PixelNormalizer,
     check_aspect_ratio,
     load_json,
+    meta_pixel_values,
     positive_float,
     read_pixel_limits,
     reject_disabled_steps,
@@ -218,17 +224,55 @@ def _video_stream(container: av.container.InputContainer) -> av.video.stream.Vid
     return container.streams.video[0]
 
 
-@dataclass
-class _Frames:
-    """Sampled, resized frames of one decode pass."""
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a video's container states about its frames."""
 
-    pixels: list[torch.Tensor]
-    decoded: int  # frames decoded in this pass
-    resize_seconds: float  # of the pass's time, spent resizing kept frames
+    total_frames: int
+    fps: float
+    height: int
+    width: int
+
+
+def probe_video(data: bytes | Path, max_frame_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> VideoInfo:
+    """The frame count, frame rate and frame size of the video in `data`, read from its container by
+    demuxing: no frame is decoded.
+
+    Frames are counted as the packets that hold data and are not discarded: an MP4 edit list (a trimmed
+    clip) marks the frames before its start, which decoders drop, and the count the container states
+    includes them. A stated count below that is kept (transformers samples by the stated count). A
+    demuxing error ends the stream, as a decoding error does.
+    """
+    with _open_container(data) as container:
+        stream = _video_stream(container)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width <= 0 or height <= 0:
+            raise MediaError("video has no decodable frames: its stream states no frame size")
+        if width * height > max_frame_pixels:
+            raise MediaError(
+                f"video frames are too large: {width}x{height} exceeds the limit of {max_frame_pixels} pixels"
+            )
+        rate = stream.average_rate or stream.guessed_rate
+        stated = stream.frames
+        demuxed = 0
+        try:
+            for packet in container.demux(stream):
+                if packet.size and not packet.is_discard:
+                    demuxed += 1
+        except av.FFmpegError:
+            pass
+    total_frames = min(stated, demuxed) if stated > 0 else demuxed
+    if total_frames <= 0:
+        raise MediaError("video has no decodable frames")
+    return VideoInfo(total_frames, float(rate) if rate else DEFAULT_VIDEO_FPS, height, width)
 
 
 class VideoProcessor:
-    """Decodes, samples and preprocesses videos exactly as Qwen3-VL's video processor does."""
+    """Decodes, samples and preprocesses videos exactly as Qwen3-VL's video processor does.
+
+    What the container states (`probe_video`) alone decides which frames are kept and their size, so
+    `preprocess(..., pixels=False)` gives the same grid and timestamps without decoding a frame.
+    """
 
     def __init__(self, config: VideoProcessorConfig, max_frame_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.config = config
@@ -247,30 +291,28 @@ class VideoProcessor:
         fps: float | None = None,
         max_frames: int | None = None,
         access: MediaAccess = MediaAccess(),
+        pixels: bool = True,
     ) -> MultimodalItem:
         """Decode `source` (bytes, path, `data:` URL), sample frames by fps and build the video item.
-        The item's `timings` get the decoding and the resizing/normalising time."""
+        With `pixels` False, the same item without pixels (`meta` pixel values): its grid and
+        timestamps, from the container's frame count, rate and size; no frame is decoded.
+        The item's `timings` get the probing, the decoding and the resizing/normalising time."""
         config = self.config.with_overrides(min_pixels, max_pixels, fps, max_frames)
         data = read_media(source, "video", access)
         start = time.perf_counter()
-        total_frames, video_fps = self._probe(data)
-        indices = sample_frame_indices(total_frames, video_fps, config.fps, config.min_frames, config.max_frames)
-        frames = self._decode(data, indices, config)
-        if len(frames.pixels) < len(indices):  # the stream ended early: sample again from what decodes
-            if frames.decoded == 0:
-                raise MediaError("video has no decodable frames")
-            indices = sample_frame_indices(
-                frames.decoded, video_fps, config.fps, config.min_frames, config.max_frames
-            )
-            resized = frames.resize_seconds
-            frames = self._decode(data, indices, config)
-            frames.resize_seconds += resized
-            if len(frames.pixels) < len(indices):
-                raise MediaError("video decodes inconsistently: frames vanished between two decoding passes")
+        info = probe_video(data, self.max_frame_pixels)
+        indices, size = self._sampling(info, config)
+        probed = time.perf_counter()
+        if not pixels:
+            item = self._item(indices, info.fps, size, config)
+            item.timings.probe = probed - start
+            return item
+        frames, resize_seconds = self._decode(data, indices, size)
         decoded = time.perf_counter()
-        item = self._build_item(frames.pixels, indices, video_fps, config)
-        item.timings.decode = decoded - start - frames.resize_seconds
-        item.timings.preprocess = time.perf_counter() - decoded + frames.resize_seconds
+        item = self._item(indices, info.fps, size, config, frames)
+        item.timings.probe = probed - start
+        item.timings.decode = decoded - probed - resize_seconds
+        item.timings.preprocess = time.perf_counter() - decoded + resize_seconds
         return item
 
     def preprocess_frames(
@@ -288,30 +330,14 @@ class VideoProcessor:
             raise ValueError(f"frames must be a non-empty (n, H, W, 3) uint8 array, got {frames.shape} {frames.dtype}")
         if len(frame_indices) != len(frames):
             raise ValueError(f"got {len(frames)} frames but {len(frame_indices)} frame indices")
-        height, width = self._target_size(len(frames), frames.shape[1], frames.shape[2], config)
-        pixels = [resize_frame(frame, height, width) for frame in frames]
-        return self._build_item(pixels, list(frame_indices), positive_float("video_fps", video_fps), config)
+        size = self._target_size(len(frames), frames.shape[1], frames.shape[2], config)
+        pixels = [resize_frame(frame, *size) for frame in frames]
+        return self._item(list(frame_indices), positive_float("video_fps", video_fps), size, config, pixels)
 
-    def _probe(self, data: bytes | Path) -> tuple[int, float]:
-        """(frame count, frame rate) from the container; frames are counted by demuxing when not stated."""
-        with _open_container(data) as container:
-            stream = _video_stream(container)
-            width, height = stream.codec_context.width, stream.codec_context.height
-            if width * height > self.max_frame_pixels:
-                raise MediaError(
-                    f"video frames are too large: {width}x{height} exceeds the limit of {self.max_frame_pixels} pixels"
-                )
-            rate = stream.average_rate or stream.guessed_rate
-            video_fps = float(rate) if rate else DEFAULT_VIDEO_FPS
-            total_frames = stream.frames
-            if total_frames <= 0:
-                try:
-                    total_frames = sum(1 for packet in container.demux(stream) if packet.size)
-                except av.FFmpegError as exc:
-                    raise MediaError(f"cannot read video: {exc}") from exc
-        if total_frames <= 0:
-            raise MediaError("video has no decodable frames")
-        return total_frames, video_fps
+    def _sampling(self, info: VideoInfo, config: VideoProcessorConfig) -> tuple[list[int], tuple[int, int]]:
+        """The indices of the frames kept, and their (height, width) once resized."""
+        indices = sample_frame_indices(info.total_frames, info.fps, config.fps, config.min_frames, config.max_frames)
+        return indices, self._target_size(len(indices), info.height, info.width, config)
 
     def _target_size(self, num_frames: int, height: int, width: int, config: VideoProcessorConfig) -> tuple[int, int]:
         clip_frames = max(num_frames, config.temporal_patch_size)
@@ -320,43 +346,60 @@ class VideoProcessor:
             config.min_pixels, config.clip_max_pixels(clip_frames),
         )  # fmt: skip
 
-    def _decode(self, data: bytes | Path, indices: list[int], config: VideoProcessorConfig) -> _Frames:
-        """Decode up to the last wanted frame, keeping (resized) only the frames at `indices`."""
+    def _decode(self, data: bytes | Path, indices: list[int], size: tuple[int, int]) -> tuple[list[torch.Tensor], float]:
+        """The frames at `indices`, resized to `size` (height, width), and the seconds spent resizing.
+
+        Frames are decoded in order up to the last one wanted. A stream that ends (or breaks) before
+        that stands still: the frames it lacks repeat the last frame decoded, so the clip keeps the
+        layout its container states.
+        """
         wanted = set(indices)
         kept: dict[int, torch.Tensor] = {}
-        size = (0, 0)
-        decoded = 0
+        last: av.VideoFrame | None = None
+        still: torch.Tensor | None = None
         resize_seconds = 0.0
+
+        def resize(frame: av.VideoFrame) -> torch.Tensor:
+            nonlocal resize_seconds
+            rgb = frame.to_ndarray(format="rgb24")
+            start = time.perf_counter()
+            resized = resize_frame(rgb, *size)
+            resize_seconds += time.perf_counter() - start
+            return resized
+
         with _open_container(data) as container:
             stream = _video_stream(container)
             stream.thread_type = "AUTO"
             try:
                 for index, frame in enumerate(container.decode(stream)):
-                    decoded = index + 1
                     if index in wanted:
-                        rgb = frame.to_ndarray(format="rgb24")
-                        if not kept:
-                            size = self._target_size(len(indices), rgb.shape[0], rgb.shape[1], config)
-                        resize_start = time.perf_counter()
-                        kept[index] = resize_frame(rgb, *size)
-                        resize_seconds += time.perf_counter() - resize_start
+                        kept[index] = resize(frame)
+                    last = frame
                     if index >= indices[-1]:
                         break
             except av.FFmpegError:
-                pass  # a corrupt tail ends the stream; what decoded so far is used
-        return _Frames([kept[i] for i in indices if i in kept], decoded, resize_seconds)
+                pass  # a corrupt tail ends the stream
+            if last is None:
+                raise MediaError("video has no decodable frames")
+            if len(kept) < len(wanted):
+                still = resize(last)
+        return [kept.get(index, still) for index in indices], resize_seconds
 
-    def _build_item(
-        self, pixels: list[torch.Tensor], indices: list[int], video_fps: float, config: VideoProcessorConfig
+    def _item(
+        self,
+        indices: list[int],
+        video_fps: float,
+        size: tuple[int, int],
+        config: VideoProcessorConfig,
+        pixels: list[torch.Tensor] | None = None,
     ) -> MultimodalItem:
+        """The item of the frames at `indices`, resized to `size`: with their `pixels` patchified, or
+        without pixels (`meta` pixel values)."""
         temporal = config.temporal_patch_size
-        pixels = pixels + [pixels[-1]] * (-len(pixels) % temporal)
-        frames = torch.stack(pixels)
-        pixel_values = patchify_video(frames, self._normalizer, config.patch_size, config.merge_size, temporal)
-        _, _, height, width = frames.shape
-        return MultimodalItem(
-            modality="video",
-            pixel_values=pixel_values,
-            grid_thw=(len(pixels) // temporal, height // config.patch_size, width // config.patch_size),
-            timestamps=group_timestamps(indices, video_fps, temporal),
-        )
+        grid = (-(-len(indices) // temporal), size[0] // config.patch_size, size[1] // config.patch_size)
+        if pixels is None:
+            pixel_values = meta_pixel_values(grid, config.patch_size, temporal)
+        else:
+            frames = torch.stack(pixels + [pixels[-1]] * (-len(pixels) % temporal))
+            pixel_values = patchify_video(frames, self._normalizer, config.patch_size, config.merge_size, temporal)
+        return MultimodalItem("video", pixel_values, grid, timestamps=group_timestamps(indices, video_fps, temporal))
