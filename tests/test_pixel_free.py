@@ -7,6 +7,7 @@ pixel is decoded, resized or normalised, and the pixel values are `meta` tensors
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import io
@@ -23,7 +24,11 @@ import pytest
 import torch
 from PIL import Image
 
+from vlm_serve.config import ServerArgs
+from vlm_serve.messages.backend import SchedulerLimits
 from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.server.ports import PortArgs
+from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.media import MediaError
@@ -341,3 +346,23 @@ def test_the_pixel_free_cache_holds_pixel_free_items_only(tiny_dense_dir, tokeni
     assert_same_layout(again, full.process(prompt, images=[image], videos=[clip]))
     assert 0 < cached.cache.usage_bytes < 1024  # grids and timestamps, not pixels
 
+
+def test_a_decode_server_processes_media_without_pixels(tiny_dense_dir, tmp_path, full, without_pixels):
+    """The TokenizerManager of `--disaggregation-mode decode` is pixel-free; a colocated one is not."""
+    messages = [{"role": "user", "content": [part("image", IMAGES["png"]()), {"type": "text", "text": "Hi"}]}]
+    expected = full.process_messages(messages)
+    for mode, pixels in (("decode", False), ("null", True)):
+        ports = PortArgs(*(f"ipc://{tmp_path}/{mode}-{name}" for name in ("scheduler", "detokenizer", "tokenizer")))
+        manager = TokenizerManager(
+            ServerArgs(model=str(tiny_dense_dir), disaggregation_mode=mode), ports, SchedulerLimits(4096, 4096, 8, 1)
+        )
+        try:
+            process = lambda: asyncio.run(manager.process_messages(messages))  # noqa: E731
+            processed = without_pixels(process) if not pixels else process()
+        finally:
+            manager.send_to_scheduler.close(0)
+            manager.recv_from_detokenizer.close(0)
+            manager.executor.shutdown()
+        assert manager.processor.pixels is pixels
+        assert processed.input_ids == expected.input_ids
+        assert processed.mm_items[0].pixel_values.is_meta is not pixels

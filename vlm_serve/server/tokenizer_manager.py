@@ -83,8 +83,9 @@ class TokenizerManager:
             fetch_timeout=server_args.media_fetch_timeout,
         )
         self.processor = MultimodalProcessor.from_pretrained(
-            path, self.tokenizer, access=access, cache_mb=server_args.mm_cache_mb
-        )
+            path, self.tokenizer, access=access, cache_mb=server_args.mm_cache_mb,
+            pixels=server_args.disaggregation_mode != "decode",  # a PD decode server never runs the vision tower
+        )  # fmt: skip
         self.default_sampling = generation_defaults(path)
         self.executor = ThreadPoolExecutor(server_args.tokenizer_workers, thread_name_prefix="preprocess")
         self.send_to_scheduler = zmq.Context.instance().socket(zmq.PUSH)  # sends never wait: no high-water mark
@@ -242,5 +243,6 @@ def _in_shared_memory(processed: ProcessedInput) -> ProcessedInput:
     """`processed` with its pixel values in shared memory: the scheduler maps these pages instead of
     copying them."""
     for item in processed.mm_items:
-        item.pixel_values.share_memory_()
+        if not item.pixel_values.is_meta:  # a pixel-free item's are `meta`: no memory to share
+            item.pixel_values.share_memory_()
     return processed
