@@ -88,14 +88,15 @@ class MooncakeBackend(ControlBackend):
     ) -> None:
         self.engine = _start_engine(host, ib_device)
         self._record = ctypes.create_string_buffer(max(1, layout.meta_slot_bytes))  # an outgoing record, staged
-        regions = [
+        self._regions = [
             *zip(layout.buffer_ptrs, layout.buffer_lens),
             (layout.meta_ptr, layout.meta_slots * layout.meta_slot_bytes),
             (ctypes.addressof(self._record), len(self._record)),
         ]
-        for ptr, size in regions:
+        for ptr, size in self._regions:
             if self.engine.register_memory(ptr, size) != 0:
                 raise RuntimeError(f"Mooncake's transfer engine could not register {size} bytes at {ptr:#x}")
+        self._stopping = False
         self.queue_limit = int(os.environ.get(QUEUE_LIMIT_ENV, DEFAULT_QUEUE_LIMIT))
         self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._work, name="pd-transfer", daemon=True)
@@ -104,9 +105,14 @@ class MooncakeBackend(ControlBackend):
         super().__init__(mode, tp_rank, tp_size, host, layout, bootstrap, session, timeouts)
 
     def close(self) -> None:
+        """Stops the transfer thread (writes not begun are dropped) and the control plane; the buffers are
+        unregistered, so that no peer writes into them once their owner frees them."""
         if self._worker.is_alive():
+            self._stopping = True
             self._jobs.put(None)
             self._worker.join()
+            for ptr, _ in self._regions:
+                self.engine.unregister_memory(ptr)
         super().close()
 
     def _transfer(self, sender: Sender, src: list[int], dst: list[int], record: bytes | None) -> None:
@@ -134,7 +140,7 @@ class MooncakeBackend(ControlBackend):
             dsts.append(there.meta_ptr + dest.meta_index * there.meta_slot_bytes)
             lens.append(len(record))
         for i in range(0, len(lens), self.queue_limit):
-            if sender.state == KVPoll.FAILED:  # (aborted: the rest is not needed)
+            if sender.state == KVPoll.FAILED or self._stopping:  # (aborted, or closing: the rest is not needed)
                 return
             batch = slice(i, i + self.queue_limit)
             status = self.engine.batch_transfer_sync_write(dest.rank.session, srcs[batch], dsts[batch], lens[batch])
