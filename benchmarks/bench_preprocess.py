@@ -11,12 +11,22 @@ both see the same machine load; an image counts with its fastest run, outputs ar
 call. torch runs with `--threads` intra-op threads (default 1, as transformers' numpy code is
 single-threaded).
 
-    python benchmarks/bench_preprocess.py [--images 200] [--repeats 2] [--threads 1]
+`--pixel-free` measures instead what a PD decode server spends on a request's media: the pixel-free
+processor (`MultimodalProcessor(pixels=False)`: fetch, hash, header probe) against the full one (fetch,
+hash, probe, decode, preprocess), for a 1024x1024 PNG, the same as a JPEG, and a 16-frame 448x448
+MPEG-4 video at 2 fps (every frame sampled), each sent as a data URL in a chat request, with the
+Qwen3-VL settings and no processed-input cache. Both must give the same prompt ids, grids and hashes.
+Times are whole `process_messages` calls (chat template and tokenizing included), fastest of
+`--repeats`, calls alternating.
+
+    python benchmarks/bench_preprocess.py [--images 200] [--repeats 2] [--threads 1] [--pixel-free]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import time
 from collections.abc import Callable
 
@@ -25,7 +35,13 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.testing.media import make_image, write_video
+from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor, ImageProcessorConfig
+from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.vision.video import VideoProcessor, VideoProcessorConfig
 
 BUDGETS = {"qwen3-vl": (65536, 16777216), "tiny checkpoint": (32 * 32, 512 * 512)}
 MODES = ["RGB"] * 13 + ["L"] * 2 + ["RGBA"] * 2 + ["P"] * 2 + ["CMYK"]
@@ -109,13 +125,85 @@ def run_budget(name: str, images: list[Image.Image], repeats: int) -> float:
     return ratio
 
 
+def pixel_free_requests() -> dict[str, list[dict]]:
+    """One chat request per medium, its media as a data URL (as an API request carries it)."""
+    image = make_image(1024, 1024)
+    media = {"1024x1024 PNG": ("image", "png"), "1024x1024 JPEG": ("image", "jpeg"), "16x448x448 video": ("video", "mp4")}
+    requests = {}
+    for name, (kind, fmt) in media.items():
+        buffer = io.BytesIO()
+        if kind == "image":
+            image.save(buffer, fmt.upper())
+        else:
+            write_video(buffer, [make_image(448, 448, seed=i) for i in range(16)], fps=2)
+        url = f"data:{kind}/{fmt};base64," + base64.b64encode(buffer.getvalue()).decode()
+        part = {"type": f"{kind}_url", f"{kind}_url": {"url": url}}
+        requests[name] = [{"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}]
+    return requests
+
+
+MEDIA_STAGES_MEASURED = ("fetch", "hash", "probe", "decode", "preprocess")
+
+
+def media_seconds(processed: ProcessedInput) -> float:
+    """The item's media time: the sum of its stages."""
+    return sum(getattr(processed.mm_items[0].timings, stage) for stage in MEDIA_STAGES_MEASURED)
+
+
+def media_stages(processed: ProcessedInput) -> str:
+    timings = processed.mm_items[0].timings
+    return " ".join(f"{stage} {getattr(timings, stage) * 1e3:.2f}" for stage in MEDIA_STAGES_MEASURED)
+
+
+def run_pixel_free(repeats: int) -> None:
+    """The decode server's media time per request against the full path's."""
+    tokenizer = Tokenizer.from_pretrained(BUILTIN_MODEL)
+    image_processor = ImageProcessor(
+        ImageProcessorConfig(
+            patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, min_pixels=65536, max_pixels=16777216
+        )
+    )
+    video_processor = VideoProcessor(VideoProcessorConfig(min_pixels=4096, max_pixels=25165824))
+    processors = {
+        "full": MultimodalProcessor(tokenizer, image_processor, video_processor),
+        "pixel-free": MultimodalProcessor(tokenizer, image_processor, video_processor, pixels=False),
+    }
+    print(f"ms per request, fastest of {repeats} (media: {' + '.join(MEDIA_STAGES_MEASURED)}; request: all of it)")
+    print(f"{'':>17}   {'full: media':>11} {'request':>8} | {'pixel-free: media':>17} {'request':>8} | media ratio")
+    for name, messages in pixel_free_requests().items():
+        best = {label: (np.inf, processor.process_messages(messages)) for label, processor in processors.items()}
+        expected, got = best["full"][1], best["pixel-free"][1]  # (the warm-up)
+        if (got.input_ids, got.mm_items[0].grid_thw, got.mm_items[0].hash) != (
+            expected.input_ids, expected.mm_items[0].grid_thw, expected.mm_items[0].hash,
+        ):  # fmt: skip
+            raise SystemExit(f"{name}: the pixel-free path's ids, grid or hash differ from the full path's")
+        for _ in range(repeats):
+            for label, processor in processors.items():
+                start = time.perf_counter()
+                processed = processor.process_messages(messages)
+                seconds = time.perf_counter() - start
+                if seconds < best[label][0]:
+                    best[label] = (seconds, processed)
+        (full_request, full), (free_request, free) = best["full"], best["pixel-free"]
+        print(
+            f"{name:>17}:  {media_seconds(full) * 1e3:11.2f} {full_request * 1e3:8.2f} | "
+            f"{media_seconds(free) * 1e3:17.2f} {free_request * 1e3:8.2f} | "
+            f"{media_seconds(full) / media_seconds(free):5.1f}x   (grid {got.mm_items[0].grid_thw}, ids identical)"
+        )
+        print(f"{'':>19}full: {media_stages(full)}\n{'':>19}pixel-free: {media_stages(free)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--pixel-free", action="store_true", help="the PD decode server's media time instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.pixel_free:
+        run_pixel_free(args.repeats)
+        return
     images = make_images(args.images)
     print(f"{len(images)} images, torch threads {args.threads}, fastest of {args.repeats} runs per image")
     for name in BUDGETS:
