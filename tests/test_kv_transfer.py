@@ -168,12 +168,13 @@ class Pair:
     """A prefill rank (in the peer process, registered with a bootstrap server here) and a decode rank."""
 
     def __init__(
-        self, peer: Peer, backend: str, page_size: int = 1, timeouts: Timeouts = Timeouts(), **decode_options: Any
-    ) -> None:
+        self, peer: Peer, backend: str, page_size: int = 1, timeouts: Timeouts = Timeouts(),
+        env: dict[str, str] | None = None, decode_head_dim: int = HEAD_DIM,
+    ) -> None:  # fmt: skip
         self.server = BootstrapServer(HOST, 0).start()
         self.port = self.server.port
-        self.prefill = peer.side(backend, "prefill", page_size, self.port, timeouts, env=decode_options.get("env"))
-        self.decode = Side(backend, "decode", page_size, timeouts=timeouts, **decode_options)
+        self.prefill = peer.side(backend, "prefill", page_size, self.port, timeouts, env=env)
+        self.decode = Side(backend, "decode", page_size, timeouts=timeouts, head_dim=decode_head_dim, env=env)
 
     def open(self, room: str) -> None:
         """The decode side finds its prefill rank and says where the KV goes, the prefill side makes its
@@ -185,6 +186,7 @@ class Pair:
         assert self.prefill.wait(room, KVPoll.BOOTSTRAPPING) == KVPoll.WAITING_FOR_INPUT
 
     def close(self) -> None:
+        self.prefill.close()
         self.decode.close()
         self.server.stop()
 
@@ -287,9 +289,10 @@ def test_fake_backend_moves_no_kv_but_delivers_the_record(pairs: Any) -> None:
 
 
 def test_injected_failures_fail_their_rooms_on_both_sides_with_the_reason(peer: Peer) -> None:
-    pair = Pair(peer, "fake", timeouts=Timeouts(bootstrap=0.5), env={FAILURE_ENV: "transfer:doomed-,bootstrap:lost-"})
+    pair = Pair(peer, "fake", timeouts=Timeouts(bootstrap=2.0), env={FAILURE_ENV: "transfer:doomed-,bootstrap:lost-"})
     try:
         doomed, fine, lost = f"doomed-{new_room()}", new_room(), f"lost-{new_room()}"
+        pair.decode.open(lost, pair.port)  # (its bootstrap never completes: it fails at the timeout)
         for room in (doomed, fine):
             pair.open(room)
             pair.prefill.send(room, list(range(1, PROMPT + 1)), 0, b"record")
@@ -298,11 +301,9 @@ def test_injected_failures_fail_their_rooms_on_both_sides_with_the_reason(peer: 
         assert pair.decode.failure(doomed).startswith("prefill side: ")
         assert (pair.prefill.wait(fine), pair.decode.wait(fine)) == (KVPoll.SUCCESS, KVPoll.SUCCESS)
 
-        pair.decode.open(lost, pair.port)  # (its bootstrap never completes: it fails at the timeout)
         assert pair.decode.wait(lost) == KVPoll.FAILED
         assert f"{HOST}:{pair.port}" in pair.decode.failure(lost)
     finally:
-        pair.prefill.close()
         pair.close()
 
 
@@ -354,18 +355,19 @@ def test_silent_prefill_rank_fails_the_rooms_waiting_on_it() -> None:
         assert pair.decode.wait(room) == KVPoll.FAILED
         assert "stopped answering" in pair.decode.failure(room)
     finally:
-        pair.close()
+        doomed.kill()
+        pair.decode.close()
+        pair.server.stop()
 
 
 def test_unequal_kv_layouts_fail_both_sides_with_the_reason(peer: Peer) -> None:
-    pair = Pair(peer, "fake", head_dim=2 * HEAD_DIM)
+    pair = Pair(peer, "fake", decode_head_dim=2 * HEAD_DIM)
     try:
         room = new_room()
         pair.decode.open(room, pair.port)
         assert pair.decode.wait(room) == KVPoll.FAILED
         assert "same model with the same KV dtype" in pair.decode.failure(room)
     finally:
-        pair.prefill.close()
         pair.close()
 
 
@@ -429,7 +431,6 @@ def test_waits_for_a_peer_that_never_comes_end_and_leave_nothing(peer: Peer) -> 
             time.sleep(0.05)
         assert (pair.prefill.num_rooms(), pair.decode.num_rooms()) == (0, 0)
     finally:
-        pair.prefill.close()
         pair.close()
 
 
