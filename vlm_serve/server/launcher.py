@@ -23,6 +23,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from vlm_serve.config import API_KEY_ENV, ServerArgs
+from vlm_serve.llm.disaggregation.bootstrap import BootstrapServer
 from vlm_serve.model_source import with_local_model
 from vlm_serve.process import starting_children
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
@@ -140,6 +141,14 @@ def launch_server(server_args: ServerArgs) -> int:
     server_args = with_local_model(server_args)  # (after the settings' own checks: it may download)
     # bound before the model loads, so that a port in use is refused at once (it listens once ready)
     http_socket = bind_http_socket(server_args.host, server_args.port) if server_args.node_rank == 0 else None
+    bootstrap = None  # a PD prefill server's registry of its ranks, for decode servers to find them
+    if server_args.disaggregation_mode == "prefill" and server_args.node_rank == 0:
+        try:
+            bootstrap = BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port).start()
+        except ValueError:
+            if http_socket is not None:
+                http_socket.close()
+            raise
     signal.signal(signal.SIGTERM, _raise_exit)  # while starting: unwind through `finally`, stopping children
     ipc_dir = tempfile.mkdtemp(prefix="vlm-serve-")
     port_args = None
@@ -163,6 +172,8 @@ def launch_server(server_args: ServerArgs) -> int:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         if http_socket is not None:
             http_socket.close()
+        if bootstrap is not None:
+            bootstrap.stop()
     if failure:
         print(f"vlm-serve: stopped because {failure}", file=sys.stderr)
         return 1

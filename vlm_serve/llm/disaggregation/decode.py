@@ -118,6 +118,7 @@ class DecodeDisaggregation(Disaggregation):
             self.fail(req, "mismatch", FinishReason.error(500, "disaggregation_mismatch", message))
             return
         self.transfer_succeeded(req)
+        s.metrics.observe_media(req.mm_items)  # (probed, not decoded: the prefill server encoded them)
         req.kv_len, req.cached_tokens, req.mrope_delta = record.prompt_len, record.cached_tokens, record.mrope_delta
         req.transfer = None  # (done: the request is an ordinary running one from here on)
         if req.grammar is not None:
