@@ -502,7 +502,8 @@ class ControlBackend(TransferBackend):
         return None
 
     def _read_record(self, index: int, length: int) -> bytes:
-        return ctypes.string_at(self.layout.meta_ptr + index * self.layout.meta_slot_bytes, length)
+        size = self.layout.meta_slot_bytes
+        return ctypes.string_at(self.layout.meta_ptr + index * size, min(length, size))
 
     def _send(self, addr: str, msg: Message) -> bool:
         """Queues `msg` for the rank at `addr` (False if this rank is closed or the peer's queue is full)."""

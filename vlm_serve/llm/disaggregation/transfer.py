@@ -12,10 +12,11 @@ of a prefill server pairs with rank r of a decode server (equal TP sizes). Per r
 - both sides poll until SUCCESS or FAILED (`failure` says why); the receiver then holds the record
   (`meta`).
 
-Backends share the control plane (the bootstrap lookup, the handshake, the states) and differ in how
-bytes move: Mooncake writes the KV and the record into the decode rank's registered buffers; the fake
-backend moves no KV at all (the decode side decodes from whatever its slots hold: for tests of the
-queues and their failures, with injection) and hands the record over with its completion message.
+Backends share the control plane (the bootstrap lookup, the handshake, the states, the timeouts:
+`control.py`) and differ in how bytes move: Mooncake writes the KV and the record into the decode rank's
+registered buffers (`mooncake.py`); the fake backend moves no KV at all (the decode side decodes from
+whatever its slots hold: for tests of the queues and their failures, with injection: `fake.py`) and
+hands the record over with its completion message. No call of the scheduler's waits on the network.
 """
 
 from __future__ import annotations
