@@ -102,7 +102,7 @@ class ServerProcess:
         return code
 
 
-def _stop_with_parent() -> None:
+def stop_with_parent() -> None:
     """In the server's process before exec: SIGTERM it when the test process dies (a killed pytest
     must not leave servers behind)."""
     PR_SET_PDEATHSIG = 1
@@ -116,7 +116,7 @@ def spawn_serve(model_dir: Path, *flags: str, port: int | None = None) -> Server
     command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model_dir), "--port", str(port), *flags]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        preexec_fn=_stop_with_parent,
+        preexec_fn=stop_with_parent,
     )  # fmt: skip
     output: list[str] = []
 

@@ -35,6 +35,9 @@ SKIPPED = {
     ("bash", "vlm-serve serve --model Qwen/Qwen3-VL-8B-Instruct"): (
         "serves until stopped, from a Hugging Face download, a /models folder and an 8-GPU config"
     ),
+    ("bash", "sglang_router.launch_router"): (
+        "two servers and a router that serve until stopped, on fixed ports (tests/test_router.py starts them)"
+    ),
 }
 _GENERATE_ANSWER = re.compile(r"^vlm-serve generate .*  # (.+)$", re.MULTILINE)
 

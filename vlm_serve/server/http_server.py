@@ -398,6 +398,7 @@ def serve_http(
         app, host=server_args.host, port=server_args.port, log_level="warning", timeout_graceful_shutdown=5,
         lifespan="on",
     )  # fmt: skip
+    logging.getLogger("uvicorn.error").addFilter(_quiet_about_non_http)
     server = _Server(config, tm, state, children)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal with the
     # handlers found here restored: make that a no-op so the caller stops the children
@@ -409,6 +410,12 @@ def serve_http(
 
 def _ignore(signum: int, frame: Any) -> None:
     pass
+
+
+def _quiet_about_non_http(record: logging.LogRecord) -> bool:
+    """Drops uvicorn's warning for a connection that does not speak HTTP/1.1 (it answers it a 400 anyway):
+    sglang-router opens two such connections to every server it adds, probing for gRPC."""
+    return record.getMessage() != "Invalid HTTP request received."
 
 
 class _Server(uvicorn.Server):
