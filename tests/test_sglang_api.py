@@ -204,6 +204,7 @@ def test_generate_returns_sglang_logprobs(server: ServerProcess, ours: Tokenizer
         ({"text": "x", "lora_path": "adapter"}, None, "lora_path is not supported"),
         ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len", "less than"),
         ({"text": ["x", "y"], "rid": ["a"]}, "rid", "one id per prompt"),
+        ({"text": "x", "image_data": [image_url()] * 17}, None, "at most 16 per prompt"),
     ],
 )
 def test_generate_refuses_what_it_cannot_do_by_name(
@@ -213,6 +214,13 @@ def test_generate_refuses_what_it_cannot_do_by_name(
     assert response.status_code == 400
     error = response.json()["error"]
     assert words in error["message"] and error["param"] == param
+
+
+def test_generate_without_sampling_params_writes_at_most_128_tokens_as_sglang_does(server: ServerProcess) -> None:
+    out = generate(server, text="A red circle", sampling_params=None)
+    finish = out["meta_info"]["finish_reason"]
+    assert finish == {"type": "length", "length": 128} or finish["type"] == "stop"
+    assert out["meta_info"]["completion_tokens"] <= 128
 
 
 def test_generate_names_the_model_as_the_openai_endpoints_do(server: ServerProcess) -> None:

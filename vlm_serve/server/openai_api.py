@@ -49,7 +49,7 @@ from vlm_serve.server.protocol import (
     now,
 )
 from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
-from vlm_serve.errors import ApiError, BadRequest, InternalError, ModelNotFoundError
+from vlm_serve.errors import ApiError, InternalError, ModelNotFoundError
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.server.tool_parser import ToolCall
 from vlm_serve.multimodal import ProcessedInput
@@ -417,11 +417,10 @@ def check_media_parts(request: ChatPrompt, server_args: ServerArgs) -> None:
             raise ValueError(f"{kind} min_pixels={low} is larger than max_pixels={high}")
 
 
-def check_media_count(count: int, server_args: ServerArgs, param: str | None = None) -> None:
+def check_media_count(count: int, server_args: ServerArgs) -> None:
     """A prompt may bring at most `limit_mm_per_prompt` images and videos."""
     if count > server_args.limit_mm_per_prompt:
-        raise BadRequest(
+        raise ValueError(
             f"the request has {count} images and videos; this server accepts at most "
-            f"{server_args.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)",
-            param=param,
+            f"{server_args.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)"
         )

@@ -47,7 +47,7 @@ class SGLangSamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(128, ge=1)  # SGLang's default (the OpenAI endpoints': up to the context)
     min_new_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -104,6 +104,11 @@ class GenerateRequest(BootstrapFields):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     return_text_in_logprobs: bool = False
     priority: int | None = None
+
+    @field_validator("sampling_params", mode="before")
+    @classmethod
+    def _defaults_for_null(cls, params: Any) -> Any:
+        return {} if params is None else params
 
     @field_validator("text", "input_ids")
     @classmethod
@@ -216,7 +221,7 @@ class GenerateServing:
             if not (prompt_images or prompt_videos):
                 inputs.append(self.tm.tokenize(prompt))
                 continue
-            check_media_count(len(prompt_images) + len(prompt_videos), self.tm.server_args, "image_data")
+            check_media_count(len(prompt_images) + len(prompt_videos), self.tm.server_args)
             _check_placeholders(prompt, IMAGE_PAD, len(prompt_images), "image_data")
             _check_placeholders(prompt, VIDEO_PAD, len(prompt_videos), "video_data")
             inputs.append(await self.tm.process_prompt(prompt, prompt_images, prompt_videos))
