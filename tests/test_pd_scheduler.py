@@ -49,7 +49,8 @@ def idle_after_each_test(request):
     pair, colocated = request.getfixturevalue("engines")
     for engine in (pair.prefill, pair.decode, colocated):
         engine.scheduler.check_memory()
-    assert not pair.prefill.scheduler.disagg and not pair.decode.scheduler.disagg  # (every PD queue empty)
+    for engine in (pair.prefill, pair.decode):
+        assert not any(engine.scheduler.disagg.queue_sizes().values())
 
 
 def answer(pair: PDPair, messages: list[dict], **sampling):

@@ -23,12 +23,11 @@ One control thread per rank reads the socket and, every `Timeouts.sweep` seconds
 their deadlines, expires what waits for rooms that never came, and sends heartbeats. The scheduler's
 calls (`poll`, `send`, `init`, `abort`) never wait on the network.
 
-Timeouts, in seconds, each from its environment variable where set:
-- `VLM_SERVE_PD_BOOTSTRAP_TIMEOUT` (30): a decode rank finding its prefill rank;
-- `VLM_SERVE_PD_WAITING_TIMEOUT` (300): a prefill request waiting for its decode side's destination (the
-  decode server may be full), and a destination waiting for its prefill request;
-- `VLM_SERVE_PD_HEARTBEAT_TIMEOUT` (10): a prefill rank silent this long is taken for dead, and the rooms
-  waiting on it fail.
+Timeouts, in seconds (`Timeouts.of`: from `--disaggregation-timeout`, the waiting one, and at most it):
+- bootstrap (30): a decode rank finding its prefill rank;
+- waiting (300): a prefill request waiting for its decode side's destination (the decode server may be
+  full), and a destination waiting for its prefill request;
+- heartbeat (10): a prefill rank silent this long is taken for dead, and the rooms waiting on it fail.
 """
 
 from __future__ import annotations
@@ -37,14 +36,12 @@ import base64
 import ctypes
 import json
 import logging
-import os
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import zmq
 
@@ -52,13 +49,11 @@ from vlm_serve.llm.disaggregation.bootstrap import Address, RankInfo, lookup_ran
 from vlm_serve.llm.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender, Mode, TransferBackend
 from vlm_serve.messages.backend import BootstrapInfo
 
+if TYPE_CHECKING:
+    from vlm_serve.config import ServerArgs
+
 logger = logging.getLogger(__name__)
 
-TIMEOUT_ENV = {
-    "bootstrap": "VLM_SERVE_PD_BOOTSTRAP_TIMEOUT",
-    "waiting": "VLM_SERVE_PD_WAITING_TIMEOUT",
-    "heartbeat": "VLM_SERVE_PD_HEARTBEAT_TIMEOUT",
-}
 ENDED = (KVPoll.SUCCESS, KVPoll.FAILED)
 
 
@@ -71,8 +66,9 @@ class Timeouts:
     heartbeat: float = 10.0
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Timeouts:
-        return cls(**{name: float(environ[var]) for name, var in TIMEOUT_ENV.items() if var in environ})
+    def of(cls, server_args: ServerArgs) -> Timeouts:
+        wait = server_args.disaggregation_timeout
+        return cls(bootstrap=min(cls.bootstrap, wait), waiting=wait, heartbeat=min(cls.heartbeat, wait))
 
     @property
     def sweep(self) -> float:
@@ -238,7 +234,7 @@ class ControlBackend(TransferBackend):
         """Binds this rank's control socket on `host` and starts the control thread; a prefill rank then
         registers with the bootstrap server at `bootstrap` (if given)."""
         self.mode, self.layout = mode, layout
-        self.timeouts = timeouts or Timeouts.from_env()
+        self.timeouts = timeouts or Timeouts()
         self.lock = threading.RLock()  # the rooms and every state in them
         self._rooms: dict[str, Sender | Receiver] = {}  # live ones
         self._early: dict[str, _Early] = {}

@@ -11,7 +11,11 @@ items have their grids and hashes (for its ids and positions) but no pixels.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import TYPE_CHECKING
+
+import torch
 
 from vlm_serve.llm.disaggregation.common import Disaggregation, PrefillRecord
 from vlm_serve.llm.disaggregation.transfer import KVPoll, TransferBackend
@@ -23,6 +27,11 @@ if TYPE_CHECKING:
     from vlm_serve.messages.backend import BootstrapInfo
 
 
+# A write the prefill side had already started may still land in the slots of a transfer that ended
+# without success (aborted here, or failed there): they go back to the pool only after this long.
+QUARANTINE_SECONDS = 5.0
+
+
 class DecodeDisaggregation(Disaggregation):
     """The decode server's PD queues, driven by its scheduler."""
 
@@ -30,9 +39,16 @@ class DecodeDisaggregation(Disaggregation):
         super().__init__(scheduler, backend)
         self.prealloc_queue: list[Req] = []  # waiting for its prefill rank and for KV slots
         self.transfer_queue: list[Req] = []  # slots allocated, KV on its way
+        self.quarantine: deque[tuple[float, torch.Tensor]] = deque()  # (when free, slots) of ended transfers
 
     def __len__(self) -> int:
-        return len(self.prealloc_queue) + len(self.transfer_queue)
+        return len(self.prealloc_queue) + len(self.transfer_queue) + len(self.quarantine)
+
+    @property
+    def held_tokens(self) -> int:
+        """KV slots held back from the pool for a while (not leaked: see QUARANTINE_SECONDS)."""
+        page = self.scheduler.page_size
+        return sum(-(-len(slots) // page) * page for _, slots in self.quarantine)  # (whole pages)
 
     def queue_sizes(self) -> dict[str, int]:
         return {"prealloc": len(self.prealloc_queue), "transfer": len(self.transfer_queue)}
@@ -48,6 +64,9 @@ class DecodeDisaggregation(Disaggregation):
 
     def process(self) -> None:
         """Moves on the requests whose transfers moved on (every TP rank, every iteration)."""
+        now = time.monotonic()
+        while self.quarantine and self.quarantine[0][0] <= now:
+            self.scheduler.allocator.free(self.quarantine.popleft()[1])
         if self.prealloc_queue:
             adder, waiting, full = None, [], False
             for req, state in zip(self.prealloc_queue, self.polls(self.prealloc_queue)):
@@ -130,10 +149,11 @@ class DecodeDisaggregation(Disaggregation):
             s.running_batch.reqs.append(req)
 
     def release(self, req: Req) -> None:
-        """Frees the slots and the row of a request whose KV never arrived (not into the prefix cache:
-        they hold no KV)."""
+        """Frees the row of a request whose KV never arrived, and its slots after the quarantine (not into
+        the prefix cache: they hold no KV)."""
         s = self.scheduler
-        s.allocator.free(s.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)].long())
+        slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)].long()
+        self.quarantine.append((time.monotonic() + QUARANTINE_SECONDS, slots.clone()))
         s.req_to_token_pool.free(req.req_pool_idx)
         req.reset_kv()
 

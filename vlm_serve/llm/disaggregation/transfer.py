@@ -143,13 +143,16 @@ def create_transfer_backend(server_args: ServerArgs, mode: Mode, tp_rank: int, l
     """The backend `--disaggregation-transfer-backend` names, for this rank. A prefill rank registers
     with its server's bootstrap server (which the launcher has started) before this returns."""
     from vlm_serve.llm.disaggregation.bootstrap import bootstrap_address, rank_host
+    from vlm_serve.llm.disaggregation.control import Timeouts
 
-    host, tp_size = rank_host(server_args), server_args.tp_size
+    host, tp_size, timeouts = rank_host(server_args), server_args.tp_size, Timeouts.of(server_args)
     bootstrap = bootstrap_address(server_args) if mode == "prefill" else None
     if server_args.disaggregation_transfer_backend == "fake":
         from vlm_serve.llm.disaggregation.fake import FakeBackend
 
-        return FakeBackend(mode, tp_rank, tp_size, host, layout, bootstrap)
+        return FakeBackend(mode, tp_rank, tp_size, host, layout, bootstrap, timeouts=timeouts)
     from vlm_serve.llm.disaggregation.mooncake import MooncakeBackend
 
-    return MooncakeBackend(mode, tp_rank, tp_size, host, layout, bootstrap, server_args.disaggregation_ib_device)
+    return MooncakeBackend(
+        mode, tp_rank, tp_size, host, layout, bootstrap, server_args.disaggregation_ib_device, timeouts=timeouts
+    )

@@ -825,8 +825,9 @@ class Scheduler:
         """Idle self-check: every KV slot is free or held by the tree, no lock is held and every
         request row is free. A failure is a leak, i.e. a bug."""
         problems = []
-        if self.num_used_tokens != 0:
-            problems.append(f"{self.num_used_tokens} KV slots leaked")
+        leaked = self.num_used_tokens - (self.disagg.held_tokens if isinstance(self.disagg, DecodeDisaggregation) else 0)
+        if leaked != 0:
+            problems.append(f"{leaked} KV slots leaked")
         if self.tree_cache.protected_size() != 0 or any(self.tree_cache.lock_counts()):
             problems.append(f"{self.tree_cache.protected_size()} tokens still locked in the prefix cache")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
