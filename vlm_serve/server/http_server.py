@@ -372,9 +372,11 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 async def warmup(tm: TokenizerManager) -> None:
-    """One short request with an image through every process (raises if it does not finish)."""
-    image = Image.new("RGB", (64, 64), (120, 30, 200))
-    content = [{"type": "image", "image": image}, {"type": "text", "text": "Describe."}]
+    """One short request with an image through every process (raises if it does not finish); text only
+    on a PD decode server, which takes media only with their KV from a prefill server."""
+    content: list[dict] = [{"type": "text", "text": "Describe."}]
+    if tm.server_args.disaggregation_mode != "decode":
+        content.insert(0, {"type": "image", "image": Image.new("RGB", (64, 64), (120, 30, 200))})
     x = await tm.process_messages([{"role": "user", "content": content}])
     choices = tm.normalize(GenerateReqInput(x, {"max_tokens": 2, "temperature": 0}))
     async with contextlib.aclosing(tm.generate(choices)) as outputs:
