@@ -1,10 +1,10 @@
 """vlm_serve behind sglang-router, started as the README starts it. In the router's normal mode two
 colocated servers of the built-in model are data-parallel replicas: chat completions (with an image,
-with n=2, streamed), text completions and SGLang's /generate (plain and streamed) come back through
-the router exactly as one server answers them (greedy), and the router names the model as the
-servers' /model_info does. The router in its PD mode, over the same two colocated servers (which
-accept the bootstrap fields it adds and ignore them), answers the same too. Real processes: the
-router's binary and two `vlm-serve serve`."""
+with n=2, streamed), text completions (a batch with n=2) and SGLang's /generate (with an image,
+streamed, a batch with n=2) come back through the router exactly as one server answers them (greedy),
+and the router names the model as the servers' /model_info does. The router in its PD mode, over the
+same two colocated servers (which accept the bootstrap fields it adds and ignore them), answers the
+same too. Real processes: the router's binary and two `vlm-serve serve`."""
 
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ from helpers import ServerProcess, free_port, running_server, stop_with_parent
 from PIL import Image, ImageDraw
 
 from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.tokenizer import Tokenizer
 
 pytest.importorskip("sglang_router")
 
+TOKENIZER = Tokenizer.from_pretrained(BUILTIN_MODEL)
 QUESTION = "What colour is the circle?"
 # the chat template's text of QUESTION about one image, as an SGLang user sends it to /generate
 PROMPT = f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
@@ -101,8 +103,12 @@ def answers(base_url: str) -> dict:
     # no model (the router sends "unknown"), n=2 (in PD mode the router gives each choice its own room)
     two = httpx.post(base_url + "/v1/chat/completions", json={"messages": MESSAGES, "n": 2, **greedy}, timeout=60).json()
     stream = client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **greedy)
-    completion = client.completions.create(model=model, prompt="A red circle", **greedy)
-    body = {"text": PROMPT, "image_data": circle_url(), "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    # batches of prompts with n=2 (in PD mode the router gives each prompt its own room)
+    completion = client.completions.create(model=model, prompt=["A red circle", "A blue square"], n=2, **greedy)
+    sampling = {"max_new_tokens": 24, "temperature": 0}
+    ids = [TOKENIZER.encode(text) for text in ("A red circle", "A blue square")]
+    batch = httpx.post(base_url + "/generate", json={"input_ids": ids, "sampling_params": {**sampling, "n": 2}}, timeout=60)
+    body = {"text": PROMPT, "image_data": circle_url(), "sampling_params": sampling}
     generate = httpx.post(base_url + "/generate", json=body, timeout=60).json()
     with httpx.stream("POST", base_url + "/generate", json={**body, "stream": True}, timeout=60) as response:
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
@@ -110,8 +116,9 @@ def answers(base_url: str) -> dict:
         "chat": (chat.choices[0].message.content, chat.usage.prompt_tokens, chat.usage.completion_tokens),
         "chat n=2": [choice["message"]["content"] for choice in two["choices"]],
         "chat streamed": "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices),
-        "completion": completion.choices[0].text,
+        "completions": [choice.text for choice in completion.choices],
         "generate": (generate["text"], generate["output_ids"], generate["meta_info"]["finish_reason"]),
+        "generate batch": [out["text"] for out in batch.json()],
         "generate streamed": (json.loads(events[-2])["text"], events[-1]),
     }
 
@@ -143,8 +150,8 @@ def test_replicas_behind_the_router_answer_as_one_server(servers: list[ServerPro
 
 
 def test_the_router_in_pd_mode_over_colocated_servers_answers_as_one_server(servers: list[ServerProcess]) -> None:
-    """Each request goes to both servers with bootstrap_host/port/room (per choice for chat with n=2);
-    a colocated server serves it whole, and the router returns the "decode" server's answer."""
+    """Each request goes to both servers with bootstrap_host/port/room (lists for chat with n=2 and for
+    batches); a colocated server serves it whole, and the router returns the "decode" server's answer."""
     prefill, decode = servers
     with running_router("--pd-disaggregation", "--prefill", prefill.url, "8998", "--decode", decode.url) as url:
         assert answers(url) == answers(decode.url)

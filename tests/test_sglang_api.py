@@ -239,16 +239,18 @@ def test_chat_without_a_model_through_sglang_router_is_served(server: ServerProc
 
 
 def test_bootstrap_fields_are_accepted_and_ignored_by_a_colocated_server(server: ServerProcess, ours: Tokenizer) -> None:
-    """As sglang-router's PD mode sends them: one room, or for a chat request with n > 1 one per choice."""
+    """As sglang-router's PD mode sends them: one room; one per choice of a chat request with n > 1; one
+    per prompt of a batch (whatever its n)."""
     per_choice = {"bootstrap_host": ["h", "h"], "bootstrap_port": [8998, 8998], "bootstrap_room": [1, 2]}
     messages = chat_messages(("image_url", image_url()))
     plain = chat(server, messages, n=2)["choices"]
     assert chat(server, messages, n=2, **per_choice)["choices"] == plain
     assert chat(server, messages, n=2, **BOOTSTRAP)["choices"] == plain
-    completion = {"prompt": ["A", "B"], "temperature": 0, "max_tokens": 8}
+    completion = {"prompt": ["A", "B"], "n": 2, "temperature": 0, "max_tokens": 8}
     texts = [c["text"] for c in post(server, "/v1/completions", completion).json()["choices"]]
-    with_rooms = post(server, "/v1/completions", {**completion, **BOOTSTRAP}).json()["choices"]
-    assert [c["text"] for c in with_rooms] == texts
+    for rooms in (BOOTSTRAP, {**per_choice, "bootstrap_room": [3, 4]}, {**BOOTSTRAP, "bootstrap_room": [5, 6, 7, 8]}):
+        with_rooms = post(server, "/v1/completions", {**completion, **rooms}).json()["choices"]
+        assert [c["text"] for c in with_rooms] == texts
     body = {"text": templated(ours, "image"), "image_data": image_url(), "sampling_params": GREEDY}
     assert generate(server, **body, **BOOTSTRAP)["text"] == generate(server, **body)["text"]
 
@@ -264,7 +266,7 @@ def test_bootstrap_fields_are_accepted_and_ignored_by_a_colocated_server(server:
         ({**BOOTSTRAP, "bootstrap_port": True}, "bootstrap_port", "integer port"),
         ({**BOOTSTRAP, "bootstrap_host": 7}, "bootstrap_host", "non-empty string"),
         ({"bootstrap_room": 5}, None, "bootstrap_host and bootstrap_port must be given with bootstrap_room"),
-        ({**BOOTSTRAP, "bootstrap_room": [1, 2]}, "bootstrap_room", "2 entries but the request has 1 choices"),
+        ({**BOOTSTRAP, "bootstrap_room": [1, 2]}, "bootstrap_room", "2 entries for 1 prompt(s) of 1 choice(s)"),
         ({**BOOTSTRAP, "bootstrap_room": [1, 2], "bootstrap_port": [1]}, None, "the same length"),
     ],
 )

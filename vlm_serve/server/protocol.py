@@ -234,8 +234,8 @@ def _bootstrap_value(name: str, value: Any) -> bool:
 class BootstrapFields(BaseModel):
     """What sglang-router's PD mode adds to a request it sends to both a prefill and a decode server:
     the prefill server's bootstrap address and a room both sides share. All three or none; each is one
-    value, or (as the router sends them for a chat request with `n` > 1) a list with one per choice.
-    A colocated server accepts them and ignores them."""
+    value, or a list (the router sends one entry per prompt of a batch, or one per choice of a chat
+    request with `n` > 1). A colocated server accepts them and ignores them."""
 
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
@@ -252,7 +252,7 @@ class BootstrapFields(BaseModel):
                 "bootstrap_port": "an integer port in [1, 65535]",
                 "bootstrap_room": f"an integer in [0, {_MAX_ROOM}]",
             }[name]
-            raise ValueError(f"must be {kind}, or a non-empty list of them (one per choice), not {json.dumps(value)}")
+            raise ValueError(f"must be {kind}, or a non-empty list of them (one per prompt or per choice), not {json.dumps(value)}")
         return value
 
     @model_validator(mode="after")
@@ -267,25 +267,29 @@ class BootstrapFields(BaseModel):
         return self
 
     def bootstraps(self, prompts: int, n: int) -> list[BootstrapInfo | list[BootstrapInfo] | None]:
-        """Each prompt's bootstrap info: one for a single prompt given single values (its choices get
-        rooms "ROOM/i" from `GenerateReqInput.normalize`), else one per choice, choice i of all
-        `prompts * n` having list entry i or room "ROOM/i"."""
+        """Each of `prompts` prompts' `GenerateReqInput.bootstrap`. Lists hold one entry per prompt (as
+        the router sends them for a batch; a prompt's choices get rooms "ROOM/j") or one per choice (as
+        it sends them for a chat request with `n` > 1); single values serve one prompt, or give prompt
+        k of several room "ROOM/k"."""
         if self.bootstrap_room is None:
             return [None] * prompts
         fields = [getattr(self, name) for name in _BOOTSTRAP_FIELDS]
-        count = prompts * n
         if not any(isinstance(value, list) for value in fields):
             host, port, room = fields
             if prompts == 1:
                 return [BootstrapInfo(host, port, str(room))]
-            fields = [host, port, [f"{room}/{i}" for i in range(count)]]
+            fields = [host, port, [f"{room}/{k}" for k in range(prompts)]]
         (length,) = {len(value) for value in fields if isinstance(value, list)}  # one length: `_all_or_none`
-        if length != count:
+        if length not in (prompts, prompts * n):
             raise BadRequest(
-                f"the bootstrap fields give {length} entries but the request has {count} choices", param="bootstrap_room"
+                f"the bootstrap fields give {length} entries for {prompts} prompt(s) of {n} choice(s) each: "
+                "give one per prompt or one per choice",
+                param="bootstrap_room",
             )
-        per_choice = [value if isinstance(value, list) else [value] * count for value in fields]
-        infos = [BootstrapInfo(host, port, str(room)) for host, port, room in zip(*per_choice)]
+        per_entry = [value if isinstance(value, list) else [value] * length for value in fields]
+        infos = [BootstrapInfo(host, port, str(room)) for host, port, room in zip(*per_entry)]
+        if length == prompts:
+            return infos
         return [infos[k * n : (k + 1) * n] for k in range(prompts)]
 
 
