@@ -101,20 +101,21 @@ def answers(base_url: str) -> dict:
     greedy = {"max_tokens": 24, "temperature": 0}
     chat = client.chat.completions.create(model=model, messages=MESSAGES, **greedy)
     # no model (the router sends "unknown"), n=2 (in PD mode the router gives each choice its own room)
-    two = httpx.post(base_url + "/v1/chat/completions", json={"messages": MESSAGES, "n": 2, **greedy}, timeout=60).json()
+    two = httpx.post(base_url + "/v1/chat/completions", json={"messages": MESSAGES, "n": 2, **greedy}, timeout=60)
     stream = client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **greedy)
     # batches of prompts with n=2 (in PD mode the router gives each prompt its own room)
     completion = client.completions.create(model=model, prompt=["A red circle", "A blue square"], n=2, **greedy)
     sampling = {"max_new_tokens": 24, "temperature": 0}
     ids = [TOKENIZER.encode(text) for text in ("A red circle", "A blue square")]
-    batch = httpx.post(base_url + "/generate", json={"input_ids": ids, "sampling_params": {**sampling, "n": 2}}, timeout=60)
+    batch_body = {"input_ids": ids, "sampling_params": {**sampling, "n": 2}}
+    batch = httpx.post(base_url + "/generate", json=batch_body, timeout=60)
     body = {"text": PROMPT, "image_data": circle_url(), "sampling_params": sampling}
     generate = httpx.post(base_url + "/generate", json=body, timeout=60).json()
     with httpx.stream("POST", base_url + "/generate", json={**body, "stream": True}, timeout=60) as response:
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     return {
         "chat": (chat.choices[0].message.content, chat.usage.prompt_tokens, chat.usage.completion_tokens),
-        "chat n=2": [choice["message"]["content"] for choice in two["choices"]],
+        "chat n=2": [choice["message"]["content"] for choice in two.json()["choices"]],
         "chat streamed": "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices),
         "completions": [choice.text for choice in completion.choices],
         "generate": (generate["text"], generate["output_ids"], generate["meta_info"]["finish_reason"]),

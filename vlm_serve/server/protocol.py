@@ -217,18 +217,13 @@ class NamedToolChoice(BaseModel):
 
 # ---- prefill/decode disaggregation ---------------------------------------------------------------------
 
-_BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-_MAX_ROOM = 2**64 - 1
-
-
-def _bootstrap_value(name: str, value: Any) -> bool:
-    """Whether `value` is a valid bootstrap_host (a non-empty string), bootstrap_port (an integer port)
-    or bootstrap_room (a non-negative 64-bit integer, SGLang's type)."""
-    if name == "bootstrap_host":
-        return isinstance(value, str) and value != ""
-    limit = 65535 if name == "bootstrap_port" else _MAX_ROOM
-    low = 1 if name == "bootstrap_port" else 0
-    return type(value) is int and low <= value <= limit
+# each field: whether a value is valid, and what it must be (SGLang's types; the router's rooms are < 2**63)
+_BOOTSTRAP_KINDS = {
+    "bootstrap_host": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "bootstrap_port": (lambda v: type(v) is int and 1 <= v <= 65535, "an integer port in [1, 65535]"),
+    "bootstrap_room": (lambda v: type(v) is int and 0 <= v < 2**64, "an integer in [0, 2**64)"),
+}
+_BOOTSTRAP_FIELDS = tuple(_BOOTSTRAP_KINDS)
 
 
 class BootstrapFields(BaseModel):
@@ -244,15 +239,11 @@ class BootstrapFields(BaseModel):
     @field_validator(*_BOOTSTRAP_FIELDS, mode="before")
     @classmethod
     def _check_bootstrap(cls, value: Any, info: ValidationInfo) -> Any:
-        name = info.field_name
+        valid, kind = _BOOTSTRAP_KINDS[info.field_name]
         values = value if isinstance(value, list) else [value]
-        if value is not None and (value == [] or not all(_bootstrap_value(name, v) for v in values)):
-            kind = {
-                "bootstrap_host": "a non-empty string",
-                "bootstrap_port": "an integer port in [1, 65535]",
-                "bootstrap_room": f"an integer in [0, {_MAX_ROOM}]",
-            }[name]
-            raise ValueError(f"must be {kind}, or a non-empty list of them (one per prompt or per choice), not {json.dumps(value)}")
+        if value is not None and (value == [] or not all(valid(v) for v in values)):
+            given = json.dumps(value)
+            raise ValueError(f"must be {kind}, or a non-empty list of them (one per prompt or choice), not {given}")
         return value
 
     @model_validator(mode="after")

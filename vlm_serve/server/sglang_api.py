@@ -229,11 +229,10 @@ class GenerateServing:
 
     @staticmethod
     def _check_logprob_start(request: GenerateRequest, inputs: list[ProcessedInput]) -> None:
-        shortest = min(len(x.input_ids) for x in inputs)
-        if request.logprob_start_len >= shortest:
+        start, shortest = request.logprob_start_len, min(len(x.input_ids) for x in inputs)
+        if start >= shortest:
             raise BadRequest(
-                f"logprob_start_len={request.logprob_start_len} must be less than the prompt's length ({shortest} tokens)",
-                "logprob_start_len",
+                f"logprob_start_len={start} must be less than the prompt's length ({shortest} tokens)", "logprob_start_len"
             )
 
     def token_text(self, token_id: int) -> str:
@@ -285,7 +284,7 @@ class _Answer:
         logprobs = [lp for out in outs for lp in out.logprobs]
         result: dict[str, Any] = {"output_token_logprobs": self._entries(zip(logprobs, ids))}
         if top:
-            result["output_top_logprobs"] = [self._top(alternatives) for out in outs for alternatives in out.top_logprobs]
+            result["output_top_logprobs"] = [self._top(alt) for out in outs for alt in out.top_logprobs]
         start = self.request.logprob_start_len
         if start < 0:
             return result
@@ -304,7 +303,8 @@ class _Answer:
         return [[logprob, token_id, self._text(token_id)] for logprob, token_id in pairs]
 
     def _top(self, alternatives: list[tuple[int, float]]) -> list[list[Any]]:
-        return [[logprob, token_id, self._text(token_id)] for token_id, logprob in alternatives[: self.request.top_logprobs_num]]
+        best = alternatives[: self.request.top_logprobs_num]
+        return [[logprob, token_id, self._text(token_id)] for token_id, logprob in best]
 
     def _text(self, token_id: int) -> str | None:
         return self.serving.token_text(token_id) if self.request.return_text_in_logprobs else None
