@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
+import io
+import json
 import os
 import signal
 import socket
@@ -15,8 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import openai
 import torch
+from PIL import Image, ImageDraw
 
 from vlm_serve.llm.forward_batch import ForwardMode
 from vlm_serve.llm.scheduler.schedule_batch import Req, ScheduleBatch
@@ -24,6 +29,7 @@ from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.mm_cache.hashing import pad_input_ids
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.multimodal import MultimodalItem
+from vlm_serve.tokenizer import Tokenizer
 
 
 def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[MultimodalItem] = ()) -> torch.Tensor:
@@ -155,3 +161,88 @@ def running_server(model_dir: Path, *flags: str) -> Iterator[ServerProcess]:
 def openai_client(server: ServerProcess, api_key: str = "EMPTY") -> openai.OpenAI:
     """The official client for a server, without retries (a test sees each answer as it is)."""
     return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0)
+
+
+# ---- sglang-router in front of servers ---------------------------------------------------------------
+
+QUESTION = "What colour is the circle?"
+# the chat template's text of QUESTION about one image, as an SGLang user sends it to /generate
+PROMPT = f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def circle_url() -> str:
+    """The README's picture: a red circle on white."""
+    image = Image.new("RGB", (96, 96), "white")
+    ImageDraw.Draw(image).ellipse([35, 35, 61, 61], fill="red")
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+MESSAGES = [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": circle_url()}}, {"type": "text", "text": QUESTION},
+]}]  # fmt: skip
+
+
+@contextlib.contextmanager
+def running_router(*args: str, workers: int = 2, timeout: float = 60) -> Iterator[str]:
+    """`python -m sglang_router.launch_router ARGS` on a free loopback port: its URL once it reports
+    `workers` healthy workers. SIGTERM stops it at the end."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-port", str(free_port()), "--log-level", "warn", *args,
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=stop_with_parent
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while _healthy_workers(url) < workers:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("the router did not start:\n" + process.communicate()[0])
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+def _healthy_workers(url: str) -> int:
+    try:
+        return httpx.get(url + "/readiness", timeout=5).json()["healthy_workers"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0
+
+
+def client_answers(base_url: str, tokenizer: Tokenizer) -> dict:
+    """What a client gets from `base_url` for each kind of request (greedy): chat with an image (`MESSAGES`),
+    with n=2, streamed; batched completions; SGLang's /generate, batched, with an image, streamed."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    greedy = {"max_tokens": 24, "temperature": 0}
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, **greedy)
+    # no model (the router sends "unknown"), n=2 (in PD mode the router gives each choice its own room)
+    two = httpx.post(base_url + "/v1/chat/completions", json={"messages": MESSAGES, "n": 2, **greedy}, timeout=60)
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **greedy)
+    # batches of prompts with n=2 (in PD mode the router gives each prompt its own room)
+    completion = client.completions.create(model=model, prompt=["A red circle", "A blue square"], n=2, **greedy)
+    sampling = {"max_new_tokens": 24, "temperature": 0}
+    ids = [tokenizer.encode(text) for text in ("A red circle", "A blue square")]
+    batch_body = {"input_ids": ids, "sampling_params": {**sampling, "n": 2}}
+    batch = httpx.post(base_url + "/generate", json=batch_body, timeout=60)
+    body = {"text": PROMPT, "image_data": circle_url(), "sampling_params": sampling}
+    generate = httpx.post(base_url + "/generate", json=body, timeout=60).json()
+    with httpx.stream("POST", base_url + "/generate", json={**body, "stream": True}, timeout=60) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    return {
+        "chat": (chat.choices[0].message.content, chat.usage.prompt_tokens, chat.usage.completion_tokens),
+        "chat n=2": [choice["message"]["content"] for choice in two.json()["choices"]],
+        "chat streamed": "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices),
+        "completions": [choice.text for choice in completion.choices],
+        "generate": (generate["text"], generate["output_ids"], generate["meta_info"]["finish_reason"]),
+        "generate batch": [out["text"] for out in batch.json()],
+        "generate streamed": (json.loads(events[-2])["text"], events[-1]),
+    }

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlm_serve.engine import Engine, Submission
-from vlm_serve.llm.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender, TransferBackend
+from vlm_serve.llm.disaggregation.transfer import KVPoll, KVReceiver, KVSender, TransferBackend
 from vlm_serve.llm.scheduler import scheduler as scheduler_module
 from vlm_serve.messages.backend import BootstrapInfo
 from vlm_serve.multimodal import ProcessedInput

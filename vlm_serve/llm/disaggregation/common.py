@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from vlm_serve.llm.disaggregation.transfer import KVPoll, KVReceiver, KVSender, TransferBackend
+from vlm_serve.llm.disaggregation.transfer import KVPoll, TransferBackend
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req
 
 if TYPE_CHECKING:
