@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -213,6 +213,14 @@ def pairs(peer: Peer) -> Iterator[Any]:
         made_pair.close()
 
 
+def wait_until(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the condition did not come true in time")
+        time.sleep(0.005)
+
+
 def new_room() -> str:
     return f"{uuid.uuid4().hex[:12]}/0"
 
@@ -399,8 +407,8 @@ def test_a_side_that_learns_of_a_room_after_the_other_aborted_it_fails_at_once(p
 
     pair.decode.open(decode_first, pair.port)
     pair.decode.wait(decode_first, KVPoll.BOOTSTRAPPING)
-    pair.decode.init(decode_first, list(range(1, PROMPT + 1)), 0)
     pair.decode.abort(decode_first)
+    wait_until(lambda: pair.prefill.num_rooms() == 1)  # (the decode side's word has come)
     pair.prefill.open(decode_first, pair.port)  # (its request reaches the prefill server only now)
     assert pair.prefill.wait(decode_first) == KVPoll.FAILED
     assert pair.prefill.failure(decode_first) == "decode side: the decode server aborted the request"
@@ -412,6 +420,7 @@ def test_a_side_that_learns_of_a_room_after_the_other_aborted_it_fails_at_once(p
     pair.decode.init(prefill_first, list(range(1, PROMPT + 1)), 0)
     assert pair.decode.wait(prefill_first) == KVPoll.FAILED
     assert pair.decode.failure(prefill_first) == "prefill side: the prefill server aborted the request"
+    assert (pair.prefill.num_rooms(), pair.decode.num_rooms()) == (0, 0)
 
 
 def test_waits_for_a_peer_that_never_comes_end_and_leave_nothing(peer: Peer) -> None:
@@ -426,10 +435,8 @@ def test_waits_for_a_peer_that_never_comes_end_and_leave_nothing(peer: Peer) -> 
         assert "got no request for room" in pair.decode.failure(no_request)
         assert pair.prefill.wait(no_destination) == KVPoll.FAILED
         assert "did not say where" in pair.prefill.failure(no_destination)
-        deadline = time.monotonic() + 30  # (the note the failed sender left expires too)
-        while pair.prefill.num_rooms() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (pair.prefill.num_rooms(), pair.decode.num_rooms()) == (0, 0)
+        wait_until(lambda: pair.prefill.num_rooms() == 0)  # (the note the failed sender left expires too)
+        assert pair.decode.num_rooms() == 0
     finally:
         pair.close()
 

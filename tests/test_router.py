@@ -17,8 +17,6 @@ from helpers import ServerProcess, client_answers, running_router, running_serve
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.tokenizer import Tokenizer
 
-pytest.importorskip("sglang_router")
-
 TOKENIZER = Tokenizer.from_pretrained(BUILTIN_MODEL)
 
 

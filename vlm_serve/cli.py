@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import logging
 import sys
+import textwrap
 import time
+from functools import partial
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -165,9 +167,20 @@ def add_answer_args(parser: argparse.ArgumentParser, what: str) -> None:
     )  # fmt: skip
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, wrapping lines at spaces only (names like sglang-router stay whole)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlm-serve", description="Serve Qwen3-VL vision-language models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="vlm-serve", description="Serve Qwen3-VL vision-language models.", formatter_class=_HelpFormatter
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=partial(argparse.ArgumentParser, formatter_class=_HelpFormatter)
+    )
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (default http://127.0.0.1:30000)")
     add_server_args(serve)

@@ -221,8 +221,9 @@ def run_demo(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> None:
     demo.launch(
         server_name=host, server_port=port, show_error=True, max_file_size="200mb", quiet=True, prevent_thread_lock=True
     )
-    print(f"vlm-serve: demo of {engine.model_name} on http://{host}:{port}", flush=True)
     try:  # (not Gradio's block_thread, which prints a line of its own when stopped)
+        # a Ctrl-C sent the moment this line is read lands in this try
+        print(f"vlm-serve: demo of {engine.model_name} on http://{host}:{port}", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
         demo.close(verbose=False)

@@ -266,11 +266,12 @@ class ControlBackend(TransferBackend):
             if room in self._rooms:
                 sender.state, sender.failure = KVPoll.FAILED, f"room {room} is already in use on this rank"
                 return sender
-            self._rooms[room] = sender
             early = self._early.pop(room, None)
-            if early is not None and early.failure is not None:
-                self._fail(sender, early.failure, tell=False)
-            elif early is not None:
+            if early is not None and early.failure is not None:  # (ended before it began: nothing to keep)
+                sender.state, sender.failure = KVPoll.FAILED, early.failure
+                return sender
+            self._rooms[room] = sender
+            if early is not None:
                 self._accept(sender, early.dest)
         return sender
 
