@@ -326,8 +326,11 @@ async def send_request(
 
 
 async def fetch_counters(client: httpx.AsyncClient) -> dict[str, float]:
-    """The `COUNTERS` from `/metrics` (Prometheus text; unlabelled samples only)."""
+    """The `COUNTERS` from `/metrics` (Prometheus text; unlabelled samples only); zeros from a server
+    without one (sglang-router serves its own metrics on another port)."""
     resp = await client.get("/metrics")
+    if resp.status_code == 404:
+        return dict.fromkeys(COUNTERS, 0.0)
     resp.raise_for_status()
     samples = {}
     for line in resp.text.splitlines():

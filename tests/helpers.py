@@ -8,6 +8,7 @@ import ctypes
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -246,3 +247,48 @@ def client_answers(base_url: str, tokenizer: Tokenizer) -> dict:
         "generate batch": [out["text"] for out in batch.json()],
         "generate streamed": (json.loads(events[-2])["text"], events[-1]),
     }
+
+
+# ---- the README's code blocks ------------------------------------------------------------------------
+
+README = Path(__file__).parent.parent / "README.md"
+README_URL = "http://127.0.0.1:30000"  # where the README's examples find the server
+
+
+@dataclass
+class Block:
+    """A fenced code block of the README; `output` is the ```text block right after it, if any."""
+
+    language: str
+    code: str
+    line: int
+    output: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"line{self.line}-{self.language}"
+
+
+def readme_blocks() -> list[Block]:
+    """The README's code blocks but ```text ones, which become the `output` of the block before them."""
+    text = README.read_text()
+    blocks: list[Block] = []
+    for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.MULTILINE | re.DOTALL):
+        language, code = m.group(1), m.group(2)
+        if language == "text":
+            blocks[-1].output = code
+        else:
+            blocks.append(Block(language, code, text.count("\n", 0, m.start()) + 1))
+    return blocks
+
+
+def block_command(block: Block, replacements: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run `block` (python with python, bash with bash, stopping at
+    the first failing command) as a reader would, with this Python's `python` and `vlm-serve` first on
+    PATH, each key of `replacements` in its code (a URL, a port) replaced by its value."""
+    code = block.code
+    for old, new in replacements.items():
+        code = code.replace(old, new)
+    interpreter = {"python": [sys.executable, "-c"], "bash": ["bash", "-e", "-o", "pipefail", "-c"]}[block.language]
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return [*interpreter, code], {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1"}

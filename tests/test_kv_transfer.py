@@ -486,7 +486,8 @@ def test_bootstrap_server_registers_and_looks_up_ranks_and_stops_quietly(capfd: 
 
 def test_create_transfer_backend_makes_the_chosen_backend_and_registers_prefill_ranks() -> None:
     pool = TokenToKVPool(16, 1, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
-    layout = KVLayout.of(pool, torch.zeros(2, 64, dtype=torch.uint8))
+    records = torch.zeros(2, 64, dtype=torch.uint8)  # (alive while the backends have it registered)
+    layout = KVLayout.of(pool, records)
     assert layout.slot_bytes == [KV_HEADS * HEAD_DIM * 4] * 2 * LAYERS and layout.meta_slot_bytes == 64
     with BootstrapServer(HOST, 0) as server:
         for name, cls in BACKENDS.items():

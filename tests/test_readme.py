@@ -14,20 +14,15 @@ by a rule in `SKIPPED`, which gives the reason; a rule that skips no block fails
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ServerProcess, running_server
+from helpers import README, README_URL, Block, block_command, ServerProcess, readme_blocks, running_server
 
 from vlm_serve.builtin import BUILTIN_MODEL
 
-README = Path(__file__).parent.parent / "README.md"
-README_URL = "http://127.0.0.1:30000"
 
 # (language, text in the block) -> why a block holding it is not run here
 SKIPPED = {
@@ -36,40 +31,15 @@ SKIPPED = {
         "serves until stopped, from a Hugging Face download, a /models folder and an 8-GPU config"
     ),
     ("bash", "sglang_router.launch_router"): (
-        "two servers and a router that serve until stopped, on fixed ports (tests/test_router.py starts them)"
+        "servers and a router that serve until stopped, on fixed ports (tests/test_router.py starts such a "
+        "set-up, tests/test_pd_serving.py runs the PD one on free ports)"
     ),
 }
 _GENERATE_ANSWER = re.compile(r"^vlm-serve generate .*  # (.+)$", re.MULTILINE)
 
 
-@dataclass
-class Block:
-    """A fenced code block of the README; `output` is the ```text block right after it, if any."""
-
-    language: str
-    code: str
-    line: int
-    output: str | None = None
-
-    @property
-    def name(self) -> str:
-        return f"line{self.line}-{self.language}"
-
-    def skip_reason(self) -> str | None:
-        return next((why for (lang, text), why in SKIPPED.items() if lang == self.language and text in self.code), None)
-
-
-def readme_blocks() -> list[Block]:
-    """The README's code blocks but ```text ones, which become the `output` of the block before them."""
-    text = README.read_text()
-    blocks: list[Block] = []
-    for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.MULTILINE | re.DOTALL):
-        language, code = m.group(1), m.group(2)
-        if language == "text":
-            blocks[-1].output = code
-        else:
-            blocks.append(Block(language, code, text.count("\n", 0, m.start()) + 1))
-    return blocks
+def skip_reason(block: Block) -> str | None:
+    return next((why for (lang, text), why in SKIPPED.items() if lang == block.language and text in block.code), None)
 
 
 BLOCKS = readme_blocks()
@@ -88,12 +58,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_block(block: Block, folder: Path, server: ServerProcess) -> subprocess.CompletedProcess:
-    """Runs `block` in `folder` against `server`, with this Python's `python` and `vlm-serve` first on PATH."""
-    code = block.code.replace(README_URL, server.url)
-    interpreter = {"python": [sys.executable, "-c"], "bash": ["bash", "-e", "-o", "pipefail", "-c"]}[block.language]
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    env = {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([*interpreter, code], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    """Runs `block` in `folder` against `server`."""
+    command, env = block_command(block, {README_URL: server.url})
+    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_the_readme_has_python_and_bash_blocks_only_and_every_skip_rule_is_used():
@@ -104,7 +71,7 @@ def test_the_readme_has_python_and_bash_blocks_only_and_every_skip_rule_is_used(
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
 def test_a_readme_block_runs_as_written_and_prints_what_it_says(block, folder, server):
-    if reason := block.skip_reason():
+    if reason := skip_reason(block):
         pytest.skip(reason)
     result = run_block(block, folder, server)
     assert result.returncode == 0, result.stdout + result.stderr

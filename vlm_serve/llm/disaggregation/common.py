@@ -63,9 +63,12 @@ class Disaggregation:
     wait limit in each queue (`--disaggregation-timeout`: the other side may have died), and the
     transfers' figures for /metrics."""
 
-    def __init__(self, scheduler: Scheduler, backend: TransferBackend) -> None:
+    def __init__(self, scheduler: Scheduler, backend: TransferBackend, records: torch.Tensor) -> None:
+        """`records`: the metadata slots (one per request row) that `backend`'s layout points into; held
+        here for as long as the backend may write or read them by address."""
         self.scheduler = scheduler
         self.backend = backend
+        self.records = records
         self.timeout = scheduler.server_args.disaggregation_timeout
         pool = scheduler.runner.token_to_kv_pool
         # one token's KV on all TP ranks (equal shares: this rank's times their number)

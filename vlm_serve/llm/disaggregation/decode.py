@@ -35,8 +35,8 @@ QUARANTINE_SECONDS = 5.0
 class DecodeDisaggregation(Disaggregation):
     """The decode server's PD queues, driven by its scheduler."""
 
-    def __init__(self, scheduler: Scheduler, backend: TransferBackend) -> None:
-        super().__init__(scheduler, backend)
+    def __init__(self, scheduler: Scheduler, backend: TransferBackend, records: torch.Tensor) -> None:
+        super().__init__(scheduler, backend, records)
         self.prealloc_queue: list[Req] = []  # waiting for its prefill rank and for KV slots
         self.transfer_queue: list[Req] = []  # slots allocated, KV on its way
         self.quarantine: deque[tuple[float, torch.Tensor]] = deque()  # (when free, slots) of ended transfers

@@ -8,7 +8,7 @@ PREFIX: every room) and STAGE is
 - `transfer` (the default when `STAGE:` is left out): the prefill rank fails the room at its first
   `send`, and the decode side learns why; both sides end FAILED with a reason naming the variable;
 - `bootstrap`: the decode rank never finds the prefill rank for the room, which fails after the
-  bootstrap timeout (`VLM_SERVE_PD_BOOTSTRAP_TIMEOUT`) as a lookup that never succeeds would.
+  bootstrap timeout (`Timeouts` in control.py) as a lookup that never succeeds would.
 
 E.g. `VLM_SERVE_FAKE_KV_FAILURE=transfer:fail-,bootstrap:hang-`. Each side acts on its own stage, so the
 same value can be given to both servers.

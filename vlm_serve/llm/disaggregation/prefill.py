@@ -18,6 +18,8 @@ from vlm_serve.llm.disaggregation.transfer import KVPoll, TransferBackend
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req
 
 if TYPE_CHECKING:
+    import torch
+
     from vlm_serve.llm.layers.sampler import SampleOutput
     from vlm_serve.messages.backend import BootstrapInfo
     from vlm_serve.llm.scheduler.scheduler import Scheduler
@@ -26,8 +28,8 @@ if TYPE_CHECKING:
 class PrefillDisaggregation(Disaggregation):
     """The prefill server's PD queues, driven by its scheduler."""
 
-    def __init__(self, scheduler: Scheduler, backend: TransferBackend) -> None:
-        super().__init__(scheduler, backend)
+    def __init__(self, scheduler: Scheduler, backend: TransferBackend, records: torch.Tensor) -> None:
+        super().__init__(scheduler, backend, records)
         self.bootstrap_queue: list[Req] = []  # waiting for the decode side's destination
         self.inflight_queue: list[Req] = []  # prompt done, KV on its way
 

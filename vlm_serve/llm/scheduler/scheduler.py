@@ -177,11 +177,11 @@ class Scheduler:
         mode = self.server_args.disaggregation_mode
         if mode == "null":
             return None
-        meta = torch.zeros(self.req_to_token_pool.size, META_SLOT_BYTES, dtype=torch.uint8)
-        layout = KVLayout.of(self.runner.token_to_kv_pool, meta)
+        records = torch.zeros(self.req_to_token_pool.size, META_SLOT_BYTES, dtype=torch.uint8)
+        layout = KVLayout.of(self.runner.token_to_kv_pool, records)
         backend = create_transfer_backend(self.server_args, mode, self.tp_rank, layout)
         side = PrefillDisaggregation if mode == "prefill" else DecodeDisaggregation
-        return side(self, backend)
+        return side(self, backend, records)
 
     def shutdown(self) -> None:
         if self.disagg is not None:

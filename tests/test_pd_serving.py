@@ -1,0 +1,246 @@
+"""Prefill/decode disaggregation as a deployment runs it: sglang-router in PD mode in front of a prefill
+server (an encoder pool of two ranks) and a decode server (no vision tower, media sized pixel-free), the
+KV moving through Mooncake's transfer engine over TCP on loopback. Every greedy answer equals a
+colocated server's — text, an image, a repeated image, a video, image + video, n=2, streaming, batches,
+SGLang's /generate, json_schema, a named tool, 32 requests at once — under both event loops, and with
+both servers at TP 2; the decode server never decodes a pixel, and both servers' KV returns to idle."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+import pytest
+from helpers import (
+    MESSAGES, README_URL, ServerProcess, block_command, circle_url, client_answers, free_port, readme_blocks,
+    running_router, running_server, start_server,
+)  # fmt: skip
+
+from PIL import Image, ImageDraw
+
+from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.testing.media import write_video
+from vlm_serve.tokenizer import Tokenizer
+
+TOKENIZER = Tokenizer.from_pretrained(BUILTIN_MODEL)
+BLOCKS = readme_blocks()
+PD_COMMANDS = next(b for b in BLOCKS if "--pd-disaggregation" in b.code)  # the README's PD set-up
+CURL = next(b for b in BLOCKS if "curl" in b.code and "circle.png" in b.code)  # its curl example
+CONFIGS = {  # flags of both servers
+    "overlap": [],
+    "normal loop": ["--disable-overlap-schedule"],
+    "TP 2": ["--tp-size", "2"],
+}
+
+
+def clip_url() -> str:
+    """A green square moving left to right, as the built-in model was trained on."""
+    frames = []
+    for i in range(8):
+        frame = Image.new("RGB", (96, 96), "white")
+        ImageDraw.Draw(frame).rectangle([8 + 8 * i, 36, 32 + 8 * i, 60], fill="green")
+        frames.append(frame)
+    buffer = io.BytesIO()
+    write_video(buffer, frames, fps=4)
+    return "data:video/mp4;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+VIDEO = {"type": "video_url", "video_url": {"url": clip_url()}}
+TOOLS = [{"type": "function", "function": {
+    "name": "report_colour", "description": "Report the colour of the shape.",
+    "parameters": {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]},
+}}]  # fmt: skip
+
+
+def pd_answers(url: str) -> dict:
+    """What a client gets for each kind of request: `client_answers`' battery, then media, structured
+    output, a named tool and a burst of concurrent requests."""
+    greedy = {"max_tokens": 24, "temperature": 0}
+
+    def chat(content: list[dict], **extra) -> dict:
+        body = {"messages": [{"role": "user", "content": content}], **greedy, **extra}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        return {"choices": [c["message"] for c in answer["choices"]], "usage": answer["usage"]}
+
+    image, question = MESSAGES[0]["content"]
+    text = question["text"]
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+    burst = [[image, {"type": "text", "text": f"{text} ({i})"}] for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:  # (their cached tokens depend on the order they arrive in)
+        concurrent = [answer["choices"] for answer in pool.map(chat, burst)]
+    return {
+        **client_answers(url, TOKENIZER),
+        "image again": chat([image, question]),
+        "video": chat([VIDEO, {"type": "text", "text": "Describe the video."}]),
+        "image and video": chat([image, VIDEO, {"type": "text", "text": "Describe."}]),
+        "json_schema": chat(
+            [image, question], response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+        ),
+        "named tool": chat([image, question], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "report_colour"}}),
+        "32 at once": concurrent,
+    }
+
+
+@pytest.fixture(scope="module")
+def colocated_server() -> Iterator[ServerProcess]:
+    with running_server(BUILTIN_MODEL) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def colocated(colocated_server) -> dict:
+    """The answers of one colocated server."""
+    return pd_answers(colocated_server.url)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pd(request) -> Iterator[tuple[str, ServerProcess, ServerProcess]]:
+    """The router's URL, and the prefill and decode servers behind it."""
+    flags = CONFIGS[request.param]
+    bootstrap = str(free_port())
+    prefill_flags = ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", bootstrap, "--vit-dp", "2"]
+    with (
+        running_server(BUILTIN_MODEL, *prefill_flags, *flags) as prefill,
+        running_server(BUILTIN_MODEL, "--disaggregation-mode", "decode", *flags) as decode,
+        running_router("--pd-disaggregation", "--prefill", prefill.url, bootstrap, "--decode", decode.url) as url,
+    ):
+        yield url, prefill, decode
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"vlm_serve:{name}"))
+
+
+def test_answers_through_the_pd_pair_equal_a_colocated_servers(pd, colocated):
+    url, prefill, decode = pd
+    assert pd_answers(url) == colocated
+    assert metric(decode, 'media_stage_seconds_sum{stage="decode"}') == 0  # no pixel was decoded there
+    assert metric(decode, "vit_items") == 0 and metric(prefill, "vit_items") > 0
+    for server in (prefill, decode):
+        assert metric(server, "kv_transfer_bytes_total") > 0
+        assert metric(server, "kv_transfer_failures_total") == 0
+        assert metric(server, "num_requests_running") == metric(server, "disaggregation_queue_size") == 0
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # (the idle self-check passed)
+
+
+def test_the_readmes_pd_commands_answer_its_curl_example_as_one_server_does(colocated_server, tmp_path):
+    """The README's commands (prefill server, decode server, router in PD mode), run as written on free
+    ports, answer its curl example about `circle.png` with a colocated server's answer."""
+    ports = {port: str(free_port()) for port in ("30000", "30001", "30002", "8998")}
+    command, env = block_command(PD_COMMANDS, ports)
+    Image.open(io.BytesIO(base64.b64decode(circle_url().split(",")[1]))).save(tmp_path / "circle.png")
+    log = tmp_path / "output.txt"
+    with log.open("w") as out:
+        trio = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=out, start_new_session=True)
+    router = f"http://127.0.0.1:{ports['30000']}"
+    try:
+        deadline = time.monotonic() + 180
+        while not ready(router):
+            assert trio.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        answers = []
+        for url in (router, colocated_server.url):
+            curl, curl_env = block_command(CURL, {README_URL: url})
+            answers.append(subprocess.run(curl, cwd=tmp_path, env=curl_env, capture_output=True, text=True, check=True))
+    finally:
+        os.killpg(trio.pid, signal.SIGTERM)
+        trio.wait(60)
+    through_pd, colocated_answer = (json.loads(result.stdout)["choices"][0]["message"]["content"] for result in answers)
+    assert through_pd == colocated_answer and "circle" in through_pd
+
+
+def ready(router: str) -> bool:
+    """Whether the router answers a chat request (both servers are up and it has found them)."""
+    try:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        return httpx.post(router + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+
+
+# ---- a server of the pair killed mid-transfer --------------------------------------------------------
+
+LONG_PROMPT = [{"role": "user", "content": " ".join(["circle square triangle star"] * 100)}]  # (~1500 tokens)
+
+
+@contextlib.contextmanager
+def slow_pd_pair() -> Iterator[tuple[ServerProcess, ServerProcess, dict]]:
+    """A prefill server that computes a long prompt in many chunks (so that its KV is on its way for a
+    while) and a decode server; the bootstrap fields a router would add to a request for them. Each
+    server is stopped at the end, whether or not a test killed it."""
+    port = free_port()
+    prefill = start_server(
+        BUILTIN_MODEL, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port),
+        "--chunked-prefill-size", "8",
+    )  # fmt: skip
+    try:
+        decode = start_server(BUILTIN_MODEL, "--disaggregation-mode", "decode")
+        try:
+            yield prefill, decode, {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 7}
+        finally:
+            decode.stop(signal.SIGKILL, group=True)
+    finally:
+        prefill.stop(signal.SIGKILL, group=True)
+
+
+def send_to_both(prefill: ServerProcess, decode: ServerProcess, bootstrap: dict) -> tuple[Future, Future]:
+    """The long prompt to both servers at once with the same room, as sglang-router sends it."""
+    body = {"messages": LONG_PROMPT, "max_tokens": 8, "temperature": 0, **bootstrap}
+    pool = ThreadPoolExecutor(2)
+    answers = tuple(pool.submit(httpx.post, s.url + "/v1/chat/completions", json=body, timeout=120) for s in (prefill, decode))
+    pool.shutdown(wait=False)
+    return answers
+
+
+def wait_for_metric(server: ServerProcess, name: str, value: float, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(server, name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.02)
+
+
+def assert_idle(server: ServerProcess) -> None:
+    """Nothing running or queued, no KV held (the idle self-check behind /health passed)."""
+    wait_for_metric(server, "disaggregation_queue_size", 0)
+    assert metric(server, "num_requests_running") == 0
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_a_decode_server_killed_during_a_transfer_fails_the_request_on_the_prefill_side_which_returns_to_idle():
+    with slow_pd_pair() as (prefill, decode, bootstrap):
+        on_prefill, on_decode = send_to_both(prefill, decode, bootstrap)
+        wait_for_metric(decode, 'disaggregation_queue_size{queue="transfer"}', 1)  # (KV slots given: pages flow)
+        decode.stop(signal.SIGKILL, group=True)
+        with pytest.raises(httpx.TransportError):  # (the decode server's client sees its connection broken)
+            on_decode.result()
+        answer = on_prefill.result()
+        assert answer.status_code == 503 and "transfer" in answer.json()["error"]["message"], answer.text
+        assert metric(prefill, 'kv_transfer_failures_total{stage="transfer"}') == 1
+        assert_idle(prefill)
+
+
+def test_a_prefill_server_killed_while_the_kv_is_on_its_way_fails_the_request_on_the_decode_side():
+    with slow_pd_pair() as (prefill, decode, bootstrap):
+        on_prefill, on_decode = send_to_both(prefill, decode, bootstrap)
+        wait_for_metric(decode, 'disaggregation_queue_size{queue="transfer"}', 1)
+        prefill.stop(signal.SIGKILL, group=True)
+        with pytest.raises(httpx.TransportError):
+            on_prefill.result()
+        answer = on_decode.result()  # (once the prefill rank's heartbeats have been missed for 10 s)
+        assert answer.status_code == 503 and "stopped answering" in answer.json()["error"]["message"], answer.text
+        assert_idle(decode)  # (its slots come back after the quarantine)
+        assert metric(decode, 'kv_transfer_failures_total{stage="transfer"}') == 1
