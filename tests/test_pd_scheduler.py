@@ -132,6 +132,42 @@ def test_an_aborted_request_ends_on_both_sides(engines, side):
     assert failure.value.status == 503
 
 
+def step_until(pair: PDPair, done, sides: tuple[str, ...] = ("prefill", "decode"), steps: int = 200) -> None:
+    for _ in range(steps):
+        if done():
+            return
+        for side in sides:
+            getattr(pair, side).step()
+    raise AssertionError("the request never got there")
+
+
+def test_a_request_aborted_in_the_decode_sides_transfer_queue_fails_on_the_prefill_side(engines):
+    """(Its slots given, its KV not all arrived: the prefill side, still computing it, learns it failed.)"""
+    pair, _ = engines
+    x = pair.decode.processor.process_messages(TEXT, add_generation_prompt=True)
+    prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
+    step_until(pair, lambda: pair.decode.scheduler.disagg.transfer_queue, sides=("decode",))
+    pair.decode.abort(decode)
+    pair.run(prefill, decode)
+    assert pair.decode.result(decode).finish_reason == "abort"
+    with pytest.raises(Exception, match="aborted by the decode side") as failure:
+        pair.prefill.result(prefill)
+    assert failure.value.status == 503
+
+
+def test_a_request_aborted_in_the_prefill_sides_inflight_queue_is_still_answered_by_the_decode_side(engines):
+    """(Its KV and record all sent: the transfer is done, and the abort ends the prefill side's part only.)"""
+    pair, colocated = engines
+    want = colocated.chat(TEXT, max_tokens=4, temperature=0)
+    x = pair.decode.processor.process_messages(TEXT, add_generation_prompt=True)
+    prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
+    step_until(pair, lambda: pair.prefill.scheduler.disagg.inflight_queue)
+    pair.prefill.abort(prefill)
+    pair.run(prefill, decode)
+    assert pair.prefill.result(prefill).finish_reason == "abort"
+    assert pair.decode.result(decode).token_ids == want.token_ids
+
+
 def test_the_decode_side_refuses_media_without_bootstrap_fields(engines):
     pair, _ = engines
     with pytest.raises(ValueError, match="bootstrap_room"):
