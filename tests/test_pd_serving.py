@@ -2,8 +2,10 @@
 server (an encoder pool of two ranks) and a decode server (no vision tower, media sized pixel-free), the
 KV moving through Mooncake's transfer engine over TCP on loopback. Every greedy answer equals a
 colocated server's — text, an image, a repeated image, a video, image + video, n=2, streaming, batches,
-SGLang's /generate, json_schema, a named tool, 32 requests at once — under both event loops, and with
-both servers at TP 2; the decode server never decodes a pixel, and both servers' KV returns to idle."""
+SGLang's /generate, json_schema, a named tool, 32 requests at once, the README's curl example — under
+both event loops (the overlap one started by the README's own commands), and with both servers at TP 2;
+the decode server never decodes a pixel, and both servers' KV returns to idle. A server of the pair
+killed while a request's KV moves fails that request on the other one, which returns to idle."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -35,8 +38,8 @@ TOKENIZER = Tokenizer.from_pretrained(BUILTIN_MODEL)
 BLOCKS = readme_blocks()
 PD_COMMANDS = next(b for b in BLOCKS if "--pd-disaggregation" in b.code)  # the README's PD set-up
 CURL = next(b for b in BLOCKS if "curl" in b.code and "circle.png" in b.code)  # its curl example
-CONFIGS = {  # flags of both servers
-    "overlap": [],
+CONFIGS = {  # flags of both servers (None: the README's commands, run as written)
+    "README (overlap)": None,
     "normal loop": ["--disable-overlap-schedule"],
     "TP 2": ["--tp-size", "2"],
 }
@@ -104,10 +107,22 @@ def colocated(colocated_server) -> dict:
     return pd_answers(colocated_server.url)
 
 
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A reader's folder: the README's `circle.png`, for its curl example."""
+    folder = tmp_path_factory.mktemp("readme")
+    Image.open(io.BytesIO(base64.b64decode(circle_url().split(",")[1]))).save(folder / "circle.png")
+    return folder
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def pd(request) -> Iterator[tuple[str, ServerProcess, ServerProcess]]:
-    """The router's URL, and the prefill and decode servers behind it."""
+def pd(request, folder) -> Iterator[tuple[str, str, str]]:
+    """The router's URL, and the URLs of the prefill and decode servers behind it."""
     flags = CONFIGS[request.param]
+    if flags is None:
+        with readme_pd_commands(folder) as urls:
+            yield urls
+        return
     bootstrap = str(free_port())
     prefill_flags = ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", bootstrap, "--vit-dp", "2"]
     with (
@@ -115,53 +130,39 @@ def pd(request) -> Iterator[tuple[str, ServerProcess, ServerProcess]]:
         running_server(BUILTIN_MODEL, "--disaggregation-mode", "decode", *flags) as decode,
         running_router("--pd-disaggregation", "--prefill", prefill.url, bootstrap, "--decode", decode.url) as url,
     ):
-        yield url, prefill, decode
+        yield url, prefill.url, decode.url
 
 
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"vlm_serve:{name}"))
-
-
-def test_answers_through_the_pd_pair_equal_a_colocated_servers(pd, colocated):
-    url, prefill, decode = pd
-    assert pd_answers(url) == colocated
-    assert metric(decode, 'media_stage_seconds_sum{stage="decode"}') == 0  # no pixel was decoded there
-    assert metric(decode, "vit_items") == 0 and metric(prefill, "vit_items") > 0
-    for server in (prefill, decode):
-        assert metric(server, "kv_transfer_bytes_total") > 0
-        assert metric(server, "kv_transfer_failures_total") == 0
-        assert metric(server, "num_requests_running") == metric(server, "disaggregation_queue_size") == 0
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # (the idle self-check passed)
-
-
-def test_the_readmes_pd_commands_answer_its_curl_example_as_one_server_does(colocated_server, tmp_path):
-    """The README's commands (prefill server, decode server, router in PD mode), run as written on free
-    ports, answer its curl example about `circle.png` with a colocated server's answer."""
+@contextlib.contextmanager
+def readme_pd_commands(folder: Path) -> Iterator[tuple[str, str, str]]:
+    """The README's PD commands (prefill server, decode server, router), run as written in a process
+    group of their own, their ports made free ones: the URLs of the router, prefill and decode servers.
+    SIGTERM to the group stops them all."""
     ports = {port: str(free_port()) for port in ("30000", "30001", "30002", "8998")}
     command, env = block_command(PD_COMMANDS, ports)
-    Image.open(io.BytesIO(base64.b64decode(circle_url().split(",")[1]))).save(tmp_path / "circle.png")
-    log = tmp_path / "output.txt"
+    log = folder / "pd-commands.txt"
     with log.open("w") as out:
-        trio = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=out, start_new_session=True)
-    router = f"http://127.0.0.1:{ports['30000']}"
+        trio = subprocess.Popen(command, cwd=folder, env=env, stdout=out, stderr=out, start_new_session=True)
+    router, prefill, decode = (f"http://127.0.0.1:{ports[port]}" for port in ("30000", "30001", "30002"))
     try:
         deadline = time.monotonic() + 180
-        while not ready(router):
+        while not answers_chat(router):
             assert trio.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
-        answers = []
-        for url in (router, colocated_server.url):
-            curl, curl_env = block_command(CURL, {README_URL: url})
-            answers.append(subprocess.run(curl, cwd=tmp_path, env=curl_env, capture_output=True, text=True, check=True))
+        yield router, prefill, decode
     finally:
         os.killpg(trio.pid, signal.SIGTERM)
         trio.wait(60)
-    through_pd, colocated_answer = (json.loads(result.stdout)["choices"][0]["message"]["content"] for result in answers)
-    assert through_pd == colocated_answer and "circle" in through_pd
+        deadline = time.monotonic() + 60
+        with contextlib.suppress(ProcessLookupError):  # (until no process of the group is left)
+            while time.monotonic() < deadline:
+                os.killpg(trio.pid, 0)
+                time.sleep(0.2)
+            os.killpg(trio.pid, signal.SIGKILL)
+            raise AssertionError("the README's PD commands did not stop on SIGTERM:\n" + log.read_text())
 
 
-def ready(router: str) -> bool:
+def answers_chat(router: str) -> bool:
     """Whether the router answers a chat request (both servers are up and it has found them)."""
     try:
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
@@ -170,6 +171,29 @@ def ready(router: str) -> bool:
         return False
 
 
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"vlm_serve:{name}"))
+
+
+def curl_example(folder: Path, url: str) -> str:
+    """The answer to the README's curl example (about `circle.png`) from the server at `url`."""
+    command, env = block_command(CURL, {README_URL: url})
+    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)["choices"][0]["message"]["content"]
+
+
+def test_answers_through_the_pd_pair_equal_a_colocated_servers(pd, colocated, colocated_server, folder):
+    url, prefill, decode = pd
+    assert pd_answers(url) == colocated
+    assert curl_example(folder, url) == curl_example(folder, colocated_server.url)
+    assert metric(decode, 'media_stage_seconds_sum{stage="decode"}') == 0  # no pixel was decoded there
+    assert metric(decode, "vit_items") == 0 and metric(prefill, "vit_items") > 0
+    for server in (prefill, decode):
+        assert metric(server, "kv_transfer_bytes_total") > 0
+        assert metric(server, "kv_transfer_failures_total") == 0
+        assert metric(server, "num_requests_running") == metric(server, "disaggregation_queue_size") == 0
+        assert httpx.get(server + "/health", timeout=30).status_code == 200  # (the idle self-check passed)
 
 
 # ---- a server of the pair killed mid-transfer --------------------------------------------------------
@@ -208,7 +232,7 @@ def send_to_both(prefill: ServerProcess, decode: ServerProcess, bootstrap: dict)
 
 def wait_for_metric(server: ServerProcess, name: str, value: float, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while metric(server, name) != value:
+    while metric(server.url, name) != value:
         assert time.monotonic() < deadline, f"{name} never reached {value}"
         time.sleep(0.02)
 
@@ -216,7 +240,7 @@ def wait_for_metric(server: ServerProcess, name: str, value: float, timeout: flo
 def assert_idle(server: ServerProcess) -> None:
     """Nothing running or queued, no KV held (the idle self-check behind /health passed)."""
     wait_for_metric(server, "disaggregation_queue_size", 0)
-    assert metric(server, "num_requests_running") == 0
+    assert metric(server.url, "num_requests_running") == 0
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
 
 
@@ -229,7 +253,7 @@ def test_a_decode_server_killed_during_a_transfer_fails_the_request_on_the_prefi
             on_decode.result()
         answer = on_prefill.result()
         assert answer.status_code == 503 and "transfer" in answer.json()["error"]["message"], answer.text
-        assert metric(prefill, 'kv_transfer_failures_total{stage="transfer"}') == 1
+        assert metric(prefill.url, 'kv_transfer_failures_total{stage="transfer"}') == 1
         assert_idle(prefill)
 
 
@@ -243,4 +267,4 @@ def test_a_prefill_server_killed_while_the_kv_is_on_its_way_fails_the_request_on
         answer = on_decode.result()  # (once the prefill rank's heartbeats have been missed for 10 s)
         assert answer.status_code == 503 and "stopped answering" in answer.json()["error"]["message"], answer.text
         assert_idle(decode)  # (its slots come back after the quarantine)
-        assert metric(decode, 'kv_transfer_failures_total{stage="transfer"}') == 1
+        assert metric(decode.url, 'kv_transfer_failures_total{stage="transfer"}') == 1
