@@ -14,10 +14,10 @@ Each gets the same mixed load (bench_serving.py's workloads, two at once through
              at --image-rate per second while the decoders decode
 
 Printed per set-up: the decoders' TPOT and ITL (median, p99) and output tok/s, the images' TTFT (median,
-p99), the ratios pd / colocated, and the KV the PD servers moved (bytes, and GB/s over the transfers'
-time as their /metrics count it: from a request's first KV page sent to the end of its transfer, which
-includes waiting for the prompt's later chunks to be computed; bench_kv_transfer.py measures the bare
-transfer rate). The CPU and its ISA are printed with the figures.
+p99), the ratios pd / colocated, and the KV the prefill server sent (bytes, and the mean time from a
+prompt's first KV page sent to the end of its transfer, as its /metrics count them; bench_kv_transfer.py
+measures the bare transfer rate). Each set-up first gets an untimed load like it, with other texts and
+images. The CPU and its ISA are printed with the figures.
 
     python benchmarks/bench_pd.py --model /tmp/small-moe [--rounds 2]
 """
@@ -86,25 +86,27 @@ def workload(flags: str) -> argparse.Namespace:
     return args
 
 
-async def mixed_load(url: str, args: argparse.Namespace) -> dict[str, dict]:
-    """The decoders and the images at once, through bench_serving's client: each one's summary."""
+async def mixed_load(url: str, args: argparse.Namespace, seed: int) -> dict[str, dict]:
+    """The decoders and the images at once, through bench_serving's client: each one's summary. Another
+    `seed` draws other texts and images (none in the caches)."""
     decoders = workload(
         f"--images-per-request 0 --input-len 64 --output-len {args.decode_len} --num-prompts {2 * args.decoders} "
-        f"--max-concurrency {args.decoders} --seed {args.seed}"
+        f"--max-concurrency {args.decoders} --seed {seed}"
     )
     images = workload(
         f"--image-size {args.image_size} --input-len 16 --output-len 8 --num-prompts {args.images} "
-        f"--request-rate {args.image_rate} --seed {args.seed + 1}"
+        f"--request-rate {args.image_rate} --seed {seed + 1}"
     )
     summaries = await asyncio.gather(benchmark(url, decoders), benchmark(url, images))
     return dict(zip(("decoders", "images"), summaries))
 
 
-def transferred(urls: list[str]) -> tuple[float, float]:
-    """KV bytes and transfer seconds counted by the decode server's /metrics (the receiving side)."""
-    text = httpx.get(urls[-1] + "/metrics", timeout=30).text
+def transferred(prefill_url: str) -> tuple[float, float, float]:
+    """KV bytes, transfers and their seconds, as the prefill server's /metrics count them so far."""
+    text = httpx.get(prefill_url + "/metrics", timeout=30).text
     values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line and line[0] != "#"}
-    return values.get("vlm_serve:kv_transfer_bytes_total", 0.0), values.get("vlm_serve:kv_transfer_seconds_sum", 0.0)
+    names = ("kv_transfer_bytes_total", "kv_transfer_seconds_count", "kv_transfer_seconds_sum")
+    return tuple(values.get(f"vlm_serve:{name}", 0.0) for name in names)
 
 
 FIGURES = {  # name -> (workload, the summary's value)
@@ -149,12 +151,11 @@ def main() -> int:
         for name in list(setups) if round_ % 2 == 0 else list(setups)[::-1]:
             print(f"round {round_ + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
             with setups[name](args.model, args.model.name, args.log_dir, args.startup_timeout) as (url, servers):
-                asyncio.run(mixed_load(url, args))  # (warm-up: the same load, untimed)
-                before = transferred(servers) if servers else (0.0, 0.0)
-                summaries = asyncio.run(mixed_load(url, args))
+                asyncio.run(mixed_load(url, args, args.seed + 1000))  # (warm-up: a load like it, untimed)
+                before = transferred(servers[0]) if servers else None
+                summaries = asyncio.run(mixed_load(url, args, args.seed))
                 if servers:
-                    after = transferred(servers)
-                    kv.append((after[0] - before[0], after[1] - before[1]))
+                    kv.append(tuple(b - a for a, b in zip(before, transferred(servers[0]))))
             for figure, (load, value) in FIGURES.items():
                 if load is None:
                     figures[name][figure].append(sum(s["failed_requests"] for s in summaries.values()))
@@ -168,10 +169,10 @@ def main() -> int:
     for figure in FIGURES:
         ours, pd = (statistics.median(figures[name][figure]) for name in setups)
         print(f"| {figure} | {ours:.1f} | {pd:.1f} | {pd / ours:.2f}x |" if ours else f"| {figure} | {ours:.0f} | {pd:.0f} | |")
-    nbytes, seconds = (sum(x) for x in zip(*kv))
-    if seconds:
-        print(f"\nKV moved by PD: {nbytes / 2**20:.1f} MiB in the timed runs, {nbytes / seconds / 1e9:.2f} GB/s over "
-              "the transfers' time (first page sent to done, chunks' compute included)")
+    nbytes, count, seconds = (sum(x) for x in zip(*kv))
+    print(f"\nKV moved by PD in the timed runs: {nbytes / 2**20:.1f} MiB in {count:.0f} transfers, "
+          f"{1000 * seconds / max(count, 1):.0f} ms each on average from a prompt's first KV page sent to the end "
+          "of its transfer (its later chunks computed meanwhile; bench_kv_transfer.py measures the bare rate)")
     return 0
 
 
