@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from vlm_serve.llm.scheduler.schedule_batch import Req, ScheduleBatch
 from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.mm_cache.hashing import pad_input_ids
 from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.testing.media import write_video
 from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.tokenizer import Tokenizer
 
@@ -246,6 +248,57 @@ def client_answers(base_url: str, tokenizer: Tokenizer) -> dict:
         "generate": (generate["text"], generate["output_ids"], generate["meta_info"]["finish_reason"]),
         "generate batch": [out["text"] for out in batch.json()],
         "generate streamed": (json.loads(events[-2])["text"], events[-1]),
+    }
+
+
+def clip_url() -> str:
+    """A green square moving left to right, as the built-in model was trained on."""
+    frames = []
+    for i in range(8):
+        frame = Image.new("RGB", (96, 96), "white")
+        ImageDraw.Draw(frame).rectangle([8 + 8 * i, 36, 32 + 8 * i, 60], fill="green")
+        frames.append(frame)
+    buffer = io.BytesIO()
+    write_video(buffer, frames, fps=4)
+    return "data:video/mp4;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+VIDEO = {"type": "video_url", "video_url": {"url": clip_url()}}
+TOOLS = [{"type": "function", "function": {
+    "name": "report_colour", "description": "Report the colour of the shape.",
+    "parameters": {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]},
+}}]  # fmt: skip
+
+
+def deployment_answers(url: str, tokenizer: Tokenizer) -> dict:
+    """What a client gets from `url` for each kind of request a deployment serves: `client_answers`'
+    battery, then a repeated image, a video, an image and a video, structured output, a named tool and a
+    burst of 32 concurrent requests (greedy)."""
+    greedy = {"max_tokens": 24, "temperature": 0}
+
+    def chat(content: list[dict], **extra) -> dict:
+        body = {"messages": [{"role": "user", "content": content}], **greedy, **extra}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        return {"choices": [c["message"] for c in answer["choices"]], "usage": answer["usage"]}
+
+    image, question = MESSAGES[0]["content"]
+    text = question["text"]
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+    burst = [[image, {"type": "text", "text": f"{text} ({i})"}] for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:  # (their cached tokens depend on the order they arrive in)
+        concurrent = [answer["choices"] for answer in pool.map(chat, burst)]
+    return {
+        **client_answers(url, tokenizer),
+        "image again": chat([image, question]),
+        "video": chat([VIDEO, {"type": "text", "text": "Describe the video."}]),
+        "image and video": chat([image, VIDEO, {"type": "text", "text": "Describe."}]),
+        "json_schema": chat(
+            [image, question], response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+        ),
+        "named tool": chat([image, question], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "report_colour"}}),
+        "32 at once": concurrent,
     }
 
 

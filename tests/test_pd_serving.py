@@ -24,14 +24,13 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import (
-    MESSAGES, README_URL, ServerProcess, block_command, circle_url, client_answers, free_port, readme_blocks,
+    README_URL, ServerProcess, block_command, circle_url, deployment_answers, free_port, readme_blocks,
     running_router, running_server, start_server,
 )  # fmt: skip
 
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from vlm_serve.builtin import BUILTIN_MODEL
-from vlm_serve.testing.media import write_video
 from vlm_serve.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.from_pretrained(BUILTIN_MODEL)
@@ -45,56 +44,6 @@ CONFIGS = {  # flags of both servers (None: the README's commands, run as writte
 }
 
 
-def clip_url() -> str:
-    """A green square moving left to right, as the built-in model was trained on."""
-    frames = []
-    for i in range(8):
-        frame = Image.new("RGB", (96, 96), "white")
-        ImageDraw.Draw(frame).rectangle([8 + 8 * i, 36, 32 + 8 * i, 60], fill="green")
-        frames.append(frame)
-    buffer = io.BytesIO()
-    write_video(buffer, frames, fps=4)
-    return "data:video/mp4;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-VIDEO = {"type": "video_url", "video_url": {"url": clip_url()}}
-TOOLS = [{"type": "function", "function": {
-    "name": "report_colour", "description": "Report the colour of the shape.",
-    "parameters": {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]},
-}}]  # fmt: skip
-
-
-def pd_answers(url: str) -> dict:
-    """What a client gets for each kind of request: `client_answers`' battery, then media, structured
-    output, a named tool and a burst of concurrent requests."""
-    greedy = {"max_tokens": 24, "temperature": 0}
-
-    def chat(content: list[dict], **extra) -> dict:
-        body = {"messages": [{"role": "user", "content": content}], **greedy, **extra}
-        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        answer = response.json()
-        return {"choices": [c["message"] for c in answer["choices"]], "usage": answer["usage"]}
-
-    image, question = MESSAGES[0]["content"]
-    text = question["text"]
-    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
-    burst = [[image, {"type": "text", "text": f"{text} ({i})"}] for i in range(32)]
-    with ThreadPoolExecutor(32) as pool:  # (their cached tokens depend on the order they arrive in)
-        concurrent = [answer["choices"] for answer in pool.map(chat, burst)]
-    return {
-        **client_answers(url, TOKENIZER),
-        "image again": chat([image, question]),
-        "video": chat([VIDEO, {"type": "text", "text": "Describe the video."}]),
-        "image and video": chat([image, VIDEO, {"type": "text", "text": "Describe."}]),
-        "json_schema": chat(
-            [image, question], response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
-        ),
-        "named tool": chat([image, question], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "report_colour"}}),
-        "32 at once": concurrent,
-    }
-
-
 @pytest.fixture(scope="module")
 def colocated_server() -> Iterator[ServerProcess]:
     with running_server(BUILTIN_MODEL) as server:
@@ -104,7 +53,7 @@ def colocated_server() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def colocated(colocated_server) -> dict:
     """The answers of one colocated server."""
-    return pd_answers(colocated_server.url)
+    return deployment_answers(colocated_server.url, TOKENIZER)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +134,7 @@ def curl_example(folder: Path, url: str) -> str:
 
 def test_answers_through_the_pd_pair_equal_a_colocated_servers(pd, colocated, colocated_server, folder):
     url, prefill, decode = pd
-    assert pd_answers(url) == colocated
+    assert deployment_answers(url, TOKENIZER) == colocated
     assert curl_example(folder, url) == curl_example(folder, colocated_server.url)
     assert metric(decode, 'media_stage_seconds_sum{stage="decode"}') == 0  # no pixel was decoded there
     assert metric(decode, "vit_items") == 0 and metric(prefill, "vit_items") > 0

