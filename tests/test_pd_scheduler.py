@@ -148,6 +148,7 @@ def test_a_request_aborted_in_the_decode_sides_transfer_queue_fails_on_the_prefi
     prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
     step_until(pair, lambda: pair.decode.scheduler.disagg.transfer_queue, sides=("decode",))
     pair.decode.abort(decode)
+    step_until(pair, lambda: decode.done, sides=("decode",))  # (before the prefill side has sent it all)
     pair.run(prefill, decode)
     assert pair.decode.result(decode).finish_reason == "abort"
     with pytest.raises(Exception, match="aborted by the decode side") as failure:
