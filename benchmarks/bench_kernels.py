@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpu_isa import ISAS, environment
+from cpu_isa import ISAS, describe_cpu, environment
 
 
 def main() -> None:
@@ -51,17 +51,13 @@ def main() -> None:
     kernel = linear_cpu.LIBRARY.get()
     if kernel is None:
         sys.exit("the CPU kernels did not build (see the warning above)")
-    cpu = next(line.split(":", 1)[1].strip() for line in lscpu().splitlines() if line.startswith("Model name"))
+    cpu, _ = describe_cpu()
     print(f"CPU: {cpu}, {args.threads} threads; kernels built for -march={march}: {kernel.isa}, {kernel.lanes} "
           f"floats per vector; torch/oneDNN/MKL: {'capped at AVX2' if args.isa == 'avx2' else 'their own choice'}")
     fma, bandwidth = roofs(torch, march, args.threads)
     print(f"roofs: FMA {fma:.0f} GFLOP/s, memory read {bandwidth:.1f} GB/s\n")
     bench_linear(torch, args.repeats, fma)
     bench_moe(torch, args.repeats, fma)
-
-
-def lscpu() -> str:
-    return subprocess.run(["lscpu"], capture_output=True, text=True).stdout
 
 
 ROOFS = """

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import os
 import statistics
-import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from pathlib import Path
 import httpx
 from bench_serving import benchmark, build_parser, check_args
 from compare_peer import Server, free_port, our_server, running
+from cpu_isa import describe_cpu
 
 CORES = sorted(os.sched_getaffinity(0))
 
@@ -120,14 +120,6 @@ FIGURES = {  # name -> (workload, the summary's value)
 }
 
 
-def cpu() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in lscpu.splitlines() if line.startswith("Flags")), [])
-    isa = "AVX-512" if "avx512f" in flags else "AVX2 + FMA" if "avx2" in flags else "NEON" if "asimd" in flags else "?"
-    return f"{model}, {len(CORES)} cores, {isa}"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True, help="checkpoint directory both set-ups serve")
@@ -146,7 +138,7 @@ def main() -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     setups = {"colocated": colocated, "pd": disaggregated}
     figures: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in setups}
-    kv: list[tuple[float, float]] = []
+    kv: list[tuple[float, ...]] = []  # (bytes, transfers, seconds) per timed PD run
     for round_ in range(args.rounds):
         for name in list(setups) if round_ % 2 == 0 else list(setups)[::-1]:
             print(f"round {round_ + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
@@ -162,7 +154,8 @@ def main() -> int:
                 else:
                     figures[name][figure].append(value(summaries[load]))
             print("  " + ", ".join(f"{f} {v[-1]:.1f}" for f, v in figures[name].items()), file=sys.stderr)
-    print(f"\nCPU: {cpu()}; model {args.model.name}; {args.decoders} decoders x {args.decode_len} tokens while "
+    model, isa = describe_cpu()
+    print(f"\nCPU: {model}, {len(CORES)} cores, {isa}; model {args.model.name}; {args.decoders} decoders x {args.decode_len} tokens while "
           f"{args.images} {args.image_size} images arrive at {args.image_rate}/s; medians of {args.rounds} rounds\n")
     print("| figure | colocated | PD (router + prefill + decode) | PD / colocated |")
     print("|---|---|---|---|")
