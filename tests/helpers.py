@@ -173,12 +173,16 @@ QUESTION = "What colour is the circle?"
 PROMPT = f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def circle_url() -> str:
+def circle_image() -> Image.Image:
     """The README's picture: a red circle on white."""
     image = Image.new("RGB", (96, 96), "white")
     ImageDraw.Draw(image).ellipse([35, 35, 61, 61], fill="red")
+    return image
+
+
+def circle_url() -> str:
     buffer = io.BytesIO()
-    image.save(buffer, "PNG")
+    circle_image().save(buffer, "PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -211,6 +215,12 @@ def running_router(*args: str, workers: int = 2, timeout: float = 60) -> Iterato
     finally:
         process.terminate()
         process.communicate(timeout=30)
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of the server's `/metrics` samples whose name (with labels) starts with `vlm_serve:NAME`."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"vlm_serve:{name}"))
 
 
 def _healthy_workers(url: str) -> int:
@@ -270,10 +280,11 @@ TOOLS = [{"type": "function", "function": {
 }}]  # fmt: skip
 
 
-def deployment_answers(url: str, tokenizer: Tokenizer) -> dict:
+def deployment_answers(url: str, tokenizer: Tokenizer, cached_tokens: bool = True) -> dict:
     """What a client gets from `url` for each kind of request a deployment serves: `client_answers`'
     battery, then a repeated image, a video, an image and a video, structured output, a named tool and a
-    burst of 32 concurrent requests (greedy)."""
+    burst of 32 concurrent requests (greedy). Without `cached_tokens` the usage leaves out how many prompt
+    tokens a prefix cache served (behind replicas, that depends on which replica took the request)."""
     greedy = {"max_tokens": 24, "temperature": 0}
 
     def chat(content: list[dict], **extra) -> dict:
@@ -281,6 +292,8 @@ def deployment_answers(url: str, tokenizer: Tokenizer) -> dict:
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         answer = response.json()
+        if not cached_tokens:
+            del answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         return {"choices": [c["message"] for c in answer["choices"]], "usage": answer["usage"]}
 
     image, question = MESSAGES[0]["content"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers import ServerProcess, client_answers, deployment_answers, running_router, running_server
+from helpers import ServerProcess, client_answers, deployment_answers, metric, running_router, running_server
 
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.tokenizer import Tokenizer
@@ -44,19 +44,14 @@ def test_the_router_names_the_model_as_the_servers_report_it(servers: list[Serve
     assert [line for server in servers for line in server.output if "serving" not in line] == []
 
 
-def requests_received(server: ServerProcess) -> float:
-    metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    return float(next(line for line in metrics.splitlines() if line.startswith("vlm_serve:requests_total")).split()[1])
-
-
 def test_replicas_behind_the_router_answer_as_one_server(servers: list[ServerProcess], replicas: str) -> None:
     """Both replicas take a share of the requests (cache-aware: a prompt goes where its prefix is cached,
     a new one to the replica with the least cached)."""
-    one_server = deployment_answers(servers[0].url, TOKENIZER)
+    one_server = deployment_answers(servers[0].url, TOKENIZER, cached_tokens=False)
     assert one_server["chat"][0] == "The circle is red."
-    before = [requests_received(server) for server in servers]
-    assert deployment_answers(replicas, TOKENIZER) == one_server
-    received = [requests_received(server) - count for server, count in zip(servers, before)]
+    before = [metric(server.url, "requests_total") for server in servers]
+    assert deployment_answers(replicas, TOKENIZER, cached_tokens=False) == one_server
+    received = [metric(server.url, "requests_total") - count for server, count in zip(servers, before)]
     assert min(received) > 0
 
 
