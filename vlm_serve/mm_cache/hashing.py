@@ -25,15 +25,21 @@ PAD_VALUE_BITS = 62
 _READ_CHUNK = 1 << 20
 
 
-def media_hash(data: bytes | Path | Image.Image, modality: Modality, settings: object) -> int:
-    """128-bit hash of raw media (bytes, a local file, or a decoded PIL image) under `settings`, a
-    frozen settings dataclass whose repr lists every value that shapes the processed item."""
+def media_hash(data: bytes | Path | Image.Image | tuple[bytes, ...], modality: Modality, settings: object) -> int:
+    """128-bit hash of raw media (bytes, a local file, a decoded PIL image, or a tuple of encoded frames:
+    a video sent as still images) under `settings`, a frozen settings dataclass whose repr lists every
+    value that shapes the processed item."""
     h = xxhash.xxh3_128()
     h.update(f"{modality}\0{settings!r}\0".encode())
     if isinstance(data, Image.Image):
         # The palette and transparency key change the RGB pixels a P / L / RGB image converts to.
         h.update(f"{data.mode}\0{data.size}\0{data.getpalette()}\0{data.info.get('transparency')!r}\0".encode())
         h.update(data.tobytes())
+    elif isinstance(data, tuple):
+        h.update(f"frames\0{len(data)}\0".encode())
+        for frame in data:
+            h.update(len(frame).to_bytes(8, "little"))
+            h.update(frame)
     elif isinstance(data, Path):
         with data.open("rb") as file:
             while chunk := file.read(_READ_CHUNK):

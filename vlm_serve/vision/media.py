@@ -31,6 +31,7 @@ _DATA_URL_MEDIA_TYPES = {"image": ("image/",), "video": ("video/",)}
 _GENERIC_MEDIA_TYPE = "application/octet-stream"
 _URL_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 DEFAULT_MAX_FETCH_BYTES = 64 << 20
+FRAME_LIST_MEDIA_TYPE = "video/jpeg"  # vLLM's video as still frames: data:video/jpeg;base64,<frame>,<frame>,...
 
 ImageSource = str | os.PathLike | bytes | bytearray | memoryview | Image.Image
 VideoSource = str | os.PathLike | bytes | bytearray | memoryview
@@ -38,6 +39,12 @@ VideoSource = str | os.PathLike | bytes | bytearray | memoryview
 
 class MediaError(ValueError):
     """An image or video that cannot be used: unreadable, undecodable, too large or malformed."""
+
+
+class FrameList(tuple):
+    """A video sent as its frames, each an encoded still image (bytes), in order: what
+    `data:video/jpeg;base64,<frame>,<frame>,...` (vLLM's format) holds. `vision.video` reads it as a
+    clip at `FRAME_LIST_FPS` frames per second."""
 
 
 @dataclass(frozen=True)
@@ -57,10 +64,13 @@ class MediaAccess:
 
 def read_media(
     source: str | os.PathLike | bytes | bytearray | memoryview, kind: str, access: MediaAccess = MediaAccess()
-) -> bytes | Path:
+) -> bytes | Path | FrameList:
     """Resolve `source` to raw bytes (bytes, `data:` URL, allowed http(s) URL) or an existing local file
     (path, `file://` URL), within `access`. `kind` ("image" or "video") is used in messages and to check
-    a data URL's media type."""
+    a data URL's media type. A video data URL of type `video/jpeg` is a list of frames: a `FrameList`
+    (passed through as it is when given)."""
+    if isinstance(source, FrameList):
+        return source
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if not data:
@@ -103,6 +113,8 @@ def _decode_data_url(url: str, kind: str, access: MediaAccess) -> bytes:
     if media_type and media_type != _GENERIC_MEDIA_TYPE and not media_type.startswith(_DATA_URL_MEDIA_TYPES[kind]):
         raise MediaError(f"unsupported data URL for {kind}: media type {media_type!r} is not {kind}/*")
     _check_bytes(len(payload) * 3 // 4 - 2, kind, access)  # before decoding it
+    if kind == "video" and media_type == FRAME_LIST_MEDIA_TYPE:
+        return _decode_frame_list(payload)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -110,6 +122,26 @@ def _decode_data_url(url: str, kind: str, access: MediaAccess) -> bytes:
     if not data:
         raise MediaError(f"{kind} data URL holds no data")
     return data
+
+
+def _decode_frame_list(payload: str) -> FrameList:
+    """The frames of a `video/jpeg` data URL's payload: base64 images separated by commas."""
+    pieces = payload.split(",")
+    frames = []
+    for index, piece in enumerate(pieces):
+        try:
+            frame = base64.b64decode(piece.strip(), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise MediaError(f"invalid base64 data in {frame_name(index, len(pieces))}: {exc}") from exc
+        if not frame:
+            raise MediaError(f"{frame_name(index, len(pieces))} is empty")
+        frames.append(frame)
+    return FrameList(frames)
+
+
+def frame_name(index: int, count: int) -> str:
+    """How a message names one frame of a `FrameList`."""
+    return f"video frame {index} (counting from 0, of {count})"
 
 
 def _local_file(path: Path, kind: str, access: MediaAccess) -> Path:

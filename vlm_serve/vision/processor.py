@@ -9,6 +9,10 @@ Every item carries its content hash (`mm_cache.hashing.media_hash`). A processed
 it lets a repeated image or video (same bytes, same settings) skip decoding, resizing and normalising;
 concurrent first requests for one (on the HTTP server's preprocessing threads) process it once.
 
+A media item may carry a client's `uuid` (vLLM's multimodal UUIDs): the processor remembers which
+content hash that uuid named, so a later item with the uuid and no source is the cached item itself,
+without its bytes (see `MultimodalProcessor`).
+
 A pixel-free processor (`pixels=False`, a PD decode server's, which never runs the vision tower) reads
 only each item's header: image size and EXIF orientation, video frame count, rate and size. Its ids,
 grids, spans, timestamps and hashes are the full processor's; its pixel values are `meta` tensors.
@@ -18,7 +22,9 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,14 +51,17 @@ VISION_END = "<|vision_end|>"
 _PLACEHOLDER = re.compile(f"{re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)}")
 _IMAGE_OPTIONS = ("min_pixels", "max_pixels")
 _VIDEO_OPTIONS = ("min_pixels", "max_pixels", "fps", "max_frames")
+MAX_MEDIA_UUIDS = 1 << 16  # uuids remembered (the least recently used are forgotten first)
 
 
 @dataclass
 class MediaInput:
-    """One image or video of a request with its own preprocessing overrides (keys of `_*_OPTIONS`)."""
+    """One image or video of a request with its own preprocessing overrides (keys of `_*_OPTIONS`) and
+    the client's `uuid` for it, if any; `source` None refers to media sent before with that uuid."""
 
     source: Any
     options: dict[str, Any] = field(default_factory=dict)
+    uuid: str | None = None
 
 
 class MultimodalProcessor:
@@ -60,6 +69,15 @@ class MultimodalProcessor:
 
     `cache_mb` is the processed-input cache's budget (0 disables it). `pixels` False makes pixel-free
     items (see the module's doc); the cache, the processor's own, then holds only those.
+
+    Media uuids: an item with a `uuid` and a source is processed as any other, and the uuid then names
+    its content hash, under its modality and its preprocessing settings (pixel limits, fps, frame
+    limits: those in effect for it). An item with a uuid and no source is the processed-input cache's
+    item under the content hash its uuid names with the same modality and settings: no fetching,
+    decoding or preprocessing, and the same hash, so the same embeddings and prefix cache entries. A
+    uuid sent with other settings than before names nothing yet (the bytes are not kept to process
+    them again): that, a uuid never sent, or one whose item left the cache (or a cache of 0 MB) is a
+    `MediaError` asking for the media again. A uuid sent again with a source names the new content.
     """
 
     def __init__(
@@ -79,6 +97,7 @@ class MultimodalProcessor:
         self.access = access
         self.pixels = pixels
         self.cache: MultimodalCache[MultimodalItem] = MultimodalCache(cache_mb << 20)
+        self.uuids = _UuidIndex(MAX_MEDIA_UUIDS)
         self.image_token_id = _required_token_id(tokenizer, IMAGE_PAD)
         self.video_token_id = _required_token_id(tokenizer, VIDEO_PAD)
 
@@ -147,7 +166,8 @@ class MultimodalProcessor:
         Content parts: `{"type": "text", "text": ...}`, `{"type": "image", "image": src}`,
         `{"type": "image_url", "image_url": {"url": src}}` (or a plain string), and the same for
         `video` / `video_url`; `src` is a path, `data:` URL, bytes or (images) a PIL image. A media
-        part may carry its own `min_pixels`, `max_pixels` (and for videos `fps`, `max_frames`).
+        part may carry its own `min_pixels`, `max_pixels` (and for videos `fps`, `max_frames`), and a
+        `uuid`: with it, the source may be left out (None or an empty url) to use media sent before.
         `chat_template_kwargs` are more variables for the chat template; `overrides` are `process`'s
         keyword arguments (a part's own options win over them).
         """
@@ -160,9 +180,13 @@ class MultimodalProcessor:
             for part in content:
                 modality = _part_modality(part)
                 if modality == "image":
-                    images.append(MediaInput(_part_source(part, "image"), _part_options(part, _IMAGE_OPTIONS)))
+                    images.append(MediaInput(
+                        _part_source(part, "image"), _part_options(part, _IMAGE_OPTIONS), _part_uuid(part)
+                    ))  # fmt: skip
                 elif modality == "video":
-                    videos.append(MediaInput(_part_source(part, "video"), _part_options(part, _VIDEO_OPTIONS)))
+                    videos.append(MediaInput(
+                        _part_source(part, "video"), _part_options(part, _VIDEO_OPTIONS), _part_uuid(part)
+                    ))  # fmt: skip
         prompt = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {}),
@@ -188,6 +212,8 @@ class MultimodalProcessor:
 
     def _image_item(self, item: MediaInput) -> MultimodalItem:
         settings = self.image_processor.config.with_overrides(**item.options)
+        if item.source is None:
+            return self._by_uuid(item.uuid, "image", settings)
         timings = MediaTimings()
         start = time.perf_counter()
         if isinstance(item.source, Image.Image):
@@ -220,12 +246,16 @@ class MultimodalProcessor:
             timings.probe = time.perf_counter() - start
             return self.image_processor.describe(width, height, **item.options)
 
-        return self._cached(data, "image", settings, timings, preprocess if self.pixels else describe)
+        return self._remember(item.uuid, settings, self._cached(
+            data, "image", settings, timings, preprocess if self.pixels else describe
+        ))  # fmt: skip
 
     def _video_item(self, item: MediaInput) -> MultimodalItem:
+        settings = self.video_processor.config.with_overrides(**item.options)
+        if item.source is None:
+            return self._by_uuid(item.uuid, "video", settings)
         if not isinstance(item.source, (str, bytes, bytearray, memoryview, os.PathLike)):
             raise MediaError(f"unsupported video source of type {type(item.source).__name__}")
-        settings = self.video_processor.config.with_overrides(**item.options)
         timings = MediaTimings()
         start = time.perf_counter()
         data = read_media(item.source, "video", self.access)  # a local video is streamed, not read whole
@@ -237,7 +267,28 @@ class MultimodalProcessor:
             timings.preprocess = processed.timings.preprocess
             return processed
 
-        return self._cached(data, "video", settings, timings, preprocess)
+        return self._remember(item.uuid, settings, self._cached(data, "video", settings, timings, preprocess))
+
+    def _remember(self, uuid: str | None, settings: Any, item: MultimodalItem) -> MultimodalItem:
+        """`item`, whose `uuid` (if any) now names its content hash under its modality and `settings`."""
+        if uuid is not None:
+            self.uuids.put((item.modality, uuid, repr(settings)), item.hash)
+        return item
+
+    def _by_uuid(self, uuid: str | None, modality: str, settings: Any) -> MultimodalItem:
+        """A fresh item (no spans, its own timings) of the cached media `uuid` names, or a `MediaError`."""
+        if uuid is None:
+            raise MediaError(f"{modality} content part has neither a source nor a uuid")
+        content_hash = self.uuids.get((modality, uuid, repr(settings)))
+        cached = self.cache.get(content_hash) if content_hash is not None else None
+        if cached is None:
+            why = "" if self.cache.budget_bytes else " (this server keeps no processed media: its cache is 0 MB)"
+            raise MediaError(
+                f"unknown {modality} uuid {uuid!r}: this server holds no {modality} sent with that uuid and these "
+                f"preprocessing options{why}, or no longer holds it; send the {modality} again (its url, "
+                f"with the uuid)"
+            )
+        return replace(cached, spans=[], timings=MediaTimings(processor_cache_hit=True))
 
     def _cached(
         self, data: Any, modality: str, settings: Any, timings: MediaTimings, preprocess: Callable[[], MultimodalItem]
@@ -287,6 +338,33 @@ class MultimodalProcessor:
                 cursor += run
 
 
+class _UuidIndex:
+    """Thread-safe LRU map from (modality, uuid, settings) to a content hash, of at most `capacity`
+    entries; a key put again names its new hash."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._hashes: OrderedDict[tuple[str, str, str], int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def put(self, key: tuple[str, str, str], content_hash: int) -> None:
+        with self._lock:
+            self._hashes[key] = content_hash
+            self._hashes.move_to_end(key)
+            while len(self._hashes) > self.capacity:
+                self._hashes.popitem(last=False)
+
+    def get(self, key: tuple[str, str, str]) -> int | None:
+        with self._lock:
+            content_hash = self._hashes.get(key)
+            if content_hash is not None:
+                self._hashes.move_to_end(key)
+            return content_hash
+
+
 def _cached_bytes(item: MultimodalItem) -> int:
     """The memory a processed item holds: its pixel values, or a pixel-free item's grid and timestamps."""
     if item.pixel_values.is_meta:
@@ -311,7 +389,7 @@ def _with_defaults(item: Any, defaults: dict[str, Any], allowed: tuple[str, ...]
     unknown = set(item.options) - set(allowed)
     if unknown:
         raise ValueError(f"unknown {kind} option(s): {', '.join(sorted(unknown))}")
-    return MediaInput(item.source, {**defaults, **item.options})
+    return MediaInput(item.source, {**defaults, **item.options}, item.uuid)
 
 
 def _part_modality(part: Any) -> str | None:
@@ -327,15 +405,24 @@ def _part_modality(part: Any) -> str | None:
 
 
 def _part_source(part: Mapping[str, Any], kind: str) -> Any:
-    """The media of a part: `part[kind]`, or `part[kind + "_url"]` as a string or `{"url": ...}`."""
+    """The media of a part: `part[kind]`, or `part[kind + "_url"]` as a string or `{"url": ...}`; None
+    (media sent before) for a part with a uuid whose source is missing, None or an empty string."""
     if part.get(kind) is not None:
         return part[kind]
     url = part.get(f"{kind}_url")
     if isinstance(url, Mapping):
         url = url.get("url")
+    if _part_uuid(part) is not None and (url is None or url == ""):
+        return None
     if url is None:
         raise ValueError(f"{kind} content part has no {kind!r} or {kind + '_url'!r} value")
     return url
+
+
+def _part_uuid(part: Mapping[str, Any]) -> str | None:
+    """A part's `uuid` as a string (vLLM takes any value as its string), or None."""
+    uuid = part.get("uuid")
+    return None if uuid is None else str(uuid)
 
 
 def _part_options(part: Mapping[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:

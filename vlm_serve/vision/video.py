@@ -44,9 +44,13 @@ from vlm_serve.vision.image_processor import (
     validate_pixel_settings,
 )
 from vlm_serve.multimodal import MultimodalItem
-from vlm_serve.vision.media import DEFAULT_MAX_IMAGE_PIXELS, MediaAccess, MediaError, VideoSource, read_media
+from vlm_serve.vision.media import (
+    DEFAULT_MAX_IMAGE_PIXELS, FrameList, MediaAccess, MediaError, VideoSource, decode_image, frame_name, open_image,
+    probe_image, read_media, to_rgb,
+)
 
 DEFAULT_VIDEO_FPS = 24.0  # assumed when a stream states no frame rate, as transformers does
+FRAME_LIST_FPS = 1.0  # the rate of a video sent as a list of frames, as vLLM assumes it
 
 
 @dataclass(frozen=True)
@@ -234,15 +238,17 @@ class VideoInfo:
     width: int
 
 
-def probe_video(data: bytes | Path, max_frame_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> VideoInfo:
+def probe_video(data: bytes | Path | FrameList, max_frame_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> VideoInfo:
     """The frame count, frame rate and frame size of the video in `data`, read from its container by
     demuxing: no frame is decoded.
 
     Frames are counted as the packets that hold data and are not discarded: an MP4 edit list (a trimmed
     clip) marks the frames before its start, which decoders drop, and the count the container states
     includes them. A stated count below that is kept (transformers samples by the stated count). A
-    demuxing error ends the stream, as a decoding error does.
+    demuxing error ends the stream, as a decoding error does. A `FrameList` is probed by `probe_frame_list`.
     """
+    if isinstance(data, FrameList):
+        return probe_frame_list(data, max_frame_pixels)
     with _open_container(data) as container:
         stream = _video_stream(container)
         width, height = stream.codec_context.width, stream.codec_context.height
@@ -265,6 +271,31 @@ def probe_video(data: bytes | Path, max_frame_pixels: int = DEFAULT_MAX_IMAGE_PI
     if total_frames <= 0:
         raise MediaError("video has no decodable frames")
     return VideoInfo(total_frames, float(rate) if rate else DEFAULT_VIDEO_FPS, height, width)
+
+
+def probe_frame_list(frames: FrameList, max_frame_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> VideoInfo:
+    """A video sent as a list of frames (vLLM's `data:video/jpeg;base64,<frame>,...`), read from the frames'
+    headers (no pixel is decoded): as vLLM takes it, a clip at `FRAME_LIST_FPS` frames per second whose
+    frames are all there is, sampled afterwards by the same rules as any video (with the default fps of
+    2, every frame is kept). Every frame must be an image of the first one's size; one that is not is a
+    `MediaError` naming it."""
+    if not frames:
+        raise MediaError("video frame list holds no frames")
+    size = None
+    for index, frame in enumerate(frames):
+        try:
+            frame_size = probe_image(frame, max_frame_pixels)
+        except MediaError as exc:
+            raise MediaError(f"{frame_name(index, len(frames))}: {exc}") from exc
+        if size is None:
+            size = frame_size
+        elif frame_size != size:
+            raise MediaError(
+                f"{frame_name(index, len(frames))} is {frame_size[0]}x{frame_size[1]} pixels, "
+                f"but the video's first frame is {size[0]}x{size[1]}: every frame must have the same size"
+            )
+    width, height = size
+    return VideoInfo(len(frames), FRAME_LIST_FPS, height, width)
 
 
 class VideoProcessor:
@@ -346,13 +377,17 @@ class VideoProcessor:
             config.min_pixels, config.clip_max_pixels(clip_frames),
         )  # fmt: skip
 
-    def _decode(self, data: bytes | Path, indices: list[int], size: tuple[int, int]) -> tuple[list[torch.Tensor], float]:
+    def _decode(
+        self, data: bytes | Path | FrameList, indices: list[int], size: tuple[int, int]
+    ) -> tuple[list[torch.Tensor], float]:
         """The frames at `indices`, resized to `size` (height, width), and the seconds spent resizing.
 
         Frames are decoded in order up to the last one wanted. A stream that ends (or breaks) before
         that stands still: the frames it lacks repeat the last frame decoded, so the clip keeps the
-        layout its container states.
+        layout its container states. Of a `FrameList`, only the frames at `indices` are decoded.
         """
+        if isinstance(data, FrameList):
+            return self._decode_frame_list(data, indices, size)
         wanted = set(indices)
         kept: dict[int, torch.Tensor] = {}
         last: av.VideoFrame | None = None
@@ -384,6 +419,25 @@ class VideoProcessor:
             if len(kept) < len(wanted):
                 still = resize(last)
         return [kept.get(index, still) for index in indices], resize_seconds
+
+    def _decode_frame_list(
+        self, frames: FrameList, indices: list[int], size: tuple[int, int]
+    ) -> tuple[list[torch.Tensor], float]:
+        """`_decode` for a list of frames: a frame that does not decode is a `MediaError` naming it."""
+        resized: dict[int, torch.Tensor] = {}
+        resize_seconds = 0.0
+        for index in indices:
+            if index in resized:
+                continue
+            try:
+                with open_image(frames[index], self.max_frame_pixels) as header:
+                    rgb = np.asarray(to_rgb(decode_image(header)))
+            except MediaError as exc:
+                raise MediaError(f"{frame_name(index, len(frames))}: {exc}") from exc
+            start = time.perf_counter()
+            resized[index] = resize_frame(rgb, *size)
+            resize_seconds += time.perf_counter() - start
+        return [resized[index] for index in indices], resize_seconds
 
     def _item(
         self,
