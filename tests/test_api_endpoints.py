@@ -25,7 +25,7 @@ SERVED = "test-org/tiny-vl"  # a served name with a '/', as hub ids have
 CONTEXT = 4096
 UNKNOWN = "gpt-17"
 NOT_FOUND = {
-    "message": f"The model `{UNKNOWN}` does not exist.", "type": "NotFoundError", "param": "model",
+    "message": f"The model `{UNKNOWN}` does not exist.", "type": "not_found_error", "param": "model",
     "code": "model_not_found",
 }  # fmt: skip
 ABORTED = 'vlm_serve:requests_finished_total{reason="abort"}'

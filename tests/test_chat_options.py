@@ -204,22 +204,28 @@ def test_stream_options_need_a_stream(server, model):
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, model):
+    """With `include_usage`, every chunk carries its choice's usage so far, and a last chunk the total;
+    without it, no chunk has usage (as in vLLM: continuous usage only comes with include_usage)."""
     request = dict(model=model, messages=user("Tell me a story."), max_tokens=8, temperature=0, stream=True)
-    chunks = list(client.chat.completions.create(**request, stream_options={"continuous_usage_stats": True}))
+    both = {"continuous_usage_stats": True, "include_usage": True}
+    chunks = list(client.chat.completions.create(**request, stream_options=both))
     whole = client.chat.completions.create(**{**request, "stream": False})
-    assert all(c.usage is not None and c.choices for c in chunks)  # no usage-only chunk: include_usage is off
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    chunks = chunks[:-1]
+    assert all(c.usage is not None and c.choices for c in chunks)
     assert chunks[0].usage.completion_tokens == 0
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == whole.usage.completion_tokens
     assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
-    both = {"continuous_usage_stats": True, "include_usage": True}
-    with_total = list(client.chat.completions.create(**request, stream_options=both))
-    assert with_total[-1].choices == [] and with_total[-1].usage.completion_tokens == whole.usage.completion_tokens
+    alone = list(client.chat.completions.create(**request, stream_options={"continuous_usage_stats": True}))
+    assert alone and all(c.usage is None and c.choices for c in alone)
     # text completions too
     text = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=0)
-    pieces = list(client.completions.create(**text, stream=True, stream_options={"continuous_usage_stats": True}))
-    assert all(c.usage is not None for c in pieces)
+    pieces = list(client.completions.create(**text, stream=True, stream_options=both))
+    assert all(c.usage is not None for c in pieces) and pieces[-1].choices == []
     assert pieces[-1].usage.completion_tokens == client.completions.create(**text).usage.completion_tokens
+    alone = list(client.completions.create(**text, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert alone and all(c.usage is None for c in alone)
 
 
 # ---- vLLM's media options ------------------------------------------------------------------------------

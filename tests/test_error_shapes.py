@@ -1,9 +1,11 @@
-"""Every error the server answers is in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
-with the status that says whose fault it is — also for what FastAPI and Starlette refuse themselves
+"""Every error the server answers is in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`
+(`type` one of OpenAI's error types, `code` a string naming the cause or null), with the status that says
+whose fault it is — also for what FastAPI and Starlette refuse themselves
 (bodies that are not JSON or not UTF-8, unknown routes, wrong methods) and for requests that would once
 have crashed or been misread (a lone UTF-16 surrogate, `max_tokens: 0`, an out-of-range seed). Anything
 unexpected is a 500 in the same shape whose message holds only a request id; the traceback goes to the log.
-The API key can come from $VLM_SERVE_API_KEY or a file, and shows in no command line, log or error.
+The API key can come from $VLM_SERVE_API_KEY or a file, and shows in no command line, log or error. Every
+response carries an `x-request-id` header: the client's own, or a new one.
 
 Through a real `vlm-serve serve` whose key comes from the environment, with raw HTTP (httpx) so that the
 bodies are exactly what a client gets; after each bad request a valid greedy one gets the same answer as
@@ -25,7 +27,10 @@ from vlm_serve.caption import caption_images
 from vlm_serve.cli import main
 from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.engine import Engine
+from vlm_serve.errors import ERROR_TYPES, ApiError
+from vlm_serve.messages.frontend import StrOut
 from vlm_serve.server.http_server import ServerState, create_app
+from vlm_serve.server.openai_api import OpenAIServing
 from vlm_serve.testing.media import make_image
 
 API_KEY = "sk-shapes-4f1c9b27e0d3"
@@ -74,89 +79,90 @@ def assert_openai_error(response: httpx.Response, status: int, kind: str, fragme
     assert list(body) == ["error"], body  # never FastAPI's {"detail": ...}
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
-    assert error["type"] == kind and fragment in error["message"], error
-    assert error["param"] == param and error["code"] == (status if code is None else code), error
+    assert error["type"] == kind and error["type"] in ERROR_TYPES and fragment in error["message"], error
+    assert error["param"] == param and error["code"] == code, error
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"]), response.headers
     return error
 
 
 # ---- what a client can send wrong -----------------------------------------------------------------------
 
-C, B = "/v1/chat/completions", "BadRequestError"
+C, B = "/v1/chat/completions", "invalid_request_error"
 BAD = {  # name: (method, path, body, status, type, fragment in the message, param)
-    "unknown route": ("GET", "/v1/nothing", None, 404, "NotFoundError", "no such route: GET /v1/nothing", None),
-    "unknown route, posted": ("POST", "/v2/chat/completions", chat(), 404, "NotFoundError", "no such route", None),
+    "unknown route": ("GET", "/v1/nothing", None, 404, "not_found_error", "no such route: GET /v1/nothing", None),
+    "unknown route, posted": ("POST", "/v2/chat/completions", chat(), 404, "not_found_error", "no such route", None),
     "wrong method": (
-        "GET", "/v1/chat/completions", None, 405, "MethodNotAllowedError",
+        "GET", "/v1/chat/completions", None, 405, "invalid_request_error",
         "/v1/chat/completions does not take GET (only POST)", None,
     ),
-    "wrong method on a GET route": ("POST", "/v1/models", b"{}", 405, "MethodNotAllowedError", "only GET", None),
+    "wrong method on a GET route": ("POST", "/v1/models", b"{}", 405, "invalid_request_error", "only GET", None),
     "malformed JSON": (
-        "POST", "/v1/chat/completions", b'{"messages": [', 400, "BadRequestError", "not valid JSON", None
+        "POST", "/v1/chat/completions", b'{"messages": [', 400, "invalid_request_error", "not valid JSON", None
     ),
     "not UTF-8": (
         "POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', 400,
-        "BadRequestError", "not valid UTF-8", None,
+        "invalid_request_error", "not valid UTF-8", None,
     ),
-    "nested too deep": ("POST", "/v1/completions", b"[" * 100_000, 400, "BadRequestError", "parsing the body", None),
-    "not an object": ("POST", "/v1/completions", b"[1, 2]", 400, "BadRequestError", "invalid request", None),
+    "nested too deep": ("POST", "/v1/completions", b"[" * 100_000, 400, "invalid_request_error", "parsing the body", None),
+    "not an object": ("POST", "/v1/completions", b"[1, 2]", 400, "invalid_request_error", "invalid request", None),
     "template data of the wrong type": (
-        "POST", "/v1/chat/completions", chat(chat_template_kwargs={"tools": 5}), 400, "BadRequestError",
+        "POST", "/v1/chat/completions", chat(chat_template_kwargs={"tools": 5}), 400, "invalid_request_error",
         "the chat template cannot render these messages", None,
     ),
     "lone surrogate in a text part": (
         "POST", "/v1/chat/completions",
         chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi \ud800 there"}]}]),
-        400, "BadRequestError", "lone UTF-16 surrogate \\ud800", "messages.0.content.0.text",
+        400, "invalid_request_error", "lone UTF-16 surrogate \\ud800", "messages.0.content.0.text",
     ),
     "lone surrogate in a message": (
         "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "\udfff"}]),
-        400, "BadRequestError", "lone UTF-16 surrogate \\udfff", "messages.0.content",
+        400, "invalid_request_error", "lone UTF-16 surrogate \\udfff", "messages.0.content",
     ),
     "lone surrogate as UTF-8 bytes": (  # Python's JSON decoder lets these through as a surrogate too
         "POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi \xed\xa0\x80"}]}',
-        400, "BadRequestError", "lone UTF-16 surrogate \\ud800", "messages.0.content",
+        400, "invalid_request_error", "lone UTF-16 surrogate \\ud800", "messages.0.content",
     ),
     "lone surrogate in a stop string": (
-        "POST", "/v1/chat/completions", chat(stop=["END", "x\udc00"]), 400, "BadRequestError", "surrogate", "stop.1"
+        "POST", "/v1/chat/completions", chat(stop=["END", "x\udc00"]), 400, "invalid_request_error", "surrogate", "stop.1"
     ),
     "lone surrogate in a prompt": (
         "POST", "/v1/completions", json.dumps({"prompt": "Once \ud83d upon", "max_tokens": 4}).encode(),
-        400, "BadRequestError", "surrogate \\ud83d", "prompt",
+        400, "invalid_request_error", "surrogate \\ud83d", "prompt",
     ),
     "lone surrogate in a prompt to tokenize": (
-        "POST", "/tokenize", json.dumps({"prompt": "\ud800"}).encode(), 400, "BadRequestError", "surrogate", "prompt"
+        "POST", "/tokenize", json.dumps({"prompt": "\ud800"}).encode(), 400, "invalid_request_error", "surrogate", "prompt"
     ),
     "lone surrogate in a key": (
         "POST", "/v1/chat/completions", chat(chat_template_kwargs={"x\udc00": 1}),
-        400, "BadRequestError", "surrogate", "chat_template_kwargs.x\\udc00",
+        400, "invalid_request_error", "surrogate", "chat_template_kwargs.x\\udc00",
     ),
     "max_tokens 0": (
-        "POST", "/v1/chat/completions", chat(max_tokens=0), 400, "BadRequestError",
+        "POST", "/v1/chat/completions", chat(max_tokens=0), 400, "invalid_request_error",
         "max_tokens: Input should be greater than or equal to 1", "max_tokens",
     ),
     "max_completion_tokens 0": (
         "POST", "/v1/chat/completions", json.dumps({"messages": HI, "max_completion_tokens": 0}).encode(),
-        400, "BadRequestError", "max_completion_tokens", "max_completion_tokens",
+        400, "invalid_request_error", "max_completion_tokens", "max_completion_tokens",
     ),
     "max_tokens 0 for a completion": (
         "POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 0}).encode(),
-        400, "BadRequestError", "max_tokens", "max_tokens",
+        400, "invalid_request_error", "max_tokens", "max_tokens",
     ),
     "negative max_tokens, streamed": (
-        "POST", "/v1/chat/completions", chat(max_tokens=-1, stream=True), 400, "BadRequestError", "max_tokens",
+        "POST", "/v1/chat/completions", chat(max_tokens=-1, stream=True), 400, "invalid_request_error", "max_tokens",
         "max_tokens",
     ),
     "seed above int64": (
-        "POST", "/v1/chat/completions", chat(seed=SEED_MAX + 1), 400, "BadRequestError",
+        "POST", "/v1/chat/completions", chat(seed=SEED_MAX + 1), 400, "invalid_request_error",
         f"seed: Input should be less than or equal to {SEED_MAX}", "seed",
     ),
     "seed below int64": (
         "POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "seed": -SEED_MAX - 2}).encode(),
-        400, "BadRequestError", "seed: Input should be greater than or equal to", "seed",
+        400, "invalid_request_error", "seed: Input should be greater than or equal to", "seed",
     ),
-    "seed not an integer": ("POST", "/v1/chat/completions", chat(seed=1.5), 400, "BadRequestError", "seed", "seed"),
+    "seed not an integer": ("POST", "/v1/chat/completions", chat(seed=1.5), 400, "invalid_request_error", "seed", "seed"),
     "unknown model": (
-        "POST", "/v1/chat/completions", chat(model="gpt-17"), 404, "NotFoundError",
+        "POST", "/v1/chat/completions", chat(model="gpt-17"), 404, "not_found_error",
         "The model `gpt-17` does not exist.", "model",
     ),
     # sampling settings, checked by the request models or by SamplingParams
@@ -218,8 +224,9 @@ BAD = {  # name: (method, path, body, status, type, fragment in the message, par
     ),
     # prompts the scheduler refuses
     "prompt longer than the context": (
-        "POST", "/v1/completions", json.dumps({"prompt": "hi " * 70000, "max_tokens": 4}).encode(), 400, B,
-        "exceeds the context length", None,
+        "POST", "/v1/completions", json.dumps({"prompt": [100] * 3000, "max_tokens": 4}).encode(), 400, B,
+        "This model's maximum context length is 2048 tokens. However, you requested 3004 tokens (3000 in the "
+        "messages, 4 in the completion): the prompt is too long. Please reduce the length of the messages or completion.", "messages",
     ),
     "empty prompt list": ("POST", "/v1/completions", json.dumps({"prompt": [], "max_tokens": 4}).encode(), 400, B, "empty list", "prompt"),
     "token id outside the vocabulary": (
@@ -229,14 +236,13 @@ BAD = {  # name: (method, path, body, status, type, fragment in the message, par
 }  # fmt: skip
 
 
-# the scheduler's refusals (the request was valid JSON, but cannot run) say why in `code`
-REFUSAL_CODES = {
+# refusals whose cause has a name of its own (the others' `code` is null)
+CODES = {
     "invalid regex": "invalid_grammar",
     "invalid json schema": "invalid_grammar",
-    "logit_bias outside the vocabulary": "invalid_request",
-    "stop_token_ids outside the vocabulary": "invalid_request",
-    "prompt longer than the context": "invalid_request",
-    "token id outside the vocabulary": "invalid_request",
+    "prompt longer than the context": "context_length_exceeded",
+    "wrong method": "method_not_allowed",
+    "wrong method on a GET route": "method_not_allowed",
 }
 
 
@@ -244,7 +250,7 @@ REFUSAL_CODES = {
 def test_a_bad_request_gets_an_openai_error_and_the_next_answer_is_unchanged(server, client, baseline, case):
     method, path, body, status, kind, fragment, param = BAD[case]
     response = httpx.request(method, server.url + path, content=body, headers={**AUTH, **JSON}, timeout=60)
-    code = REFUSAL_CODES.get(case, "model_not_found" if param == "model" else None)
+    code = CODES.get(case, "model_not_found" if param == "model" else None)
     error = assert_openai_error(response, status, kind, fragment, param, code)
     if status == 405:
         assert response.headers["Allow"] in error["message"]
@@ -258,6 +264,48 @@ def test_the_openai_client_raises_these_errors_with_their_param(client, baseline
             client.chat.completions.create(model="default", messages=HI, **options)
         assert caught.value.status_code == 400 and caught.value.body["param"] == param
     assert greedy_answer(client) == baseline
+
+
+def test_a_prompt_over_the_context_raises_context_length_exceeded_in_the_openai_client(client, baseline):
+    long_text = "the sea " * 1500
+    for stream in (False, True):  # a refused stream is an error status too, not a stream
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": long_text}], max_tokens=8, stream=stream
+            )
+        assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+        assert caught.value.body["message"].startswith("This model's maximum context length is 2048 tokens. However, you requested")
+    assert greedy_answer(client) == baseline
+
+
+def test_every_response_has_a_request_id_the_clients_own_when_it_sends_one(server, client):
+    answer = client.chat.completions.create(model="default", messages=HI, max_tokens=2)
+    assert re.fullmatch(r"[0-9a-f]{32}", answer._request_id)  # the openai client reads the header
+    mine = client.chat.completions.with_raw_response.create(
+        model="default", messages=HI, max_tokens=2, extra_headers={"x-request-id": "trace-42"}
+    )
+    assert mine.request_id == "trace-42"
+    refused = httpx.post(server.url + "/v1/chat/completions", content=chat(max_tokens=0), headers={**AUTH, **JSON, "x-request-id": "trace-43"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "trace-43"
+    unauthorized = httpx.get(server.url + "/v1/models", headers={"x-request-id": "trace-44"})
+    assert unauthorized.status_code == 401 and unauthorized.headers["x-request-id"] == "trace-44"
+    streamed = httpx.post(server.url + "/v1/chat/completions", content=chat(stream=True), headers={**AUTH, **JSON, "x-request-id": "trace-45"})
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "trace-45"
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))]
+
+
+def test_every_error_the_server_can_raise_has_an_openai_type_and_a_string_or_null_code():
+    import vlm_serve.server.http_server  # noqa: F401 - every module defining errors is loaded
+    for kind in _subclasses(ApiError):
+        assert kind.kind in ERROR_TYPES and (kind.code is None or isinstance(kind.code, str)), kind
+    # failures reported by the processes behind the HTTP one (their status decides the class)
+    for status in (400, 500, 503):
+        error = StrOut.failed("r", status, "encoder_error", "why").failure()
+        assert error.kind in ERROR_TYPES and error.code == "encoder_error" and error.status == status
+    assert StrOut.failed("r", 400, "", "why").failure().code is None
 
 
 def test_a_paired_surrogate_escape_is_a_character_not_an_error(server, client, baseline):
@@ -279,7 +327,7 @@ def test_a_paired_surrogate_escape_is_a_character_not_an_error(server, client, b
 def test_a_request_without_the_key_is_a_401_that_does_not_show_it(server, client, baseline, authorization):
     headers = {"Authorization": authorization} if authorization is not None else {}
     response = httpx.post(server.url + "/v1/chat/completions", content=chat(), headers={**headers, **JSON})
-    assert_openai_error(response, 401, "AuthenticationError", "missing or invalid API key")
+    assert_openai_error(response, 401, "authentication_error", "missing or invalid API key", code="invalid_api_key")
     assert API_KEY not in response.text
     assert greedy_answer(client) == baseline
 
@@ -339,7 +387,7 @@ def test_conflicting_empty_or_unreadable_keys_stop_the_server_before_it_starts(t
 def test_an_unexpected_exception_is_a_500_with_a_request_id_and_its_traceback_only_in_the_log(caplog):
     """No request makes the real server fail unexpectedly (that would be a bug to fix), so a route that
     raises is added to the app the server runs."""
-    app = create_app(None, None, ServerState(ready=True), API_KEY)  # type: ignore[arg-type]
+    app = create_app(None, OpenAIServing(None, ServerArgs(), "m"), ServerState(ready=True), API_KEY)  # type: ignore[arg-type]
 
     @app.post("/v1/fails")
     async def fails() -> None:
@@ -347,7 +395,7 @@ def test_an_unexpected_exception_is_a_500_with_a_request_id_and_its_traceback_on
 
     with TestClient(app, raise_server_exceptions=False) as http:
         response = http.post("/v1/fails", headers=AUTH)
-    error = assert_openai_error(response, 500, "InternalServerError", "internal error (request id ")
+    error = assert_openai_error(response, 500, "server_error", "internal error (request id ")
     request_id = re.fullmatch(r"internal error \(request id ([0-9a-f]{32})\)", error["message"]).group(1)
     assert "an internal detail" not in response.text
     [record] = [r for r in caplog.records if request_id in r.getMessage()]

@@ -72,9 +72,9 @@ def _settled(engine: Engine) -> None:
 
 def test_a_request_the_scheduler_refuses_is_the_requests_fault(engine):
     before = engine.chat(TEXT, max_tokens=MAX_TOKENS, temperature=0).text
-    with pytest.raises(BadRequest, match="exceeds the context length") as raised:
+    with pytest.raises(BadRequest, match="This model's maximum context length is") as raised:
         engine.chat(TEXT, max_tokens=10**6)
-    assert isinstance(raised.value, ValueError) and raised.value.code == "invalid_request"
+    assert isinstance(raised.value, ValueError) and raised.value.code == "context_length_exceeded"
     _settled(engine)
     assert engine.chat(TEXT, max_tokens=MAX_TOKENS, temperature=0).text == before
 

@@ -317,7 +317,7 @@ def _every_request_answered_or_visibly_failed(
         if outcome.status == 0:
             continue  # the server was gone already: the connection was refused or broke
         assert outcome.status in (200, 503), outcome  # 200: a stream that had started
-        assert (outcome.error["message"], outcome.error["type"]) == (cause, "ServiceUnavailableError"), outcome
+        assert (outcome.error["message"], outcome.error["type"]) == (cause, "service_unavailable_error"), outcome
         assert outcome.finish_reason is None and outcome.done == (outcome.status == 200), outcome
     for outcome in long:  # streaming when the process died: the stream says why it ends
         assert outcome.status == 200 and outcome.text and outcome.finish_reason is None, outcome
@@ -353,7 +353,7 @@ def test_killed_encoder_ranks_are_replaced_then_fail_visibly_and_a_killed_detoke
         httpx.post(server.url + "/flush_cache")
         for outcome in asyncio.run(_under_fire(server, conversations)):
             assert outcome.status == 503, outcome  # (a stream that had not started yet is answered with the status)
-            assert outcome.error["type"] == "ServiceUnavailableError"
+            assert outcome.error["type"] == "service_unavailable_error"
             assert outcome.error["message"] == (
                 "image 0 of the request could not be encoded: no encoder rank is running (they fail to start)"
             )

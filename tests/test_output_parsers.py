@@ -275,6 +275,18 @@ def test_named_grammar_forces_exactly_one_call_to_that_function(compiler):
     assert not accepts(compiler, grammar, json.dumps({"name": "book_flight", "arguments": FLIGHT_ARGS}))
 
 
+def test_text_grammar_allows_text_and_valid_calls_of_its_tools_only(compiler):
+    """`allowed_tools` "auto": text, in which every `<tool_call>` is a valid call of the given tools."""
+    weather = [tool for tool in TOOLS if tool["function"]["name"] == "get_weather"]
+    grammar = tool_call_grammar(weather, text=True)
+    paris = call("get_weather", {"city": "Paris"})
+    for text in ["", "Just text.", paris, "Sure. " + paris + "\nDone.", paris + "\n" + paris]:
+        assert accepts(compiler, grammar, text), text
+    for text in [call("book_flight", FLIGHT_ARGS), "Sure. " + call("ping", {}), call("get_weather", {"city": 7})]:
+        assert not accepts(compiler, grammar, text), text
+    assert not accepts(compiler, tool_call_grammar(weather, parallel=False, text=True), paris + "\n" + paris)
+
+
 def test_named_grammar_for_an_unknown_function_raises():
     with pytest.raises(ValueError, match="send_mail"):
         tool_call_grammar(TOOLS, "send_mail")

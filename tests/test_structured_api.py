@@ -153,7 +153,7 @@ def test_json_object_regex_and_ebnf(client):
          'invalid json_schema: Unsupported type \\"nope\\"'),
         ({"regex": "(unclosed"}, "invalid regex"),
         ({"ebnf": "root ::= undefined_rule"}, 'Rule \\"undefined_rule\\" is not defined'),
-        ({"regex": "a", "ebnf": _literal("a")}, "at most one of json_schema, regex and ebnf"),
+        ({"regex": "a", "ebnf": _literal("a")}, "`regex` and `ebnf` cannot both be given"),
         ({"response_format": {"type": "json_schema"}}, "response_format of type json_schema needs a json_schema"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
@@ -171,7 +171,7 @@ def test_bad_structured_output_requests_are_400s_naming_the_problem(server, body
     response = httpx.post(server.url + "/v1/chat/completions", json=payload, timeout=60)
     assert response.status_code == 400, response.text
     assert message in response.text
-    assert response.json()["error"]["type"] == "BadRequestError"
+    assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_logit_bias_steers_the_answer(client, tiny_moe_dir):
@@ -294,6 +294,21 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed(reasoning_client)
         content += delta.content or ""
         assert "</think>" not in (delta.content or "") + (getattr(delta, "reasoning_content", None) or "")
     assert (reasoning, content) == ("The user asks about rain.\n", "\n\nIt is sunny.")
+
+
+def test_a_response_carries_the_reasoning_as_a_reasoning_item_whole_and_streamed(reasoning_client):
+    chat = reasoning_client.chat.completions.create(model="default", messages=ASK, max_tokens=8, temperature=0)
+    expected = chat.choices[0].message
+    response = reasoning_client.responses.create(model="default", input=ASK, max_output_tokens=8, temperature=0)
+    [reasoning] = [item for item in response.output if item.type == "reasoning"]
+    assert reasoning.content[0].text == expected.reasoning_content and response.output[0] == reasoning
+    assert response.output_text == (expected.content or "")
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(reasoning_client.responses.create(
+        model="default", input=ASK, max_output_tokens=8, temperature=0, stream=True
+    ))  # fmt: skip
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == expected.reasoning_content == events[-1].response.output[0].content[0].text
 
 
 def test_reasoning_then_a_tool_call(reasoning_client):

@@ -101,6 +101,7 @@ class ServerArgs:
     tokenizer_workers: int = 4  # threads rendering, loading and preprocessing requests in the HTTP process
     reasoning_parser: str | None = None  # qwen3: split <think>...</think> into reasoning_content
     grammar_compile_timeout: float = 30.0  # seconds a structured-output request may wait for its grammar
+    responses_store_size: int = 1000  # /v1/responses kept in memory (store: true) for previous_response_id; 0 = none
     # prefill/decode disaggregation (PD), behind sglang-router --pd-disaggregation
     disaggregation_mode: str = "null"  # null: prefill and decode here; prefill / decode: this server's side of PD
     disaggregation_bootstrap_port: int = 8998  # prefill side: where decode servers find its ranks
@@ -125,6 +126,8 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, not {value}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, not {self.responses_store_size}")
         if self.chunked_prefill_size not in (None, -1) and self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= page_size, not {self.chunked_prefill_size}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

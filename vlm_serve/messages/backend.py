@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vlm_serve.errors import ContextLengthExceeded
 from vlm_serve.multimodal import MediaTimings, MultimodalItem
 from vlm_serve.sampling_params import SamplingParams
 
@@ -28,6 +29,15 @@ class SchedulerLimits:
     def max_sequence_tokens(self) -> int:
         """The longest prompt + output that can ever run: the context, or what the KV pool holds."""
         return min(self.context_length, self.max_total_tokens - self.page_size)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raises `ContextLengthExceeded` unless a prompt and its longest answer fit in the context, and
+        in the KV cache."""
+        if prompt_tokens + max_tokens > self.context_length:
+            raise ContextLengthExceeded(self.context_length, prompt_tokens, max_tokens)
+        if prompt_tokens + max_tokens > self.max_sequence_tokens:
+            why = " (all this server's KV cache can hold)"
+            raise ContextLengthExceeded(self.max_sequence_tokens, prompt_tokens, max_tokens, why)
 
 
 @dataclass

@@ -34,9 +34,12 @@ class GenerateReqInput:
         answer may run to the context length, or what the KV pool can hold, as in vLLM. Unknown names
         raise TypeError, bad values ValueError."""
         sampling = dict(self.sampling)
+        prompt_tokens = len(self.input.input_ids)
         if sampling.get("max_tokens") is None and sampling.get("max_completion_tokens") is None:
-            sampling["max_tokens"] = max(limits.max_sequence_tokens - len(self.input.input_ids), 1)
-        return sampling_params_from_openai(defaults, sampling)
+            sampling["max_tokens"] = max(limits.max_sequence_tokens - prompt_tokens, 1)
+        params = sampling_params_from_openai(defaults, sampling)
+        limits.check_fits(prompt_tokens, params.max_new_tokens)
+        return params
 
     def normalize(self, rid: str, defaults: dict[str, Any], limits: SchedulerLimits) -> list[TokenizedGenerateReq]:
         """One message per choice, with ids `{rid}-{i}` (choice i of a seeded request uses seed + i, and
@@ -90,9 +93,7 @@ class StrOut:
         """The error a request ends with when this output says it failed: 400 the request's fault
         (`BadRequest`, a ValueError), 503 the server cannot serve it now, else an internal error."""
         kind = {400: BadRequest, 503: ServiceUnavailable}.get(self.status, InternalError)
-        error = kind(self.message)
-        error.code = self.code
-        return error
+        return kind(self.message, code=self.code or None)
 
 
 @dataclass

@@ -6,7 +6,12 @@ With `--reasoning-parser`, the text up to `</think>` is `reasoning_content`; whe
 with the same results.
 
 `tool_choice` "required" or a named function is enforced with a grammar (`tool_call_grammar`), so the
-answer is calls and nothing else, and their arguments match the functions' schemas.
+answer is calls and nothing else, and their arguments match the functions' schemas. OpenAI's
+`{"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}` renders every tool but lets
+only the allowed ones be called: "required" is the grammar of their calls; "auto" parses only their
+calls, and its grammar lets the answer be text in which every `<tool_call>` is a call of one of them
+(without a grammar when the request has another constraint: then only the parsing restricts it).
+`tool_use` is the one place that interprets `tool_choice`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlm_serve.server.protocol import ChatCompletionRequest, NamedToolChoice
+from vlm_serve.server.protocol import AllowedToolsChoice, ChatCompletionRequest, NamedToolChoice
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS
 from vlm_serve.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls, tool_call_grammar
 
@@ -82,7 +87,7 @@ class ToolUse:
 
     tools: list[dict[str, Any]] | None  # for the chat template
     parse: list[str]  # names of the functions whose calls are parsed out of the answer
-    grammar: str | None  # EBNF the answer must follow ("required" or a named function)
+    grammar: str | None  # EBNF the answer must follow ("required", a named function, allowed_tools)
 
 
 def tool_use(request: ChatCompletionRequest) -> ToolUse:
@@ -99,17 +104,32 @@ def tool_use(request: ChatCompletionRequest) -> ToolUse:
         raise ValueError("tools must have distinct function names")
     if choice == "none":
         return ToolUse(tools, [], None)
+    callable_tools, mode = tools, choice  # the tools the answer may call; "auto", "required" or one function
+    if isinstance(choice, AllowedToolsChoice):
+        unknown = [name for name in choice.names if name not in names]
+        if unknown:
+            raise ValueError(f"tool_choice allows the function {unknown[0]!r}, which is not among the tools ({', '.join(names)})")
+        callable_tools = [tool for tool in tools if tool["function"]["name"] in choice.names]
+        mode = choice.allowed_tools.mode
+    parallel = request.parallel_tool_calls is not False
+    constraint = request.constraint()
     grammar = None
-    if choice == "required" or isinstance(choice, NamedToolChoice):
-        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if mode == "required" or isinstance(mode, NamedToolChoice):
+        name = mode.function.name if isinstance(mode, NamedToolChoice) else None
         if name is not None and name not in names:
             raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools ({', '.join(names)})")
-        given = [field for field in ("response_format", "regex", "ebnf") if getattr(request, field) is not None]
-        if given and not (given == ["response_format"] and request.response_format.type == "text"):
-            raise ValueError(f"tool_choice {_describe(choice)} cannot be combined with {given[0]}")
-        grammar = tool_call_grammar(tools, name, parallel=request.parallel_tool_calls is not False)
-    return ToolUse(tools, names, grammar)
+        if constraint is not None:
+            raise ValueError(
+                f"tool_choice {_describe(choice)} cannot be combined with {constraint.field}: an answer follows at most "
+                "one constraint"
+            )
+        grammar = tool_call_grammar(callable_tools, name, parallel=parallel)
+    elif callable_tools is not tools and constraint is None:  # allowed_tools, "auto"
+        grammar = tool_call_grammar(callable_tools, parallel=parallel, text=True)
+    return ToolUse(tools, [tool["function"]["name"] for tool in callable_tools], grammar)
 
 
 def _describe(choice: Any) -> str:
+    if isinstance(choice, AllowedToolsChoice):
+        return f"allowed_tools {choice.allowed_tools.mode!r}"
     return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"

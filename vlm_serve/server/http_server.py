@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import importlib.metadata
 import json
@@ -62,6 +63,8 @@ from vlm_serve.server.protocol import (
     error_body,
     now,
 )
+from vlm_serve.server.responses_api import ResponsesServing
+from vlm_serve.server.responses_protocol import DeletedResponse, InputItemList, ResponseObject, ResponsesRequest
 from vlm_serve.server.tokenizer_manager import ServerMetrics, TokenizerManager
 
 if TYPE_CHECKING:
@@ -101,6 +104,47 @@ class ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+
+class RequestIds:
+    """Gives every request an id: the client's `x-request-id` when it sends one, else a new one. It is
+    sent back in the response's `x-request-id` header (the openai client's `request_id`) and prefixes
+    what the server logs while handling the request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if given and given.isprintable() and len(given) <= 256 else uuid.uuid4().hex
+        token = REQUEST_ID.set(request_id)
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
+
+
+class _RequestIdInLogs(logging.Filter):
+    """Prefixes a record logged while a request is handled with the request's id."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = REQUEST_ID.get()
+        if request_id and not getattr(record, "request_id", None):
+            record.request_id = request_id
+            record.msg = f"[request {request_id}] {record.msg}"
+        return True
+
+
 # ---- errors --------------------------------------------------------------------------------------------
 
 _FRAMEWORK_ERRORS = {400: BadRequest, 404: NotFound, 405: MethodNotAllowed}  # what Starlette and FastAPI raise
@@ -127,8 +171,11 @@ def _as_api_error(request: Request, exc: Exception) -> ApiError:
         return BadRequest(str(exc))
     if isinstance(exc, StarletteHTTPException) and exc.status_code in _FRAMEWORK_ERRORS:
         return _FRAMEWORK_ERRORS[exc.status_code](_framework_message(request, exc))
-    request_id = uuid.uuid4().hex
-    logger.error("internal error (request id %s) in %s %s", request_id, request.method, request.url.path, exc_info=exc)
+    request_id = REQUEST_ID.get()
+    logger.error(
+        "internal error (request id %s) in %s %s", request_id, request.method, request.url.path, exc_info=exc,
+        extra={"request_id": request_id},  # (named in the message already)
+    )  # fmt: skip
     return InternalError(f"internal error (request id {request_id})")
 
 
@@ -143,7 +190,8 @@ def _invalid_request(exc: RequestValidationError) -> BadRequest:
     for e in errors[:5]:
         where = ".".join(str(part) for part in e.get("loc", ()) if part != "body")
         problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        fields.append(where)
+        cause = e.get("ctx", {}).get("error")  # a validator's own error may name the field itself
+        fields.append(where or (cause.param if isinstance(cause, ApiError) else None))
     return BadRequest("invalid request: " + "; ".join(problems), param=fields[0] or None)
 
 
@@ -159,7 +207,7 @@ def _framework_message(request: Request, exc: StarletteHTTPException) -> str:
 
 
 def _error_json(error: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    body = error_body(error.message, error.status, error.kind, error.param, error.code)
+    body = error_body(error)
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
@@ -223,10 +271,12 @@ class _Route(APIRoute):
 def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState, api_key: str | None) -> FastAPI:
     app = FastAPI(title="vlm_serve", docs_url=None, redoc_url=None)
     generation = GenerateServing(serving)
+    responses = ResponsesServing(serving, serving.server_args.responses_store_size)
     app.router.route_class = _Route
     app.add_exception_handler(StarletteHTTPException, error_response)  # unknown routes, wrong methods
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
+    app.add_middleware(RequestIds)  # (outermost: refusals of the API key check get an id too)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -262,6 +312,28 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await _respond(request, serving.completion(body))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+        return await _respond(request, responses.create(body))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, stream: bool = False) -> ResponseObject:
+        if stream:
+            raise BadRequest("streaming a stored response again is not supported: GET it without stream", param="stream")
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> ResponseObject:
+        return await responses.cancel(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str) -> InputItemList:
+        return responses.input_items(response_id)
 
     @app.api_route("/generate", methods=["POST", "PUT"])  # SGLang's native API (both methods, as SGLang)
     async def generate(body: GenerateRequest, request: Request) -> Any:
@@ -401,6 +473,8 @@ def serve_http(
         lifespan="on",
     )  # fmt: skip
     logging.getLogger("uvicorn.error").addFilter(_quiet_about_non_http)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_RequestIdInLogs())
     server = _Server(config, tm, state, children)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal with the
     # handlers found here restored: make that a no-op so the caller stops the children

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -57,6 +58,16 @@ from vlm_serve.multimodal import ProcessedInput
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ChatRun:
+    """A chat request on its way: its model input, one scheduler message per choice, and each choice's
+    parser of the answer (reasoning, content, tool calls)."""
+
+    input: ProcessedInput
+    choices: list[TokenizedGenerateReq]
+    parsers: list[ChatOutput]
+
+
 class OpenAIServing:
     """The /v1 endpoints' logic for one served model."""
 
@@ -88,7 +99,9 @@ class OpenAIServing:
             **media["image"], **video,
         )  # fmt: skip
 
-    async def chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def start_chat(self, request: ChatCompletionRequest) -> ChatRun:
+        """A chat request as model input and scheduler messages (the chat completions and responses
+        endpoints both start here)."""
         self.check_model(request.model)
         tools = tool_use(request)
         x = await self.chat_prompt(request, tools.tools)
@@ -100,8 +113,13 @@ class OpenAIServing:
             sampling["ebnf"] = tools.grammar
         (bootstrap,) = request.bootstraps(1, request.n)
         choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority, bootstrap))
-        params = choices[0].sampling_params
         parsers = [ChatOutput(self.server_args.reasoning_parser, tools.parse, thinking) for _ in choices]
+        return ChatRun(x, choices, parsers)
+
+    async def chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        run = await self.start_chat(request)
+        x, choices, parsers = run.input, run.choices, run.parsers
+        params = choices[0].sampling_params
         if request.stream:
             return errors_as_events(self._chat_stream(request, x, choices, parsers))
         per_choice = await self.collect(choices)
@@ -139,7 +157,7 @@ class OpenAIServing:
         started = [False] * params.n
         per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
         held: list[list[TokenLogprob]] = [[] for _ in range(params.n)]  # logprobs of text a parser holds back
-        continuous_usage = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        continuous_usage = request.stream_options is not None and request.stream_options.continuous_usage
 
         def usage_so_far(i: int) -> Usage | None:
             return self._usage([x], [per_choice[i]]) if continuous_usage else None
@@ -218,7 +236,7 @@ class OpenAIServing:
         rid, created, n = new_id("cmpl"), now(), len(choices) // len(inputs)
         per_choice: list[list[StrOut]] = [[] for _ in choices]
         offsets = [0] * len(choices)
-        continuous_usage = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        continuous_usage = request.stream_options is not None and request.stream_options.continuous_usage
         async with contextlib.aclosing(self.tm.generate(choices)) as outputs:
             async for i, out in outputs:
                 per_choice[i].append(out)
@@ -325,7 +343,10 @@ class OpenAIServing:
             text = self._token_text(token_id)
             logprobs.tokens.append(text)
             logprobs.token_logprobs.append(token_logprob)
-            logprobs.top_logprobs.append(None if top is None else {self._token_text(tid): lp for tid, lp in top})
+            # the token's own entry first, then its top alternatives: up to `logprobs` + 1 entries (with
+            # `logprobs: 0`, the token's alone), as OpenAI's legacy API and vLLM give them
+            alternatives = {self._token_text(tid): lp for tid, lp in top} if top is not None else None
+            logprobs.top_logprobs.append(None if alternatives is None else {text: token_logprob, **alternatives})
             logprobs.text_offset.append(offset)
             offset += len(text)
 
@@ -384,7 +405,7 @@ async def errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
             if not isinstance(exc, ApiError):
                 logger.exception("a streamed response failed")
                 exc = InternalError("the server failed while streaming this response")
-            body = error_body(exc.message, exc.status, exc.kind, exc.param, exc.code)
+            body = error_body(exc)
             yield f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
             yield "data: [DONE]\n\n"
 

@@ -1,8 +1,20 @@
 """OpenAI API request and response bodies (the fields this server reads and writes).
 
 Requests are validated here: wrong types, out-of-range values and malformed content parts become a
-400 with pydantic's message before anything is tokenized. Unknown top-level fields, and unknown keys
-of content parts, are ignored, as vLLM and SGLang do.
+400 with pydantic's message before anything is tokenized. Unknown keys of content parts are ignored, as
+vLLM and SGLang do, and so are unknown top-level fields, with one exception: the fields of OpenAI, vLLM
+and SGLang that would change the answer and that this server does not implement are refused by name
+(`UNSUPPORTED_FIELDS`, each with its reason), unless their value asks for nothing (`use_beam_search:
+false`). A field that changes nothing in the answer is accepted and has no effect: OpenAI's `metadata`,
+`store`, `prompt_cache_key`, `safety_identifier`, `service_tier`, `prediction` (a latency hint),
+`modalities: ["text"]`, `user`; vLLM's `request_id`, `cache_salt`, `guided_decoding_backend` (there is
+one backend, xgrammar), `add_special_tokens` (Qwen's tokenizers add no special tokens), `truncation_side`
+(no truncation), `stream_interval`, `length_penalty: 1`; SGLang's `rid`, `routed_dp_rank`.
+
+Structured output takes one constraint per request, in any of the peers' spellings: OpenAI's
+`response_format`, vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and
+older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, SGLang's `json_schema`, `regex`
+and `ebnf`; two are a 400 naming both (`_SamplingRequest.constraint`), as is one with a forced tool call.
 """
 
 from __future__ import annotations
@@ -10,11 +22,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Collection
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from vlm_serve.errors import BadRequest
+from vlm_serve.errors import ApiError, BadRequest
 from vlm_serve.messages.backend import BootstrapInfo
 from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, OPENAI_SAMPLING_KEYS, SEED_MAX, SEED_MIN
 
@@ -24,14 +37,14 @@ class _Strict(BaseModel):
 
 
 # Content parts ignore keys they do not know, as vLLM and SGLang do: their clients send extras
-# (SGLang's `modalities`, vLLM's `uuid`, SGLang's `max_dynamic_patch` in the URL object, ...).
+# (SGLang's `modalities`, SGLang's `max_dynamic_patch` in the URL object, ...).
 _LENIENT = ConfigDict(extra="ignore")
 
 
 class MediaURL(BaseModel):
     model_config = _LENIENT
 
-    url: str
+    url: str | None = None  # None or "" only in a part with a uuid (media sent before)
     detail: str | None = None
 
 
@@ -40,6 +53,16 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
+
+
+class RefusalPart(BaseModel):
+    """OpenAI's part of an assistant message that refused (a history replayed from OpenAI): rendered as
+    its text (`ChatMessage` makes it a text part)."""
+
+    model_config = _LENIENT
+
+    type: Literal["refusal"]
+    refusal: str
 
 
 class ImageOptions(_Strict):
@@ -62,25 +85,54 @@ def _media_object(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+def _url_or_uuid(part: ImagePart | VideoPart, field: str) -> None:
+    """vLLM's multimodal UUIDs: a media part's url may be left out (no `field`, `null`, a null or empty
+    url) when it has a `uuid` naming media sent before with it. The part then holds `{"url": ""}`, so
+    the chat template still sees a media part and the processor looks the uuid up."""
+    media = getattr(part, field)
+    if media is not None and media.url:
+        return
+    if part.uuid is None:
+        raise ValueError(f"this {field} part needs a {field}.url, or a uuid naming media sent before with it")
+    setattr(part, field, MediaURL(url="", detail=media.detail if media is not None else None))
+
+
 class ImagePart(ImageOptions):
+    """An image: `image_url.url`, and/or a `uuid` (vLLM's) that names it for later requests."""
+
     model_config = _LENIENT
 
     type: Literal["image_url"]
-    image_url: MediaURL
+    image_url: MediaURL | None = None
+    uuid: str | None = None
 
     _check_url = field_validator("image_url", mode="before")(_media_object)
 
+    @model_validator(mode="after")
+    def _source(self) -> ImagePart:
+        _url_or_uuid(self, "image_url")
+        return self
+
 
 class VideoPart(VideoOptions):
+    """A video: `video_url.url` (a `data:video/jpeg;base64,<frame>,<frame>,...` URL is a list of frames,
+    as vLLM takes it), and/or a `uuid` (vLLM's) that names it for later requests."""
+
     model_config = _LENIENT
 
     type: Literal["video_url"]
-    video_url: MediaURL
+    video_url: MediaURL | None = None
+    uuid: str | None = None
 
     _check_url = field_validator("video_url", mode="before")(_media_object)
 
+    @model_validator(mode="after")
+    def _source(self) -> VideoPart:
+        _url_or_uuid(self, "video_url")
+        return self
 
-ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+ContentPart = Annotated[TextPart | RefusalPart | ImagePart | VideoPart, Field(discriminator="type")]
 # a string, or a list of parts (so an error names the part at fault, not both forms)
 Content = Annotated[
     Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("parts")],
@@ -94,10 +146,24 @@ class ChatMessage(BaseModel):
     role: str  # any role reaches the chat template, which decides what it accepts
     content: Content | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _refusals_as_text(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            return [TextPart(type="text", text=p.refusal) if isinstance(p, RefusalPart) else p for p in content]
+        return content
 
-class StreamOptions(_Strict):
+
+class StreamOptions(BaseModel):
+    model_config = _LENIENT  # OpenAI's newer keys (`include_obfuscation`: a stream's padding) change nothing here
+
     include_usage: bool = False  # a last chunk with the usage of the whole request
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far of its choice
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has its choice's usage so far
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries usage: only with `include_usage`, as in vLLM."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 class MMProcessorKwargs(VideoOptions):
@@ -186,12 +252,85 @@ class ResponseFormat(BaseModel):
     def schema_json(self) -> str | None:
         """The JSON schema answers must follow (None for plain text)."""
         if self.type == "json_object":
-            return '{"type": "object"}'
+            return JSON_OBJECT
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ValueError("response_format of type json_schema needs a json_schema")
             return json.dumps(self.json_schema.json_schema)
         return None
+
+
+class Constraint(NamedTuple):
+    """What an answer must follow, and the request field that asked for it."""
+
+    field: str  # as the client named it: "response_format", "guided_choice", ...
+    kind: Literal["json_schema", "regex", "ebnf"]  # the SamplingParams field (the scheduler's grammar kinds)
+    source: str
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose sentences are exactly `choices` (vLLM's `choice`): each a string literal escaped as JSON
+    escapes it, which xgrammar's EBNF reads alike (quotes, backslashes, newlines, control characters)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both), as JSON text."""
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+JSON_OBJECT = '{"type": "object"}'  # the schema of `json_object` answers: any object, as in OpenAI's JSON mode
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint, `json` (a schema), `regex`, `choice` (the
+    answer is one of these strings), `grammar` (EBNF) or `json_object` (any JSON object)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # either way: JSON answers here never have free whitespace
+    disable_additional_properties: bool = False  # either way: no properties beyond the schema's (xgrammar's strict mode)
+    # these two are refused unless null (UNSUPPORTED_FIELDS)
+    whitespace_pattern: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in _CONSTRAINTS if self._value(name) not in (None, False)]
+        if len(given) != 1:
+            found = f"not {' and '.join(given)}" if given else "none was"
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(_CONSTRAINTS)}: {found} given")
+        return self
+
+    def _value(self, name: str) -> Any:
+        return self.json_ if name == "json" else getattr(self, name)
+
+    def constraint(self) -> Constraint:
+        if self.json_ is not None:
+            return Constraint("structured_outputs", "json_schema", _schema_text(self.json_))
+        if self.regex is not None:
+            return Constraint("structured_outputs", "regex", self.regex)
+        if self.choice is not None:
+            return Constraint("structured_outputs", "ebnf", choice_grammar(self.choice))
+        if self.grammar is not None:
+            return Constraint("structured_outputs", "ebnf", self.grammar)
+        return Constraint("structured_outputs", "json_schema", JSON_OBJECT)
+
+
+# request fields that constrain the answer on their own: field -> (SamplingParams kind, its grammar source)
+_CONSTRAINT_FIELDS = {
+    "json_schema": ("json_schema", str),  # SGLang's (its text completions'): a schema's JSON text
+    "regex": ("regex", str),  # SGLang's
+    "ebnf": ("ebnf", str),  # SGLang's
+    "guided_json": ("json_schema", _schema_text),  # vLLM's older fields
+    "guided_regex": ("regex", str),
+    "guided_choice": ("ebnf", choice_grammar),
+    "guided_grammar": ("ebnf", str),
+}
 
 
 class FunctionDefinition(BaseModel):
@@ -213,6 +352,26 @@ class FunctionName(BaseModel):
 class NamedToolChoice(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionName
+
+
+class AllowedTools(BaseModel):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)  # {"type": "function", "function": {"name": ...}}
+
+
+class AllowedToolsChoice(BaseModel):
+    """OpenAI's `{"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}`: every tool is
+    rendered, but only these may be called (`chat_output.tool_use` says how)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+    @property
+    def names(self) -> list[str]:
+        return [tool.function.name for tool in self.allowed_tools.tools]
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 # ---- prefill/decode disaggregation ---------------------------------------------------------------------
@@ -284,11 +443,98 @@ class BootstrapFields(BaseModel):
         return [infos[k * n : (k + 1) * n] for k in range(prompts)]
 
 
-class _SamplingRequest(BootstrapFields):
-    """Fields shared by chat and text completions."""
+# ---- request fields this server refuses ----------------------------------------------------------------
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)  # 0 is refused, as by OpenAI and vLLM
+_UNSET, _OFF = (None,), (None, False)
+_BEAM_SEARCH = "beam search is not implemented here"
+_NO_STRUCTURAL_TAG = "structural tags are not supported (response_format, structured_outputs and guided_* are)"
+_NO_WHITESPACE_PATTERN = "a whitespace pattern is not supported: JSON answers here have no free whitespace"
+_NO_LOGITS_PROCESSORS = "custom logits processors are not supported"
+_STOP_CUT = "the matched stop string is always cut from the answer"
+
+# The fields of OpenAI's, vLLM's and SGLang's requests that would change the answer (or add to it) and that
+# this server does not implement: field (a dotted path for a key of an object field) -> (the values that
+# ask for nothing beyond what the server does anyway, or a test of the value and the request; why another
+# value is refused). A request giving another value is a 400 naming the field and the reason; a field
+# the request model declares itself (text completions' `echo`) is its own.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[str, Any]], bool], str]] = {
+    # vLLM's beam search
+    "use_beam_search": (_OFF, _BEAM_SEARCH),
+    "best_of": (
+        lambda best_of, body: best_of in (None, body.get("n", 1)), "choosing the best of more candidates than `n` is not implemented",
+    ),
+    "length_penalty": ((None, 1), "it scores beams: " + _BEAM_SEARCH),
+    "early_stopping": (_OFF, "it ends beams: " + _BEAM_SEARCH),
+    # structured output
+    "structural_tag": (_UNSET, _NO_STRUCTURAL_TAG),
+    "structured_outputs.structural_tag": (_UNSET, _NO_STRUCTURAL_TAG),
+    "structured_outputs.whitespace_pattern": (_UNSET, _NO_WHITESPACE_PATTERN),
+    "guided_whitespace_pattern": (_UNSET, _NO_WHITESPACE_PATTERN),
+    # sampling
+    "allowed_token_ids": ((None, []), "restricting the vocabulary is not implemented (logit_bias biases tokens)"),
+    "bad_words": ((None, []), "banned words are not implemented"),
+    "stop_regex": ((None, "", []), "regex stop conditions are not implemented (stop strings are)"),
+    "thinking_token_budget": (_UNSET, "a reasoning budget is not implemented"),
+    "repetition_detection": (_UNSET, "repetition detection is not implemented"),
+    "watermarking": (_OFF, "watermarking is not implemented"),
+    "vllm_xargs": ((None, {}), _NO_LOGITS_PROCESSORS),
+    "custom_logit_processor": (_UNSET, _NO_LOGITS_PROCESSORS),
+    "custom_params": ((None, {}), _NO_LOGITS_PROCESSORS),
+    "lora_path": (_UNSET, "LoRA adapters are not supported"),
+    # the prompt
+    "truncate_prompt_tokens": (_UNSET, "prompts are not truncated (a prompt longer than the context is refused)"),
+    "chat_template": (_UNSET, "a request's own chat template is not supported: the checkpoint's is used"),
+    "documents": (_UNSET, "documents are not passed to the chat template"),
+    "prompt_embeds": (_UNSET, "prompt embeddings are not supported"),
+    "input_ids": (_UNSET, "token-id prompts go in the `prompt` of /v1/completions"),
+    "suffix": ((None, ""), "text after the insertion point is not supported"),
+    "echo": (_OFF, "chat completions do not echo the last message (text completions take `echo`)"),
+    # the answer's text
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the answer's text"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always left out of the answer's text"),
+    "include_stop_str_in_output": (_OFF, _STOP_CUT),
+    "no_stop_trim": (_OFF, _STOP_CUT),
+    "include_reasoning": ((None, True), "reasoning is always returned"),
+    "separate_reasoning": ((None, True), "reasoning is always separated (with --reasoning-parser)"),
+    "stream_reasoning": ((None, True), "reasoning is always streamed"),
+    # more than OpenAI's answer
+    "return_token_ids": (_OFF, "token ids are not returned"),
+    "return_prompt_token_ids": (_OFF, "token ids are not returned"),
+    "return_tokens_as_token_ids": (_OFF, "tokens are returned as text"),
+    "logprob_token_ids": ((None, []), "log-probs of chosen tokens are not returned (top_logprobs are)"),
+    "return_hidden_states": (_OFF, "hidden states are not returned"),
+    "return_meta_info": (_OFF, "SGLang's meta_info is returned by /generate only"),
+    # OpenAI's
+    "modalities": (lambda value, body: value is None or value in ([], ["text"]), "answers are text only"),
+    "audio": (_UNSET, "audio answers are not supported"),
+    "web_search_options": (_UNSET, "web search is not available"),
+    "functions": ((None, []), "the deprecated `functions` are not supported: send `tools`"),
+    "function_call": (_UNSET, "the deprecated `function_call` is not supported: send `tool_choice`"),
+    "verbosity": ((None, "medium"), "this model has no verbosity setting"),
+    # vLLM's disaggregation
+    "kv_transfer_params": (_UNSET, "vLLM's KV transfer is not supported (prefill/decode servers here use sglang-router's bootstrap fields)"),
+}  # fmt: skip
+
+
+def refuse_unsupported(body: dict[str, Any], declared: Collection[str]) -> None:
+    """Raises a 400 naming the first field of `UNSUPPORTED_FIELDS` that `body` gives a value it refuses
+    (fields in `declared`, the request model's own, excepted)."""
+    for name, (accepted, reason) in UNSUPPORTED_FIELDS.items():
+        field, _, key = name.partition(".")
+        if not key and field in declared:
+            continue
+        value = body.get(field)
+        if key:
+            value = value.get(key) if isinstance(value, dict) else None
+        if not (accepted(value, body) if callable(accepted) else value in accepted):
+            given = json.dumps(value, default=str)
+            given = given if len(given) <= 100 else given[:100] + "..."
+            raise BadRequest(f"`{name}` is not supported: {reason} (given {given})", param=name)
+
+
+class SamplingSettings(BaseModel):
+    """The sampling settings every generating endpoint takes (OpenAI's, with vLLM's and SGLang's extras)."""
+
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
@@ -297,6 +543,13 @@ class _SamplingRequest(BootstrapFields):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+
+
+class _SamplingRequest(BootstrapFields, SamplingSettings):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)  # 0 is refused, as by OpenAI and vLLM
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -308,9 +561,27 @@ class _SamplingRequest(BootstrapFields):
     priority: int = 0
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    regex: str | None = None  # SGLang's structured-output extras
+    json_schema: str | None = None  # SGLang's structured-output extras (`_CONSTRAINT_FIELDS`)
+    regex: str | None = None
     ebnf: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older ones
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: alternatives per prompt token
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            refuse_unsupported(body, cls.model_fields)
+        return body
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _SamplingRequest:
+        self.constraint()
+        return self
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self) -> _SamplingRequest:
@@ -324,21 +595,62 @@ class _SamplingRequest(BootstrapFields):
             raise ValueError("`stream_options` can only be set when `stream` is true")
         return self
 
+    def constraint(self) -> Constraint | None:
+        """What the answer must follow, whichever field asked for it (None: free text). A request takes
+        at most one: two are a 400 naming both."""
+        found = []
+        if self.response_format is not None and (schema := self.response_format.schema_json()) is not None:
+            found.append(Constraint("response_format", "json_schema", schema))
+        if self.structured_outputs is not None:
+            found.append(self.structured_outputs.constraint())
+        for name, (kind, source) in _CONSTRAINT_FIELDS.items():
+            if getattr(self, name) is not None:
+                found.append(Constraint(name, kind, source(getattr(self, name))))
+        if len(found) > 1:
+            raise BadRequest(
+                f"`{found[0].field}` and `{found[1].field}` cannot both be given: an answer follows at most one "
+                "constraint", param=found[1].field,
+            )  # fmt: skip
+        return found[0] if found else None
+
     def sampling(self) -> dict[str, Any]:
-        """The OpenAI-named sampling settings of the request (None where not given)."""
+        """The OpenAI-named sampling settings of the request (None where not given), its constraint as
+        `json_schema`, `regex` or `ebnf`."""
         values = {name: getattr(self, name, None) for name in OPENAI_SAMPLING_KEYS}
-        if self.response_format is not None:
-            values["json_schema"] = self.response_format.schema_json()
+        values.update(json_schema=None, regex=None, ebnf=None)
+        constraint = self.constraint()
+        if constraint is not None:
+            values[constraint.kind] = constraint.source
         return values
 
 
 class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # a chat template variable, as vLLM passes it; "none" also turns thinking off, as SGLang does
+    # (`enable_thinking: false`, unless chat_template_kwargs say otherwise)
+    reasoning_effort: str | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, tools: Any) -> Any:
+        for i, tool in enumerate(tools if isinstance(tools, list) else []):
+            if isinstance(tool, dict) and tool.get("type", "function") != "function":
+                raise ValueError(f"tool {i} is a {tool.get('type')!r} tool: only function tools are supported")
+        return tools
+
+    @model_validator(mode="after")
+    def _reasoning_effort_to_template(self) -> ChatCompletionRequest:
+        if self.reasoning_effort is not None:
+            kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+            if self.reasoning_effort == "none":
+                kwargs.setdefault("enable_thinking", False)
+            self.chat_template_kwargs = kwargs
+        return self
 
 
 class CompletionRequest(_SamplingRequest):
@@ -521,11 +833,9 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def error_body(
-    message: str, status: int, kind: str = "BadRequestError", param: str | None = None, code: str | int | None = None
-) -> dict[str, Any]:
-    """OpenAI's error shape; its `code` is the HTTP status unless the error has a code of its own."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": status if code is None else code}}
+def error_body(error: ApiError) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
 
 
 # ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) --------------------------------------------

@@ -165,6 +165,7 @@ class TokenizerManager:
         rids = [c.rid for c in choices]
         pending = _Pending(rids, unfinished=set(rids))
         index = {rid: i for i, rid in enumerate(rids)}
+        logger.debug("scheduling choices %s", ", ".join(rids))  # (the log line names the HTTP request's id)
         for choice in choices:
             self.pending[choice.rid] = pending
             send_pyobj(self.send_to_scheduler, choice)

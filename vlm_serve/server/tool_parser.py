@@ -42,10 +42,12 @@ class ToolCall:
 def _parse_call(body: str, tool_names: Collection[str]) -> ToolCall | None:
     """The call written in one block's body, or None if it is not a valid call."""
     try:
-        call = json.loads(body)
+        # strict=False: control characters inside strings, which the JSON grammars of tool_choice let
+        # through (re-serialised below, they are escaped)
+        call = json.loads(body, strict=False)
         arguments = call["arguments"]
         if isinstance(arguments, str):
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, strict=False)
     except (ValueError, TypeError, KeyError):
         return None
     name = call.get("name")
@@ -115,16 +117,19 @@ class ToolCallStream:
         return piece
 
 
-def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
+def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True, text: bool = False) -> str:
     """EBNF that forces the output to be tool calls and nothing else: one or more calls to any of `tools`
     (`tool_choice: "required"`; exactly one without `parallel`), or exactly one call to the function `name`. Each call's arguments must
     match that function's `parameters` schema (any JSON object where it has none). A thinking model's reasoning is not part of it: the
-    grammar must start applying after `</think>`.
+    grammar must start applying after `</think>`. With `text`, the output is free text in which every
+    `<tool_call>` begins such a call (none at all, or any number; at most one without `parallel`).
 
     Built from xgrammar structural tags, which keep the rules of each schema apart. (xgrammar's own
     "qwen_3" structural tag allows free text around the calls, so it does not force them.)"""
     import xgrammar as xgr  # (here, not above: it imports transformers, a second at server start)
-    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+    from xgrammar.structural_tag import (
+        JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat, TriggeredTagsFormat,
+    )  # fmt: skip
 
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if name is not None and name not in functions:
@@ -142,5 +147,8 @@ def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool
         for fn in chosen
     ]
     single = name is not None or not parallel
-    calls = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=single)
+    if text:
+        calls = TriggeredTagsFormat(triggers=[CALL_START], tags=tags, at_least_one=False, stop_after_first=single)
+    else:
+        calls = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=single)
     return str(xgr.Grammar.from_structural_tag(StructuralTag(format=calls)))

@@ -294,9 +294,8 @@ class Scheduler:
         try:
             self.add_request(req)
         except ValueError as exc:  # the request's own fault: refused before it started
-            self._outputs.append(
-                TokenIdOut(message.rid, finish_reason="error", message=str(exc), status=400, code="invalid_request")
-            )
+            code = getattr(exc, "code", None) or ""  # (an ApiError's, e.g. context_length_exceeded)
+            self._outputs.append(TokenIdOut(message.rid, finish_reason="error", message=str(exc), status=400, code=code))
             if req.bootstrap is not None and self.disagg is not None:
                 self.disagg.refuse(req.bootstrap, str(exc))
 
@@ -333,16 +332,7 @@ class Scheduler:
                 "this decode server takes images and videos only with bootstrap_host, bootstrap_port and "
                 "bootstrap_room (from sglang-router's PD mode): it has no vision tower"
             )
-        limit = self.runner.context_len
-        if prompt_len + max_new > limit:
-            raise ValueError(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_new}) exceeds the context length {limit}"
-            )
-        if prompt_len + max_new + self.page_size > self.max_total_tokens:
-            raise ValueError(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_new}) can never fit in the KV cache "
-                f"({self.max_total_tokens} tokens)"
-            )
+        self.limits.check_fits(prompt_len, max_new)
         req.origin_input_ids = pad_input_ids(req.origin_input_ids, req.mm_items, self.vocab_size)
         req.init_positions(self.runner.model_config.vision.spatial_merge_size)
         if req.sampling_params.stop:
