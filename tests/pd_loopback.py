@@ -139,13 +139,8 @@ class PDPair:
     def submit(self, x: ProcessedInput, sides: tuple[str, ...] = ("prefill", "decode"), **sampling) -> list[Submission]:
         """The request on both sides (prefill's, decode's), or on those named, with a new room."""
         room, self.next_room = self.next_room, self.next_room + 1
-        submissions = []
-        for engine in (getattr(self, side) for side in sides):
-            before = len(engine._io.inbox)
-            submissions.append(engine.submit(x, **sampling))
-            for i, message in enumerate(list(engine._io.inbox)[before:]):
-                message.bootstrap = BootstrapInfo("loopback", 0, f"{room}/{i}")
-        return submissions
+        bootstrap = [BootstrapInfo("loopback", 0, f"{room}/{i}") for i in range(sampling.get("n", 1))]
+        return [getattr(self, side).submit(x, bootstrap=bootstrap, **sampling) for side in sides]
 
     def run(self, *submissions: Submission) -> None:
         """Steps both engines until every submission is done."""

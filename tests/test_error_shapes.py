@@ -29,7 +29,7 @@ from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.errors import ERROR_TYPES, ApiError
 from vlm_serve.messages.frontend import StrOut
-from vlm_serve.server.http_server import ServerState, create_app
+from vlm_serve.server.http_server import ServerState, create_app  # (it loads every module defining errors)
 from vlm_serve.server.openai_api import OpenAIServing
 from vlm_serve.testing.media import make_image
 
@@ -298,7 +298,6 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def test_every_error_the_server_can_raise_has_an_openai_type_and_a_string_or_null_code():
-    import vlm_serve.server.http_server  # noqa: F401 - every module defining errors is loaded
     for kind in _subclasses(ApiError):
         assert kind.kind in ERROR_TYPES and (kind.code is None or isinstance(kind.code, str)), kind
     # failures reported by the processes behind the HTTP one (their status decides the class)

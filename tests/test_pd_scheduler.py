@@ -198,7 +198,7 @@ def test_a_request_the_decode_side_refuses_fails_on_the_prefill_side_at_once(tin
         x = pair.decode.processor.process_messages(TEXT, add_generation_prompt=True)
         prefill, decode = pair.submit(x, max_tokens=4, temperature=0)
         pair.run(prefill, decode)
-        with pytest.raises(ValueError, match="context length 16"):
+        with pytest.raises(ValueError, match="maximum context length is 16 tokens"):
             pair.decode.result(decode)
         with pytest.raises(Exception, match="aborted by the decode side") as failure:
             pair.prefill.result(prefill)

@@ -34,7 +34,7 @@ from vlm_serve.model_source import with_local_model
 from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
 from vlm_serve.server.detokenizer_manager import DetokenizerManager
-from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut
+from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut, BootstrapInfo
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder_pool import create_encoder
@@ -202,14 +202,18 @@ class Engine:
 
     # ---- driving the scheduler yourself ------------------------------------------------------------
 
-    def submit(self, x: ProcessedInput, priority: int = 0, **sampling: Any) -> Submission:
+    def submit(
+        self, x: ProcessedInput, priority: int = 0, bootstrap: BootstrapInfo | list[BootstrapInfo] | None = None,
+        **sampling: Any,
+    ) -> Submission:
         """Queues one prompt and returns at once: call `step()` until `done`, then `result()`. Prompts
         submitted this way are batched continuously with everything else in flight. Bad sampling values
         raise here; a failure later (a refusal by the scheduler, an image that could not be encoded, ...)
-        is raised by `result()`."""
+        is raised by `result()`. `bootstrap` (one, or one per choice) makes it one side of a prefill/decode
+        pair."""
         if self.scheduler is None:
             raise RuntimeError("the engine was shut down")
-        request = GenerateReqInput(x, sampling, priority)
+        request = GenerateReqInput(x, sampling, priority, bootstrap)
         messages = request.normalize(f"req{next(self._ids)}", self.default_sampling, self.scheduler.limits)
         choices = [_Choice(m.rid) for m in messages]
         self._choices.update((c.rid, c) for c in choices)

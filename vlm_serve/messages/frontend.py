@@ -38,7 +38,8 @@ class GenerateReqInput:
         if sampling.get("max_tokens") is None and sampling.get("max_completion_tokens") is None:
             sampling["max_tokens"] = max(limits.max_sequence_tokens - prompt_tokens, 1)
         params = sampling_params_from_openai(defaults, sampling)
-        limits.check_fits(prompt_tokens, params.max_new_tokens)
+        if self.bootstrap is None:  # (a PD request's scheduler refuses it, which tells its other side at once)
+            limits.check_fits(prompt_tokens, params.max_new_tokens)
         return params
 
     def normalize(self, rid: str, defaults: dict[str, Any], limits: SchedulerLimits) -> list[TokenizedGenerateReq]:

@@ -149,8 +149,13 @@ class TokenizerManager:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def normalize(self, request: GenerateReqInput) -> list[TokenizedGenerateReq]:
-        """The scheduler messages of a request, one per choice; ValueError names a bad setting."""
-        return request.normalize(f"req{next(self._ids)}", self.default_sampling, self.limits)
+        """The scheduler messages of a request, one per choice; ValueError names a bad setting (or a prompt
+        too long for the context), and counts as a request rejected for its own fault."""
+        try:
+            return request.normalize(f"req{next(self._ids)}", self.default_sampling, self.limits)
+        except ValueError:
+            self.metrics.num_rejected += 1
+            raise
 
     # ---- generation --------------------------------------------------------------------------------
 
