@@ -78,9 +78,10 @@ class Fp8Config:
         `model.visual.blocks.0.attn.qkv`, `model.language_model.layers.0.mlp.gate`, `lm_head`), the modules
         under it (`model.visual`), or, without its leading path, every module whose name ends with it
         (`mlp.gate`). Matches are whole name components, never substrings: `mlp.gate` leaves `mlp.gate_proj`
-        quantized and `layers.1` leaves `layers.11` quantized. (vLLM's `Fp8Config` matches exact names,
-        SGLang module-path boundaries, transformers module-path prefixes, regexes and plain suffixes: for
-        the exact names the published checkpoints list, all agree.) Norms and embeddings are never FP8.
+        quantized and `layers.1` leaves `layers.11` quantized. (vLLM matches exact names or substrings,
+        by method and version; SGLang module-path boundaries; transformers module-path prefixes, regexes
+        and plain suffixes: on the exact names the published checkpoints list, all agree.) Norms and
+        embeddings are never FP8.
         """
         return not any(
             module_name == entry or module_name.startswith(entry + ".") or module_name.endswith("." + entry)
@@ -115,8 +116,10 @@ def quantize_fp8_blocks(
     rows, cols = weight.shape[-2:]
     block_rows, block_cols = block_size
     n_rows, n_cols = math.ceil(rows / block_rows), math.ceil(cols / block_cols)
-    # Zero padding completes the partial blocks without changing their amax.
-    padded = F.pad(weight.float(), (0, n_cols * block_cols - cols, 0, n_rows * block_rows - rows))
+    padded = weight.float()
+    if (n_rows * block_rows, n_cols * block_cols) != (rows, cols):
+        # Zero padding completes the partial blocks without changing their amax.
+        padded = F.pad(padded, (0, n_cols * block_cols - cols, 0, n_rows * block_rows - rows))
     blocks = padded.unflatten(-1, (n_cols, block_cols)).unflatten(-3, (n_rows, block_rows))
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., n_rows, n_cols]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))

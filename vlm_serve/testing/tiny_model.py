@@ -8,26 +8,29 @@ bfloat16 / float16 (`dtype`) as the published checkpoints are.
 
 `quantize="fp8"` writes the layout of Qwen's FP8 checkpoints (`Qwen/Qwen3-VL-235B-A22B-Instruct-FP8`, the
 dense `Qwen/Qwen3-VL-8B-Instruct-FP8`, ...), quantized from the bfloat16 weights of the same seed (the
-block format: `vlm_serve.quantization`). What those checkpoints hold, from public sources (Qwen's files
-could not be read from here, so this is what every loader that reads them agrees on):
+block format: `vlm_serve.quantization`). Qwen's files could not be read from here; this is what the code
+that loads them (vLLM, SGLang, transformers) and public reports about them show:
 - `quantization_config` `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-  "weight_block_size": [128, 128], "modules_to_not_convert": [...]}`, the list naming each unquantized
-  Linear module exactly (as Qwen's FP8 configs do: `lm_head`, `model.layers.0.mlp.gate`, ... in the Qwen3
-  FP8 releases, quoted in vllm-project/llm-compressor#1758 and xorbitsai/inference#4032).
+  "weight_block_size": [128, 128], "modules_to_not_convert": [...]}`, the list naming modules one by one
+  (Qwen3-30B-A3B-FP8's: `lm_head`, then each layer's `input_layernorm`, `mlp.gate`,
+  `post_attention_layernorm`, quoted in vllm-project/llm-compressor#1758). Ours names each Linear kept in
+  bfloat16, `lm_head` and the embeddings; norms are never quantized by any loader, listed or not.
 - FP8: the language model's attention and MLP projections, and the MoE experts. Kept in bfloat16: the
   whole vision tower (every block's `attn.qkv`, `attn.proj`, `mlp.linear_fc1/2`, the merger and the
-  deepstack mergers), the MoE routers `mlp.gate`, `lm_head`, embeddings and norms. A Qwen3-VL-30B-A3B list
-  (27 vision blocks, 48 routers) in that form is quoted in public code; llm-compressor's Qwen3-VL-MoE FP8
-  recipe ignores the same modules (`re:.*lm_head`, `re:model.visual.*`, `re:.*mlp.gate$`).
-- MoE experts one module per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight` (+ `weight_scale_inv`),
-  not the fused 3D tensors of the bf16 release: Qwen's FP8 pipeline quantizes `nn.Linear`s and does not
-  re-fuse them (Qwen3-MoE FP8, Qwen3.5/3.6 FP8: mlx-lm#1224, vllm-metal#312), and vLLM's and SGLang's
-  Qwen3-VL-MoE loaders take the fused names as the bf16 form and map `experts.{e}.gate_proj` (and its
-  `weight_scale_inv`) through FusedMoE's per-expert mapping. transformers 5 reads this layout for
-  `qwen3_moe` and `qwen3_5_moe` but not yet for `qwen3_vl_moe` (huggingface/transformers#44230: Qwen3-VL
-  FP8 "dense works normally, but moe throws an error").
-- Scales float32 (DeepSeek-V3's convention, which transformers' `FP8Linear` allocates); the rest bfloat16
-  and `torch_dtype` "bfloat16".
+  deepstack mergers), the MoE routers `mlp.gate`, `lm_head`, embeddings and norms. A public conversion
+  script quotes a Qwen3-VL-30B-A3B list of exactly these (27 vision blocks, 48 routers, `lm_head`,
+  `model.language_model.embed_tokens`); llm-compressor's Qwen3-VL-MoE FP8 recipe ignores the same
+  modules (`re:.*lm_head`, `re:model.visual.*`, `re:.*mlp.gate$`).
+- MoE experts one Linear per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight` + `weight_scale_inv`,
+  not the fused 3D tensors of the bf16 release: Qwen's FP8 releases of MoE models store experts so
+  (Qwen3-MoE; Qwen3.5/3.6-MoE, whose bf16 releases are fused too: ml-explore/mlx-lm#1224,
+  vllm-project/vllm-metal#312), and vLLM's and SGLang's Qwen3-VL-MoE loaders keep that per-expert path
+  beside the fused one. transformers 5 reads the per-expert layout for `qwen3_moe` and `qwen3_5_moe` but
+  not for `qwen3_vl_moe` (huggingface/transformers#44230: Qwen3-VL FP8 "dense works normally, but moe
+  throws an error"); the tests add its per-expert converters for that architecture.
+- Scales float32 (DeepSeek-V3's convention, the dtype transformers' `FP8Linear` allocates); the rest
+  bfloat16 and `torch_dtype` "bfloat16". Dimensions that are not multiples of 128 (the tiny preset's) end
+  in partial blocks.
 
 Sizes come from presets (`SIZES`): "tiny" (the default, ~0.5M parameters) is for CPU tests; "small"
 and "medium" (50-425M) are benchmark models whose shapes are scaled-down Qwen3-VL-235B-A22B: 128
@@ -620,27 +623,27 @@ def _fp8_tensors(tensors: dict[str, torch.Tensor], config: Fp8Config) -> dict[st
     """The FP8 checkpoint's tensors, quantized from the bfloat16 ones; MoE experts split one per expert."""
     out: dict[str, torch.Tensor] = {}
 
-    def add(module: str, weight: torch.Tensor) -> None:
-        if config.is_quantized(module):
-            out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = quantize_fp8_blocks(
-                weight, config.weight_block_size
-            )
-        else:
-            out[f"{module}.weight"] = weight.contiguous()
+    def add(modules: list[str], weights: torch.Tensor) -> None:
+        """Linear `modules[i]`'s weight is `weights[i]`; a stack is quantized at once (fast), stored apart."""
+        quantized, scales = quantize_fp8_blocks(weights, config.weight_block_size)
+        for module, weight, fp8, scale in zip(modules, weights, quantized, scales):
+            if config.is_quantized(module):
+                out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8, scale
+            else:
+                out[f"{module}.weight"] = weight.contiguous()
 
     for name, tensor in tensors.items():
         weight = tensor.to(torch.bfloat16)
         experts = name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
+        count = weight.shape[0]
         if name.endswith(".mlp.experts.gate_up_proj"):  # [E, H, 2I]: per expert gate [I, H] and up [I, H]
-            gate, up = weight.transpose(1, 2).chunk(2, dim=1)
-            for e in range(weight.shape[0]):
-                add(f"{experts}.{e}.gate_proj", gate[e])
-                add(f"{experts}.{e}.up_proj", up[e])
+            gate, up = weight.transpose(1, 2).contiguous().chunk(2, dim=1)
+            add([f"{experts}.{e}.gate_proj" for e in range(count)], gate)
+            add([f"{experts}.{e}.up_proj" for e in range(count)], up)
         elif name.endswith(".mlp.experts.down_proj"):  # [E, I, H]: per expert [H, I]
-            for e, down in enumerate(weight.transpose(1, 2)):
-                add(f"{experts}.{e}.down_proj", down)
+            add([f"{experts}.{e}.down_proj" for e in range(count)], weight.transpose(1, 2).contiguous())
         elif _is_linear(name, tuple(tensor.shape)):
-            add(name.removesuffix(".weight"), weight)
+            add([name.removesuffix(".weight")], weight[None])
         else:
             out[name] = weight.contiguous()
     return out
