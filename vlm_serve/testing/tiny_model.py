@@ -615,7 +615,7 @@ def _fp8_config(specs: list[tuple[str, tuple[int, ...], float, float]]) -> Fp8Co
     """The FP8 checkpoint's quantization: the vision tower's Linears, the routers and lm_head stay bf16."""
     linears = [name.removesuffix(".weight") for name, shape, _, _ in specs if _is_linear(name, shape)]
     kept = [m for m in linears if m.startswith("model.visual.") or m.endswith(".mlp.gate")]
-    # lm_head is listed even where tied (no lm_head tensor), as the published lists do; the embeddings too
+    # lm_head is listed even where tied (no lm_head tensor): naming a module that is absent is harmless
     return Fp8Config(modules_to_not_convert=(*kept, "lm_head", "model.language_model.embed_tokens"))
 
 
