@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from vlm_serve.config import CHOICES, ENGINE_SETTINGS, ServerArgs, setting_docs
+from vlm_serve.config import CHOICES, DTYPES, ENGINE_SETTINGS, ServerArgs, setting_docs
 
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
@@ -153,7 +153,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
     from vlm_serve.testing.tiny_model import create_tiny_model
 
-    path = create_tiny_model(ns.out_dir, arch=ns.arch, seed=ns.seed, size=ns.size)
+    path = create_tiny_model(
+        ns.out_dir, arch=ns.arch, seed=ns.seed, size=ns.size, dtype=ns.dtype, quantize=ns.quantize
+    )
     print(path)
     return 0
 
@@ -225,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="parameters (fp32) dense / MoE: tiny 0.5M / 0.6M (for tests), small 50M / 233M, medium 261M / 425M "
         "(benchmark models shaped like scaled-down Qwen3-VL-235B-A22B: 128 experts, top-8) (default: %(default)s)",
     )
+    tiny.add_argument(
+        "--dtype", choices=list(DTYPES), default=None,
+        help="dtype of the weights (default: float32, or bfloat16 with --quantize, as the published checkpoints)",
+    )  # fmt: skip
+    tiny.add_argument(
+        "--quantize", choices=["fp8"], default=None,
+        help="fp8: the layout of Qwen's FP8 checkpoints (128 x 128 block-scaled e4m3 weights, the vision tower, "
+        "routers and lm_head in bfloat16) (default: not quantized)",
+    )  # fmt: skip
     tiny.set_defaults(func=cmd_create_tiny_model, subparser=tiny)
     return parser
 

@@ -3,7 +3,34 @@
 `create_tiny_model` writes everything a real Qwen3-VL checkpoint directory holds (config, weights,
 tokenizer, chat template, image/video processor configs). The layout is the one the published
 checkpoints have (written by transformers 4.57): `rope_scaling` in the text config and MoE experts
-fused as `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`.
+fused as `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`. The weights are float32 by default, or
+bfloat16 / float16 (`dtype`) as the published checkpoints are.
+
+`quantize="fp8"` writes the layout of Qwen's FP8 checkpoints (`Qwen/Qwen3-VL-235B-A22B-Instruct-FP8`, the
+dense `Qwen/Qwen3-VL-8B-Instruct-FP8`, ...), quantized from the bfloat16 weights of the same seed (the
+block format: `vlm_serve.quantization`). Qwen's files could not be read from here; this is what the code
+that loads them (vLLM, SGLang, transformers) and public reports about them show:
+- `quantization_config` `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+  "weight_block_size": [128, 128], "modules_to_not_convert": [...]}`, the list naming modules one by one
+  (Qwen3-30B-A3B-FP8's: `lm_head`, then each layer's `input_layernorm`, `mlp.gate`,
+  `post_attention_layernorm`, quoted in vllm-project/llm-compressor#1758). Ours names each Linear kept in
+  bfloat16, `lm_head` and the embeddings; norms are never quantized by any loader, listed or not.
+- FP8: the language model's attention and MLP projections, and the MoE experts. Kept in bfloat16: the
+  whole vision tower (every block's `attn.qkv`, `attn.proj`, `mlp.linear_fc1/2`, the merger and the
+  deepstack mergers), the MoE routers `mlp.gate`, `lm_head`, embeddings and norms. A public conversion
+  script quotes a Qwen3-VL-30B-A3B list of exactly these (27 vision blocks, 48 routers, `lm_head`,
+  `model.language_model.embed_tokens`); llm-compressor's Qwen3-VL-MoE FP8 recipe ignores the same
+  modules (`re:.*lm_head`, `re:model.visual.*`, `re:.*mlp.gate$`).
+- MoE experts one Linear per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight` + `weight_scale_inv`,
+  not the fused 3D tensors of the bf16 release: Qwen's FP8 releases of MoE models store experts so
+  (Qwen3-MoE; Qwen3.5/3.6-MoE, whose bf16 releases are fused too: ml-explore/mlx-lm#1224,
+  vllm-project/vllm-metal#312), and vLLM's and SGLang's Qwen3-VL-MoE loaders keep that per-expert path
+  beside the fused one. transformers 5 reads the per-expert layout for `qwen3_moe` and `qwen3_5_moe` but
+  not for `qwen3_vl_moe` (huggingface/transformers#44230: Qwen3-VL FP8 "dense works normally, but moe
+  throws an error"); the tests add its per-expert converters for that architecture.
+- Scales float32 (DeepSeek-V3's convention, the dtype transformers' `FP8Linear` allocates); the rest
+  bfloat16 and `torch_dtype` "bfloat16". Dimensions that are not multiples of 128 (the tiny preset's) end
+  in partial blocks.
 
 Sizes come from presets (`SIZES`): "tiny" (the default, ~0.5M parameters) is for CPU tests; "small"
 and "medium" (50-425M) are benchmark models whose shapes are scaled-down Qwen3-VL-235B-A22B: 128
@@ -36,6 +63,7 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 from vlm_serve.config import DTYPES
+from vlm_serve.quantization import Fp8Config, quantize_fp8_blocks
 
 ARCHS = {
     "moe": ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"),
@@ -163,6 +191,7 @@ PATCH_SIZE = 16
 TEMPORAL_PATCH = 2
 MERGE_SIZE = 2
 BPE_VOCAB_SIZE = 1400
+QUANTIZE_METHODS = ("fp8",)
 
 # Qwen's special tokens, in Qwen's order, appended after the BPE vocabulary.
 SPECIAL_TOKENS = [
@@ -336,7 +365,13 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _model_config(
-    arch: str, size: ModelSize, token_ids: dict[str, int], vocab_size: int, tie: bool, dtype: str
+    arch: str,
+    size: ModelSize,
+    token_ids: dict[str, int],
+    vocab_size: int,
+    tie: bool,
+    dtype: str,
+    quantization: Fp8Config | None = None,
 ) -> dict:
     """The `config.json` of the model, as transformers 4.57 writes Qwen3-VL configs."""
     architecture, model_type = ARCHS[arch]
@@ -389,11 +424,12 @@ def _model_config(
         "spatial_merge_size": MERGE_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH,
     }
-    return {
+    config = {
         "architectures": [architecture],
         "dtype": dtype,
         "image_token_id": token_ids["<|image_pad|>"],
         "model_type": model_type,
+        **({"quantization_config": quantization.to_dict()} if quantization else {}),
         "text_config": text_config,
         "tie_word_embeddings": tie,
         "torch_dtype": dtype,
@@ -403,6 +439,7 @@ def _model_config(
         "vision_end_token_id": token_ids["<|vision_end|>"],
         "vision_start_token_id": token_ids["<|vision_start|>"],
     }
+    return config
 
 
 def _weight_specs(
@@ -541,15 +578,25 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _checked_size(arch: str, size: str, dtype: str = "float32") -> ModelSize:
-    """The preset named `size`, once `arch`, `size` and `dtype` are known to be valid."""
+def _checked_args(
+    arch: str, size: str, dtype: str | None = None, quantize: str | None = None
+) -> tuple[ModelSize, str]:
+    """The preset named `size` and the weights' dtype, once the arguments are known to be valid.
+
+    `dtype` None means float32, or bfloat16 for a quantized checkpoint (the published FP8 checkpoints keep
+    their unquantized weights in bfloat16, and so must these).
+    """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return SIZES[size]
+    if quantize is not None and quantize not in QUANTIZE_METHODS:
+        raise ValueError(f"quantize must be one of {list(QUANTIZE_METHODS)}, got {quantize!r}")
+    if quantize is not None and dtype not in (None, "bfloat16"):
+        raise ValueError(f"{quantize.upper()} checkpoints keep their unquantized weights in bfloat16, not {dtype}")
+    return SIZES[size], dtype or ("bfloat16" if quantize else "float32")
 
 
 def _vocabulary(tokenizer: Tokenizer) -> tuple[dict[str, int], int]:
@@ -558,20 +605,73 @@ def _vocabulary(tokenizer: Tokenizer) -> tuple[dict[str, int], int]:
     return token_ids, _round_up(tokenizer.get_vocab_size(with_added_tokens=True), 64)
 
 
+def _is_linear(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether tensor `name` is an `nn.Linear`'s weight (2D, and not an embedding table)."""
+    embedding = name.endswith(("embed_tokens.weight", "pos_embed.weight"))
+    return len(shape) == 2 and name.endswith(".weight") and not embedding
+
+
+def _fp8_config(specs: list[tuple[str, tuple[int, ...], float, float]]) -> Fp8Config:
+    """The FP8 checkpoint's quantization: the vision tower's Linears, the routers and lm_head stay bf16."""
+    linears = [name.removesuffix(".weight") for name, shape, _, _ in specs if _is_linear(name, shape)]
+    kept = [m for m in linears if m.startswith("model.visual.") or m.endswith(".mlp.gate")]
+    # lm_head is listed even where tied (no lm_head tensor): naming a module that is absent is harmless
+    return Fp8Config(modules_to_not_convert=(*kept, "lm_head", "model.language_model.embed_tokens"))
+
+
+def _fp8_tensors(tensors: dict[str, torch.Tensor], config: Fp8Config) -> dict[str, torch.Tensor]:
+    """The FP8 checkpoint's tensors, quantized from the bfloat16 ones; MoE experts split one per expert."""
+    out: dict[str, torch.Tensor] = {}
+
+    def add(modules: list[str], weights: torch.Tensor) -> None:
+        """Linear `modules[i]`'s weight is `weights[i]`; a stack is quantized at once (fast), stored apart."""
+        quantized, scales = quantize_fp8_blocks(weights, config.weight_block_size)
+        for module, weight, fp8, scale in zip(modules, weights, quantized, scales):
+            if config.is_quantized(module):
+                out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8, scale
+            else:
+                out[f"{module}.weight"] = weight.contiguous()
+
+    for name, tensor in tensors.items():
+        weight = tensor.to(torch.bfloat16)
+        experts = name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
+        count = weight.shape[0]
+        if name.endswith(".mlp.experts.gate_up_proj"):  # [E, H, 2I]: per expert gate [I, H] and up [I, H]
+            gate, up = weight.transpose(1, 2).contiguous().chunk(2, dim=1)
+            add([f"{experts}.{e}.gate_proj" for e in range(count)], gate)
+            add([f"{experts}.{e}.up_proj" for e in range(count)], up)
+        elif name.endswith(".mlp.experts.down_proj"):  # [E, I, H]: per expert [H, I]
+            add([f"{experts}.{e}.down_proj" for e in range(count)], weight.transpose(1, 2).contiguous())
+        elif _is_linear(name, tuple(tensor.shape)):
+            add([name.removesuffix(".weight")], weight[None])
+        else:
+            out[name] = weight.contiguous()
+    return out
+
+
 def model_config(
-    arch: str = "moe", size: str = "tiny", tie_word_embeddings: bool = False, dtype: str = "float32"
+    arch: str = "moe",
+    size: str = "tiny",
+    tie_word_embeddings: bool = False,
+    dtype: str | None = None,
+    quantize: str | None = None,
 ) -> dict:
     """The `config.json` that `create_tiny_model` writes for these arguments."""
-    model_size = _checked_size(arch, size, dtype)
+    model_size, dtype = _checked_args(arch, size, dtype, quantize)
     token_ids, vocab_size = _vocabulary(_train_tokenizer())
-    return _model_config(arch, model_size, token_ids, vocab_size, tie_word_embeddings, dtype)
+    specs = _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)
+    quantization = _fp8_config(specs) if quantize else None
+    return _model_config(arch, model_size, token_ids, vocab_size, tie_word_embeddings, dtype, quantization)
 
 
 def weight_shapes(
     arch: str = "moe", size: str = "tiny", tie_word_embeddings: bool = False
 ) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor that `create_tiny_model` writes for these arguments (none is made)."""
-    model_size = _checked_size(arch, size)
+    """Name -> shape of every tensor that `create_tiny_model` writes for these arguments (none is made).
+
+    These are the unquantized checkpoints' tensors; an FP8 checkpoint holds them as its config says.
+    """
+    model_size, _ = _checked_args(arch, size)
     _, vocab_size = _vocabulary(_train_tokenizer())
     return {name: shape for name, shape, _, _ in _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)}
 
@@ -581,14 +681,17 @@ def create_tiny_model(
     arch: str = "moe",
     seed: int = 0,
     tie_word_embeddings: bool = False,
-    dtype: str = "float32",
+    dtype: str | None = None,
     size: str = "tiny",
+    quantize: str | None = None,
 ) -> Path:
     """Write a random Qwen3-VL checkpoint (`arch` "moe" or "dense", `size` one of `SIZES`) into `out_dir`.
 
-    Returns `out_dir`. The same arguments always give byte-identical files.
+    `dtype` is the weights' (default float32; bfloat16 when quantized); `quantize="fp8"` writes the
+    layout of Qwen's FP8 checkpoints (see the module docstring). Returns `out_dir`. The same arguments
+    always give byte-identical files; the FP8 checkpoint is the bfloat16 one of the same seed, quantized.
     """
-    model_size = _checked_size(arch, size, dtype)
+    model_size, dtype = _checked_args(arch, size, dtype, quantize)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -596,20 +699,25 @@ def create_tiny_model(
     token_ids, vocab_size = _vocabulary(tokenizer)
 
     generator = torch.Generator().manual_seed(seed)
+    specs = _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)
     tensors = {  # in place: out-of-place arithmetic would double the time for the larger presets
-        name: torch.randn(shape, generator=generator).mul_(std).add_(mean)
-        for name, shape, mean, std in _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)
+        name: torch.randn(shape, generator=generator).mul_(std).add_(mean) for name, shape, mean, std in specs
     }
     # Rows of the padded vocabulary tail belong to no token: zero logits, far below the real tokens'.
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     for name in ("model.language_model.embed_tokens.weight", "lm_head.weight"):
         if name in tensors:
             tensors[name][num_tokens:] = 0.0
-    tensors = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in tensors.items()}
+    quantization = _fp8_config(specs) if quantize else None
+    if quantization:
+        tensors = _fp8_tensors(tensors, quantization)
+    else:
+        tensors = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     _write_json(
-        out / "config.json", _model_config(arch, model_size, token_ids, vocab_size, tie_word_embeddings, dtype)
+        out / "config.json",
+        _model_config(arch, model_size, token_ids, vocab_size, tie_word_embeddings, dtype, quantization),
     )
     _write_json(
         out / "generation_config.json",
