@@ -49,6 +49,15 @@ def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny checkpoints in bfloat16, as the published ones are stored, by arch ("moe", "dense")."""
+    return {
+        arch: create_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}-bf16"), arch=arch, seed=0, dtype="bfloat16")
+        for arch in ("moe", "dense")
+    }
+
+
+@pytest.fixture(scope="session")
 def ours(tiny_moe_dir: Path) -> Tokenizer:
     """Our runtime tokenizer of the tiny MoE checkpoint."""
     return Tokenizer.from_pretrained(tiny_moe_dir)

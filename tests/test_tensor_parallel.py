@@ -69,12 +69,19 @@ def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, ov
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize(
-    "arch,ep_size", [("dense", 1), ("moe", 1), ("moe", 2)], ids=["dense-tp2", "moe-tp2", "moe-tp2-ep2"]
-)
-def test_two_ranks_match_one(arch, ep_size, overlap, tiny_moe_dir, tiny_dense_dir):
-    model_dir = str(tiny_moe_dir if arch == "moe" else tiny_dense_dir)
+    "arch,ep_size,overlap,bf16",
+    [
+        *((arch, ep, overlap, False) for overlap in (False, True) for arch, ep in (("dense", 1), ("moe", 1), ("moe", 2))),
+        ("dense", 1, False, True), ("moe", 2, False, True),  # bfloat16 weights (float32 activations) sharded
+    ],
+    ids=[
+        *(f"{name}-{loop}" for loop in ("normal", "overlap") for name in ("dense-tp2", "moe-tp2", "moe-tp2-ep2")),
+        "dense-tp2-bf16", "moe-tp2-ep2-bf16",
+    ],
+)  # fmt: skip
+def test_two_ranks_match_one(arch, ep_size, overlap, bf16, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs):
+    model_dir = str(tiny_bf16_dirs[arch] if bf16 else tiny_moe_dir if arch == "moe" else tiny_dense_dir)
     ref_logits, ref_tokens = _run(model_dir, 1, 1, overlap)
     assert len(ref_tokens) == NEW_TOKENS
     results = mp.Manager().dict()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,12 +34,27 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def build_module(factory: Callable[[], M], device: torch.device, dtype: torch.dtype) -> M:
-    """`factory()` with its parameters created on `device` in `dtype` (no CPU copy first)."""
+_WEIGHT_DTYPE: ContextVar[torch.dtype | None] = ContextVar("weight_dtype", default=None)
+
+
+def linear_weight_dtype() -> torch.dtype:
+    """The dtype the linear layers being built store their weights in (`build_module`'s `weight_dtype`),
+    else the default dtype."""
+    return _WEIGHT_DTYPE.get() or torch.get_default_dtype()
+
+
+def build_module(
+    factory: Callable[[], M], device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None
+) -> M:
+    """`factory()` with its parameters created on `device` in `dtype` (no CPU copy first), the weights of
+    its linear layers (and experts, embeddings) in `weight_dtype` if given: on CPU the checkpoint's
+    bfloat16 weights stay bfloat16 while activations, norms and biases are float32."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    token = _WEIGHT_DTYPE.set(weight_dtype)
     try:
         with torch.device(device):
             return factory()
     finally:
+        _WEIGHT_DTYPE.reset(token)
         torch.set_default_dtype(previous)

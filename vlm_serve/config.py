@@ -57,7 +57,9 @@ class ServerArgs:
     model: str | None = None  # none = the built-in model
     revision: str | None = None  # branch, tag or commit of a Hugging Face model id; none = main
     download_dir: str | None = None  # Hugging Face cache folder for model ids; none = huggingface_hub's ($HF_HOME)
-    dtype: str = "auto"  # weights and KV cache dtype; auto = float32 on CPU, the checkpoint's on GPU
+    # weights' dtype (and the activations' and KV cache's, except on CPU under auto); auto = the checkpoint's
+    # weights as stored (bfloat16 for the published ones), with float32 activations on CPU
+    dtype: str = "auto"
     device: str = "auto"  # auto = cuda if available, else cpu
     attention_backend: str = "auto"  # auto = flashinfer on CUDA, the C kernel (cpu) on CPU where it runs, else torch
     tp_size: int = 1  # tensor-parallel ranks (GPUs), one scheduler process each
@@ -205,13 +207,21 @@ class ServerArgs:
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
     def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        """`auto` is float32 on CPU and the checkpoint's own dtype on GPU."""
+        """The dtype of activations, norms and the KV cache: `auto` is float32 on CPU and the checkpoint's
+        own dtype on GPU."""
+        import torch
+
+        if self.dtype == "auto" and self.resolved_device().type == "cpu":
+            return torch.float32
+        return self.resolved_weight_dtype(model_config)
+
+    def resolved_weight_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The dtype linear layers, experts and embeddings keep their weights in: `auto` is the checkpoint's
+        own (on CPU too: its kernels read bfloat16 weights as stored)."""
         import torch
 
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
-        if self.resolved_device().type == "cpu":
-            return torch.float32
         return getattr(torch, model_config.torch_dtype if model_config.torch_dtype in DTYPES else "bfloat16")
 
 

@@ -39,7 +39,7 @@ class ModelRunner:
         torch.manual_seed(server_args.seed)
         if self.device.type == "cpu" and server_args.vit_dp > 0:
             torch.set_num_threads(llm_threads(server_args))  # the encoder ranks take the other cores
-        self.model = load_model(model_config, self.device, self.dtype)
+        self.model = load_model(model_config, self.device, self.dtype, server_args.resolved_weight_dtype(model_config))
         self._init_memory_pools()
         attn = self.model.model.language_model.layers[0].self_attn
         self.attn_backend = create_attention_backend(

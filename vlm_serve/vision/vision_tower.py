@@ -259,10 +259,13 @@ class Qwen3VLVisionModel(nn.Module):
         return segments
 
 
-def load_vision_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3VLVisionModel:
-    """The vision tower alone (for an encoder rank, or rank 0's inline encoder), its linear weights
-    prepacked where the device and dtype allow (`prepack_weights`)."""
-    model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype)
+def load_vision_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None
+) -> Qwen3VLVisionModel:
+    """The vision tower alone (for an encoder rank, or rank 0's inline encoder), computing in `dtype`, its
+    linear weights stored in `weight_dtype` (default: `dtype`) and prepacked where the device and dtype
+    allow (`prepack_weights`)."""
+    model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype, weight_dtype)
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor in iter_weights(checkpoint_files(config.path)):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_serve.checkpoint import linear_weight_dtype
 from vlm_serve.llm.distributed import get_parallel_state, tp_all_gather, tp_all_reduce
 from vlm_serve.llm.kernels import linear_cpu
 
@@ -20,7 +21,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // self.tp_size)  # ceil: the last shard may be padded
         self.vocab_start = self.tp_rank * self.shard_size
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        self.dtype = torch.get_default_dtype()  # of the embeddings it gives (its weight may be stored lower)
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=linear_weight_dtype()), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
@@ -29,10 +31,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).to(self.dtype)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight).to(self.dtype)
         y.masked_fill_(outside.unsqueeze(-1), 0)
         return tp_all_reduce(y)
 
@@ -51,6 +53,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.panels is not None:
             local = linear_cpu.linear(hidden, self.panels, None)
         else:
-            local = F.linear(hidden, self.weight)
+            local = F.linear(hidden, self.weight.to(hidden.dtype))
         logits = tp_all_gather(local)
         return logits[..., : self.vocab_size]

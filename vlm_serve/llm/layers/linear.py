@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_serve.checkpoint import linear_weight_dtype
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 from vlm_serve.llm.kernels import linear_cpu
 
@@ -17,7 +18,7 @@ from vlm_serve.llm.kernels import linear_cpu
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=linear_weight_dtype()), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -36,7 +37,7 @@ class LinearBase(nn.Module):
             return linear_cpu.linear(x, self.panels, self.bias)
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight.to(x.dtype), self.bias)  # (a stored dtype no kernel reads: upcast per call)
 
     def prepack(self) -> None:
         self.panels = linear_cpu.pack(self.weight)

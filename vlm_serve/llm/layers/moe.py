@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_serve.checkpoint import linear_weight_dtype
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 from vlm_serve.llm.kernels.moe_cpu import PackedExperts, moe_forward, pack_experts
 from vlm_serve.llm.layers.activation import silu_and_mul
@@ -36,10 +37,13 @@ class SparseMoeBlock(nn.Module):
         self.hidden_size = hidden_size
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         # (experts, out, in) like nn.Linear weights: gate and up stacked in w13
+        dtype = linear_weight_dtype()
         self.w13 = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * self.intermediate, hidden_size), requires_grad=False
+            torch.empty(self.num_local_experts, 2 * self.intermediate, hidden_size, dtype=dtype), requires_grad=False
         )
-        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate), requires_grad=False)
+        self.w2 = nn.Parameter(
+            torch.empty(self.num_local_experts, hidden_size, self.intermediate, dtype=dtype), requires_grad=False
+        )
         self.packed: PackedExperts | None = None  # for the CPU kernel, by `prepack`
 
     def load_gate_up(self, loaded: torch.Tensor) -> None:
@@ -96,7 +100,7 @@ class SparseMoeBlock(nn.Module):
     def _per_expert(self, rows: torch.Tensor, active: list[tuple[int, int, int]], which: int) -> torch.Tensor:
         """Rows lo:hi times expert e's w13 (`which` 0) or w2 (1), for each (e, lo, hi) of `active`."""
         weights = (self.w13, self.w2)[which]
-        parts = [F.linear(rows[lo:hi], weights[e]) for e, lo, hi in active]
+        parts = [F.linear(rows[lo:hi], weights[e].to(rows.dtype)) for e, lo, hi in active]
         out = (2 * self.intermediate, self.hidden_size)[which]
         return torch.cat(parts) if parts else rows.new_empty(0, out)
 

@@ -30,10 +30,13 @@ def experts_transposed(files: list[Path], config: ModelConfig) -> bool:
     return False
 
 
-def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3VLForConditionalGeneration:
-    """The language model (the vision tower's tensors are left to `load_vision_model`)."""
+def load_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None
+) -> Qwen3VLForConditionalGeneration:
+    """The language model (the vision tower's tensors are left to `load_vision_model`), computing in
+    `dtype`, its linear weights stored in `weight_dtype` (default: `dtype`)."""
     files = checkpoint_files(config.path)
-    model = build_module(lambda: Qwen3VLForConditionalGeneration(config), device, dtype)
+    model = build_module(lambda: Qwen3VLForConditionalGeneration(config), device, dtype, weight_dtype)
     weights = ((name, t) for name, t in iter_weights(files) if not name.startswith(VISION_PREFIX))
     model.load_weights(weights, experts_transposed(files, config))
     prepack_weights(model)
