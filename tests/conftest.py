@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,15 @@ def tiny_bf16_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny checkpoints in Qwen's block-wise FP8 layout (from the bfloat16 ones), by arch."""
+    return {
+        arch: create_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}-fp8"), arch=arch, seed=0, quantize="fp8")
+        for arch in ("moe", "dense")
+    }
+
+
+@pytest.fixture(scope="session")
 def ours(tiny_moe_dir: Path) -> Tokenizer:
     """Our runtime tokenizer of the tiny MoE checkpoint."""
     return Tokenizer.from_pretrained(tiny_moe_dir)
@@ -92,3 +102,25 @@ def client(server):
 def model(client) -> str:
     """The served model's name."""
     return client.models.list().data[0].id
+
+
+@pytest.fixture
+def transformers_reads_fp8_experts() -> Iterator[None]:
+    """transformers 5 reads FP8 MoE checkpoints with experts one per expert (Qwen3-MoE's, Qwen3.5-MoE's)
+    through its `qwen2_moe` converters, but for `qwen3_vl_moe` it has only the converters of the bf16
+    release's fused experts (huggingface/transformers#44230: dense Qwen3-VL FP8 loads, the MoE does not).
+    For the duration of a test, register for `qwen3_vl_moe` what transformers registers for
+    `qwen3_5_moe_text`: its own converters plus the per-expert ones; its FP8 dequantization is unchanged."""
+    from transformers import conversion_mapping
+
+    own = conversion_mapping.get_checkpoint_conversion_mapping("qwen3_vl_moe")
+    if any("mlp.experts.*.gate_proj.weight" in c.source_patterns for c in own):  # transformers has it already
+        yield
+        return
+    per_expert = conversion_mapping.get_checkpoint_conversion_mapping("qwen2_moe")
+    conversion_mapping.register_checkpoint_conversion_mapping("qwen3_vl_moe", own + per_expert, overwrite=True)
+    try:
+        yield
+    finally:
+        conversion_mapping.register_checkpoint_conversion_mapping("qwen3_vl_moe", own, overwrite=True)
+        conversion_mapping.USER_REGISTERED_MAPPINGS.discard("qwen3_vl_moe")

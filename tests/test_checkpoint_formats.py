@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -289,28 +289,6 @@ def _answers_the_image(model: torch.nn.Module, model_dir: Path) -> None:
         with torch.no_grad():
             logits.append(model(**_image_inputs(model_dir, seed)).logits[0, -1].float())
     assert torch.isfinite(logits[0]).all() and (logits[0] - logits[1]).abs().max() > 0.1
-
-
-@pytest.fixture
-def transformers_reads_fp8_experts() -> Iterator[None]:
-    """transformers 5 reads FP8 MoE checkpoints with experts one per expert (Qwen3-MoE's, Qwen3.5-MoE's)
-    through its `qwen2_moe` converters, but for `qwen3_vl_moe` it has only the converters of the bf16
-    release's fused experts (huggingface/transformers#44230: dense Qwen3-VL FP8 loads, the MoE does not).
-    For the duration of a test, register for `qwen3_vl_moe` what transformers registers for
-    `qwen3_5_moe_text`: its own converters plus the per-expert ones; its FP8 dequantization is unchanged."""
-    from transformers import conversion_mapping
-
-    own = conversion_mapping.get_checkpoint_conversion_mapping("qwen3_vl_moe")
-    if any("mlp.experts.*.gate_proj.weight" in c.source_patterns for c in own):  # transformers has it already
-        yield
-        return
-    per_expert = conversion_mapping.get_checkpoint_conversion_mapping("qwen2_moe")
-    conversion_mapping.register_checkpoint_conversion_mapping("qwen3_vl_moe", own + per_expert, overwrite=True)
-    try:
-        yield
-    finally:
-        conversion_mapping.register_checkpoint_conversion_mapping("qwen3_vl_moe", own, overwrite=True)
-        conversion_mapping.USER_REGISTERED_MAPPINGS.discard("qwen3_vl_moe")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

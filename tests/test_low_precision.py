@@ -1,6 +1,7 @@
 """Checkpoints served in their own precision. On CPU under `--dtype auto`, a bfloat16 checkpoint's linear
-weights, experts and embeddings stay bfloat16 in memory (half of float32's bytes), while activations,
-norms and the KV cache are float32; `--dtype float32` upcasts the weights.
+weights, experts and embeddings stay bfloat16 in memory (half of float32's bytes), and an FP8 checkpoint's
+quantized weights stay FP8 with their block scales (a quarter), while activations, norms and the KV cache
+are float32; `--dtype float32` upcasts the unquantized weights.
 
 Since bfloat16 -> float32 is exact, the model computes what transformers computes on the same checkpoint
 loaded in float32: logits to float32 rounding and the same greedy tokens. Transformers in bfloat16 rounds
@@ -9,20 +10,29 @@ whose top-k experts are nearly tied can be routed differently (its logits then d
 a logit standard deviation of ~3.9): against it the mean logit difference stays under 0.1 of a standard
 deviation (measured 0.01-0.055) and the most likely token agrees at 85% of the positions or more
 (measured 90-100%).
+
+An FP8 checkpoint computes what transformers computes in float32 on its dequantized weights (each FP8
+value times its block's scale), to float32 rounding, with the same greedy tokens; against transformers'
+own FP8 loading (which dequantizes to bfloat16 and computes in bfloat16) as against bfloat16 above.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from helpers import openai_client, prefill_logits, running_server
+from safetensors.torch import load_file, save_file
 from test_model_parity import _conversations, _hf_inputs
 
 from vlm_serve.engine import Engine
+from vlm_serve.quantization import FP8_DTYPE, dequantize_fp8_blocks
 from vlm_serve.testing.media import make_video
 
 HF_CLASSES = {"moe": transformers.Qwen3VLMoeForConditionalGeneration, "dense": transformers.Qwen3VLForConditionalGeneration}
@@ -103,4 +113,104 @@ def test_the_server_answers_as_the_engine(tiny_bf16_dirs, video_path):
             model="default", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
+    assert answer.choices[0].message.content == expected
+
+
+# ---- FP8 ----------------------------------------------------------------------------------------------
+
+
+def dequantized_copy(fp8_dir: Path, bf16_dir: Path, out: Path) -> Path:
+    """The bfloat16 checkpoint's folder with, as float32, the FP8 checkpoint's weights dequantized (its
+    unquantized ones as they are): what the FP8 checkpoint means, in a layout transformers reads as is."""
+    shutil.copytree(bf16_dir, out)
+    quantized = load_file(fp8_dir / "model.safetensors")
+
+    def real(name: str) -> torch.Tensor:
+        tensor = quantized[name]
+        if tensor.dtype != FP8_DTYPE:
+            return tensor.float()
+        return dequantize_fp8_blocks(tensor, quantized[name.removesuffix("weight") + "weight_scale_inv"])
+
+    tensors = {}
+    for name, tensor in load_file(bf16_dir / "model.safetensors").items():
+        experts = name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
+        if name.endswith(".mlp.experts.gate_up_proj"):  # (experts, hidden, 2 * intermediate)
+            count = tensor.shape[0]
+            gate_up = [torch.cat([real(f"{experts}.{e}.gate_proj.weight"), real(f"{experts}.{e}.up_proj.weight")]) for e in range(count)]
+            tensors[name] = torch.stack(gate_up).transpose(1, 2).contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):  # (experts, intermediate, hidden)
+            down = [real(f"{experts}.{e}.down_proj.weight") for e in range(tensor.shape[0])]
+            tensors[name] = torch.stack(down).transpose(1, 2).contiguous()
+        else:
+            tensors[name] = real(name)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = config["text_config"]["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def fp8(request, tiny_fp8_dirs, tiny_bf16_dirs, tmp_path_factory):
+    arch, path = request.param, tiny_fp8_dirs[request.param]
+    reference = dequantized_copy(path, tiny_bf16_dirs[arch], tmp_path_factory.mktemp("dequantized") / arch)
+    engine = Engine(path, max_total_tokens=8192, max_running_requests=16)
+    yield arch, path, reference, engine
+    engine.shutdown()
+
+
+def test_fp8_weights_stay_fp8_with_their_scales(fp8):
+    arch, _, _, engine = fp8
+    language = engine.scheduler.runner.model.model.language_model
+    layer = language.layers[0]
+    fp8_layers = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+    if arch == "dense":
+        fp8_layers += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    for linear in fp8_layers:
+        assert linear.weight.dtype == FP8_DTYPE or linear.panels.weight.dtype == torch.uint8, linear
+        assert linear.weight_scale_inv is not None and linear.weight_scale_inv.dtype == torch.float32
+    if arch == "moe":  # experts FP8, the router as stored (bfloat16)
+        assert layer.mlp.packed is not None or layer.mlp.w13.dtype == FP8_DTYPE
+        assert layer.mlp.w13_scale is not None and layer.mlp.gate.dense_weight(torch.float32).dtype == torch.float32
+        assert layer.mlp.gate.weight.dtype == torch.bfloat16 or layer.mlp.gate.panels is not None
+    assert language.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_logits_and_greedy_tokens_match_transformers_on_the_dequantized_weights(fp8, video_path, case):
+    arch, _, reference, engine = fp8
+    processed = engine.processor.process_messages(_conversations(video_path)[case], add_generation_prompt=True)
+    inputs = _hf_inputs(engine, processed)
+    ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
+    exact = HF_CLASSES[arch].from_pretrained(reference, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = exact(**inputs).logits[0]
+        generated = exact.generate(**inputs, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    assert (ours - ref).abs().max() < 1e-4 * ref.abs().max()
+    out = engine.generate_processed([processed], max_tokens=16, temperature=0, ignore_eos=True)[0]
+    assert out.token_ids == generated[0, len(processed.input_ids) :].tolist()
+
+
+def test_fp8_logits_are_within_rounding_of_transformers_own_fp8_loading(fp8, video_path, transformers_reads_fp8_experts):
+    pytest.importorskip("accelerate", reason="transformers' FP8 loading needs accelerate (the test extra has it)")
+    arch, path, _, engine = fp8
+    theirs_model = HF_CLASSES[arch].from_pretrained(path, dtype=torch.bfloat16).eval()
+    processed = engine.processor.process_messages(_conversations(video_path)["one_image"], add_generation_prompt=True)
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _hf_inputs(engine, processed).items()}
+    ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
+    with torch.no_grad():
+        theirs = theirs_model(**inputs).logits[0].float()
+    assert (ours - theirs).abs().mean() < 0.1 * theirs.std()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.85
+
+
+def test_the_server_serves_an_fp8_checkpoint_as_the_engine(tiny_fp8_dirs, video_path):
+    path = tiny_fp8_dirs["dense"]
+    conversation = [{"role": "user", "content": "Tell me a story about a cat."}]
+    with Engine(path, max_total_tokens=8192) as engine:
+        expected = engine.chat(conversation, max_tokens=8, temperature=0, ignore_eos=True).text
+    with running_server(path) as server:
+        answer = openai_client(server).chat.completions.create(
+            model="default", messages=conversation, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
     assert answer.choices[0].message.content == expected

@@ -70,18 +70,21 @@ def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, ov
 
 
 @pytest.mark.parametrize(
-    "arch,ep_size,overlap,bf16",
+    "arch,ep_size,overlap,weights",
     [
-        *((arch, ep, overlap, False) for overlap in (False, True) for arch, ep in (("dense", 1), ("moe", 1), ("moe", 2))),
-        ("dense", 1, False, True), ("moe", 2, False, True),  # bfloat16 weights (float32 activations) sharded
+        *((arch, ep, overlap, "float32") for overlap in (False, True) for arch, ep in (("dense", 1), ("moe", 1), ("moe", 2))),
+        # bfloat16 and FP8 weights (float32 activations) sharded: FP8 shards start inside scale blocks
+        ("dense", 1, False, "bf16"), ("moe", 2, False, "bf16"), ("dense", 1, False, "fp8"), ("moe", 1, False, "fp8"),
+        ("moe", 2, False, "fp8"),
     ],
     ids=[
         *(f"{name}-{loop}" for loop in ("normal", "overlap") for name in ("dense-tp2", "moe-tp2", "moe-tp2-ep2")),
-        "dense-tp2-bf16", "moe-tp2-ep2-bf16",
+        "dense-tp2-bf16", "moe-tp2-ep2-bf16", "dense-tp2-fp8", "moe-tp2-fp8", "moe-tp2-ep2-fp8",
     ],
 )  # fmt: skip
-def test_two_ranks_match_one(arch, ep_size, overlap, bf16, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs):
-    model_dir = str(tiny_bf16_dirs[arch] if bf16 else tiny_moe_dir if arch == "moe" else tiny_dense_dir)
+def test_two_ranks_match_one(arch, ep_size, overlap, weights, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs, tiny_fp8_dirs):
+    float32 = {"moe": tiny_moe_dir, "dense": tiny_dense_dir}
+    model_dir = str({"bf16": tiny_bf16_dirs, "fp8": tiny_fp8_dirs}.get(weights, float32)[arch])
     ref_logits, ref_tokens = _run(model_dir, 1, 1, overlap)
     assert len(ref_tokens) == NEW_TOKENS
     results = mp.Manager().dict()

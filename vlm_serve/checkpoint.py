@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 from safetensors import safe_open
+
+from vlm_serve.quantization import Fp8Config
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -34,27 +37,43 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-_WEIGHT_DTYPE: ContextVar[torch.dtype | None] = ContextVar("weight_dtype", default=None)
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the linear layers (and experts, embeddings) being built store their weights."""
+
+    dtype: torch.dtype | None = None  # None: the default dtype
+    fp8: Fp8Config | None = None  # an FP8 checkpoint: each linear weight takes the format it is stored in
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.dtype or torch.get_default_dtype()
+
+
+_WEIGHT_FORMAT: ContextVar[WeightFormat] = ContextVar("weight_format", default=WeightFormat())
+
+
+def weight_format() -> WeightFormat:
+    """The weight format of the module `build_module` is building."""
+    return _WEIGHT_FORMAT.get()
 
 
 def linear_weight_dtype() -> torch.dtype:
-    """The dtype the linear layers being built store their weights in (`build_module`'s `weight_dtype`),
-    else the default dtype."""
-    return _WEIGHT_DTYPE.get() or torch.get_default_dtype()
+    """The dtype the linear layers being built store their (unquantized) weights in."""
+    return weight_format().weight_dtype
 
 
 def build_module(
-    factory: Callable[[], M], device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None
+    factory: Callable[[], M], device: torch.device, dtype: torch.dtype, weights: WeightFormat = WeightFormat()
 ) -> M:
     """`factory()` with its parameters created on `device` in `dtype` (no CPU copy first), the weights of
-    its linear layers (and experts, embeddings) in `weight_dtype` if given: on CPU the checkpoint's
-    bfloat16 weights stay bfloat16 while activations, norms and biases are float32."""
+    its linear layers (and experts, embeddings) as `weights` says: on CPU a checkpoint's bfloat16 weights
+    stay bfloat16 (and FP8 ones FP8) while activations, norms and biases are float32."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    token = _WEIGHT_DTYPE.set(weight_dtype)
+    token = _WEIGHT_FORMAT.set(weights)
     try:
         with torch.device(device):
             return factory()
     finally:
-        _WEIGHT_DTYPE.reset(token)
+        _WEIGHT_FORMAT.reset(token)
         torch.set_default_dtype(previous)

@@ -25,6 +25,8 @@ from vlm_serve.server.reasoning_parser import REASONING_PARSERS
 if TYPE_CHECKING:
     import torch
 
+    from vlm_serve.quantization import Fp8Config
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 API_KEY_ENV = "VLM_SERVE_API_KEY"  # the API key when neither api_key nor api_key_file is set
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
@@ -309,9 +311,12 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: str
     eos_token_ids: list[int]
+    quantization: Fp8Config | None = None  # an FP8 checkpoint's `quantization_config`
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        from vlm_serve.quantization import read_quantization_config  # (torch: only where a model is read)
+
         path = Path(model_dir)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -336,6 +341,7 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             torch_dtype=dtype or "bfloat16",
             eos_token_ids=_eos_token_ids(path, raw),
+            quantization=read_quantization_config(path) if "quantization_config" in raw else None,
         )
 
 

@@ -142,3 +142,25 @@ def dequantize_fp8_blocks(
         raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected}")
     scale = scale_inv.float().repeat_interleave(block_rows, dim=-2).repeat_interleave(block_cols, dim=-1)
     return (weight.float() * scale[..., :rows, :cols]).to(dtype)
+
+
+def shard_scales(
+    scale_inv: torch.Tensor, block_size: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]
+) -> tuple[torch.Tensor, int]:
+    """A shard's scales, rows `[start, start + size)` and columns `[start, start + size)` of a checkpoint
+    weight whose `weight_scale_inv` is `scale_inv`: one scale per row of the shard (a shard, or gate and
+    up stacked, may start inside a block of rows) for each block of columns the shard touches, and where
+    the shard's first column sits in its block. (`[..., rows, blocks]`, offset)"""
+    block_rows, block_cols = block_size
+    (row0, nrows), (col0, ncols) = rows, cols
+    per_row = scale_inv.float().repeat_interleave(block_rows, dim=-2)[..., row0 : row0 + nrows, :]
+    first, last = col0 // block_cols, (col0 + ncols - 1) // block_cols
+    return per_row[..., first : last + 1].contiguous(), col0 % block_cols
+
+
+def dequantize_rows(
+    weight: torch.Tensor, row_scales: torch.Tensor, block_cols: int, offset: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The real weight of an FP8 shard whose scales `shard_scales` gave (`[..., rows, blocks]`, `offset`)."""
+    scale = row_scales.repeat_interleave(block_cols, dim=-1)[..., offset : offset + weight.shape[-1]]
+    return (weight.float() * scale).to(dtype)

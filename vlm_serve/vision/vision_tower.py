@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_serve.checkpoint import build_module, checkpoint_files, iter_weights
+from vlm_serve.checkpoint import WeightFormat, build_module, checkpoint_files, iter_weights
 from vlm_serve.config import ModelConfig, VisionConfig
 from vlm_serve.llm.layers.linear import ReplicatedLinear, prepack_weights
 
@@ -265,7 +265,7 @@ def load_vision_model(
     """The vision tower alone (for an encoder rank, or rank 0's inline encoder), computing in `dtype`, its
     linear weights stored in `weight_dtype` (default: `dtype`) and prepacked where the device and dtype
     allow (`prepack_weights`)."""
-    model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype, weight_dtype)
+    model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype, WeightFormat(weight_dtype))
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor in iter_weights(checkpoint_files(config.path)):

@@ -10,41 +10,106 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_serve.checkpoint import linear_weight_dtype
+from vlm_serve.checkpoint import weight_format
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 from vlm_serve.llm.kernels import linear_cpu
+from vlm_serve.quantization import FP8_DTYPE, dequantize_rows, shard_scales
 
 
 class LinearBase(nn.Module):
+    """A linear layer's shard: its weight as the checkpoint stores it (float32, bfloat16, or FP8 with
+    block scales), cut out of the full checkpoint tensor row by row (`rows`) and column by column
+    (`columns`) as it loads."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=linear_weight_dtype()), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        weights = weight_format()
+        # of an FP8 checkpoint, the weight takes its storage when it loads: FP8 where the checkpoint
+        # stores it so (with `weight_scale_inv`), the weights' dtype where it does not (routers, ...)
+        self.fp8 = weights.fp8
+        device = "meta" if self.fp8 is not None else None
+        self.weight = frozen_parameter(torch.empty(out_features, in_features, dtype=weights.weight_dtype, device=device))
+        self.weight.weight_loader = self.load
+        self.device = torch.empty(0).device
+        self.weight_scale_inv: torch.Tensor | None = None  # FP8: per row, per block of columns (`shard_scales`)
+        self.scale_offset = 0  # FP8: where the first column sits in its block of columns
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias = frozen_parameter(torch.empty(out_features))
+            self.bias.weight_loader = self.load
         else:
             self.register_parameter("bias", None)
         # the weight as `prepack` leaves it on CPU: the C kernel's panels, else oneDNN's blocked layout
         self.panels: linear_cpu.Panels | None = None
         self.packed: torch.Tensor | None = None
 
+    def rows(self, shard_id: int | str | None) -> tuple[int, int, int]:
+        """Where the shard's rows of checkpoint tensor `shard_id` go: (first row here, rows, first row there)."""
+        return 0, self.weight.shape[0], 0
+
+    def columns(self) -> int:
+        """The checkpoint column where this shard's columns start."""
+        return 0
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        """Copies this shard's part of a checkpoint tensor (the weight, or the bias) into `param`."""
+        if param is not self.bias:
+            if self.weight.is_meta:  # (the checkpoint's first piece of it)
+                dtype = loaded.dtype if loaded.dtype == FP8_DTYPE else self.weight.dtype
+                self.weight = frozen_parameter(torch.empty(self.weight.shape, dtype=dtype, device=self.device))
+                self.weight.weight_loader = self.load
+            param = self.weight
+        self.weight_loader(param, loaded, shard_id)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        param.data.copy_(loaded)
+        here, count, there = self.rows(shard_id)
+        part = loaded.narrow(0, there, count)
+        if param.dim() == 2:
+            part = part.narrow(1, self.columns(), param.shape[1])
+        param.data.narrow(0, here, count).copy_(part)
+
+    def load_scale(self, scale_inv: torch.Tensor, shard_id: int | str | None = None) -> None:
+        """An FP8 weight's `weight_scale_inv` (one scale per block of the checkpoint tensor), as this
+        shard's scales per row."""
+        if self.fp8 is None:
+            raise ValueError("a weight_scale_inv for a layer of a checkpoint that is not FP8")
+        here, count, there = self.rows(shard_id)
+        scales, self.scale_offset = shard_scales(
+            scale_inv, self.fp8.weight_block_size, (there, count), (self.columns(), self.weight.shape[1])
+        )
+        if self.weight_scale_inv is None:
+            self.weight_scale_inv = torch.empty(self.weight.shape[0], scales.shape[1], device=self.device)
+        self.weight_scale_inv[here : here + count] = scales
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a plain matrix in `dtype` (an FP8 one dequantized)."""
+        if self.weight.dtype == FP8_DTYPE:
+            return dequantize_rows(self.weight, self.weight_scale_inv, self.fp8.weight_block_size[1], self.scale_offset, dtype)
+        return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return linear_cpu.linear(x, self.panels, self.bias)
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight.to(x.dtype), self.bias)  # (a stored dtype no kernel reads: upcast per call)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)  # (a format no kernel reads: converted per call)
 
     def prepack(self) -> None:
-        self.panels = linear_cpu.pack(self.weight)
-        if self.panels is None:
-            self.packed = onednn_weight(self.weight)
+        if self.weight.dtype == FP8_DTYPE:
+            if self.weight_scale_inv is None:
+                raise ValueError("an FP8 weight came without its weight_scale_inv")
+            block = (1, self.fp8.weight_block_size[1])  # (scales per row)
+            self.panels = linear_cpu.pack(self.weight, self.weight_scale_inv, block, (0, self.scale_offset))
+        else:
+            self.panels = linear_cpu.pack(self.weight)
+            if self.panels is None:
+                self.packed = onednn_weight(self.weight)
         if self.panels is not None or self.packed is not None:
             self.weight.data = self.weight.data.new_empty(0)  # (not held twice)
+
+
+def frozen_parameter(tensor: torch.Tensor) -> nn.Parameter:
+    """A weight (never trained here)."""
+    return nn.Parameter(tensor, requires_grad=False)
 
 
 def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -82,9 +147,9 @@ class ColumnParallelLinear(LinearBase):
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         super().__init__(in_features, divide(out_features, self.tp_size), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+    def rows(self, shard_id: int | str | None) -> tuple[int, int, int]:
+        size = self.weight.shape[0]
+        return 0, size, self.tp_rank * size
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -94,11 +159,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def rows(self, shard_id: int | str | None) -> tuple[int, int, int]:
         assert isinstance(shard_id, int)
         shard = self.out_sizes[shard_id] // self.tp_size
-        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp_rank * shard, shard))
+        return sum(self.out_sizes[:shard_id]) // self.tp_size, shard, self.tp_rank * shard
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -116,14 +180,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         total = (num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
         super().__init__(hidden_size, total, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def rows(self, shard_id: int | str | None) -> tuple[int, int, int]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q_size, self.tp_rank * q_size
-        else:
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            size, start = kv_size, (self.tp_rank // self.kv_replicas) * kv_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+            return 0, q_size, self.tp_rank * q_size
+        offset = q_size if shard_id == "k" else q_size + kv_size
+        return offset, kv_size, (self.tp_rank // self.kv_replicas) * kv_size
 
 
 class RowParallelLinear(LinearBase):
@@ -135,12 +197,14 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(in_features, self.tp_size), out_features, bias)
         self.reduce_results = reduce_results
 
+    def columns(self) -> int:
+        return self.tp_rank * self.weight.shape[1]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         if param.dim() == 1:  # the bias is added once, on rank 0
             param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             return
-        size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+        super().weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_serve.checkpoint import linear_weight_dtype
+from vlm_serve.checkpoint import weight_format
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 from vlm_serve.llm.kernels.moe_cpu import PackedExperts, moe_forward, pack_experts
 from vlm_serve.llm.layers.activation import silu_and_mul
-from vlm_serve.llm.layers.linear import ReplicatedLinear
+from vlm_serve.llm.layers.linear import ReplicatedLinear, frozen_parameter
+from vlm_serve.quantization import FP8_DTYPE, dequantize_rows, shard_scales
 
 
 class SparseMoeBlock(nn.Module):
@@ -37,17 +38,78 @@ class SparseMoeBlock(nn.Module):
         self.hidden_size = hidden_size
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         # (experts, out, in) like nn.Linear weights: gate and up stacked in w13
-        dtype = linear_weight_dtype()
-        self.w13 = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * self.intermediate, hidden_size, dtype=dtype), requires_grad=False
-        )
-        self.w2 = nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, self.intermediate, dtype=dtype), requires_grad=False
-        )
+        # (experts, out, in) like nn.Linear weights: gate and up stacked in w13. Of an FP8 checkpoint they
+        # take their storage when they load (FP8 with scales per row, `shard_scales`)
+        weights = weight_format()
+        self.fp8 = weights.fp8
+        device = "meta" if self.fp8 is not None else None
+        shape13, shape2 = (self.num_local_experts, 2 * self.intermediate, hidden_size), (self.num_local_experts, hidden_size, self.intermediate)
+        self.w13 = frozen_parameter(torch.empty(shape13, dtype=weights.weight_dtype, device=device))
+        self.w2 = frozen_parameter(torch.empty(shape2, dtype=weights.weight_dtype, device=device))
+        self.device = torch.empty(0).device
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
+        self.w2_scale_offset = 0  # where this rank's slice of the intermediate starts in its block
         self.packed: PackedExperts | None = None  # for the CPU kernel, by `prepack`
+
+    def _materialize(self, dtype: torch.dtype) -> None:
+        """An FP8 checkpoint's experts get their storage with the first tensor of them: FP8 if it is."""
+        if self.w13.is_meta:
+            dtype = dtype if dtype == FP8_DTYPE else self.w13.dtype
+            self.w13 = frozen_parameter(torch.empty(self.w13.shape, dtype=dtype, device=self.device))
+            self.w2 = frozen_parameter(torch.empty(self.w2.shape, dtype=dtype, device=self.device))
+
+    def load_expert(self, expert: int, proj: str, loaded: torch.Tensor) -> None:
+        """One expert's `gate_proj` / `up_proj` (intermediate, hidden) or `down_proj` (hidden, intermediate),
+        as checkpoints that store experts one by one (Qwen's FP8 ones) have them."""
+        e, cols = expert - self.expert_start, self._slice()
+        if not 0 <= e < self.num_local_experts:
+            return
+        self._materialize(loaded.dtype)
+        if proj == "down_proj":
+            self.w2.data[e].copy_(loaded[:, cols])
+        else:
+            half = self._half(proj)
+            self.w13.data[e, half].copy_(loaded[cols])
+
+    def load_expert_scale(self, expert: int, proj: str, scale_inv: torch.Tensor) -> None:
+        """The `weight_scale_inv` of one expert's FP8 projection, as scales per row (`shard_scales`)."""
+        e, cols = expert - self.expert_start, self._slice()
+        if not 0 <= e < self.num_local_experts:
+            return
+        if self.fp8 is None:
+            raise ValueError("a weight_scale_inv for experts of a checkpoint that is not FP8")
+        block, hidden = self.fp8.weight_block_size, self.hidden_size
+        if proj == "down_proj":
+            scales, self.w2_scale_offset = shard_scales(scale_inv, block, (0, hidden), (cols.start, self.intermediate))
+            if self.w2_scale is None:
+                self.w2_scale = torch.empty(self.num_local_experts, hidden, scales.shape[-1], device=self.device)
+            self.w2_scale[e] = scales
+        else:
+            scales, _ = shard_scales(scale_inv, block, (cols.start, self.intermediate), (0, hidden))
+            if self.w13_scale is None:
+                self.w13_scale = torch.empty(self.num_local_experts, 2 * self.intermediate, scales.shape[-1], device=self.device)
+            self.w13_scale[e, self._half(proj)] = scales
+
+    def _slice(self) -> slice:
+        """This rank's slice of an expert's intermediate dimension."""
+        return slice(self.moe_tp_rank * self.intermediate, (self.moe_tp_rank + 1) * self.intermediate)
+
+    def _half(self, proj: str) -> slice:
+        """Where gate_proj's or up_proj's rows go in w13."""
+        return slice(0, self.intermediate) if proj == "gate_proj" else slice(self.intermediate, 2 * self.intermediate)
+
+    def expert_weights(self, which: int, dtype: torch.dtype) -> torch.Tensor:
+        """w13 (`which` 0) or w2 (1) of every local expert as plain matrices in `dtype` (FP8 dequantized)."""
+        weights = (self.w13, self.w2)[which]
+        if weights.dtype != FP8_DTYPE:
+            return weights.to(dtype)
+        scales, offset = ((self.w13_scale, 0), (self.w2_scale, self.w2_scale_offset))[which]
+        return dequantize_rows(weights, scales, self.fp8.weight_block_size[1], offset, dtype)
 
     def load_gate_up(self, loaded: torch.Tensor) -> None:
         """Loads fused experts as (experts, 2 * intermediate, hidden): gate rows first, then up rows."""
+        self._materialize(loaded.dtype)
         local = loaded[self.expert_start : self.expert_start + self.num_local_experts]
         gate, up = local.chunk(2, dim=1)
         rows = slice(self.moe_tp_rank * self.intermediate, (self.moe_tp_rank + 1) * self.intermediate)
@@ -55,6 +117,7 @@ class SparseMoeBlock(nn.Module):
 
     def load_down(self, loaded: torch.Tensor) -> None:
         """Loads fused experts as (experts, hidden, intermediate)."""
+        self._materialize(loaded.dtype)
         local = loaded[self.expert_start : self.expert_start + self.num_local_experts]
         cols = slice(self.moe_tp_rank * self.intermediate, (self.moe_tp_rank + 1) * self.intermediate)
         self.w2.data.copy_(local[:, :, cols])
@@ -62,7 +125,15 @@ class SparseMoeBlock(nn.Module):
     def prepack(self) -> None:
         """The experts in the CPU kernel's layout (float32 CPU, where the kernel builds). At decode batch
         sizes it reads the weights 3-4x faster than a matmul per expert."""
-        self.packed = pack_experts(self.w13, self.w2)
+        if self.w13.dtype == FP8_DTYPE:
+            if self.w13_scale is None or self.w2_scale is None:
+                raise ValueError("FP8 experts came without their weight_scale_inv")
+            rows = (1, self.fp8.weight_block_size[1])  # (scales per row)
+            self.packed = pack_experts(
+                self.w13, self.w2, self.w13_scale, self.w2_scale, rows, rows, (0, 0), (0, self.w2_scale_offset)
+            )
+        else:
+            self.packed = pack_experts(self.w13, self.w2)
         if self.packed is not None:
             self.w13.data, self.w2.data = self.w13.data.new_empty(0), self.w2.data.new_empty(0)  # (not held twice)
 
@@ -99,16 +170,16 @@ class SparseMoeBlock(nn.Module):
 
     def _per_expert(self, rows: torch.Tensor, active: list[tuple[int, int, int]], which: int) -> torch.Tensor:
         """Rows lo:hi times expert e's w13 (`which` 0) or w2 (1), for each (e, lo, hi) of `active`."""
-        weights = (self.w13, self.w2)[which]
-        parts = [F.linear(rows[lo:hi], weights[e].to(rows.dtype)) for e, lo, hi in active]
+        weights = self.expert_weights(which, rows.dtype)  # (converted per call where no kernel reads them)
+        parts = [F.linear(rows[lo:hi], weights[e]) for e, lo, hi in active]
         out = (2 * self.intermediate, self.hidden_size)[which]
         return torch.cat(parts) if parts else rows.new_empty(0, out)
 
     def _grouped_mm(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Every expert in one grouped GEMM each way, with no host sync (CUDA)."""
         ends = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate_up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=ends)
+        gate_up = torch._grouped_mm(xs, self.expert_weights(0, xs.dtype).transpose(1, 2), offs=ends)
         act = silu_and_mul(gate_up)
-        ys = torch._grouped_mm(act, self.w2.transpose(1, 2), offs=ends)
+        ys = torch._grouped_mm(act, self.expert_weights(1, xs.dtype).transpose(1, 2), offs=ends)
         rows = torch.arange(xs.shape[0], device=xs.device)
         return torch.where((rows < ends[-1])[:, None], ys, 0)  # rows past the last group are not written

@@ -8,6 +8,7 @@ whichever prefill chunk those positions fall into.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -17,7 +18,7 @@ from vlm_serve.config import ModelConfig, TextConfig
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from vlm_serve.llm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vlm_serve.llm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.layers.norm import RMSNorm
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding
@@ -117,6 +118,7 @@ class Qwen3VLModel(nn.Module):
 
 
 # checkpoint name piece -> (our parameter's name piece, shard id)
+_EXPERT = re.compile(r"(.+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)")
 _STACKED = [
     (".q_proj.", ".qkv_proj.", "q"),
     (".k_proj.", ".qkv_proj.", "k"),
@@ -153,6 +155,16 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
+            expert = _EXPERT.fullmatch(name)
+            if expert is not None:  # one expert's projection (Qwen's FP8 checkpoints store them so)
+                block, index, proj, kind = expert.groups()
+                moe = modules[f"{block}.mlp"]
+                if kind == "weight_scale_inv":
+                    moe.load_expert_scale(int(index), proj, tensor)
+                else:
+                    moe.load_expert(int(index), proj, tensor)
+                    loaded.add(f"{block}.mlp.{'w2' if proj == 'down_proj' else 'w13'}")
+                continue
             if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
                 moe: SparseMoeBlock = modules[name.rsplit(".experts.", 1)[0]]
                 tensor = tensor.transpose(1, 2) if experts_transposed else tensor
@@ -168,12 +180,18 @@ class Qwen3VLForConditionalGeneration(nn.Module):
                 if ckpt_piece in name:
                     target, shard_id = name.replace(ckpt_piece, our_piece), sid
                     break
+            if target.endswith(".weight_scale_inv"):  # an FP8 weight's block scales
+                layer = modules.get(target.removesuffix(".weight_scale_inv"))
+                if not isinstance(layer, LinearBase):
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                layer.load_scale(tensor, shard_id)
+                continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
             loader = getattr(param, "weight_loader", None)
             if loader is not None:
-                loader(param, tensor.to(param.dtype), shard_id)
+                loader(param, tensor, shard_id)  # (it converts to the parameter's dtype)
             else:
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
