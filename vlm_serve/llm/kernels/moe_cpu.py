@@ -43,24 +43,26 @@ def pack_experts(
     w2: torch.Tensor,
     scale13: torch.Tensor | None = None,
     scale2: torch.Tensor | None = None,
-    block: tuple[int, int] = BLOCK,
+    block13: tuple[int, int] = BLOCK,
+    block2: tuple[int, int] = BLOCK,
     offset13: tuple[int, int] = (0, 0),
     offset2: tuple[int, int] = (0, 0),
 ) -> PackedExperts | None:
     """(experts, 2I, H) and (experts, H, I) weights packed for the kernel in their dtype (both float32,
     bfloat16, float16 or float8_e4m3fn), or None where it cannot run them (another dtype or device, a
     width not a multiple of the vector width, FP8 panels that would straddle scale blocks, or no kernel
-    built). FP8 block scales (experts, row blocks, column blocks) and offsets as `linear_cpu.pack` takes
-    them; gate and up stacked in w13 give theirs per row (`linear_cpu.row_scales`, block (1, columns))."""
-    check_scale(w13, scale13, block, offset13)
-    check_scale(w2, scale2, block, offset2)
+    built). FP8 block scales (experts, row blocks, column blocks), blocks and offsets as `linear_cpu.pack`
+    takes them; gate and up stacked in w13 give theirs per row (`linear_cpu.row_scales`, block13 (1,
+    columns))."""
+    check_scale(w13, scale13, block13, offset13)
+    check_scale(w2, scale2, block2, offset2)
     if w13.device.type != "cpu" or w13.dtype not in FORMATS or w2.dtype != w13.dtype:
         return None
     kernel = LIBRARY.get()
     if kernel is None:
         return None
-    layout13 = panel_layout(kernel, w13, scale13, block, offset13)
-    layout2 = panel_layout(kernel, w2, scale2, block, offset2)
+    layout13 = panel_layout(kernel, w13, scale13, block13, offset13)
+    layout2 = panel_layout(kernel, w2, scale2, block2, offset2)
     if layout13 is None or layout2 is None:
         return None
     p13, p2 = kernel.panels(w13, layout13.width, layout13.lead), kernel.panels(w2, layout2.width, layout2.lead)
