@@ -56,8 +56,8 @@ class SparseMoeBlock(nn.Module):
         self.w2.data.copy_(local[:, :, cols])
 
     def prepack(self) -> None:
-        """The experts in the CPU kernel's layout (float32 CPU, where the kernel builds). At decode batch
-        sizes it reads the weights 3-4x faster than a matmul per expert."""
+        """The experts in the CPU kernel's layout, in their dtype (float32, bfloat16, float16 on CPU, where
+        the kernel builds). At decode batch sizes it reads the weights 3-4x faster than a matmul per expert."""
         self.packed = pack_experts(self.w13, self.w2)
         if self.packed is not None:
             self.w13.data, self.w2.data = self.w13.data.new_empty(0), self.w2.data.new_empty(0)  # (not held twice)
