@@ -1,5 +1,5 @@
 """The CPU kernels against the machine's roofs and against torch, for one ISA: GFLOP/s of the linear and
-MoE kernels at decode and prefill batch sizes.
+MoE kernels at decode and prefill batch sizes, and the weight formats side by side.
 
 `--isa native` builds the kernels for this machine (`-march=native`) and leaves torch, oneDNN and MKL
 their own choice; `--isa avx2` builds them for x86-64-v3 (AVX2 + FMA) and caps the others at AVX2
@@ -12,13 +12,18 @@ for and the CPU (`lscpu`) are printed with the figures.
   weight, what a float32 linear runs without the kernel. Shapes of the benchmark models' layers.
 - MoE experts (128 experts, top 8, the small and medium MoE's shapes): our kernel (moe_cpu.c) against
   the torch path of the same layer (a matmul per active expert each way).
+- Weight formats: time and GB/s of weights read for float32, bfloat16 and FP8 (e4m3, 128 x 128 block
+  scales, quantized as the published checkpoints are) panels, on a 4096 x 4096 linear and on
+  Qwen3-VL-235B-A22B's experts as a TP-8 rank holds them (hidden 4096, intermediate 1536 / 8), at 1, 16
+  and 128 rows, with the speed-up over float32 (at batch 1 reading the weights is the bound: bfloat16
+  reads half of float32's bytes, FP8 a quarter).
 
 Decode streams every layer's weights from memory: each timed call uses the next of enough copies of
 the weights to fill 256 MB (more than any last-level cache measured), so no call finds its weights in cache
 (and each MoE call brings new tokens, so other experts). Each figure is the
 median of `--repeats` calls after a warm-up; GB/s counts the weight bytes the call reads.
 
-    python benchmarks/bench_kernels.py --isa avx2 [--threads 2] [--repeats 30]
+    python benchmarks/bench_kernels.py --isa avx2 [--threads 2] [--repeats 30] [--sections formats]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def main() -> None:
     parser.add_argument("--isa", choices=ISAS, default="native")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS)
     args = parser.parse_args()
     os.environ.update(environment(args.isa))  # before torch loads oneDNN and MKL
     march = os.environ.get("VLM_SERVE_CPU_MARCH", "native")
@@ -51,13 +57,21 @@ def main() -> None:
     kernel = linear_cpu.LIBRARY.get()
     if kernel is None:
         sys.exit("the CPU kernels did not build (see the warning above)")
-    cpu, _ = describe_cpu()
-    print(f"CPU: {cpu}, {args.threads} threads; kernels built for -march={march}: {kernel.isa}, {kernel.lanes} "
-          f"floats per vector; torch/oneDNN/MKL: {'capped at AVX2' if args.isa == 'avx2' else 'their own choice'}")
+    cpu, widest = describe_cpu()
+    print(f"CPU: {cpu} ({widest}), {args.threads} threads; kernels built for -march={march}: {kernel.isa}, "
+          f"{kernel.lanes} floats per vector; torch/oneDNN/MKL: "
+          f"{'capped at AVX2' if args.isa == 'avx2' else 'their own choice'}")  # fmt: skip
     fma, bandwidth = roofs(torch, march, args.threads)
     print(f"roofs: FMA {fma:.0f} GFLOP/s, memory read {bandwidth:.1f} GB/s\n")
-    bench_linear(torch, args.repeats, fma)
-    bench_moe(torch, args.repeats, fma)
+    if "linear" in args.sections:
+        bench_linear(torch, args.repeats, fma)
+    if "moe" in args.sections:
+        bench_moe(torch, args.repeats, fma)
+    if "formats" in args.sections:
+        bench_formats(torch, args.repeats, bandwidth)
+
+
+SECTIONS = ["linear", "moe", "formats"]
 
 
 ROOFS = """
@@ -201,13 +215,106 @@ def bench_moe(torch, repeats: int, fma: float) -> None:
                     moe.prepack()
                 t_ours = timed(repeats, lambda i: layers[i % count](xs[i]))
                 for moe in layers:  # back to plain weights for the next batch size's torch run
-                    moe.w13.data = moe.packed.w13.transpose(-1, -2).reshape(EXPERTS, 2 * inter, hidden).contiguous()
-                    moe.w2.data = moe.packed.w2.transpose(-1, -2).reshape(EXPERTS, hidden, inter).contiguous()
+                    moe.w13.data, moe.w2.data = unpanel(moe.packed.w13, hidden), unpanel(moe.packed.w2, inter)
             flops, nbytes = 2 * tokens * TOP_K * 3 * hidden * inter, active * 3 * hidden * inter * 4
             cells = [f"{flops / t / 1e9:8.1f} ({nbytes / t / 1e9:5.1f})" for t in (t_ours, t_theirs)]
             print(f"{f'{name} H {hidden} I {inter}':<34}{tokens:>6}{cells[0]:>18}{cells[1]:>18}"
                   f"{t_theirs / t_ours:>7.2f}x{100 * flops / t_ours / 1e9 / fma:>11.0f}%")  # fmt: skip
     print()
+
+
+def unpanel(panels, inp: int):
+    """Float32 panels (..., out / width, in, width, 1) back to the weights (..., out, in)."""
+    return panels.squeeze(-1).transpose(-1, -2).flatten(-3, -2)[..., :inp].contiguous()
+
+
+FORMAT_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float8_e4m3fn": "FP8 e4m3"}
+FORMAT_ROWS = [1, 16, 128]
+MOE_235B_TP8 = (4096, 1536 // 8)  # Qwen3-VL-235B-A22B's experts as a TP-8 rank holds them
+
+
+def quantize_fp8(torch, weight, block: int = 128):
+    """(..., out, in) float32 weights as FP8 checkpoints hold them: e4m3 values and a float32 scale per
+    block of block x block (weight_scale_inv, ceil(out / block) x ceil(in / block)), the block's largest
+    magnitude / 448."""
+    *stack, out, inp = weight.shape
+    rows, cols = -(-out // block), -(-inp // block)
+    padded = weight.new_zeros(*stack, rows * block, cols * block)
+    padded[..., :out, :inp] = weight
+    blocks = padded.unflatten(-2, (rows, block)).unflatten(-1, (cols, block))
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448
+    q = (blocks / scale[..., :, None, :, None]).to(torch.float8_e4m3fn).flatten(-4, -3).flatten(-2, -1)
+    return q[..., :out, :inp].contiguous(), scale
+
+
+def in_format(torch, weight, name: str):
+    """The weight in format `name` and its block scales (FP8), or None."""
+    if name == "float8_e4m3fn":
+        return quantize_fp8(torch, weight)
+    return weight.to(getattr(torch, name)), None
+
+
+def bench_formats(torch, repeats: int, bandwidth: float) -> None:
+    print("weight formats: ms per call (GB/s of weights read), speed-up over float32")
+    print(f"{'':<40}{'rows':>5}" + "".join(f"{FORMAT_NAMES[name]:>24}" for name in FORMAT_NAMES))
+    out = inp = 4096
+    runs = {name: linear_in_format(torch, repeats, out, inp, name) for name in FORMAT_NAMES}
+    for i, rows in enumerate(FORMAT_ROWS):
+        label = f"linear {out} x {inp}" if i == 0 else ""
+        print(f"{label:<40}{rows:>5}" + "".join(
+            format_cell(runs[name][1][i], runs[name][0], runs["float32"][1][i]) for name in FORMAT_NAMES))  # fmt: skip
+    print(f"{'  weights in memory, MB':<45}" + "".join(f"{runs[name][0] / 1e6:>24.1f}" for name in FORMAT_NAMES))
+
+    hidden, inter = MOE_235B_TP8
+    runs = {name: experts_in_format(torch, repeats, hidden, inter, name) for name in FORMAT_NAMES}
+    for i, tokens in enumerate(FORMAT_ROWS):
+        label = f"MoE experts H {hidden} I {inter} x{EXPERTS}, top {TOP_K}" if i == 0 else ""
+        print(f"{label:<40}{tokens:>5}" + "".join(
+            format_cell(runs[name][1][i][0], runs[name][0] * runs[name][1][i][1], runs["float32"][1][i][0])
+            for name in FORMAT_NAMES))  # fmt: skip
+    print(f"{'  weights in memory, MB':<45}" + "".join(f"{runs[name][0] / 1e6:>24.1f}" for name in FORMAT_NAMES))
+    print(f"(memory read roof: {bandwidth:.1f} GB/s)\n")
+
+
+def linear_in_format(torch, repeats: int, out: int, inp: int, name: str) -> tuple[int, list[float]]:
+    """Bytes of an (out, in) weight packed in format `name`, and seconds per call at each of FORMAT_ROWS."""
+    from vlm_serve.llm.kernels import linear_cpu
+
+    count = copies_for(out * inp * torch.empty(0, dtype=getattr(torch, name)).element_size())
+    packed = [linear_cpu.pack(*in_format(torch, torch.randn(out, inp) * inp**-0.5, name)) for _ in range(count)]
+    nbytes = packed[0].weight.nbytes + (0 if packed[0].layout.scale is None else packed[0].layout.scale.nbytes)
+    times = []
+    for rows in FORMAT_ROWS:
+        x = torch.randn(rows, inp)
+        times.append(timed(repeats, lambda i: linear_cpu.linear(x, packed[i % count], None)))
+    return nbytes, times
+
+
+def experts_in_format(torch, repeats: int, hidden: int, inter: int, name: str) -> tuple[int, list]:
+    """Bytes of EXPERTS experts packed in format `name`, and (seconds per call, the share of experts a
+    call reads) at each of FORMAT_ROWS tokens."""
+    from vlm_serve.llm.kernels import moe_cpu
+
+    generator = torch.Generator().manual_seed(0)
+    w13, s13 = in_format(torch, torch.randn(EXPERTS, 2 * inter, hidden, generator=generator) * hidden**-0.5, name)
+    w2, s2 = in_format(torch, torch.randn(EXPERTS, hidden, inter, generator=generator) * inter**-0.5, name)
+    packed = moe_cpu.pack_experts(w13, w2, s13, s2)
+    del w13, w2
+    tensors = (packed.w13, packed.w2, packed.layout13.scale, packed.layout2.scale)
+    nbytes = sum(t.nbytes for t in tensors if t is not None)
+    runs = []
+    for tokens in FORMAT_ROWS:
+        # new tokens every call, as in decode: other experts, not the ones the last call left in cache
+        xs = [torch.randn(tokens, hidden) for _ in range(repeats + 3)]
+        logits = [torch.randn(tokens, EXPERTS) for _ in range(repeats + 3)]
+        active = sum(torch.topk(g, TOP_K).indices.unique().numel() for g in logits) / len(logits)
+        t = timed(repeats, lambda i: moe_cpu.moe_forward(xs[i], logits[i], TOP_K, True, 0, packed))
+        runs.append((t, active / EXPERTS))
+    return nbytes, runs
+
+
+def format_cell(t: float, nbytes: float, t_float32: float) -> str:
+    return f"{t * 1e3:8.2f} ({nbytes / t / 1e9:5.1f}) {t_float32 / t:4.2f}x"
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """The sparse MoE block at Qwen3-VL-235B's routing shape (128 experts, top-8, normalized top-k weights):
 each token's output is the weighted sum of its experts' SwiGLU MLPs, whichever way the experts run (the
-C kernel, on every ISA it is built for (cpu_targets.py), or a loop of per-expert matmuls on CPU, grouped
-GEMMs on CUDA), and expert-parallel ranks' parts add up to the whole."""
+C kernel, on every ISA it is built for (cpu_targets.py), with the weights in float32, bfloat16, float16
+or FP8 e4m3 with block scales (tensor-parallel shards of the published checkpoints' experts); or a loop
+of per-expert matmuls on CPU, grouped GEMMs on CUDA), and expert-parallel ranks' parts add up to the
+whole."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from weight_formats import E4M3, dequantize, quantize_fp8
 
-from vlm_serve.llm.kernels import CACHE_ENV, moe_cpu
+from vlm_serve.llm.kernels import CACHE_ENV, linear_cpu, moe_cpu
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 64, 32
@@ -33,14 +36,19 @@ def block(start: int = 0, count: int = EXPERTS, source: SparseMoeBlock | None = 
 
 def reference(moe: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     """Token by token, expert by expert, as the model card defines the block."""
-    probs = F.softmax(x @ moe.gate.weight.T, dim=-1)
-    weights, experts = torch.topk(probs, TOP_K, dim=-1)
+    return experts_reference(x, x @ moe.gate.weight.T, moe.w13, moe.w2)
+
+
+def experts_reference(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """(Equal logits, as bfloat16 ones often are: the lower-numbered expert first, as the kernel takes them.)"""
+    probs = F.softmax(logits, dim=-1)
+    weights, experts = (t[:, :TOP_K] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
     weights = weights / weights.sum(dim=-1, keepdim=True)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], experts[t].tolist()):
-            gate, up = (moe.w13[e] @ x[t]).chunk(2)
-            out[t] += w * (moe.w2[e] @ (F.silu(gate) * up))
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += w * (w2[e] @ (F.silu(gate) * up))
     return out
 
 
@@ -86,6 +94,58 @@ def test_the_cpu_kernel_routes_and_computes_what_the_expert_loop_does(tokens, pa
     moe.prepack()
     assert moe.packed is not None
     torch.testing.assert_close(moe(x), looped, rtol=1e-4, atol=1e-5)
+
+
+def tp_shard_experts(dtype: torch.dtype, intermediate: int, generator: torch.Generator) -> tuple:
+    """Rank 1's shard at TP 4 of experts whose full intermediate size is 4 * `intermediate`, as the
+    published checkpoints hold them (gate, up and down each in `dtype`, FP8 with 128 x 128 block scales):
+    gate and up rows and down columns `intermediate` ... 2 * `intermediate` - 1, which start inside a
+    scale block. Returns pack_experts' arguments and the shard's float32 w13 and w2."""
+    full, rows = 4 * intermediate, (intermediate, 2 * intermediate)
+    weights = [torch.randn(EXPERTS, *shape, generator=generator) * shape[1] ** -0.5
+               for shape in [(full, HIDDEN), (full, HIDDEN), (HIDDEN, full)]]  # fmt: skip
+    if dtype != E4M3:
+        gate, up, down = (w.to(dtype) for w in weights)
+        w13, w2 = torch.cat([gate[:, slice(*rows)], up[:, slice(*rows)]], 1), down[:, :, slice(*rows)].contiguous()
+        return (w13, w2), {}, w13.float(), w2.float()
+    (gate, gs), (up, us), (down, ds) = (quantize_fp8(w) for w in weights)
+    per_row = []
+    for scale in (gs, us):  # gate and up side by side: their scales per row
+        cut, offset = linear_cpu.shard_scale(scale, rows, (0, HIDDEN))
+        per_row.append(linear_cpu.row_scales(cut, intermediate, 128, offset[0]))
+    scale2, offset2 = linear_cpu.shard_scale(ds, (0, HIDDEN), rows)
+    w13 = torch.cat([gate[:, slice(*rows)], up[:, slice(*rows)]], 1)
+    args = (w13, down[:, :, slice(*rows)].contiguous(), torch.cat(per_row, 1), scale2)
+    plain13 = torch.cat([dequantize(gate, gs)[:, slice(*rows)], dequantize(up, us)[:, slice(*rows)]], 1)
+    return args, {"block13": (1, 128), "offset2": offset2}, plain13, dequantize(down, ds)[:, :, slice(*rows)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, E4M3], ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_the_cpu_kernel_reads_experts_in_their_format(dtype, tokens, kernel_target):
+    """(1 and 3 tokens: an expert's rows read the panels as stored; 40: several rows each, widened once.)"""
+    kernel = moe_cpu.LIBRARY.get()
+    generator = torch.Generator().manual_seed(tokens)
+    args, options, w13, w2 = tp_shard_experts(dtype, kernel.panel, generator)
+    packed = moe_cpu.pack_experts(*args, **options)
+    assert packed is not None and packed.w13.dtype == packed.w2.dtype == dtype
+    if dtype == E4M3:
+        assert options["offset2"] == (0, kernel.panel % 128) and packed.layout2.first == 128 - kernel.panel % 128
+    x, logits = torch.randn(tokens, HIDDEN, generator=generator), torch.randn(tokens, EXPERTS, generator=generator)
+    expected = experts_reference(x.double(), logits.double(), w13.double(), w2.double()).float()
+    torch.testing.assert_close(moe_cpu.moe_forward(x, logits, TOP_K, True, 0, packed), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_block_reads_its_experts_as_stored(kernel_target):
+    moe = block().to(torch.bfloat16)
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    w13, w2 = moe.w13.float(), moe.w2.float()
+    moe.prepack()
+    assert moe.packed is not None and moe.packed.w13.dtype == torch.bfloat16
+    y = moe(x)
+    assert y.dtype == torch.bfloat16
+    expected = experts_reference(x.float(), moe.gate(x).float(), w13, w2)  # (the block's own routing)
+    torch.testing.assert_close(y, expected.to(torch.bfloat16))
 
 
 def test_the_cpu_kernel_leaves_pairs_of_other_ranks_experts_out(kernel_target):

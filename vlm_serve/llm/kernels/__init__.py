@@ -83,13 +83,23 @@ class CpuKernel:
     def invoke(self, function: str, args: tuple):
         return getattr(self.lib, function)(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
 
-    def panels(self, weight: torch.Tensor) -> torch.Tensor:
-        """Weights (..., out, in) as tiles.h's column panels, (..., out / width, in, width): `width` output
-        columns of every input row together, `self.panel` where it divides `out`, else one vector
-        (`out` a multiple of `self.lanes`)."""
-        *lead, out, inp = weight.shape
-        width = self.panel if out % self.panel == 0 else self.lanes
-        return weight.detach().reshape(*lead, out // width, width, inp).transpose(-1, -2).contiguous()
+    def panels(self, weight: torch.Tensor, width: int | None = None, lead: int = 0) -> torch.Tensor:
+        """Weights (..., out, in) as tiles.h's column panels in their own dtype, (..., out / width, groups,
+        width, G): `width` output columns of every input row together (`self.panel` where it divides
+        `out`, else one vector: `out` a multiple of `self.lanes`), and the rows in groups of G = 4 / bytes
+        per weight (one 32-bit lane holds a column's G weights of a group), padded with zeros: `lead`
+        rows before the first, the last group filled up."""
+        *stack, out, inp = weight.shape
+        width = width or (self.panel if out % self.panel == 0 else self.lanes)
+        g = 4 // weight.element_size()
+        groups = -(-(lead + inp) // g)
+        weight = weight.detach()
+        if groups * g != inp:  # (zeros as bits: float8 has no zero-fill kernels)
+            bits = weight.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[weight.element_size()])
+            padded = bits.new_zeros(*stack, out, groups * g)
+            padded[..., lead : lead + inp] = bits
+            weight = padded.view(weight.dtype)
+        return weight.reshape(*stack, out // width, width, groups, g).transpose(-3, -2).contiguous()
 
 
 class KernelLibrary:
@@ -211,11 +221,12 @@ def _cpu_flags() -> bytes:
 _buffers = threading.local()
 
 
-def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A scratch buffer of at least `numel` elements, kept per thread and dtype across layers and steps:
-    a fresh one each call would cost its page faults again."""
-    held = getattr(_buffers, str(dtype), None)
+def scratch(numel: int, dtype: torch.dtype, name: str = "") -> torch.Tensor:
+    """A scratch buffer of at least `numel` elements, kept per thread, dtype and name across layers and
+    steps: a fresh one each call would cost its page faults again."""
+    key = f"{dtype}{name}"
+    held = getattr(_buffers, key, None)
     if held is None or held.numel() < numel:
         held = torch.empty(numel, dtype=dtype)
-        setattr(_buffers, str(dtype), held)
+        setattr(_buffers, key, held)
     return held

@@ -1,4 +1,5 @@
-/* y = x @ w^T (+ bias), float32 on CPU, with w packed once into column panels (tiles.h).
+/* y = x @ w^T (+ bias) on CPU, x and y float32, with w packed once into column panels (tiles.h) in its
+ * own format: float32, bfloat16, float16 or FP8 e4m3 with block scales, widened in registers.
  *
  * A task is one panel (`width` output columns) for a block of up to ROWS rows. At decode batch sizes
  * there is one row block and the product is bound by reading the weights: the tasks, one per panel,
@@ -9,10 +10,9 @@
 
 #define ROWS 64 /* rows per task: a task's rows of x stay in cache while its panel streams */
 
-/* x: (M, K) rows `x_stride` floats apart; w: (N, K) packed as N / width panels of (K, width);
- * bias: (N) or NULL; y: (M, N). */
-void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const float *w, int64_t N, int width,
-                const float *bias, float *y, int threads) {
+static inline __attribute__((always_inline)) void
+linear_as(int format, const float *x, int64_t M, int64_t K, int64_t x_stride, Weights w, int64_t N, int width,
+          const float *bias, float *y, int threads) {
     const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < panels * blocks; t++) {
@@ -20,9 +20,18 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const fl
         const float *a[ROWS];
         float *c[ROWS];
         for (int64_t r = 0; r < rows; r++) a[r] = x + (r0 + r) * x_stride, c[r] = y + (r0 + r) * N + p * width;
-        matmul_rows(a, rows, w + p * width * K, K, width, width, c);
+        matmul_rows_as(format, a, rows, nth_matrix(format, w, K, width, width, p), K, width, width, c);
         if (bias != NULL)
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < width; j++) c[r][j] += bias[p * width + j];
     }
+}
+
+/* x: (M, K) rows `x_stride` floats apart; w: (N, K) packed as N / width panels (tiles.h's Weights:
+ * data w, scale, first, block, lead) in `format` (W_*); bias: (N) or NULL; y: (M, N). */
+void linear_forward(const float *x, int64_t M, int64_t K, int64_t x_stride, const void *w, int format,
+                    const float *scale, int64_t first, int64_t block, int64_t lead, int64_t N, int width,
+                    const float *bias, float *y, int threads) {
+    const Weights weights = {w, scale, first, block, lead};
+    WITH_FORMAT(format, linear_as(FORMAT, x, M, K, x_stride, weights, N, width, bias, y, threads));
 }

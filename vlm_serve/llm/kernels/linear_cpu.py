@@ -1,4 +1,15 @@
-"""Linear layers through linear_cpu.c: float32 on CPU, the weight packed once into column panels."""
+"""Linear layers through linear_cpu.c on CPU: the weight packed once into column panels in its own format
+(float32, bfloat16, float16, or FP8 e4m3 with block scales), read as stored and summed in float32.
+
+FP8 weights come as the published block-quantized checkpoints hold them: float8_e4m3fn (out, in) and a
+float32 `weight_scale_inv` with one scale per `block` (128 x 128): the weight is the fp8 value times its
+block's scale. A tensor-parallel shard is a slice of such a weight that may start inside a block: `pack`
+takes the scale rows and columns that cover the shard, ceil((offset + size) / block) of each, and the
+shard's offset into its first block (its first row and column modulo the block size): `shard_scale`
+cuts them out of the checkpoint's. A weight made of several shards side by side (q, k and v; gate and
+up) gives its scales per row: each shard's scales repeated over its rows (`row_scales`), concatenated,
+with block (1, block columns).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +19,28 @@ import torch
 
 from vlm_serve.llm.kernels import I32, I64, PTR, CpuKernel, KernelLibrary
 
-LIBRARY = KernelLibrary("linear_cpu", {"linear_f32": (None, PTR, I64, I64, I64, PTR, I64, I32, PTR, PTR, I32)})
+LIBRARY = KernelLibrary(
+    "linear_cpu",
+    {"linear_forward": (None, PTR, I64, I64, I64, PTR, I32, PTR, I64, I64, I64, I64, I32, PTR, PTR, I32)},
+)
+
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}  # tiles.h's W_*
+E4M3_SHIFT = 2.0**120  # e4m3's bits placed in a float32 read as its value / 2^120 (tiles.h)
+BLOCK = (128, 128)  # the published FP8 checkpoints' weight_block_size
+
+
+@dataclass
+class Layout:
+    """How a weight, or a stack of them, lies in panels (tiles.h's Weights, less the data)."""
+
+    width: int  # output columns per panel
+    scale: torch.Tensor | None  # FP8: (..., out / width, k blocks), each panel's block scales * 2^120
+    first: int  # input rows (k) of the first scale block; all of them (rounded up to groups) without scales
+    block: int  # input rows of each later block
+    lead: int  # zero rows before the first (the first block ends on a group of 4 rows)
+
+    def args(self) -> tuple:
+        return self.scale, self.first, self.block, self.lead
 
 
 @dataclass
@@ -16,29 +48,119 @@ class Panels:
     """An (out, in) weight in a kernel library's column panels, and that library."""
 
     kernel: CpuKernel
-    weight: torch.Tensor  # (out / width, in, width)
+    weight: torch.Tensor  # (out / width, groups of k, width, G), the weight's dtype (CpuKernel.panels)
+    inp: int
+    layout: Layout
 
 
-def pack(weight: torch.Tensor) -> Panels | None:
-    """An (out, in) weight in column panels (`CpuKernel.panels`); None where the kernel cannot run it (not
-    float32 on CPU, `out` not a multiple of the vector width, no kernel built)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+def pack(
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] = BLOCK,
+    offset: tuple[int, int] = (0, 0),
+) -> Panels | None:
+    """An (out, in) weight in column panels in its own dtype (float32, bfloat16, float16 or
+    float8_e4m3fn); None where the kernel cannot run it (another dtype or device, `out` not a multiple of
+    the vector width, FP8 panels that would straddle scale blocks, no kernel built).
+
+    FP8: `scale` (the checkpoint's weight_scale_inv, float32) has one scale per block of `block` (rows,
+    columns) weights, ceil((offset + out or in) / block) of them each way, and `offset` is where the
+    weight starts in its first block (a shard's first row and column modulo the block size); no `scale`
+    is scale 1. Other dtypes take no scale."""
+    check_scale(weight, scale, block, offset)
+    if weight.device.type != "cpu" or weight.dtype not in FORMATS or weight.dim() != 2:
         return None
     kernel = LIBRARY.get()
-    if kernel is None or weight.shape[0] % kernel.lanes:
+    layout = None if kernel is None else panel_layout(kernel, weight, scale, block, offset)
+    if layout is None:
         return None
-    return Panels(kernel, kernel.panels(weight))
+    return Panels(kernel, kernel.panels(weight, layout.width, layout.lead), weight.shape[1], layout)
 
 
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias for the weight `pack` made `panels` of; x: (..., in)."""
-    count, inp, width = panels.weight.shape
-    lead = x.shape[:-1]
-    x = x.reshape(-1, inp)
+    """x @ weight.T + bias for the weight `pack` made `panels` of; x: (..., in), summed in float32 and
+    returned in x's dtype."""
+    count, _, width, _ = panels.weight.shape
+    inp, lead, dtype = panels.inp, x.shape[:-1], x.dtype
+    x = x.reshape(-1, inp).float()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty(*lead, count * width, dtype=x.dtype)
-    panels.kernel.linear_f32(
-        x, x.shape[0], inp, x.stride(0), panels.weight, count * width, width, bias, y, torch.get_num_threads()
-    )
-    return y
+    y = torch.empty(*lead, count * width, dtype=torch.float32)
+    panels.kernel.linear_forward(
+        x, x.shape[0], inp, x.stride(0), panels.weight, FORMATS[panels.weight.dtype], *panels.layout.args(),
+        count * width, width, None if bias is None else bias.float(), y, torch.get_num_threads(),
+    )  # fmt: skip
+    return y.to(dtype)
+
+
+def row_scales(scale: torch.Tensor, rows: int, block_rows: int = BLOCK[0], offset: int = 0) -> torch.Tensor:
+    """Block scales (..., row blocks, column blocks) per row of a shard of `rows` rows starting at
+    `offset` in its first block: (..., rows, column blocks), for `pack` with block (1, block columns)."""
+    return scale.repeat_interleave(block_rows, dim=-2)[..., offset : offset + rows, :]
+
+
+def shard_scale(
+    scale: torch.Tensor, rows: tuple[int, int], columns: tuple[int, int], block: tuple[int, int] = BLOCK
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """For the shard weight[..., rows[0] : rows[1], columns[0] : columns[1]] of a checkpoint tensor whose
+    block scales are `scale` (..., row blocks, column blocks): the scales that cover the shard and its
+    offset into its first block, as `pack` takes them."""
+    (r0, r1), (c0, c1) = rows, columns
+    cut = scale[..., r0 // block[0] : -(-r1 // block[0]), c0 // block[1] : -(-c1 // block[1])]
+    return cut, (r0 % block[0], c0 % block[1])
+
+
+def check_scale(
+    weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], offset: tuple[int, int]
+) -> None:
+    """Raises ValueError where `scale` does not fit `weight` (see `pack`)."""
+    if scale is None:
+        return
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"block scales go with float8_e4m3fn weights, not {weight.dtype}")
+    *stack, out, inp = weight.shape
+    if not all(0 <= o < b for o, b in zip(offset, block, strict=True)):
+        raise ValueError(f"offset {offset} is not inside a block of {block}")
+    blocks = [-(-(o + n) // b) for o, n, b in zip(offset, (out, inp), block, strict=True)]
+    if list(scale.shape) != [*stack, *blocks]:
+        raise ValueError(f"scale of shape {tuple(scale.shape)} for a weight {tuple(weight.shape)} in blocks of "
+                         f"{block} from {offset}: expected {tuple([*stack, *blocks])}")  # fmt: skip
+
+
+def panel_layout(
+    kernel: CpuKernel,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: tuple[int, int],
+    offset: tuple[int, int],
+) -> Layout | None:
+    """The panels' layout for weights (..., out, in) with their block scales (checked), or None where the
+    kernel cannot take them: every panel's columns must share their scales, so the panel width (the
+    kernel's panel, else one vector) must not cross a row block, and column blocks must be whole groups
+    of 4 rows."""
+    *_, out, inp = weight.shape
+    widths = [w for w in (kernel.panel, kernel.lanes) if out % w == 0]
+    if not widths:
+        return None
+    if weight.dtype != torch.float8_e4m3fn or scale is None:
+        g = 4 // weight.element_size()
+        whole = -(-inp // g) * g  # one block: all of k
+        ones = None
+        if weight.dtype == torch.float8_e4m3fn:
+            ones = torch.full((*weight.shape[:-2], out // widths[0], 1), E4M3_SHIFT)
+        return Layout(widths[0], ones, whole, whole, 0)
+    (rows, columns), (row0, column0) = block, offset
+    if columns % 4:
+        return None
+    per_row = row_scales(scale.detach().float(), out, rows, row0)
+    for width in widths:
+        panels = per_row.unflatten(-2, (out // width, width))
+        if torch.equal(panels, panels[..., :1, :].expand_as(panels)):
+            break
+    else:
+        return None
+    multipliers = (panels[..., 0, :] * E4M3_SHIFT).contiguous()
+    if not torch.isfinite(multipliers).all():  # (a scale of 2^8 or more)
+        return None
+    first = columns - column0
+    return Layout(width, multipliers, first, columns, -first % 4)

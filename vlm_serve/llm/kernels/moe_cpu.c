@@ -1,4 +1,4 @@
-/* A mixture-of-experts layer's experts on CPU, float32, in one call: the routed tokens' rows through
+/* A mixture-of-experts layer's experts on CPU, x and y float32, in one call: the routed tokens' rows through
  * their experts, weighted, and summed per token.
  *
  * Pairs (token t, its k-th expert) are numbered t * K + k; `order` lists them grouped by expert, so
@@ -8,31 +8,21 @@
  *     y       = w * (silu(gate) * up) @ w2[e]    (I) @ (I, H)
  * and out[t] is the sum of its pairs' y.
  *
- * The weights are packed once into column panels (tiles.h). At decode batch sizes most experts have a
+ * The weights are packed once into column panels (tiles.h), in their own format (float32, bfloat16,
+ * float16 or FP8 e4m3 with block scales). At decode batch sizes most experts have a
  * row or two and the layer is bound by reading the weights; tasks of one expert each are shared out over
  * the threads, so all threads stream weights at once.
  */
 #include <math.h>
+#include <omp.h>
 
 #include "tiles.h"
 
 #define CHUNK 32    /* rows per task: an expert's weights stay in cache across a task's tiles */
 
-/* y[r] = (silu(gate) * up)(x[r] @ w13) @ w2 for r < nr; gate_up is scratch for MR * 2I floats */
-static inline __attribute__((always_inline)) void
-expert_tile(const float *const *x, int nr, const float *w13, int width13, const float *w2, int width2, int64_t H,
-            int64_t I, float *gate_up, float *const *y) {
-    float *g[MR];
-    for (int r = 0; r < nr; r++) g[r] = gate_up + r * 2 * I;
-    matmul(x, nr, w13, H, 2 * I, width13, g);
-    for (int r = 0; r < nr; r++)
-        for (int64_t i = 0; i < I; i++) g[r][i] = g[r][i] / (1.0f + expf(-g[r][i])) * g[r][I + i];
-    matmul((const float *const *)g, nr, w2, I, H, width2, y);
-}
-
 /* The router's choices, from its logits (T, E_all): each token's top K experts, by logit, weighted by their
  * softmax probabilities (renormalized over the K where `renormalize`); then the pairs of this rank's
- * experts expert_start ... + E grouped by expert in pair order (order, starts: as moe_forward_f32 takes
+ * experts expert_start ... + E grouped by expert in pair order (order, starts: as moe_forward takes
  * them), the other pairs after them. starts: E + 2 entries; expert: scratch for T * K. */
 void moe_route_f32(const float *logits, int64_t T, int64_t E_all, int64_t K, int renormalize, int64_t expert_start,
                    int64_t E, float *weights, int64_t *order, int64_t *starts, int64_t *expert, int threads) {
@@ -66,12 +56,42 @@ void moe_route_f32(const float *logits, int64_t T, int64_t E_all, int64_t K, int
     }
 }
 
+/* y[r] = weight * (silu(gate) * up)(x[r] @ w13) @ w2 for each pair of a task (up to CHUNK pairs of one
+ * expert); gate_up: scratch for CHUNK * 2I floats */
+static inline __attribute__((always_inline)) void
+moe_forward_as(int format, const float *x, int64_t K, const int64_t *order, const int64_t *starts, int64_t ntasks,
+               const int64_t *task_expert, const int64_t *task_row, const float *weights, Weights w13, int width13,
+               Weights w2, int width2, int64_t H, int64_t I, float *ys, float *gate_up) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; i++) {
+        const int64_t e = task_expert[i], r0 = task_row[i];
+        const int64_t rows = starts[e + 1] - r0 < CHUNK ? starts[e + 1] - r0 : CHUNK;
+        const Weights e13 = nth_matrix(format, w13, H, 2 * I, width13, e), e2 = nth_matrix(format, w2, I, H, width2, e);
+        const float *xr[CHUNK];
+        float *g[CHUNK], *yr[CHUNK];
+        for (int64_t r = 0; r < rows; r++)
+            xr[r] = x + order[r0 + r] / K * H, g[r] = gate_up + r * 2 * I, yr[r] = ys + (r0 + r) * H;
+        matmul_rows_as(format, xr, rows, e13, H, 2 * I, width13, g);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < I; i++) g[r][i] = g[r][i] / (1.0f + expf(-g[r][i])) * g[r][I + i];
+        matmul_rows_as(format, (const float *const *)g, rows, e2, I, H, width2, yr);
+        for (int64_t r = 0; r < rows; r++) {
+            const float w = weights[order[r0 + r]];
+            for (int64_t h = 0; h < H; h++) yr[r][h] *= w;
+        }
+    }
+}
+
 /* x, out: (T, H); order: (T * K) pair numbers; starts: (E + 1); weights: (T * K) by pair number;
- * w13: E packed (H, 2I) matrices; w2: E packed (I, H) ones; ys: scratch for (T * K, H) floats;
- * pos: scratch for T * K int64s. */
-void moe_forward_f32(const float *x, int64_t T, int64_t K, const int64_t *order, const int64_t *starts, int64_t E,
-                     const float *weights, const float *w13, int width13, const float *w2, int width2, int64_t H,
-                     int64_t I, float *out, float *ys, int64_t *pos, int threads) {
+ * w13: E (H, 2I) matrices, w2: E (I, H) ones, packed (tiles.h's Weights: data, scale, first, block, lead)
+ * in `format` (W_*); ys: scratch for (T * K, H) floats; pos: scratch for T * K int64s; gate_up: scratch
+ * for threads * CHUNK * 2I floats. */
+void moe_forward(const float *x, int64_t T, int64_t K, const int64_t *order, const int64_t *starts, int64_t E,
+                 const float *weights, int format, const void *w13, const float *scale13, int64_t first13,
+                 int64_t block13, int64_t lead13, int width13, const void *w2, const float *scale2, int64_t first2,
+                 int64_t block2, int64_t lead2, int width2, int64_t H, int64_t I, float *out, float *ys, int64_t *pos,
+                 float *gate_up, int threads) {
+    const Weights p13 = {w13, scale13, first13, block13, lead13}, p2 = {w2, scale2, first2, block2, lead2};
     const int64_t pairs = starts[E];
     int64_t ntasks = 0;
     for (int64_t e = 0; e < E; e++) ntasks += (starts[e + 1] - starts[e] + CHUNK - 1) / CHUNK;
@@ -83,23 +103,9 @@ void moe_forward_f32(const float *x, int64_t T, int64_t K, const int64_t *order,
 
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < ntasks; i++) {
-            const int64_t e = task_expert[i], end = starts[e + 1] < task_row[i] + CHUNK ? starts[e + 1] : task_row[i] + CHUNK;
-            const float *e13 = w13 + e * H * 2 * I, *e2 = w2 + e * I * H;
-            float gate_up[MR * 2 * I];
-            for (int64_t r0 = task_row[i]; r0 < end; r0 += MR) {
-                const int nr = end - r0 < MR ? (int)(end - r0) : MR;
-                const float *xr[MR];
-                float *yr[MR];
-                for (int r = 0; r < nr; r++) xr[r] = x + order[r0 + r] / K * H, yr[r] = ys + (r0 + r) * H;
-                WITH_TILE_HEIGHT(nr, expert_tile(xr, NR, e13, width13, e2, width2, H, I, gate_up, yr));
-                for (int r = 0; r < nr; r++) {
-                    const float w = weights[order[r0 + r]];
-                    for (int64_t h = 0; h < H; h++) yr[r][h] *= w;
-                }
-            }
-        }
+        float *mine = gate_up + omp_get_thread_num() * CHUNK * 2 * I;
+        WITH_FORMAT(format, moe_forward_as(FORMAT, x, K, order, starts, ntasks, task_expert, task_row, weights, p13,
+                                           width13, p2, width2, H, I, ys, mine));
         /* each token's sum over its pairs (the implicit barrier above: every y is written) */
 #pragma omp for schedule(static)
         for (int64_t tok = 0; tok < T; tok++) {

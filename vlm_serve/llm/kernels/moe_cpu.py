@@ -1,4 +1,6 @@
-"""The MoE experts of one layer through moe_cpu.c: float32 on CPU, one call for every expert."""
+"""The MoE experts of one layer through moe_cpu.c on CPU, one call for every expert: the weights packed
+once into column panels in their own format (float32, bfloat16, float16, or FP8 e4m3 with block scales:
+as linear_cpu.py takes them), summed in float32."""
 
 from __future__ import annotations
 
@@ -7,12 +9,18 @@ from dataclasses import dataclass
 import torch
 
 from vlm_serve.llm.kernels import I32, I64, PTR, CpuKernel, KernelLibrary, scratch
+from vlm_serve.llm.kernels.linear_cpu import BLOCK, FORMATS, Layout, check_scale, panel_layout
+
+CHUNK = 32  # moe_cpu.c's rows per task
 
 LIBRARY = KernelLibrary(
     "moe_cpu",
     {
         "moe_route_f32": (None, PTR, I64, I64, I64, I32, I64, I64, PTR, PTR, PTR, PTR, I32),
-        "moe_forward_f32": (None, PTR, I64, I64, PTR, PTR, I64, PTR, PTR, I32, PTR, I32, I64, I64, PTR, PTR, PTR, I32),
+        "moe_forward": (
+            None, PTR, I64, I64, PTR, PTR, I64, PTR, I32, PTR, PTR, I64, I64, I64, I32, PTR, PTR, I64, I64, I64, I32,
+            I64, I64, PTR, PTR, PTR, PTR, I32,
+        ),  # fmt: skip
     },
 )
 
@@ -22,25 +30,43 @@ class PackedExperts:
     """A layer's expert weights in moe_cpu.c's column panels, and the kernel library they are for."""
 
     kernel: CpuKernel
-    w13: torch.Tensor  # (experts, 2I / width13, H, width13)
-    width13: int
-    w2: torch.Tensor  # (experts, H / width2, I, width2)
-    width2: int
+    w13: torch.Tensor  # (experts, 2I / width, groups of H, width, G), the weights' dtype (CpuKernel.panels)
+    layout13: Layout
+    w2: torch.Tensor  # (experts, H / width, groups of I, width, G)
+    layout2: Layout
     hidden: int
     intermediate: int
 
 
-def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | None:
-    """(experts, 2I, H) and (experts, H, I) weights packed for the kernel, or None where it cannot run
-    them (not float32 on CPU, a width not a multiple of the vector width, or no kernel built)."""
-    hidden, intermediate = w13.shape[2], w2.shape[2]
-    if w13.device.type != "cpu" or w13.dtype != torch.float32:
+def pack_experts(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scale13: torch.Tensor | None = None,
+    scale2: torch.Tensor | None = None,
+    block13: tuple[int, int] = BLOCK,
+    block2: tuple[int, int] = BLOCK,
+    offset13: tuple[int, int] = (0, 0),
+    offset2: tuple[int, int] = (0, 0),
+) -> PackedExperts | None:
+    """(experts, 2I, H) and (experts, H, I) weights packed for the kernel in their dtype (both float32,
+    bfloat16, float16 or float8_e4m3fn), or None where it cannot run them (another dtype or device, a
+    width not a multiple of the vector width, FP8 panels that would straddle scale blocks, or no kernel
+    built). FP8 block scales (experts, row blocks, column blocks), blocks and offsets as `linear_cpu.pack`
+    takes them; gate and up stacked in w13 give theirs per row (`linear_cpu.row_scales`, block13 (1,
+    columns))."""
+    check_scale(w13, scale13, block13, offset13)
+    check_scale(w2, scale2, block2, offset2)
+    if w13.device.type != "cpu" or w13.dtype not in FORMATS or w2.dtype != w13.dtype:
         return None
     kernel = LIBRARY.get()
-    if kernel is None or hidden % kernel.lanes or 2 * intermediate % kernel.lanes:
+    if kernel is None:
         return None
-    p13, p2 = kernel.panels(w13), kernel.panels(w2)
-    return PackedExperts(kernel, p13, p13.shape[-1], p2, p2.shape[-1], hidden, intermediate)
+    layout13 = panel_layout(kernel, w13, scale13, block13, offset13)
+    layout2 = panel_layout(kernel, w2, scale2, block2, offset2)
+    if layout13 is None or layout2 is None:
+        return None
+    p13, p2 = kernel.panels(w13, layout13.width, layout13.lead), kernel.panels(w2, layout2.width, layout2.lead)
+    return PackedExperts(kernel, p13, layout13, p2, layout2, w13.shape[2], w2.shape[2])
 
 
 def moe_forward(
@@ -53,7 +79,8 @@ def moe_forward(
 ) -> torch.Tensor:
     """The experts' part of the layer's output, (tokens, hidden): each token's top_k experts by router
     logit, weighted by their softmax probabilities (renormalized over the top_k where `renormalize`),
-    summed; experts held by other ranks (outside expert_start ... + this rank's count) are left out."""
+    summed; experts held by other ranks (outside expert_start ... + this rank's count) are left out. In
+    float32, returned in x's dtype."""
     tokens, experts = x.shape[0], packed.w13.shape[0]
     pairs = tokens * top_k
     kernel, threads = packed.kernel, torch.get_num_threads()
@@ -64,12 +91,15 @@ def moe_forward(
         logits, tokens, logits.shape[1], top_k, renormalize, expert_start, experts, weights, order, starts, chosen,
         threads,
     )  # fmt: skip
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.float32)
     ys, pos = scratch(pairs * packed.hidden, torch.float32), scratch(pairs, torch.int64)
-    x = x.contiguous()
-    kernel.moe_forward_f32(
-        x, tokens, top_k, order, starts, experts, weights, packed.w13, packed.width13, packed.w2, packed.width2,
-        packed.hidden, packed.intermediate, out, ys, pos, threads,
+    gate_up = scratch(threads * CHUNK * 2 * packed.intermediate, torch.float32, "gate_up")
+    dtype, x = x.dtype, x.float().contiguous()
+    l13, l2 = packed.layout13, packed.layout2
+    kernel.moe_forward(
+        x, tokens, top_k, order, starts, experts, weights, FORMATS[packed.w13.dtype], packed.w13, *l13.args(),
+        l13.width, packed.w2, *l2.args(), l2.width, packed.hidden, packed.intermediate, out, ys, pos, gate_up,
+        threads,
     )  # fmt: skip
-    return out
+    return out.to(dtype)
 

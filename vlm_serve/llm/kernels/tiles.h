@@ -19,44 +19,155 @@
 
 BASELINE int kernel_panel(void) { return PANEL; }
 
-/* Floats a tile of two rows or more reads its panel ahead of itself with software prefetches: 1 KB where
- * a k-step reads one cache line (AVX2, NEON) or less, none where it reads four (AVX-512). Measured on an
- * AMD EPYC, one thread, weights from memory: with AVX2 the hardware prefetcher alone leaves 4 or 16 rows
- * reading 12 and 6.8 GB/s of weights, with these 13-16 and 8.1-9.1; one row gains nothing; with
- * AVX-512 they cost a third. */
-#define PREFETCH_AHEAD (PANEL <= 16 ? 256 : 0)
+/* The formats a panel's weights are stored in. The kernels read them as stored, widen them to float32 in
+ * registers and accumulate in float32 (x and y stay float32): at decode batch sizes the products are
+ * bound by reading the weights, so fewer bytes per weight are that much faster.
+ *
+ * A panel of a 2- or 1-byte format holds its k rows in groups of G = 2 or 4 (4 / bytes per weight): one
+ * 32-bit lane holds a column's G weights of the group, so one vector load brings G rows' weights for
+ * LANES columns, and each row is had from it with shifts and masks on whole lanes (no widening loads,
+ * which GCC's vector extensions compile to shuffles beyond 128 bits). Panels are padded with zero rows to
+ * whole groups, `lead` of them before row 0 (W_E4M3: so that scale blocks start on a group).
+ * - W_BF16: the top half of a float32: row 0's half shifted up 16 bits, row 1's masked.
+ * - W_F16 and W_E4M3 (FP8: 4 exponent bits, 3 mantissa bits, bias 7): the bits after the sign are put
+ *   where the lowest exponent bit lands on float32's (bit 13 or 20) and the sign on bit 31 (one
+ *   arithmetic shift right, a mask): a float32 with the same mantissa and an exponent short by the
+ *   difference of the biases (112, 120), so one multiply by 2^112 or 2^120 gives the value, subnormals
+ *   included (they become float32 subnormals, which the multiply scales back exactly unless the CPU
+ *   flushes denormals: torch and C leave that off). For W_E4M3 the multiplier is the block scale times
+ *   2^120, one per panel and block of k. Infinities and NaNs are not decoded as such (e4m3fn's NaN
+ *   becomes 480 * scale): checkpoints hold none.
+ * AVX-512-BF16's dot products are not used: they take x in bfloat16 as well, which loses float32 x's
+ * precision. */
+#define W_F32 0
+#define W_BF16 1
+#define W_F16 2
+#define W_E4M3 3
 
-/* c[r][0 : nv * LANES] = a[r][0 : k] @ panel (k, nv * LANES) for r < nr */
+static inline int format_bytes(int format) { return format == W_F32 ? 4 : format == W_E4M3 ? 1 : 2; }
+
+/* A (k, n) matrix of weights in panels, as the products below read it. */
+typedef struct {
+    const void *data;     /* n / width panels of (lead + k) / G groups, rounded up, of (width, G) weights */
+    const float *scale;   /* W_E4M3: per panel, its multiplier for each block of k (scale * 2^120); else NULL */
+    int64_t first, block; /* W_E4M3: k rows of the first block and of every later one (the last may be
+                             shorter; lead + first and block are whole groups); else k and k */
+    int64_t lead;         /* zero rows before row 0 */
+} Weights;
+
+/* a float32 matrix: one block of k, no scales */
+static inline Weights plain(const float *w, int64_t k) { return (Weights){w, NULL, k, k, 0}; }
+
+typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
+
+/* row j of a group, from the LANES lanes that hold its columns' weights: as float32, times m where the
+ * format needs it */
+static inline __attribute__((always_inline)) vec unpack(int format, uvec bits, int j, vec m) {
+    if (format == W_BF16) {
+        bits = j == 0 ? bits << 16 : bits & 0xFFFF0000u;
+    } else if (format == W_F16) {
+        const ivec s = (ivec)(j == 0 ? bits << 16 : bits);
+        bits = (uvec)(s >> 3) & 0x8FFFE000u;
+    } else if (format == W_E4M3) {
+        const ivec s = (ivec)(bits << (24 - 8 * j));
+        bits = (uvec)(s >> 4) & 0x87F00000u;
+    }
+    vec v;
+    memcpy(&v, &bits, sizeof v);
+    return format == W_F16 || format == W_E4M3 ? v * m : v;
+}
+
+/* Bytes a tile of two rows or more reads its panel ahead of itself with software prefetches: 1 KB where
+ * a group of k rows is one cache line (AVX2 and NEON) or less, none where it is four (AVX-512). Measured
+ * on an AMD EPYC, one thread, float32 weights from memory: with AVX2 the hardware prefetcher alone
+ * leaves 4 or 16 rows reading 12 and 6.8 GB/s of weights, with these 13-16 and 8.1-9.1; one row gains
+ * nothing; with AVX-512 they cost a third. */
+#define PREFETCH_AHEAD (PANEL <= 16 ? 1024 : 0)
+
+/* acc[r] += a[r][p0 + j] * the group's row j, for j0 <= j < j1 and r < nr: the group of k rows whose
+ * first row is p0, at w */
 static inline __attribute__((always_inline)) void
-tile(const float *const *a, int nr, const float *panel, int64_t k, int nv, float *const *c) {
-    vec acc[MR][NV] = {{{0}}};
-    for (int64_t p = 0; p < k; p++) {
-        if (PREFETCH_AHEAD && nr > 1) __builtin_prefetch(panel + p * nv * LANES + PREFETCH_AHEAD, 0, 3);
+group(int format, vec acc[MR][NV], const float *const *a, int nr, const char *w, int64_t p0, int j0, int j1,
+      vec m, int nv) {
+    for (int j = j0; j < j1; j++) {
         vec b[NV];
         for (int v = 0; v < nv; v++) {
-            b[v] = load(panel + p * nv * LANES + v * LANES);
+            uvec bits;
+            memcpy(&bits, w + v * LANES * 4, sizeof bits);
+            b[v] = unpack(format, bits, j, m);
             IN_REGISTER(b[v]);
         }
         for (int r = 0; r < nr; r++) {
-            const vec ar = splat(a[r][p]);
+            const vec ar = splat(a[r][p0 + j]);
             for (int v = 0; v < nv; v++) acc[r][v] += ar * b[v];
+        }
+    }
+}
+
+/* c[r][0 : nv * LANES] = a[r][0 : k] @ panel (k, nv * LANES) for r < nr (+ c[r] where `accumulate`),
+ * the panel in `format`, `scale` its multipliers (W_E4M3). Each row's sum runs over k in order, whatever
+ * nr is: a row's result does not depend on the rows batched with it. */
+static inline __attribute__((always_inline)) void
+tile(int format, const float *const *a, int nr, const void *panel, const float *scale, int64_t first,
+     int64_t block, int64_t lead, int64_t k, int nv, float *const *c, int accumulate) {
+    const int G = 4 / format_bytes(format);
+    const int64_t groups = (lead + k + G - 1) / G, row = nv * LANES * 4; /* bytes per group */
+    const int64_t whole0 = lead > 0, whole1 = (lead + k) / G;         /* the groups of G rows of k */
+    const char *w = panel;
+    vec acc[MR][NV] = {{{0}}};
+    if (accumulate)
+        for (int r = 0; r < nr; r++)
+            for (int v = 0; v < nv; v++) acc[r][v] = load(c[r] + v * LANES);
+    /* blocks of k, in groups */
+    for (int64_t g0 = 0, g1 = (lead + first) / G < groups ? (lead + first) / G : groups; g0 < groups;
+         g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups) {
+        const vec m = splat(format == W_E4M3 ? *scale++ : 0x1p112f);
+        for (int64_t g = g0; g < g1;) {
+            if (g >= whole0 && g < whole1) {
+                for (const int64_t end = g1 < whole1 ? g1 : whole1; g < end; g++) {
+                    if (PREFETCH_AHEAD && nr > 1) __builtin_prefetch(w + g * row + PREFETCH_AHEAD, 0, 3);
+                    group(format, acc, a, nr, w + g * row, g * G - lead, 0, G, m, nv);
+                }
+            } else { /* the first or last group, in part */
+                const int64_t p0 = g * G - lead;
+                group(format, acc, a, nr, w + g * row, p0, p0 < 0 ? -p0 : 0, k - p0 < G ? k - p0 : G, m, nv);
+                g++;
+            }
         }
     }
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
 }
 
-/* c[r][0 : n] = a[r][0 : k] @ the packed (k, n) matrix w (panels `width` columns wide), r < nr <= MR */
+/* matrix i of a stack of (k, n) matrices in panels `width` wide (panel i of a matrix: n = width) */
+static inline Weights nth_matrix(int format, Weights w, int64_t k, int64_t n, int width, int64_t i) {
+    const int G = 4 / format_bytes(format);
+    const int64_t groups = (w.lead + k + G - 1) / G;
+    const int64_t blocks = format != W_E4M3 || k <= w.first ? 1 : 1 + (k - w.first + w.block - 1) / w.block;
+    w.data = (const char *)w.data + i * groups * n * 4;
+    w.scale = format == W_E4M3 ? w.scale + i * n / width * blocks : NULL;
+    return w;
+}
+
+/* c[r][0 : n] = a[r][0 : k] @ the (k, n) matrix w, panels `width` columns wide, stored in `format`;
+ * r < nr <= MR */
 static inline __attribute__((always_inline)) void
-matmul(const float *const *a, int nr, const float *w, int64_t k, int64_t n, int width, float *const *c) {
+matmul_as(int format, const float *const *a, int nr, Weights w, int64_t k, int64_t n, int width, float *const *c) {
     for (int64_t j = 0; j < n; j += width) {
         float *cj[MR];
         for (int r = 0; r < nr; r++) cj[r] = c[r] + j;
+        const Weights panel = nth_matrix(format, w, k, width, width, j / width);
         if (width == PANEL)
-            tile(a, nr, w + j * k, k, NV, cj);
+            tile(format, a, nr, panel.data, panel.scale, w.first, w.block, w.lead, k, NV, cj, 0);
         else
-            tile(a, nr, w + j * k, k, 1, cj);
+            tile(format, a, nr, panel.data, panel.scale, w.first, w.block, w.lead, k, 1, cj, 0);
     }
+}
+
+/* matmul_as for a float32 matrix w, packed in panels */
+static inline __attribute__((always_inline)) void
+matmul(const float *const *a, int nr, const float *w, int64_t k, int64_t n, int width, float *const *c) {
+    matmul_as(W_F32, a, nr, plain(w, k), k, n, width, c);
 }
 
 /* Runs the statements with the constant NR equal to nr (1 ... MR): a copy of them per tile height, each
@@ -71,12 +182,80 @@ matmul(const float *const *a, int nr, const float *w, int64_t k, int64_t n, int 
         default: { const int NR = MR; __VA_ARGS__; } break;           \
     }
 
-/* matmul over any number of rows, MR at a time */
+/* Runs the statements with the constant FORMAT equal to format: a copy of them per weight format. */
+#define WITH_FORMAT(format, ...)                                      \
+    switch (format) {                                                 \
+        case W_BF16: { const int FORMAT = W_BF16; __VA_ARGS__; } break; \
+        case W_F16: { const int FORMAT = W_F16; __VA_ARGS__; } break;   \
+        case W_E4M3: { const int FORMAT = W_E4M3; __VA_ARGS__; } break; \
+        default: { const int FORMAT = W_F32; __VA_ARGS__; } break;      \
+    }
+
+/* Rows per tile that reads its panel as stored: one fewer than MR where 16 registers would not hold
+ * the accumulators and a format's mask and multiplier as well. */
+#define TILE_ROWS(format) (REGISTERS < 32 && ((format) == W_F16 || (format) == W_E4M3) ? MR - 1 : MR)
+#define WIDE_ROWS 256 /* rows of k a product of more rows than a tile widens at once (whole groups) */
+
+/* The rows of panel w (a (k, nv * LANES) matrix, see nth_matrix) that lie in its rows q0 <= q < q1
+ * (q0, q1: whole groups; q counts the lead rows), as float32: out[(p - *p0) * nv * LANES + ...] for
+ * *p0 <= p < *p1, each value what tile() multiplies with. */
+static inline __attribute__((always_inline)) void
+widen(int format, Weights w, int64_t k, int64_t q0, int64_t q1, int nv, float *out, int64_t *p0, int64_t *p1) {
+    const int G = 4 / format_bytes(format);
+    const int64_t row = nv * LANES * 4, head = (w.lead + w.first) / G, per = w.block / G;
+    *p0 = q0 - w.lead > 0 ? q0 - w.lead : 0;
+    *p1 = q1 - w.lead < k ? q1 - w.lead : k;
+    for (int64_t g = q0 / G; g < q1 / G && g * G - w.lead < k; g++) {
+        const vec m = splat(format == W_E4M3 ? w.scale[g < head ? 0 : 1 + (g - head) / per] : 0x1p112f);
+        for (int j = 0; j < G; j++) {
+            const int64_t p = g * G + j - w.lead;
+            if (p < 0 || p >= k) continue;
+            for (int v = 0; v < nv; v++) {
+                uvec bits;
+                memcpy(&bits, (const char *)w.data + g * row + v * LANES * 4, sizeof bits);
+                store(out + (p - *p0) * nv * LANES + v * LANES, unpack(format, bits, j, m));
+            }
+        }
+    }
+}
+
+/* matmul_as over any number of rows. Up to a tile's rows the panels are read as stored; more rows
+ * than that would widen each weight once per tile, so each panel is widened to float32 once, WIDE_ROWS
+ * rows of k at a time, for all the tiles (the same values summed in the same order: the rows' results
+ * do not depend on which way they went). */
+static inline __attribute__((always_inline)) void
+matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width,
+               float *const *c) {
+    const int tile_rows = TILE_ROWS(format);
+    if (format == W_F32 || rows <= tile_rows) {
+        for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+            WITH_TILE_HEIGHT(rows - r0 < tile_rows ? rows - r0 : tile_rows,
+                             matmul_as(format, a + r0, NR, w, k, n, width, c + r0));
+        }
+        return;
+    }
+    float wide[WIDE_ROWS * PANEL];
+    for (int64_t j = 0; j < n; j += width) {
+        const Weights panel = nth_matrix(format, w, k, width, width, j / width);
+        for (int64_t q0 = 0; q0 < w.lead + k; q0 += WIDE_ROWS) {
+            int64_t p0, p1;
+            widen(format, panel, k, q0, q0 + WIDE_ROWS, width / LANES, wide, &p0, &p1);
+            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                const float *ar[MR] = {0};
+                float *cr[MR] = {0};
+                for (int r = 0; r < MR && r0 + r < rows; r++) ar[r] = a[r0 + r] + p0, cr[r] = c[r0 + r] + j;
+                WITH_TILE_HEIGHT(rows - r0 < MR ? rows - r0 : MR,
+                    if (width == PANEL) tile(W_F32, ar, NR, wide, NULL, p1 - p0, p1 - p0, 0, p1 - p0, NV, cr, p0 > 0);
+                    else tile(W_F32, ar, NR, wide, NULL, p1 - p0, p1 - p0, 0, p1 - p0, 1, cr, p0 > 0));
+            }
+        }
+    }
+}
+
+/* matmul_rows_as for a float32 matrix */
 static inline __attribute__((always_inline)) void
 matmul_rows(const float *const *a, int64_t rows, const float *w, int64_t k, int64_t n, int width, float *const *c) {
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        WITH_TILE_HEIGHT(rows - r0 < MR ? rows - r0 : MR, matmul(a + r0, NR, w, k, n, width, c + r0));
-    }
+    matmul_rows_as(W_F32, a, rows, plain(w, k), k, n, width, c);
 }
 
 #endif

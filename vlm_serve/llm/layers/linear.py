@@ -38,7 +38,8 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.load
         else:
             self.register_parameter("bias", None)
-        # the weight as `prepack` leaves it on CPU: the C kernel's panels, else oneDNN's blocked layout
+        # the weight as `prepack` leaves it on CPU: the C kernel's panels (in the weight's dtype), else
+        # oneDNN's blocked layout (float32)
         self.panels: linear_cpu.Panels | None = None
         self.packed: torch.Tensor | None = None
 

@@ -123,8 +123,9 @@ class SparseMoeBlock(nn.Module):
         self.w2.data.copy_(local[:, :, cols])
 
     def prepack(self) -> None:
-        """The experts in the CPU kernel's layout (float32 CPU, where the kernel builds). At decode batch
-        sizes it reads the weights 3-4x faster than a matmul per expert."""
+        """The experts in the CPU kernel's layout, in their dtype (float32, bfloat16, float16, or FP8 with
+        its scales, on CPU, where the kernel builds). At decode batch sizes it reads the weights 3-4x faster
+        than a matmul per expert."""
         if self.w13.dtype == FP8_DTYPE:
             if self.w13_scale is None or self.w2_scale is None:
                 raise ValueError("FP8 experts came without their weight_scale_inv")
