@@ -67,13 +67,13 @@ def test_weights_stay_bfloat16_and_activations_float32(bf16):
     assert {p.dtype for p in norms} == {torch.float32}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_logits_and_greedy_tokens_match_transformers_on_the_same_weights(bf16, video_path, case):
-    arch, path, engine = bf16
-    processed = engine.processor.process_messages(_conversations(video_path)[case], add_generation_prompt=True)
+def assert_computes_as_transformers_in_float32(engine: Engine, hf_class: type, reference: Path, conversation: list) -> None:
+    """Prefill logits to float32 rounding, and 16 greedy tokens, as transformers' model of `reference`
+    (a checkpoint holding the same real weights) computes them in float32."""
+    processed = engine.processor.process_messages(conversation, add_generation_prompt=True)
     inputs = _hf_inputs(engine, processed)
     ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
-    exact = HF_CLASSES[arch].from_pretrained(path, dtype=torch.float32).eval()
+    exact = hf_class.from_pretrained(reference, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = exact(**inputs).logits[0]
         generated = exact.generate(**inputs, max_new_tokens=16, do_sample=False, min_new_tokens=16)
@@ -81,12 +81,26 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_same_weights(bf16, v
     out = engine.generate_processed([processed], max_tokens=16, temperature=0, ignore_eos=True)[0]
     assert out.token_ids == generated[0, len(processed.input_ids) :].tolist()
 
-    rounded = HF_CLASSES[arch].from_pretrained(path, dtype=torch.bfloat16).eval()
-    bf16_inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
+
+def assert_within_rounding_of_transformers_in_bfloat16(engine: Engine, hf_class: type, path: Path, conversation: list) -> None:
+    """Prefill logits within bfloat16's rounding (amplified by the random model) of transformers' model of
+    the checkpoint loaded in bfloat16 (an FP8 one through transformers' own FP8 loading)."""
+    processed = engine.processor.process_messages(conversation, add_generation_prompt=True)
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _hf_inputs(engine, processed).items()}
+    ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
+    rounded = hf_class.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        theirs = rounded(**bf16_inputs).logits[0].float()
+        theirs = rounded(**inputs).logits[0].float()
     assert (ours - theirs).abs().mean() < 0.1 * theirs.std()
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.85
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_greedy_tokens_match_transformers_on_the_same_weights(bf16, video_path, case):
+    arch, path, engine = bf16
+    conversation = _conversations(video_path)[case]
+    assert_computes_as_transformers_in_float32(engine, HF_CLASSES[arch], path, conversation)
+    assert_within_rounding_of_transformers_in_bfloat16(engine, HF_CLASSES[arch], path, conversation)
 
 
 def test_float32_upcasts_the_weights_and_answers_alike(bf16):
@@ -179,29 +193,13 @@ def test_fp8_weights_stay_fp8_with_their_scales(fp8):
 @pytest.mark.parametrize("case", CASES)
 def test_fp8_logits_and_greedy_tokens_match_transformers_on_the_dequantized_weights(fp8, video_path, case):
     arch, _, reference, engine = fp8
-    processed = engine.processor.process_messages(_conversations(video_path)[case], add_generation_prompt=True)
-    inputs = _hf_inputs(engine, processed)
-    ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
-    exact = HF_CLASSES[arch].from_pretrained(reference, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = exact(**inputs).logits[0]
-        generated = exact.generate(**inputs, max_new_tokens=16, do_sample=False, min_new_tokens=16)
-    assert (ours - ref).abs().max() < 1e-4 * ref.abs().max()
-    out = engine.generate_processed([processed], max_tokens=16, temperature=0, ignore_eos=True)[0]
-    assert out.token_ids == generated[0, len(processed.input_ids) :].tolist()
+    assert_computes_as_transformers_in_float32(engine, HF_CLASSES[arch], reference, _conversations(video_path)[case])
 
 
 def test_fp8_logits_are_within_rounding_of_transformers_own_fp8_loading(fp8, video_path, transformers_reads_fp8_experts):
     pytest.importorskip("accelerate", reason="transformers' FP8 loading needs accelerate (the test extra has it)")
     arch, path, _, engine = fp8
-    theirs_model = HF_CLASSES[arch].from_pretrained(path, dtype=torch.bfloat16).eval()
-    processed = engine.processor.process_messages(_conversations(video_path)["one_image"], add_generation_prompt=True)
-    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _hf_inputs(engine, processed).items()}
-    ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
-    with torch.no_grad():
-        theirs = theirs_model(**inputs).logits[0].float()
-    assert (ours - theirs).abs().mean() < 0.1 * theirs.std()
-    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.85
+    assert_within_rounding_of_transformers_in_bfloat16(engine, HF_CLASSES[arch], path, _conversations(video_path)["one_image"])
 
 
 def test_the_server_serves_an_fp8_checkpoint_as_the_engine(tiny_fp8_dirs, video_path):
