@@ -255,62 +255,70 @@ def in_format(torch, weight, name: str):
 
 
 def bench_formats(torch, repeats: int, bandwidth: float) -> None:
-    print("weight formats: ms per call (GB/s of weights read), speed-up over float32")
+    from vlm_serve.llm.kernels import linear_cpu, moe_cpu
+
+    print("weight formats: ms per call (GB/s of weights read), speed-up over float32; the formats' calls "
+          "alternate, so that they share the machine's other load alike")  # fmt: skip
     print(f"{'':<40}{'rows':>5}" + "".join(f"{FORMAT_NAMES[name]:>24}" for name in FORMAT_NAMES))
     out = inp = 4096
-    runs = {name: linear_in_format(torch, repeats, out, inp, name) for name in FORMAT_NAMES}
+    packed, sizes = {}, {}
+    for name in FORMAT_NAMES:
+        count = copies_for(out * inp * torch.empty(0, dtype=getattr(torch, name)).element_size())
+        packed[name] = [linear_cpu.pack(*in_format(torch, torch.randn(out, inp) * inp**-0.5, name))
+                        for _ in range(count)]  # fmt: skip
+        sizes[name] = nbytes(packed[name][0].weight, packed[name][0].layout.scale)
     for i, rows in enumerate(FORMAT_ROWS):
+        x = torch.randn(rows, inp)
+        calls = {name: (lambda i, p=p: linear_cpu.linear(x, p[i % len(p)], None)) for name, p in packed.items()}
+        times = timed_together(repeats, calls)
         label = f"linear {out} x {inp}" if i == 0 else ""
         print(f"{label:<40}{rows:>5}" + "".join(
-            format_cell(runs[name][1][i], runs[name][0], runs["float32"][1][i]) for name in FORMAT_NAMES))  # fmt: skip
-    print(f"{'  weights in memory, MB':<45}" + "".join(f"{runs[name][0] / 1e6:>24.1f}" for name in FORMAT_NAMES))
+            format_cell(times[name], sizes[name], times["float32"]) for name in FORMAT_NAMES))  # fmt: skip
+    print(f"{'  weights in memory, MB':<45}" + "".join(f"{sizes[name] / 1e6:>24.1f}" for name in FORMAT_NAMES))
+    del packed
 
     hidden, inter = MOE_235B_TP8
-    runs = {name: experts_in_format(torch, repeats, hidden, inter, name) for name in FORMAT_NAMES}
+    experts, sizes = {}, {}
+    for name in FORMAT_NAMES:
+        generator = torch.Generator().manual_seed(0)
+        w13 = torch.randn(EXPERTS, 2 * inter, hidden, generator=generator) * hidden**-0.5
+        w2 = torch.randn(EXPERTS, hidden, inter, generator=generator) * inter**-0.5
+        (w13, s13), (w2, s2) = in_format(torch, w13, name), in_format(torch, w2, name)
+        experts[name] = moe_cpu.pack_experts(w13, w2, s13, s2)
+        del w13, w2
+        e = experts[name]
+        sizes[name] = nbytes(e.w13, e.layout13.scale) + nbytes(e.w2, e.layout2.scale)
     for i, tokens in enumerate(FORMAT_ROWS):
-        label = f"MoE experts H {hidden} I {inter} x{EXPERTS}, top {TOP_K}" if i == 0 else ""
-        print(f"{label:<40}{tokens:>5}" + "".join(
-            format_cell(runs[name][1][i][0], runs[name][0] * runs[name][1][i][1], runs["float32"][1][i][0])
-            for name in FORMAT_NAMES))  # fmt: skip
-    print(f"{'  weights in memory, MB':<45}" + "".join(f"{runs[name][0] / 1e6:>24.1f}" for name in FORMAT_NAMES))
-    print(f"(memory read roof: {bandwidth:.1f} GB/s)\n")
-
-
-def linear_in_format(torch, repeats: int, out: int, inp: int, name: str) -> tuple[int, list[float]]:
-    """Bytes of an (out, in) weight packed in format `name`, and seconds per call at each of FORMAT_ROWS."""
-    from vlm_serve.llm.kernels import linear_cpu
-
-    count = copies_for(out * inp * torch.empty(0, dtype=getattr(torch, name)).element_size())
-    packed = [linear_cpu.pack(*in_format(torch, torch.randn(out, inp) * inp**-0.5, name)) for _ in range(count)]
-    nbytes = packed[0].weight.nbytes + (0 if packed[0].layout.scale is None else packed[0].layout.scale.nbytes)
-    times = []
-    for rows in FORMAT_ROWS:
-        x = torch.randn(rows, inp)
-        times.append(timed(repeats, lambda i: linear_cpu.linear(x, packed[i % count], None)))
-    return nbytes, times
-
-
-def experts_in_format(torch, repeats: int, hidden: int, inter: int, name: str) -> tuple[int, list]:
-    """Bytes of EXPERTS experts packed in format `name`, and (seconds per call, the share of experts a
-    call reads) at each of FORMAT_ROWS tokens."""
-    from vlm_serve.llm.kernels import moe_cpu
-
-    generator = torch.Generator().manual_seed(0)
-    w13, s13 = in_format(torch, torch.randn(EXPERTS, 2 * inter, hidden, generator=generator) * hidden**-0.5, name)
-    w2, s2 = in_format(torch, torch.randn(EXPERTS, hidden, inter, generator=generator) * inter**-0.5, name)
-    packed = moe_cpu.pack_experts(w13, w2, s13, s2)
-    del w13, w2
-    tensors = (packed.w13, packed.w2, packed.layout13.scale, packed.layout2.scale)
-    nbytes = sum(t.nbytes for t in tensors if t is not None)
-    runs = []
-    for tokens in FORMAT_ROWS:
         # new tokens every call, as in decode: other experts, not the ones the last call left in cache
         xs = [torch.randn(tokens, hidden) for _ in range(repeats + 3)]
         logits = [torch.randn(tokens, EXPERTS) for _ in range(repeats + 3)]
-        active = sum(torch.topk(g, TOP_K).indices.unique().numel() for g in logits) / len(logits)
-        t = timed(repeats, lambda i: moe_cpu.moe_forward(xs[i], logits[i], TOP_K, True, 0, packed))
-        runs.append((t, active / EXPERTS))
-    return nbytes, runs
+        active = sum(torch.topk(g, TOP_K).indices.unique().numel() for g in logits) / len(logits) / EXPERTS
+        calls = {name: (lambda i, e=e: moe_cpu.moe_forward(xs[i], logits[i], TOP_K, True, 0, e))
+                 for name, e in experts.items()}  # fmt: skip
+        times = timed_together(repeats, calls)
+        label = f"MoE experts H {hidden} I {inter} x{EXPERTS}, top {TOP_K}" if i == 0 else ""
+        print(f"{label:<40}{tokens:>5}" + "".join(
+            format_cell(times[name], sizes[name] * active, times["float32"]) for name in FORMAT_NAMES))  # fmt: skip
+    print(f"{'  weights in memory, MB':<45}" + "".join(f"{sizes[name] / 1e6:>24.1f}" for name in FORMAT_NAMES))
+    print(f"(memory read roof: {bandwidth:.1f} GB/s)\n")
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.nbytes for t in tensors if t is not None)
+
+
+def timed_together(repeats: int, runs: dict) -> dict[str, float]:
+    """`timed` for several runs at once, their calls alternating: median seconds of each."""
+    for i in range(3):
+        for run in runs.values():
+            run(i)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(3, repeats + 3):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run(i)
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def format_cell(t: float, nbytes: float, t_float32: float) -> str:

@@ -77,12 +77,14 @@ static inline __attribute__((always_inline)) vec unpack(int format, uvec bits, i
     return format == W_F16 || format == W_E4M3 ? v * m : v;
 }
 
-/* Bytes a tile of two rows or more reads its panel ahead of itself with software prefetches: 1 KB where
- * a group of k rows is one cache line (AVX2 and NEON) or less, none where it is four (AVX-512). Measured
- * on an AMD EPYC, one thread, float32 weights from memory: with AVX2 the hardware prefetcher alone
- * leaves 4 or 16 rows reading 12 and 6.8 GB/s of weights, with these 13-16 and 8.1-9.1; one row gains
- * nothing; with AVX-512 they cost a third. */
-#define PREFETCH_AHEAD (PANEL <= 16 ? 1024 : 0)
+/* Bytes a tile reads its panel ahead of itself with software prefetches, where a group of k rows is one
+ * cache line (AVX2 and NEON) or less; none where it is four (AVX-512: with float32 they cost a third).
+ * Measured on an AMD EPYC, one thread, weights from memory. Float32: 1 KB from two rows on: with AVX2
+ * the hardware prefetcher alone leaves 4 or 16 rows reading 12 and 6.8 GB/s of weights, with these
+ * 13-16 and 8.1-9.1; one row gains nothing. Narrower formats, whose cache lines hold 2 or 4 rows of k:
+ * 2 KB at every tile height: one row read 8.7-10.2 GB/s of bfloat16 and 6.5-8.5 of FP8 without, 10-11.6
+ * and 8.8-9.5 with them. */
+#define PREFETCH_AHEAD(format, nr) (PANEL > 16 ? 0 : (format) != W_F32 ? 2048 : (nr) > 1 ? 1024 : 0)
 
 /* acc[r] += a[r][p0 + j] * the group's row j, for j0 <= j < j1 and r < nr: the group of k rows whose
  * first row is p0, at w */
@@ -125,7 +127,7 @@ tile(int format, const float *const *a, int nr, const void *panel, const float *
         for (int64_t g = g0; g < g1;) {
             if (g >= whole0 && g < whole1) {
                 for (const int64_t end = g1 < whole1 ? g1 : whole1; g < end; g++) {
-                    if (PREFETCH_AHEAD && nr > 1) __builtin_prefetch(w + g * row + PREFETCH_AHEAD, 0, 3);
+                    if (PREFETCH_AHEAD(format, nr)) __builtin_prefetch(w + g * row + PREFETCH_AHEAD(format, nr), 0, 3);
                     group(format, acc, a, nr, w + g * row, g * G - lead, 0, G, m, nv);
                 }
             } else { /* the first or last group, in part */
@@ -196,57 +198,81 @@ matmul(const float *const *a, int nr, const float *w, int64_t k, int64_t n, int 
 #define TILE_ROWS(format) (REGISTERS < 32 && ((format) == W_F16 || (format) == W_E4M3) ? MR - 1 : MR)
 #define WIDE_ROWS 256 /* rows of k a product of more rows than a tile widens at once (whole groups) */
 
+/* out[(p0 + j - o0) * nv * LANES + ...] = row j of the group at w, for j0 <= j < j1, as float32 */
+static inline __attribute__((always_inline)) void
+widen_group(int format, const char *w, int j0, int j1, vec m, int nv, float *out) {
+    for (int j = j0; j < j1; j++)
+        for (int v = 0; v < nv; v++) {
+            uvec bits;
+            memcpy(&bits, w + v * LANES * 4, sizeof bits);
+            store(out + (j - j0) * nv * LANES + v * LANES, unpack(format, bits, j, m));
+        }
+}
+
 /* The rows of panel w (a (k, nv * LANES) matrix, see nth_matrix) that lie in its rows q0 <= q < q1
  * (q0, q1: whole groups; q counts the lead rows), as float32: out[(p - *p0) * nv * LANES + ...] for
  * *p0 <= p < *p1, each value what tile() multiplies with. */
 static inline __attribute__((always_inline)) void
 widen(int format, Weights w, int64_t k, int64_t q0, int64_t q1, int nv, float *out, int64_t *p0, int64_t *p1) {
     const int G = 4 / format_bytes(format);
-    const int64_t row = nv * LANES * 4, head = (w.lead + w.first) / G, per = w.block / G;
+    const int64_t groups = (w.lead + k + G - 1) / G, row = nv * LANES * 4;
+    const int64_t end = q1 / G < groups ? q1 / G : groups;
+    const float *scale = w.scale;
     *p0 = q0 - w.lead > 0 ? q0 - w.lead : 0;
     *p1 = q1 - w.lead < k ? q1 - w.lead : k;
-    for (int64_t g = q0 / G; g < q1 / G && g * G - w.lead < k; g++) {
-        const vec m = splat(format == W_E4M3 ? w.scale[g < head ? 0 : 1 + (g - head) / per] : 0x1p112f);
-        for (int j = 0; j < G; j++) {
-            const int64_t p = g * G + j - w.lead;
-            if (p < 0 || p >= k) continue;
-            for (int v = 0; v < nv; v++) {
-                uvec bits;
-                memcpy(&bits, (const char *)w.data + g * row + v * LANES * 4, sizeof bits);
-                store(out + (p - *p0) * nv * LANES + v * LANES, unpack(format, bits, j, m));
-            }
+    /* blocks of k, in groups, as tile() walks them */
+    for (int64_t g0 = 0, g1 = (w.lead + w.first) / G < groups ? (w.lead + w.first) / G : groups; g0 < end;
+         g0 = g1, g1 = groups - g1 > w.block / G ? g1 + w.block / G : groups, scale++) {
+        if (g1 <= q0 / G) continue;
+        const vec m = splat(format == W_E4M3 ? *scale : 0x1p112f);
+        for (int64_t g = g0 > q0 / G ? g0 : q0 / G; g < g1 && g < end; g++) {
+            const int64_t p = g * G - w.lead; /* the group's first row */
+            float *to = out + (p - *p0) * nv * LANES;
+            if (p >= 0 && p + G <= k)
+                widen_group(format, (const char *)w.data + g * row, 0, G, m, nv, to);
+            else /* the first or last group, in part */
+                widen_group(format, (const char *)w.data + g * row, p < 0 ? -p : 0, k - p < G ? k - p : G, m, nv,
+                            p < 0 ? out : to);
         }
     }
 }
 
-/* matmul_as over any number of rows. Up to a tile's rows the panels are read as stored; more rows
- * than that would widen each weight once per tile, so each panel is widened to float32 once, WIDE_ROWS
- * rows of k at a time, for all the tiles (the same values summed in the same order: the rows' results
- * do not depend on which way they went). */
+/* matmul_as over any number of rows. Up to a tile's rows, each panel is read once, as stored. More
+ * rows go over each panel WIDE_ROWS rows of k at a time, all their tiles over one stretch while it is
+ * in L1: float32 and bfloat16 as they are (widening bfloat16 is one shift or mask), float16 and FP8
+ * widened to float32 first (once, not once per tile). The same values are summed in the same order
+ * either way: a row's result does not depend on the others. */
 static inline __attribute__((always_inline)) void
 matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width,
                float *const *c) {
-    const int tile_rows = TILE_ROWS(format);
-    if (format == W_F32 || rows <= tile_rows) {
-        for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
-            WITH_TILE_HEIGHT(rows - r0 < tile_rows ? rows - r0 : tile_rows,
-                             matmul_as(format, a + r0, NR, w, k, n, width, c + r0));
-        }
+    const int tile_rows = TILE_ROWS(format), G = 4 / format_bytes(format);
+    const int as_stored = format == W_F32 || format == W_BF16;
+    if (rows <= 0) return;
+    if (rows <= tile_rows) {
+        WITH_TILE_HEIGHT(rows, matmul_as(format, a, NR, w, k, n, width, c));
         return;
     }
-    float wide[WIDE_ROWS * PANEL];
+    float wide[as_stored ? 1 : WIDE_ROWS * PANEL];
     for (int64_t j = 0; j < n; j += width) {
         const Weights panel = nth_matrix(format, w, k, width, width, j / width);
         for (int64_t q0 = 0; q0 < w.lead + k; q0 += WIDE_ROWS) {
-            int64_t p0, p1;
-            widen(format, panel, k, q0, q0 + WIDE_ROWS, width / LANES, wide, &p0, &p1);
+            int64_t p0 = q0, p1 = k - q0 < WIDE_ROWS ? k : q0 + WIDE_ROWS; /* (lead 0 where as_stored) */
+            if (!as_stored) {
+                if (width == PANEL)
+                    widen(format, panel, k, q0, q0 + WIDE_ROWS, NV, wide, &p0, &p1);
+                else
+                    widen(format, panel, k, q0, q0 + WIDE_ROWS, 1, wide, &p0, &p1);
+            }
+            const void *stretch = as_stored ? (const char *)panel.data + q0 / G * width * 4 : (const void *)wide;
+            const int f = as_stored ? format : W_F32;
+            const int64_t len = p1 - p0, whole = (len + G - 1) / G * G;
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
                 const float *ar[MR] = {0};
                 float *cr[MR] = {0};
                 for (int r = 0; r < MR && r0 + r < rows; r++) ar[r] = a[r0 + r] + p0, cr[r] = c[r0 + r] + j;
                 WITH_TILE_HEIGHT(rows - r0 < MR ? rows - r0 : MR,
-                    if (width == PANEL) tile(W_F32, ar, NR, wide, NULL, p1 - p0, p1 - p0, 0, p1 - p0, NV, cr, p0 > 0);
-                    else tile(W_F32, ar, NR, wide, NULL, p1 - p0, p1 - p0, 0, p1 - p0, 1, cr, p0 > 0));
+                    if (width == PANEL) tile(f, ar, NR, stretch, NULL, whole, whole, 0, len, NV, cr, p0 > 0);
+                    else tile(f, ar, NR, stretch, NULL, whole, whole, 0, len, 1, cr, p0 > 0));
             }
         }
     }
