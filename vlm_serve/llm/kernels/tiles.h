@@ -2,11 +2,12 @@
  * share.
  *
  * A panel is `width` consecutive columns of every row of a (k, n) matrix, contiguous: (k, width), with
- * width PANEL or LANES (n a multiple of LANES), in the weights' own format (W_* below). A tile of up to MR rows by `width` columns streams its
- * panel once while its MR x NV accumulators stay in registers. The blocking follows the register file:
- * with 32 vector registers 6 x 4 accumulators (+ 4 panel vectors + 1 broadcast), with 16 of them 6 x 2
- * (+ 2 + 1), which keeps 12 multiply-adds in flight where two FMA units of latency 4 need 8. (4 rows
- * instead of 6: 8% slower at 64+ rows with AVX2, 0-15% with AVX-512, measured on an AMD EPYC.)
+ * width PANEL or LANES (n a multiple of LANES), in the weights' own format (W_* below). A tile of up to
+ * MR rows by `width` columns streams its panel once while its MR x NV accumulators stay in registers.
+ * The blocking follows the register file: with 32 vector registers 6 x 4 accumulators (+ 4 panel vectors
+ * + 1 broadcast), with 16 of them 6 x 2 (+ 2 + 1), which keeps 12 multiply-adds in flight where two FMA
+ * units of latency 4 need 8. (4 rows instead of 6: 8% slower at 64+ rows with AVX2, 0-15% with AVX-512,
+ * measured on an AMD EPYC.)
  */
 #ifndef VLM_SERVE_TILES_H
 #define VLM_SERVE_TILES_H
@@ -120,21 +121,27 @@ tile(int format, const float *const *a, int nr, const void *panel, const float *
     if (accumulate)
         for (int r = 0; r < nr; r++)
             for (int v = 0; v < nv; v++) acc[r][v] = load(c[r] + v * LANES);
-    /* blocks of k, in groups */
-    for (int64_t g0 = 0, g1 = (lead + first) / G < groups ? (lead + first) / G : groups; g0 < groups;
-         g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups) {
-        const vec m = splat(format == W_E4M3 ? *scale++ : 0x1p112f);
-        for (int64_t g = g0; g < g1;) {
-            if (g >= whole0 && g < whole1) {
-                for (const int64_t end = g1 < whole1 ? g1 : whole1; g < end; g++) {
-                    if (PREFETCH_AHEAD(format, nr))
-                        __builtin_prefetch(w + g * row + PREFETCH_AHEAD(format, nr), 0, 3);
-                    group(format, acc, a, nr, w + g * row, g * G - lead, 0, G, m, nv);
+    if (format == W_F32) { /* one row a group, one block, no lead */
+        for (int64_t p = 0; p < k; p++) {
+            if (PREFETCH_AHEAD(format, nr)) __builtin_prefetch(w + p * row + PREFETCH_AHEAD(format, nr), 0, 3);
+            group(format, acc, a, nr, w + p * row, p, 0, 1, splat(1.0f), nv);
+        }
+    } else { /* blocks of k, in groups */
+        for (int64_t g0 = 0, g1 = (lead + first) / G < groups ? (lead + first) / G : groups; g0 < groups;
+             g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups) {
+            const vec m = splat(format == W_E4M3 ? *scale++ : 0x1p112f);
+            for (int64_t g = g0; g < g1;) {
+                if (g >= whole0 && g < whole1) {
+                    for (const int64_t end = g1 < whole1 ? g1 : whole1; g < end; g++) {
+                        if (PREFETCH_AHEAD(format, nr))
+                            __builtin_prefetch(w + g * row + PREFETCH_AHEAD(format, nr), 0, 3);
+                        group(format, acc, a, nr, w + g * row, g * G - lead, 0, G, m, nv);
+                    }
+                } else { /* the first or last group, in part */
+                    const int64_t p0 = g * G - lead;
+                    group(format, acc, a, nr, w + g * row, p0, p0 < 0 ? -p0 : 0, k - p0 < G ? k - p0 : G, m, nv);
+                    g++;
                 }
-            } else { /* the first or last group, in part */
-                const int64_t p0 = g * G - lead;
-                group(format, acc, a, nr, w + g * row, p0, p0 < 0 ? -p0 : 0, k - p0 < G ? k - p0 : G, m, nv);
-                g++;
             }
         }
     }
@@ -282,8 +289,14 @@ matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64
                float *const *c) {
     const int tile_rows = TILE_ROWS(format);
     if ((format != W_F16 && format != W_E4M3) || rows <= 2 * tile_rows) {
-        for (int64_t r0 = 0; r0 < rows; r0 += tile_rows)
+        for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+#ifdef TILE_FUNCTIONS
             matmul_as(format, a + r0, rows - r0 < tile_rows ? rows - r0 : tile_rows, w, k, n, width, c + r0);
+#else
+            WITH_TILE_HEIGHT(rows - r0 < tile_rows ? rows - r0 : tile_rows,
+                             matmul_as(format, a + r0, NR, w, k, n, width, c + r0));
+#endif
+        }
         return;
     }
     float wide[WIDE_ROWS * PANEL];
