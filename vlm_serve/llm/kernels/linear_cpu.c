@@ -6,26 +6,10 @@
  * keep every thread streaming its own panels, at close to the machine's memory bandwidth where oneDNN's
  * GEMM, made for large products, reads at half of it. At prefill sizes both reach the same FLOP rate.
  */
+#define TILE_FUNCTIONS
 #include "tiles.h"
 
 #define ROWS 64 /* rows per task: a task's rows of x stay in cache while its panel streams */
-
-static inline __attribute__((always_inline)) void
-linear_as(int format, const float *x, int64_t M, int64_t K, int64_t x_stride, Weights w, int64_t N, int width,
-          const float *bias, float *y, int threads) {
-    const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t t = 0; t < panels * blocks; t++) {
-        const int64_t p = t % panels, r0 = t / panels * ROWS, rows = M - r0 < ROWS ? M - r0 : ROWS;
-        const float *a[ROWS];
-        float *c[ROWS];
-        for (int64_t r = 0; r < rows; r++) a[r] = x + (r0 + r) * x_stride, c[r] = y + (r0 + r) * N + p * width;
-        matmul_rows_as(format, a, rows, nth_matrix(format, w, K, width, width, p), K, width, width, c);
-        if (bias != NULL)
-            for (int64_t r = 0; r < rows; r++)
-                for (int j = 0; j < width; j++) c[r][j] += bias[p * width + j];
-    }
-}
 
 /* x: (M, K) rows `x_stride` floats apart; w: (N, K) packed as N / width panels (tiles.h's Weights:
  * data w, scale, first, block, lead) in `format` (W_*); bias: (N) or NULL; y: (M, N). */
@@ -33,5 +17,18 @@ void linear_forward(const float *x, int64_t M, int64_t K, int64_t x_stride, cons
                     const float *scale, int64_t first, int64_t block, int64_t lead, int64_t N, int width,
                     const float *bias, float *y, int threads) {
     const Weights weights = {w, scale, first, block, lead};
-    WITH_FORMAT(format, linear_as(FORMAT, x, M, K, x_stride, weights, N, width, bias, y, threads));
+    const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < panels * blocks; t++) {
+        const int64_t p = t % panels, r0 = t / panels * ROWS, rows = M - r0 < ROWS ? M - r0 : ROWS;
+        const float *a[ROWS];
+        float *c[ROWS];
+        for (int64_t r = 0; r < rows; r++) a[r] = x + (r0 + r) * x_stride, c[r] = y + (r0 + r) * N + p * width;
+        /* (the format's switch inside the parallel loop, so that each format's copy is compiled for it) */
+        WITH_FORMAT(format, matmul_rows_as(FORMAT, a, rows, nth_matrix(FORMAT, weights, K, width, width, p), K, width,
+                                           width, c));
+        if (bias != NULL)
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < width; j++) c[r][j] += bias[p * width + j];
+    }
 }

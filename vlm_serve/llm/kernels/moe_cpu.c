@@ -16,6 +16,7 @@
 #include <math.h>
 #include <omp.h>
 
+#define TILE_FUNCTIONS
 #include "tiles.h"
 
 #define CHUNK 32    /* rows per task: an expert's weights stay in cache across a task's tiles */

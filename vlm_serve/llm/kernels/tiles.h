@@ -2,11 +2,12 @@
  * share.
  *
  * A panel is `width` consecutive columns of every row of a (k, n) matrix, contiguous: (k, width), with
- * width PANEL or LANES (n a multiple of LANES). A tile of up to MR rows by `width` columns streams its
- * panel once while its MR x NV accumulators stay in registers. The blocking follows the register file:
- * with 32 vector registers 6 x 4 accumulators (+ 4 panel vectors + 1 broadcast), with 16 of them 6 x 2
- * (+ 2 + 1), which keeps 12 multiply-adds in flight where two FMA units of latency 4 need 8. (4 rows
- * instead of 6: 8% slower at 64+ rows with AVX2, 0-15% with AVX-512, measured on an AMD EPYC.)
+ * width PANEL or LANES (n a multiple of LANES), in the weights' own format (W_* below). A tile of up to
+ * MR rows by `width` columns streams its panel once while its MR x NV accumulators stay in registers.
+ * The blocking follows the register file: with 32 vector registers 6 x 4 accumulators (+ 4 panel vectors
+ * + 1 broadcast), with 16 of them 6 x 2 (+ 2 + 1), which keeps 12 multiply-adds in flight where two FMA
+ * units of latency 4 need 8. (4 rows instead of 6: 8% slower at 64+ rows with AVX2, 0-15% with AVX-512,
+ * measured on an AMD EPYC.)
  */
 #ifndef VLM_SERVE_TILES_H
 #define VLM_SERVE_TILES_H
@@ -120,20 +121,27 @@ tile(int format, const float *const *a, int nr, const void *panel, const float *
     if (accumulate)
         for (int r = 0; r < nr; r++)
             for (int v = 0; v < nv; v++) acc[r][v] = load(c[r] + v * LANES);
-    /* blocks of k, in groups */
-    for (int64_t g0 = 0, g1 = (lead + first) / G < groups ? (lead + first) / G : groups; g0 < groups;
-         g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups) {
-        const vec m = splat(format == W_E4M3 ? *scale++ : 0x1p112f);
-        for (int64_t g = g0; g < g1;) {
-            if (g >= whole0 && g < whole1) {
-                for (const int64_t end = g1 < whole1 ? g1 : whole1; g < end; g++) {
-                    if (PREFETCH_AHEAD(format, nr)) __builtin_prefetch(w + g * row + PREFETCH_AHEAD(format, nr), 0, 3);
-                    group(format, acc, a, nr, w + g * row, g * G - lead, 0, G, m, nv);
+    if (format == W_F32) { /* one row a group, one block, no lead */
+        for (int64_t p = 0; p < k; p++) {
+            if (PREFETCH_AHEAD(format, nr)) __builtin_prefetch(w + p * row + PREFETCH_AHEAD(format, nr), 0, 3);
+            group(format, acc, a, nr, w + p * row, p, 0, 1, splat(1.0f), nv);
+        }
+    } else { /* blocks of k, in groups */
+        for (int64_t g0 = 0, g1 = (lead + first) / G < groups ? (lead + first) / G : groups; g0 < groups;
+             g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups) {
+            const vec m = splat(format == W_E4M3 ? *scale++ : 0x1p112f);
+            for (int64_t g = g0; g < g1;) {
+                if (g >= whole0 && g < whole1) {
+                    for (const int64_t end = g1 < whole1 ? g1 : whole1; g < end; g++) {
+                        if (PREFETCH_AHEAD(format, nr))
+                            __builtin_prefetch(w + g * row + PREFETCH_AHEAD(format, nr), 0, 3);
+                        group(format, acc, a, nr, w + g * row, g * G - lead, 0, G, m, nv);
+                    }
+                } else { /* the first or last group, in part */
+                    const int64_t p0 = g * G - lead;
+                    group(format, acc, a, nr, w + g * row, p0, p0 < 0 ? -p0 : 0, k - p0 < G ? k - p0 : G, m, nv);
+                    g++;
                 }
-            } else { /* the first or last group, in part */
-                const int64_t p0 = g * G - lead;
-                group(format, acc, a, nr, w + g * row, p0, p0 < 0 ? -p0 : 0, k - p0 < G ? k - p0 : G, m, nv);
-                g++;
             }
         }
     }
@@ -149,27 +157,6 @@ static inline Weights nth_matrix(int format, Weights w, int64_t k, int64_t n, in
     w.data = (const char *)w.data + i * groups * n * 4;
     w.scale = format == W_E4M3 ? w.scale + i * n / width * blocks : NULL;
     return w;
-}
-
-/* c[r][0 : n] = a[r][0 : k] @ the (k, n) matrix w, panels `width` columns wide, stored in `format`;
- * r < nr <= MR */
-static inline __attribute__((always_inline)) void
-matmul_as(int format, const float *const *a, int nr, Weights w, int64_t k, int64_t n, int width, float *const *c) {
-    for (int64_t j = 0; j < n; j += width) {
-        float *cj[MR];
-        for (int r = 0; r < nr; r++) cj[r] = c[r] + j;
-        const Weights panel = nth_matrix(format, w, k, width, width, j / width);
-        if (width == PANEL)
-            tile(format, a, nr, panel.data, panel.scale, w.first, w.block, w.lead, k, NV, cj, 0);
-        else
-            tile(format, a, nr, panel.data, panel.scale, w.first, w.block, w.lead, k, 1, cj, 0);
-    }
-}
-
-/* matmul_as for a float32 matrix w, packed in panels */
-static inline __attribute__((always_inline)) void
-matmul(const float *const *a, int nr, const float *w, int64_t k, int64_t n, int width, float *const *c) {
-    matmul_as(W_F32, a, nr, plain(w, k), k, n, width, c);
 }
 
 /* Runs the statements with the constant NR equal to nr (1 ... MR): a copy of them per tile height, each
@@ -193,12 +180,67 @@ matmul(const float *const *a, int nr, const float *w, int64_t k, int64_t n, int 
         default: { const int FORMAT = W_F32; __VA_ARGS__; } break;      \
     }
 
+/* A tile as a function of its own for each format, height and width, where TILE_FUNCTIONS is defined
+ * (the weight kernels): its loop has the registers to itself. Inlined into the large loops around it,
+ * GCC kept some row pointers on the stack and reloaded them at every step of k: 25% slower. */
+#define TILE_ARGS                                                                                           \
+    const float *const *a, const void *panel, const float *scale, int64_t first, int64_t block, int64_t lead, \
+        int64_t k, float *const *c, int accumulate
+#ifdef TILE_FUNCTIONS
+_Static_assert(MR == 6 && W_F32 == 0 && W_BF16 == 1 && W_F16 == 2 && W_E4M3 == 3, "the table below");
+#define TILE_FN(F, R, NAME, V)                                                                   \
+    static __attribute__((noinline)) void tile_##F##_##R##_##NAME(TILE_ARGS) {                   \
+        tile(F, a, R, panel, scale, first, block, lead, k, V, c, accumulate);                    \
+    }
+#define TILE_FNS(F)                                                                              \
+    TILE_FN(F, 1, one, 1) TILE_FN(F, 2, one, 1) TILE_FN(F, 3, one, 1) TILE_FN(F, 4, one, 1)      \
+    TILE_FN(F, 5, one, 1) TILE_FN(F, 6, one, 1) TILE_FN(F, 1, all, NV) TILE_FN(F, 2, all, NV)    \
+    TILE_FN(F, 3, all, NV) TILE_FN(F, 4, all, NV) TILE_FN(F, 5, all, NV) TILE_FN(F, 6, all, NV)
+TILE_FNS(0)
+TILE_FNS(1)
+TILE_FNS(2)
+TILE_FNS(3)
+#define TILE_ROW(F, NAME) {tile_##F##_1_##NAME, tile_##F##_2_##NAME, tile_##F##_3_##NAME, \
+                           tile_##F##_4_##NAME, tile_##F##_5_##NAME, tile_##F##_6_##NAME}
+/* [format][panel of NV vectors][rows - 1] */
+static void (*const tile_functions[4][2][MR])(TILE_ARGS) = {
+    {TILE_ROW(0, one), TILE_ROW(0, all)},
+    {TILE_ROW(1, one), TILE_ROW(1, all)},
+    {TILE_ROW(2, one), TILE_ROW(2, all)},
+    {TILE_ROW(3, one), TILE_ROW(3, all)},
+};
+#endif
+
+/* tile() for nr <= MR rows and a panel of nv (NV or 1) vectors */
+static inline __attribute__((always_inline)) void
+run_tile(int format, const float *const *a, int nr, const void *panel, const float *scale, int64_t first,
+         int64_t block, int64_t lead, int64_t k, int nv, float *const *c, int accumulate) {
+#ifdef TILE_FUNCTIONS
+    tile_functions[format][nv != 1][nr - 1](a, panel, scale, first, block, lead, k, c, accumulate);
+#else
+    WITH_TILE_HEIGHT(nr, if (nv == 1) tile(format, a, NR, panel, scale, first, block, lead, k, 1, c, accumulate);
+                         else tile(format, a, NR, panel, scale, first, block, lead, k, NV, c, accumulate));
+#endif
+}
+
+/* c[r][0 : n] = a[r][0 : k] @ the (k, n) matrix w, panels `width` columns wide, stored in `format`;
+ * r < nr <= MR */
+static inline __attribute__((always_inline)) void
+matmul_as(int format, const float *const *a, int nr, Weights w, int64_t k, int64_t n, int width, float *const *c) {
+    for (int64_t j = 0; j < n; j += width) {
+        float *cj[MR];
+        for (int r = 0; r < nr; r++) cj[r] = c[r] + j;
+        const Weights panel = nth_matrix(format, w, k, width, width, j / width);
+        run_tile(format, a, nr, panel.data, panel.scale, w.first, w.block, w.lead, k, width / LANES, cj, 0);
+    }
+}
+
 /* Rows per tile that reads its panel as stored: one fewer than MR where 16 registers would not hold
  * the accumulators and a format's mask and multiplier as well. */
 #define TILE_ROWS(format) (REGISTERS < 32 && ((format) == W_F16 || (format) == W_E4M3) ? MR - 1 : MR)
 #define WIDE_ROWS 256 /* rows of k a product of more rows than a tile widens at once (whole groups) */
 
-/* out[(p0 + j - o0) * nv * LANES + ...] = row j of the group at w, for j0 <= j < j1, as float32 */
+/* out[(j - j0) * nv * LANES ...] = row j of the group at w as float32, for j0 <= j < j1 */
 static inline __attribute__((always_inline)) void
 widen_group(int format, const char *w, int j0, int j1, vec m, int nv, float *out) {
     for (int j = j0; j < j1; j++)
@@ -237,42 +279,41 @@ widen(int format, Weights w, int64_t k, int64_t q0, int64_t q1, int nv, float *o
     }
 }
 
-/* matmul_as over any number of rows. Up to a tile's rows, each panel is read once, as stored. More
- * rows go over each panel WIDE_ROWS rows of k at a time, all their tiles over one stretch while it is
- * in L1: float32 and bfloat16 as they are (widening bfloat16 is one shift or mask), float16 and FP8
- * widened to float32 first (once, not once per tile). The same values are summed in the same order
- * either way: a row's result does not depend on the others. */
+/* matmul_as over any number of rows: tiles of up to TILE_ROWS rows, each reading the panels as stored.
+ * From more than two tiles' rows on, float16 and FP8 panels are widened to float32 instead, WIDE_ROWS
+ * rows of k at a time, once for all the tiles rather than once per tile (measured with FP8 on AVX2, one
+ * thread, 4096 x 4096: 16 rows 14% faster, 64 and 128 rows 26%; 7 rows 24% slower). The same values are summed in
+ * the same order either way: a row's result does not depend on the rows batched with it. */
 static inline __attribute__((always_inline)) void
 matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width,
                float *const *c) {
-    const int tile_rows = TILE_ROWS(format), G = 4 / format_bytes(format);
-    const int as_stored = format == W_F32 || format == W_BF16;
-    if (rows <= 0) return;
-    if (rows <= tile_rows) {
-        WITH_TILE_HEIGHT(rows, matmul_as(format, a, NR, w, k, n, width, c));
+    const int tile_rows = TILE_ROWS(format);
+    if ((format != W_F16 && format != W_E4M3) || rows <= 2 * tile_rows) {
+        for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+#ifdef TILE_FUNCTIONS
+            matmul_as(format, a + r0, rows - r0 < tile_rows ? rows - r0 : tile_rows, w, k, n, width, c + r0);
+#else
+            WITH_TILE_HEIGHT(rows - r0 < tile_rows ? rows - r0 : tile_rows,
+                             matmul_as(format, a + r0, NR, w, k, n, width, c + r0));
+#endif
+        }
         return;
     }
-    float wide[as_stored ? 1 : WIDE_ROWS * PANEL];
+    float wide[WIDE_ROWS * PANEL];
     for (int64_t j = 0; j < n; j += width) {
         const Weights panel = nth_matrix(format, w, k, width, width, j / width);
         for (int64_t q0 = 0; q0 < w.lead + k; q0 += WIDE_ROWS) {
-            int64_t p0 = q0, p1 = k - q0 < WIDE_ROWS ? k : q0 + WIDE_ROWS; /* (lead 0 where as_stored) */
-            if (!as_stored) {
-                if (width == PANEL)
-                    widen(format, panel, k, q0, q0 + WIDE_ROWS, NV, wide, &p0, &p1);
-                else
-                    widen(format, panel, k, q0, q0 + WIDE_ROWS, 1, wide, &p0, &p1);
-            }
-            const void *stretch = as_stored ? (const char *)panel.data + q0 / G * width * 4 : (const void *)wide;
-            const int f = as_stored ? format : W_F32;
-            const int64_t len = p1 - p0, whole = (len + G - 1) / G * G;
+            int64_t p0, p1;
+            if (width == PANEL)
+                widen(format, panel, k, q0, q0 + WIDE_ROWS, NV, wide, &p0, &p1);
+            else
+                widen(format, panel, k, q0, q0 + WIDE_ROWS, 1, wide, &p0, &p1);
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
                 const float *ar[MR] = {0};
                 float *cr[MR] = {0};
                 for (int r = 0; r < MR && r0 + r < rows; r++) ar[r] = a[r0 + r] + p0, cr[r] = c[r0 + r] + j;
-                WITH_TILE_HEIGHT(rows - r0 < MR ? rows - r0 : MR,
-                    if (width == PANEL) tile(f, ar, NR, stretch, NULL, whole, whole, 0, len, NV, cr, p0 > 0);
-                    else tile(f, ar, NR, stretch, NULL, whole, whole, 0, len, 1, cr, p0 > 0));
+                run_tile(W_F32, ar, rows - r0 < MR ? rows - r0 : MR, wide, NULL, p1 - p0, p1 - p0, 0, p1 - p0,
+                         width / LANES, cr, q0 > 0);
             }
         }
     }
