@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from weight_formats import E4M3, dequantize, quantize_fp8
 
-from vlm_serve.llm.kernels import CACHE_ENV, linear_cpu, moe_cpu
+from vlm_serve.llm.kernels import CACHE_ENV, moe_cpu
 from vlm_serve.llm.layers.moe import SparseMoeBlock
+from vlm_serve.quantization import row_scales, shard_scale
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 64, 32
 
@@ -111,9 +112,9 @@ def tp_shard_experts(dtype: torch.dtype, intermediate: int, generator: torch.Gen
     (gate, gs), (up, us), (down, ds) = (quantize_fp8(w) for w in weights)
     per_row = []
     for scale in (gs, us):  # gate and up side by side: their scales per row
-        cut, offset = linear_cpu.shard_scale(scale, rows, (0, HIDDEN))
-        per_row.append(linear_cpu.row_scales(cut, intermediate, 128, offset[0]))
-    scale2, offset2 = linear_cpu.shard_scale(ds, (0, HIDDEN), rows)
+        cut, offset = shard_scale(scale, rows, (0, HIDDEN))
+        per_row.append(row_scales(cut, intermediate, 128, offset[0]))
+    scale2, offset2 = shard_scale(ds, (0, HIDDEN), rows)
     w13 = torch.cat([gate[:, slice(*rows)], up[:, slice(*rows)]], 1)
     args = (w13, down[:, :, slice(*rows)].contiguous(), torch.cat(per_row, 1), scale2)
     plain13 = torch.cat([dequantize(gate, gs)[:, slice(*rows)], dequantize(up, us)[:, slice(*rows)]], 1)

@@ -144,6 +144,24 @@ def dequantize_fp8_blocks(
     return (weight.float() * scale[..., :rows, :cols]).to(dtype)
 
 
+def row_scales(scale: torch.Tensor, rows: int, block_rows: int = 128, offset: int = 0) -> torch.Tensor:
+    """Block scales (..., row blocks, column blocks) per row of a shard of `rows` rows starting at
+    `offset` in its first block: (..., rows, column blocks), for `linear_cpu.pack` with block (1, block
+    columns)."""
+    return scale.repeat_interleave(block_rows, dim=-2)[..., offset : offset + rows, :]
+
+
+def shard_scale(
+    scale: torch.Tensor, rows: tuple[int, int], columns: tuple[int, int], block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """For the shard weight[..., rows[0] : rows[1], columns[0] : columns[1]] of a checkpoint tensor whose
+    block scales are `scale` (..., row blocks, column blocks): the scales that cover the shard and its
+    offset into its first block, as `linear_cpu.pack` takes them."""
+    (r0, r1), (c0, c1) = rows, columns
+    cut = scale[..., r0 // block[0] : -(-r1 // block[0]), c0 // block[1] : -(-c1 // block[1])]
+    return cut, (r0 % block[0], c0 % block[1])
+
+
 def shard_scales(
     scale_inv: torch.Tensor, block_size: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]
 ) -> tuple[torch.Tensor, int]:
@@ -151,11 +169,9 @@ def shard_scales(
     weight whose `weight_scale_inv` is `scale_inv`: one scale per row of the shard (a shard, or gate and
     up stacked, may start inside a block of rows) for each block of columns the shard touches, and where
     the shard's first column sits in its block. (`[..., rows, blocks]`, offset)"""
-    block_rows, block_cols = block_size
     (row0, nrows), (col0, ncols) = rows, cols
-    per_row = scale_inv.float().repeat_interleave(block_rows, dim=-2)[..., row0 : row0 + nrows, :]
-    first, last = col0 // block_cols, (col0 + ncols - 1) // block_cols
-    return per_row[..., first : last + 1].contiguous(), col0 % block_cols
+    cut, (row_offset, col_offset) = shard_scale(scale_inv.float(), (row0, row0 + nrows), (col0, col0 + ncols), block_size)
+    return row_scales(cut, nrows, block_size[0], row_offset).contiguous(), col_offset
 
 
 def dequantize_rows(

@@ -5,10 +5,10 @@ FP8 weights come as the published block-quantized checkpoints hold them: float8_
 float32 `weight_scale_inv` with one scale per `block` (128 x 128): the weight is the fp8 value times its
 block's scale. A tensor-parallel shard is a slice of such a weight that may start inside a block: `pack`
 takes the scale rows and columns that cover the shard, ceil((offset + size) / block) of each, and the
-shard's offset into its first block (its first row and column modulo the block size): `shard_scale`
-cuts them out of the checkpoint's. A weight made of several shards side by side (q, k and v; gate and
-up) gives its scales per row: each shard's scales repeated over its rows (`row_scales`), concatenated,
-with block (1, block columns).
+shard's offset into its first block (its first row and column modulo the block size):
+`quantization.shard_scale` cuts them out of the checkpoint's. A weight made of several shards side by
+side (q, k and v; gate and up) gives its scales per row (`quantization.row_scales`), concatenated, with
+block (1, block columns).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_serve.llm.kernels import I32, I64, PTR, CpuKernel, KernelLibrary
+from vlm_serve.quantization import row_scales
 
 LIBRARY = KernelLibrary(
     "linear_cpu",
@@ -91,23 +92,6 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
         count * width, width, None if bias is None else bias.float(), y, torch.get_num_threads(),
     )  # fmt: skip
     return y.to(dtype)
-
-
-def row_scales(scale: torch.Tensor, rows: int, block_rows: int = BLOCK[0], offset: int = 0) -> torch.Tensor:
-    """Block scales (..., row blocks, column blocks) per row of a shard of `rows` rows starting at
-    `offset` in its first block: (..., rows, column blocks), for `pack` with block (1, block columns)."""
-    return scale.repeat_interleave(block_rows, dim=-2)[..., offset : offset + rows, :]
-
-
-def shard_scale(
-    scale: torch.Tensor, rows: tuple[int, int], columns: tuple[int, int], block: tuple[int, int] = BLOCK
-) -> tuple[torch.Tensor, tuple[int, int]]:
-    """For the shard weight[..., rows[0] : rows[1], columns[0] : columns[1]] of a checkpoint tensor whose
-    block scales are `scale` (..., row blocks, column blocks): the scales that cover the shard and its
-    offset into its first block, as `pack` takes them."""
-    (r0, r1), (c0, c1) = rows, columns
-    cut = scale[..., r0 // block[0] : -(-r1 // block[0]), c0 // block[1] : -(-c1 // block[1])]
-    return cut, (r0 % block[0], c0 % block[1])
 
 
 def check_scale(

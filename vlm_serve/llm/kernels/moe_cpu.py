@@ -52,7 +52,7 @@ def pack_experts(
     bfloat16, float16 or float8_e4m3fn), or None where it cannot run them (another dtype or device, a
     width not a multiple of the vector width, FP8 panels that would straddle scale blocks, or no kernel
     built). FP8 block scales (experts, row blocks, column blocks), blocks and offsets as `linear_cpu.pack`
-    takes them; gate and up stacked in w13 give theirs per row (`linear_cpu.row_scales`, block13 (1,
+    takes them; gate and up stacked in w13 give theirs per row (`quantization.row_scales`, block13 (1,
     columns))."""
     check_scale(w13, scale13, block13, offset13)
     check_scale(w2, scale2, block2, offset2)
