@@ -180,13 +180,13 @@ def test_fp8_weights_stay_fp8_with_their_scales(fp8):
     fp8_layers = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
     if arch == "dense":
         fp8_layers += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    # (a packed layer's plain weight is emptied, keeping its dtype)
     for linear in fp8_layers:
-        assert linear.weight.dtype == FP8_DTYPE or linear.panels.weight.dtype == torch.uint8, linear
+        assert linear.weight.dtype == FP8_DTYPE, linear
         assert linear.weight_scale_inv is not None and linear.weight_scale_inv.dtype == torch.float32
     if arch == "moe":  # experts FP8, the router as stored (bfloat16)
-        assert layer.mlp.packed is not None or layer.mlp.w13.dtype == FP8_DTYPE
-        assert layer.mlp.w13_scale is not None and layer.mlp.gate.dense_weight(torch.float32).dtype == torch.float32
-        assert layer.mlp.gate.weight.dtype == torch.bfloat16 or layer.mlp.gate.panels is not None
+        assert layer.mlp.w13.dtype == layer.mlp.w2.dtype == FP8_DTYPE and layer.mlp.w13_scale is not None
+        assert layer.mlp.gate.weight.dtype == torch.bfloat16 and layer.mlp.gate.weight_scale_inv is None
     assert language.embed_tokens.weight.dtype == torch.bfloat16
 
 
