@@ -6,8 +6,8 @@ float32, bfloat16 and FP8 checkpoints of one seed are written with `create_tiny_
 quantized from the bfloat16 one, as the published FP8 checkpoints are) and each is served by an
 in-process `Engine` under `--dtype auto`: weights as stored, activations float32. At each `--batch-sizes`
 size, that many text requests decode `--output-tokens` greedy tokens (EOS ignored) at once; the figure is
-the decode step time (the time after the first token, per step) and output tokens/s, the best of
-`--repeats` rounds. The resident weight bytes are those the model holds after loading (kernel panels,
+the decode step time (the time after the first token, per step) and output tokens/s, the median of
+`--repeats` rounds, the formats' engines taking turns in each round. The resident weight bytes are those the model holds after loading (kernel panels,
 scales and plain tensors). Goals (issue 30), at batch 1 where reading weights bounds decode: bfloat16
 ≥ 1.7x float32, FP8 ≥ 2.5x float32.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -68,31 +69,40 @@ def main() -> None:
     parser.add_argument("--size", default="medium", choices=["tiny", "small", "medium"])
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     model, isa = describe_cpu()
     print(f"CPU: {model} ({isa}), {torch.get_num_threads()} torch threads")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch:
-            rows = {}
-            for name, options in FORMATS.items():
-                path = create_tiny_model(Path(tmp) / f"{arch}-{name}", arch=arch, size=args.size, **options)
-                with Engine(path, max_running_requests=max(batches), vit_dp=0) as engine:
-                    weight_bytes = resident_weight_bytes(engine.scheduler.runner.model)
+            with ExitStack() as stack:
+                engines, weight_bytes = {}, {}
+                for name, options in FORMATS.items():
+                    path = create_tiny_model(Path(tmp) / f"{arch}-{name}", arch=arch, size=args.size, **options)
+                    engine = stack.enter_context(Engine(path, max_running_requests=max(batches), vit_dp=0))
+                    engines[name], weight_bytes[name] = engine, resident_weight_bytes(engine.scheduler.runner.model)
                     decode(engine, 1, 4)  # warm-up
-                    figures = [min((decode(engine, b, args.output_tokens) for _ in range(args.repeats)), key=lambda f: f[0]) for b in batches]
-                rows[name] = (weight_bytes, figures)
-            print(f"\n{arch} ({args.size}), {args.output_tokens} tokens per request, best of {args.repeats}")
+                # the formats take turns round by round, so that they share the machine's other load alike
+                runs = {(name, b): [] for name in FORMATS for b in batches}
+                for _ in range(args.repeats):
+                    for b in batches:
+                        for name, engine in engines.items():
+                            runs[name, b].append(decode(engine, b, args.output_tokens))
+            print(f"\n{arch} ({args.size}), {args.output_tokens} tokens per request, median of {args.repeats}")
             header = "".join(f" | batch {b}: step ms, tok/s, x fp32" for b in batches)
             print(f"{'weights':>9} | resident MB{header}")
-            for name, (weight_bytes, figures) in rows.items():
-                cells = "".join(
-                    f" | {step * 1e3:8.1f} {rate:8.1f} {rows['float32'][1][i][0] / step:5.2f}x"
-                    for i, (step, rate) in enumerate(figures)
-                )
-                print(f"{name:>9} | {weight_bytes / 2**20:11.1f}{cells}")
+            for name in FORMATS:
+                cells = ""
+                for b in batches:
+                    step, rate = median(runs[name, b])
+                    cells += f" | {step * 1e3:8.1f} {rate:8.1f} {median(runs['float32', b])[0] / step:5.2f}x"
+                print(f"{name:>9} | {weight_bytes[name] / 2**20:11.1f}{cells}")
 
+
+def median(figures: list[tuple[float, float]]) -> tuple[float, float]:
+    """The run of median step time."""
+    return sorted(figures)[len(figures) // 2]
 
 if __name__ == "__main__":
     main()

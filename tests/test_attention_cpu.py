@@ -90,3 +90,25 @@ def test_auto_picks_the_kernel_for_float32_on_cpu_and_torch_where_it_cannot_run(
     assert isinstance(create_attention_backend("auto", *pools(head_dim=42), 8, 2, 42, 0.125), TorchAttnBackend)
     with pytest.raises(ValueError, match="head size 42"):
         create_attention_backend("cpu", *pools(head_dim=42), 8, 2, 42, 0.125)
+
+
+def test_the_new_tokens_kv_is_written_to_the_pool_in_the_same_call(kernel_target):
+    """What the backend hands the kernel: the new tokens' k (contiguous) and v (a view inside the qkv
+    output), stored at their slots before the attention reads them."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, tokens = 8, 2, 64, 5
+    k_cache, v_cache = torch.randn(64, kv_heads, d, generator=g), torch.randn(64, kv_heads, d, generator=g)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, v = (part.view(tokens, -1, d) for part in qkv.split([heads * d, kv_heads * d, kv_heads * d], -1))
+    k = k.contiguous()
+    kv_slots = torch.tensor([[7, 3, 40, 12, 9, 30, 31, 50]], dtype=torch.int32)  # the last 5 are new
+    seq, ext = torch.tensor([8]), torch.tensor([tokens])
+    new_slots = kv_slots[0, 3:].long()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[new_slots], want_v[new_slots] = k, v
+    want = reference(q, want_k, want_v, kv_slots, seq, ext, d**-0.5)
+    got = attention_cpu.paged_attention(
+        q, k_cache, v_cache, kv_slots, seq, ext, torch.tensor([0]), d**-0.5, new_kv=(k, v, new_slots)
+    )
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

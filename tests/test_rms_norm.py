@@ -9,7 +9,7 @@ import torch
 
 from vlm_serve.llm.kernels import rowwise_cpu
 from vlm_serve.llm.layers.activation import silu_and_mul
-from vlm_serve.llm.layers.norm import RMSNorm
+from vlm_serve.llm.layers.norm import RMSNorm, qkv_heads
 from vlm_serve.llm.layers.rotary import apply_rotary
 
 
@@ -43,7 +43,7 @@ def test_heads_inside_the_qkv_output_are_read_in_place(kernel_target):
 
 def test_bfloat16_goes_through_torch():
     layer, x = norm(64), torch.randn(3, 64, dtype=torch.bfloat16)
-    assert not rowwise_cpu.supported(x)
+    assert rowwise_cpu.kernel_for(x) is None
     torch.testing.assert_close(layer.to(torch.bfloat16)(x), formula(x, layer.weight, 1e-6))
 
 
@@ -62,3 +62,26 @@ def test_silu_and_mul(width, kernel_target):
     x = 4 * torch.randn(9, 2 * width)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (the kernel; torch)
+def test_add_and_norm_is_the_sum_and_its_norm(dtype, kernel_target):
+    layer, residual, x = norm(96), torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype)
+    total, normed = layer.to(dtype).add_and_norm(residual, x)
+    torch.testing.assert_close(total, residual + x, rtol=0, atol=0)
+    torch.testing.assert_close(normed, formula(residual + x, layer.weight, 1e-6))
+    assert layer.add_and_norm(None, x)[0] is x  # no residual yet: x is the stream
+
+
+def test_q_and_k_heads_are_normed_and_rotated_in_one_call_as_one_by_one(kernel_target):
+    tokens, heads, kv_heads, dim = 3, 8, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    angles = torch.randn(tokens, dim // 2)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q_norm, k_norm = norm(dim), norm(dim)
+    k_norm.weight.data += 1
+    q, k, v = qkv_heads(qkv, heads, kv_heads, q_norm, k_norm, cos, sin)
+    want_q, want_k, want_v = (part.view(tokens, -1, dim) for part in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    torch.testing.assert_close(q, apply_rotary(formula(want_q, q_norm.weight, 1e-6), cos, sin))
+    torch.testing.assert_close(k, apply_rotary(formula(want_k, k_norm.weight, 1e-6), cos, sin))
+    assert torch.equal(v, want_v)

@@ -70,18 +70,23 @@ class CpuKernel:
     def __init__(self, lib: ctypes.CDLL, signatures: dict[str, tuple]) -> None:
         self.lib = lib
         for function, (restype, *argtypes) in {**COMMON, **signatures}.items():
-            getattr(lib, function).restype, getattr(lib, function).argtypes = restype, argtypes
+            c_function = getattr(lib, function)
+            c_function.restype, c_function.argtypes = restype, argtypes
+            # bound once: a decode step makes some 200 calls, each of which would otherwise look it up
+            setattr(self, function, _with_pointers(c_function))
         self.describe()
 
     def describe(self) -> None:
         self.runs_here = bool(self.kernel_runs_here())
         self.isa, self.lanes, self.panel = self.kernel_isa().decode(), self.kernel_lanes(), self.kernel_panel()
 
-    def __getattr__(self, function: str):
+    def __getattr__(self, function: str):  # (functions not bound in __init__)
         return lambda *args: self.invoke(function, args)
 
     def invoke(self, function: str, args: tuple):
-        return getattr(self.lib, function)(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+        """Calls a function not bound in __init__: a subclass that runs the library elsewhere (the tests'
+        emulated Arm kernels) relays its calls here."""
+        raise AttributeError(f"the kernel library has no function {function}")
 
     def panels(self, weight: torch.Tensor, width: int | None = None, lead: int = 0) -> torch.Tensor:
         """Weights (..., out, in) as tiles.h's column panels in their own dtype, (..., out / width, groups,
@@ -100,6 +105,16 @@ class CpuKernel:
             padded[..., lead : lead + inp] = bits
             weight = padded.view(weight.dtype)
         return weight.reshape(*stack, out // width, width, groups, g).transpose(-3, -2).contiguous()
+
+
+def _with_pointers(c_function):
+    """c_function, called with tensors passed as their data pointers."""
+    tensor = torch.Tensor
+
+    def call(*args):
+        return c_function(*[a.data_ptr() if isinstance(a, tensor) else a for a in args])
+
+    return call
 
 
 class KernelLibrary:

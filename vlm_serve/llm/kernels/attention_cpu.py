@@ -10,7 +10,10 @@ LIBRARY = KernelLibrary(
     "attention_cpu",
     {
         "attention_scratch_floats": (I64, I64),
-        "paged_attention_f32": (None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, PTR, I32),
+        "paged_attention_f32": (
+            None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, I64, PTR, I64, PTR, I64, PTR,
+            PTR, I32,
+        ),  # fmt: skip
     },
 )
 
@@ -33,17 +36,30 @@ def paged_attention(
     ext_lens: torch.Tensor,  # (batch,) int64: new tokens per request (its last ones)
     q_starts: torch.Tensor,  # (batch,) int64: each request's first row of q
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Each new token's attention over its request's tokens up to itself, (tokens, heads, head_dim)."""
+    """Each new token's attention over its request's tokens up to itself, (tokens, heads, head_dim).
+    `new_kv`: the new tokens' (k, v, slots), each (tokens, kv_heads, head_dim) and (tokens,) int64, written to
+    the caches first (in the same call)."""
     kernel = LIBRARY.get()
     q = q.contiguous()
     out = torch.empty_like(q)
     heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    k_new = v_new = slots = None
+    if new_kv is not None:
+        k_new, v_new = (_rows_contiguous(part.to(k_cache.dtype)) for part in new_kv[:2])
+        slots = new_kv[2].to(torch.int64).contiguous()
     threads = torch.get_num_threads()
     work = scratch(threads * kernel.attention_scratch_floats(head_dim), torch.float32)
     kernel.paged_attention_f32(
         q, k_cache, v_cache, kv_slots, kv_slots.stride(0), seq_lens, ext_lens, q_starts, seq_lens.numel(), heads,
-        kv_heads, head_dim, scale, out, work, threads,
+        kv_heads, head_dim, scale, k_new, 0 if k_new is None else k_new.stride(0), v_new,
+        0 if v_new is None else v_new.stride(0), slots, 0 if slots is None else slots.numel(), out, work, threads,
     )  # fmt: skip
     return out
 
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x (tokens, heads, head_dim) with each token's row contiguous (rows may lie apart, as in a view of v
+    inside the qkv output)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()

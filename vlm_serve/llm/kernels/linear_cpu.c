@@ -5,6 +5,10 @@
  * there is one row block and the product is bound by reading the weights: the tasks, one per panel,
  * keep every thread streaming its own panels, at close to the machine's memory bandwidth where oneDNN's
  * GEMM, made for large products, reads at half of it. At prefill sizes both reach the same FLOP rate.
+ * Threads take the tasks in guided chunks: runs of adjacent panels, one long stream of weights each,
+ * shrinking towards the end so that a thread slowed by other load is still helped. (Measured on an AMD
+ * EPYC, AVX2, 2 threads, the medium dense model's 64 linears at 1 row, formats alternating: FP8 16.0 ms
+ * against 19.5 one panel at a time, float32 and bfloat16 alike; at 16 rows all three 4-8% faster.)
  */
 #define TILE_FUNCTIONS
 #include "tiles.h"
@@ -18,7 +22,7 @@ void linear_forward(const float *x, int64_t M, int64_t K, int64_t x_stride, cons
                     const float *bias, float *y, int threads) {
     const Weights weights = {w, scale, first, block, lead};
     const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t t = 0; t < panels * blocks; t++) {
         const int64_t p = t % panels, r0 = t / panels * ROWS, rows = M - r0 < ROWS ? M - r0 : ROWS;
         const float *a[ROWS];

@@ -6,32 +6,61 @@
 
 #define PARALLEL_FROM (1 << 15) /* floats: below this, one thread (waking the others costs more) */
 
-/* RMSNorm as Qwen3 computes it, y = weight * x / sqrt(mean(x^2) + eps), then, where cos is given, the
- * rotary embedding of the row's token: y * cos + rotate_half(y) * sin, with cos and sin (tokens, n).
- * Row i of x starts at x + (i / per) * stride + (i % per) * n: `per` rows of n floats side by side in each
- * token's row, `stride` floats apart (a head-by-head view of q or k inside the qkv output); y is
- * contiguous. */
+/* RMSNorm as Qwen3 computes it, y = weight * x / sqrt(mean(x^2) + eps), of one row of n floats, then,
+ * where cos is given, the rotary embedding of the row's token: y * cos + rotate_half(y) * sin */
+static inline void norm_row(const float *x, int64_t n, const float *weight, float eps, const float *cos,
+                            const float *sin, float *y) {
+    float ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < n; j++) ss += x[j] * x[j];
+    const float r = 1.0f / sqrtf(ss / n + eps);
+    if (cos == NULL) {
+        for (int64_t j = 0; j < n; j++) y[j] = weight[j] * (x[j] * r);
+        return;
+    }
+    const int64_t half = n / 2;
+    for (int64_t j = 0; j < half; j++) {
+        const float a = weight[j] * (x[j] * r), b = weight[j + half] * (x[j + half] * r);
+        y[j] = a * cos[j] - b * sin[j];
+        y[j + half] = b * cos[j + half] + a * sin[j + half];
+    }
+}
+
+/* norm_row of every row of x, with cos and sin (tokens, n) or NULL. Row i of x starts at
+ * x + (i / per) * stride + (i % per) * n: `per` rows of n floats side by side in each token's row,
+ * `stride` floats apart (a head-by-head view of q or k inside the qkv output); y is contiguous. */
 void rms_norm_f32(const float *x, int64_t rows, int64_t per, int64_t stride, int64_t n, const float *weight,
                   float eps, const float *cos, const float *sin, float *y, int threads) {
-    const int64_t half = n / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_FROM)
+    for (int64_t i = 0; i < rows; i++)
+        norm_row(x + (i / per) * stride + (i % per) * n, n, weight, eps, cos == NULL ? NULL : cos + (i / per) * n,
+                 sin == NULL ? NULL : sin + (i / per) * n, y + i * n);
+}
+
+/* Qwen3's q and k heads, normed (each with its weight) and rotated, straight from the qkv output: token
+ * t's row of qkv (`stride` floats apart) holds hq q heads then hk k heads of n floats; q (tokens, hq, n)
+ * and k (tokens, hk, n) are contiguous. */
+void qk_norm_rope_f32(const float *qkv, int64_t tokens, int64_t stride, int64_t hq, int64_t hk, int64_t n,
+                      const float *q_weight, const float *k_weight, float eps, const float *cos, const float *sin,
+                      float *q, float *k, int threads) {
+    const int64_t per = hq + hk;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * per * n >= PARALLEL_FROM)
+    for (int64_t i = 0; i < tokens * per; i++) {
+        const int64_t t = i / per, h = i % per;
+        norm_row(qkv + t * stride + h * n, n, h < hq ? q_weight : k_weight, eps, cos + t * n, sin + t * n,
+                 h < hq ? q + (t * hq + h) * n : k + (t * hk + h - hq) * n);
+    }
+}
+
+/* sum = x + add, then y = norm_row(sum): the residual stream's add and the next norm in one call (as
+ * SGLang's fused_add_rmsnorm); x, add, sum and y are (rows, n), contiguous. */
+void add_rms_norm_f32(const float *x, const float *add, int64_t rows, int64_t n, const float *weight, float eps,
+                      float *sum, float *y, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_FROM)
     for (int64_t i = 0; i < rows; i++) {
-        const float *xi = x + (i / per) * stride + (i % per) * n;
-        float *yi = y + i * n;
-        float ss = 0;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t j = 0; j < n; j++) ss += xi[j] * xi[j];
-        const float r = 1.0f / sqrtf(ss / n + eps);
-        if (cos == NULL) {
-            for (int64_t j = 0; j < n; j++) yi[j] = weight[j] * (xi[j] * r);
-            continue;
-        }
-        const float *c = cos + (i / per) * n, *s = sin + (i / per) * n;
-        for (int64_t j = 0; j < half; j++) {
-            const float a = weight[j] * (xi[j] * r), b = weight[j + half] * (xi[j + half] * r);
-            yi[j] = a * c[j] - b * s[j];
-            yi[j + half] = b * c[j + half] + a * s[j + half];
-        }
+        float *si = sum + i * n;
+        for (int64_t j = 0; j < n; j++) si[j] = x[i * n + j] + add[i * n + j];
+        norm_row(si, n, weight, eps, NULL, NULL, y + i * n);
     }
 }
 

@@ -9,7 +9,8 @@ from vlm_serve.llm.kernels import rowwise_cpu
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if rowwise_cpu.supported(x):
-        return rowwise_cpu.silu_and_mul(x)
+    kernel = rowwise_cpu.kernel_for(x)
+    if kernel is not None:
+        return rowwise_cpu.silu_and_mul(kernel, x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

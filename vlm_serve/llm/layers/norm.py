@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_serve.llm.kernels import rowwise_cpu
+from vlm_serve.llm.kernels import CpuKernel, rowwise_cpu
 from vlm_serve.llm.layers.rotary import apply_rotary
 
 
@@ -14,17 +14,56 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.rowwise: CpuKernel | bool | None = None  # the C kernel, from the first float32 CPU input (False: none)
+
+    def kernel_for(self, x: torch.Tensor) -> CpuKernel | None:
+        """The C kernel where it norms x (float32 on CPU); looked up once, at the first such x."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        if self.rowwise is None:
+            self.rowwise = rowwise_cpu.kernel_for(x) or False
+        return self.rowwise or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if rowwise_cpu.supported(x):
-            return rowwise_cpu.rms_norm(x, self.weight, self.eps)
+        kernel = self.kernel_for(x)
+        if kernel is not None:
+            return rowwise_cpu.rms_norm(kernel, x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, residual: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, this norm of it): the residual stream after a sublayer's output x is added, and
+        the next sublayer's input. No residual: x is the stream."""
+        if residual is None:
+            return x, self(x)
+        kernel = self.kernel_for(x)
+        if kernel is not None and residual.dtype == x.dtype:
+            return rowwise_cpu.add_rms_norm(kernel, residual, x, self.weight, self.eps)
+        residual = residual + x
+        return residual, self(residual)
+
     def with_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The normed heads of q or k, (tokens, heads, head_dim), rotated by their tokens' cos and sin."""
-        if rowwise_cpu.supported(x):
-            return rowwise_cpu.rms_norm(x, self.weight, self.eps, cos, sin)
+        kernel = self.kernel_for(x)
+        if kernel is not None:
+            return rowwise_cpu.rms_norm(kernel, x, self.weight, self.eps, cos, sin)
         return apply_rotary(self(x), cos, sin)
+
+
+def qkv_heads(
+    qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: RMSNorm, k_norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v of the qkv projection's output (tokens, (heads + 2 kv_heads) * head_dim) as (tokens,
+    heads or kv_heads, head_dim), q and k normed by their norms and rotated (Qwen3's QK norm): on CPU in
+    one kernel call for both."""
+    tokens, d = qkv.shape[0], q_norm.weight.shape[0]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    kernel = q_norm.kernel_for(qkv)
+    if kernel is not None and q_norm.eps == k_norm.eps:
+        q, k = rowwise_cpu.qk_norm_rope(kernel, qkv, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin)
+    else:
+        q = q_norm.with_rotary(q.view(tokens, heads, d), cos, sin)
+        k = k_norm.with_rotary(k.view(tokens, kv_heads, d), cos, sin)
+    return q, k, v.view(tokens, kv_heads, d)

@@ -20,7 +20,7 @@ from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_serve.llm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_serve.llm.layers.moe import SparseMoeBlock
-from vlm_serve.llm.layers.norm import RMSNorm
+from vlm_serve.llm.layers.norm import RMSNorm, qkv_heads
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding
 
 
@@ -42,14 +42,9 @@ class Qwen3VLAttention(nn.Module):
         self.scaling = config.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        n = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm.with_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = self.k_norm.with_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.q_norm, self.k_norm, cos, sin)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch)
-        return self.o_proj(out.reshape(n, q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class Qwen3VLMLP(nn.Module):
@@ -76,9 +71,14 @@ class Qwen3VLDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream `residual + x` (x alone where residual is None); returns the
+        stream after it the same way, (MLP output, residual): the next norm adds them as it reads them."""
+        residual, h = self.input_layernorm.add_and_norm(residual, x)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(h, cos, sin, batch))
+        return self.mlp(h), residual
 
 
 class Qwen3VLTextModel(nn.Module):
@@ -101,11 +101,13 @@ class Qwen3VLTextModel(nn.Module):
         if batch.mm_indices is not None:
             x[batch.mm_indices] = batch.mm_embeds.to(x.dtype)
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch)
+            x, residual = layer(x, residual, cos, sin, batch)
             if i < len(batch.deepstack_embeds):
+                x, residual = residual + x, None
                 x[batch.mm_indices] += batch.deepstack_embeds[i].to(x.dtype)
-        return self.norm(x)
+        return self.norm.add_and_norm(residual, x)[1]
 
 
 class Qwen3VLModel(nn.Module):

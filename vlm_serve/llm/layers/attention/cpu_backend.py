@@ -30,7 +30,9 @@ class CpuAttnBackend(AttentionBackend):
         return _Metadata(kv_slots, batch.seq_lens.to(torch.int64), ext_lens, ext_lens.cumsum(0) - ext_lens)
 
     def forward(self, q, k, v, layer_id, scaling, batch):
-        self.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.token_to_kv_pool.get_kv(layer_id)
         meta = batch.attn_metadata
-        return paged_attention(q, k_cache, v_cache, meta.kv_slots, meta.seq_lens, meta.ext_lens, meta.q_starts, scaling)
+        return paged_attention(
+            q, k_cache, v_cache, meta.kv_slots, meta.seq_lens, meta.ext_lens, meta.q_starts, scaling,
+            new_kv=(k, v, batch.out_cache_loc),
+        )  # fmt: skip
