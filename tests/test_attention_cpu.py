@@ -37,8 +37,15 @@ def attend(heads, kv_heads, head_dim, seq_lens, ext_lens, seed=0):
     seq, ext = torch.tensor(seq_lens), torch.tensor(ext_lens)
     q = torch.randn(int(ext.sum()), heads, head_dim, generator=g)
     scale = head_dim**-0.5
-    got = attention_cpu.paged_attention(q, k_cache, v_cache, kv_slots, seq, ext, ext.cumsum(0) - ext, scale)
-    return got, reference(q, k_cache, v_cache, kv_slots, seq, ext, scale)
+    want = reference(q, k_cache, v_cache, kv_slots, seq, ext, scale)
+    return run(q, k_cache, v_cache, kv_slots, seq_lens, ext_lens, scale), want
+
+
+def run(q, k_cache, v_cache, kv_slots, seq_lens, ext_lens, scale):
+    """The kernel, with the new tokens' K/V (written first) the values their slots already hold."""
+    new_slots = torch.cat([row[n - e : n] for row, n, e in zip(kv_slots, seq_lens, ext_lens)]).long()
+    batch = attention_cpu.paged_batch(kv_slots, seq_lens, ext_lens, new_slots, q.shape[-1])
+    return attention_cpu.paged_attention(q, k_cache[new_slots], v_cache[new_slots], k_cache, v_cache, batch, scale)
 
 
 GEOMETRIES = [(4, 2, 32), (8, 2, 64), (16, 4, 64), (32, 4, 128), (64, 4, 128), (4, 4, 16)]
@@ -72,8 +79,8 @@ def test_large_scores_do_not_overflow(kernel_target):
     q = 30 * torch.randn(40, 8, 64, generator=g)
     kv_slots = torch.arange(50, dtype=torch.int32)[None]
     seq, ext = torch.tensor([50]), torch.tensor([40])
-    got = attention_cpu.paged_attention(q, k_cache, k_cache, kv_slots, seq, ext, torch.tensor([0]), 1.0)
     want = reference(q, k_cache, k_cache, kv_slots, seq, ext, 1.0)
+    got = run(q, k_cache, k_cache, kv_slots, [50], [40], 1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -107,8 +114,7 @@ def test_the_new_tokens_kv_is_written_to_the_pool_in_the_same_call(kernel_target
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want_k[new_slots], want_v[new_slots] = k, v
     want = reference(q, want_k, want_v, kv_slots, seq, ext, d**-0.5)
-    got = attention_cpu.paged_attention(
-        q, k_cache, v_cache, kv_slots, seq, ext, torch.tensor([0]), d**-0.5, new_kv=(k, v, new_slots)
-    )
+    batch = attention_cpu.paged_batch(kv_slots, [8], [tokens], new_slots, d)
+    got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, batch, d**-0.5)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -109,14 +109,14 @@ typedef struct {
     int64_t b, h, first, count; /* request, KV head, first new token and how many */
 } task_t;
 
-/* The new tokens' K/V rows into the pool first, where k_new is given: token i's (Hkv, D) rows, k_new and
- * v_new rows `new_stride` floats apart (v a view inside the qkv output), go to slot new_slots[i]. */
+/* The new tokens' K/V go into the pool first: token i's (Hkv, D) rows of k_new and v_new, k_stride and
+ * v_stride floats apart (v a view inside the qkv output), to slot new_slots[i]. */
 void paged_attention_f32(const float *q, float *k_cache, float *v_cache, const int32_t *kv_slots, int64_t stride,
                          const int64_t *seq_lens, const int64_t *ext_lens, const int64_t *q_starts, int64_t B,
                          int64_t Hq, int64_t Hkv, int64_t D, float scale, const float *k_new, int64_t k_stride,
                          const float *v_new, int64_t v_stride, const int64_t *new_slots, int64_t new_tokens,
                          float *out, float *scratch, int threads) {
-    for (int64_t i = 0; k_new != NULL && i < new_tokens; i++) {
+    for (int64_t i = 0; i < new_tokens; i++) {
         memcpy(k_cache + new_slots[i] * Hkv * D, k_new + i * k_stride, Hkv * D * sizeof(float));
         memcpy(v_cache + new_slots[i] * Hkv * D, v_new + i * v_stride, Hkv * D * sizeof(float));
     }

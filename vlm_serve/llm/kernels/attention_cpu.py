@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from vlm_serve.llm.kernels import F32, I32, I64, PTR, KernelLibrary, scratch
+from vlm_serve.llm.kernels import F32, I32, I64, PTR, CpuKernel, KernelLibrary, scratch
 
 LIBRARY = KernelLibrary(
     "attention_cpu",
@@ -27,39 +29,61 @@ def supported(dtype: torch.dtype, head_dim: int) -> bool:
     return kernel is not None and head_dim % kernel.lanes == 0
 
 
+@dataclass
+class PagedBatch:
+    """A batch's requests as the kernel reads them, made once per batch and read by every layer."""
+
+    kernel: CpuKernel
+    kv_slots: torch.Tensor  # (batch, >= max seq len) int32: request b's tokens are at kv_slots[b, :seq_lens[b]]
+    seq_lens: torch.Tensor  # (batch,) int64: tokens per request, new ones included
+    ext_lens: torch.Tensor  # (batch,) int64: new tokens per request (its last ones)
+    q_starts: torch.Tensor  # (batch,) int64: each request's first row of q
+    new_slots: torch.Tensor  # (new tokens,) int64: where their K/V go
+    work: torch.Tensor  # the threads' scratch
+    threads: int
+
+
+def paged_batch(
+    kv_slots: torch.Tensor, seq_lens: list[int], ext_lens: list[int], new_slots: torch.Tensor, head_dim: int
+) -> PagedBatch:
+    """The PagedBatch of requests with `seq_lens` tokens each, the last `ext_lens` of them new (their K/V
+    to be written at `new_slots`), their tokens' slots in the rows of kv_slots."""
+    kernel, threads = LIBRARY.get(), torch.get_num_threads()
+    ext = torch.tensor(ext_lens, dtype=torch.int64)
+    return PagedBatch(
+        kernel, kv_slots.to(torch.int32), torch.tensor(seq_lens, dtype=torch.int64), ext, ext.cumsum(0) - ext,
+        new_slots.to(torch.int64).contiguous(), scratch(threads * kernel.attention_scratch_floats(head_dim), torch.float32),
+        threads,
+    )  # fmt: skip
+
+
 def paged_attention(
     q: torch.Tensor,  # (tokens, heads, head_dim): the new tokens, request after request
+    k_new: torch.Tensor,  # (tokens, kv_heads, head_dim): their K and V
+    v_new: torch.Tensor,
     k_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     v_cache: torch.Tensor,
-    kv_slots: torch.Tensor,  # (batch, >= max seq len) int32: request b's tokens are at kv_slots[b, :seq_lens[b]]
-    seq_lens: torch.Tensor,  # (batch,) int64: tokens per request, new ones included
-    ext_lens: torch.Tensor,  # (batch,) int64: new tokens per request (its last ones)
-    q_starts: torch.Tensor,  # (batch,) int64: each request's first row of q
+    batch: PagedBatch,
     scale: float,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Each new token's attention over its request's tokens up to itself, (tokens, heads, head_dim).
-    `new_kv`: the new tokens' (k, v, slots), each (tokens, kv_heads, head_dim) and (tokens,) int64, written to
-    the caches first (in the same call)."""
-    kernel = LIBRARY.get()
-    q = q.contiguous()
+    """Each new token's attention over its request's tokens up to itself, (tokens, heads, head_dim), with
+    the new tokens' K/V written to the caches first (in the same call). k_new and v_new may be views
+    whose token rows lie apart (v inside the qkv output)."""
+    if not q.is_contiguous():
+        q = q.contiguous()
+    k_new, v_new = _rows_contiguous(k_new, k_cache.dtype), _rows_contiguous(v_new, v_cache.dtype)
     out = torch.empty_like(q)
-    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
-    k_new = v_new = slots = None
-    if new_kv is not None:
-        k_new, v_new = (_rows_contiguous(part.to(k_cache.dtype)) for part in new_kv[:2])
-        slots = new_kv[2].to(torch.int64).contiguous()
-    threads = torch.get_num_threads()
-    work = scratch(threads * kernel.attention_scratch_floats(head_dim), torch.float32)
-    kernel.paged_attention_f32(
-        q, k_cache, v_cache, kv_slots, kv_slots.stride(0), seq_lens, ext_lens, q_starts, seq_lens.numel(), heads,
-        kv_heads, head_dim, scale, k_new, 0 if k_new is None else k_new.stride(0), v_new,
-        0 if v_new is None else v_new.stride(0), slots, 0 if slots is None else slots.numel(), out, work, threads,
+    tokens, heads, head_dim = q.shape
+    batch.kernel.paged_attention_f32(
+        q, k_cache, v_cache, batch.kv_slots, batch.kv_slots.stride(0), batch.seq_lens, batch.ext_lens,
+        batch.q_starts, batch.seq_lens.numel(), heads, k_cache.shape[1], head_dim, scale, k_new, k_new.stride(0),
+        v_new, v_new.stride(0), batch.new_slots, tokens, out, batch.work, batch.threads,
     )  # fmt: skip
     return out
 
 
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """x (tokens, heads, head_dim) with each token's row contiguous (rows may lie apart, as in a view of v
-    inside the qkv output)."""
+def _rows_contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (tokens, heads, head_dim) in `dtype`, each token's row contiguous (rows may lie apart)."""
+    if x.dtype != dtype:
+        x = x.to(dtype)
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()

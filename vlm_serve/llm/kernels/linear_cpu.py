@@ -53,6 +53,12 @@ class Panels:
     inp: int
     layout: Layout
 
+    def __post_init__(self) -> None:
+        count, _, width, _ = self.weight.shape
+        self.out = count * width
+        # the kernel's arguments after x's: read once, not at every call
+        self.args = (self.weight, FORMATS[self.weight.dtype], *self.layout.args(), self.out, width)
+
 
 def pack(
     weight: torch.Tensor,
@@ -81,17 +87,15 @@ def pack(
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias for the weight `pack` made `panels` of; x: (..., in), summed in float32 and
     returned in x's dtype."""
-    count, _, width, _ = panels.weight.shape
-    inp, lead, dtype = panels.inp, x.shape[:-1], x.dtype
-    x = x.reshape(-1, inp).float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty(*lead, count * width, dtype=torch.float32)
-    panels.kernel.linear_forward(
-        x, x.shape[0], inp, x.stride(0), panels.weight, FORMATS[panels.weight.dtype], *panels.layout.args(),
-        count * width, width, None if bias is None else bias.float(), y, torch.get_num_threads(),
-    )  # fmt: skip
-    return y.to(dtype)
+    dtype, inp = x.dtype, panels.inp
+    rows = x.reshape(-1, inp)
+    if dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    y = torch.empty(*x.shape[:-1], panels.out, dtype=torch.float32)
+    panels.kernel.linear_forward(rows, rows.shape[0], inp, rows.stride(0), *panels.args, bias, y, torch.get_num_threads())
+    return y if dtype == torch.float32 else y.to(dtype)
 
 
 def check_scale(

@@ -59,11 +59,11 @@ def qkv_heads(
     heads or kv_heads, head_dim), q and k normed by their norms and rotated (Qwen3's QK norm): on CPU in
     one kernel call for both."""
     tokens, d = qkv.shape[0], q_norm.weight.shape[0]
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
     kernel = q_norm.kernel_for(qkv)
     if kernel is not None and q_norm.eps == k_norm.eps:
         q, k = rowwise_cpu.qk_norm_rope(kernel, qkv, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin)
-    else:
-        q = q_norm.with_rotary(q.view(tokens, heads, d), cos, sin)
-        k = k_norm.with_rotary(k.view(tokens, kv_heads, d), cos, sin)
-    return q, k, v.view(tokens, kv_heads, d)
+        return q, k, v
+    q = q_norm.with_rotary(qkv[:, : heads * d].view(tokens, heads, d), cos, sin)
+    k = k_norm.with_rotary(qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d), cos, sin)
+    return q, k, v
