@@ -37,6 +37,14 @@ class PackedExperts:
     hidden: int
     intermediate: int
 
+    def __post_init__(self) -> None:
+        l13, l2 = self.layout13, self.layout2
+        # the kernel's weight arguments, read once, not at every call
+        self.args = (
+            FORMATS[self.w13.dtype], self.w13, *l13.args(), l13.width, self.w2, *l2.args(), l2.width, self.hidden,
+            self.intermediate,
+        )  # fmt: skip
+
 
 def pack_experts(
     w13: torch.Tensor,
@@ -84,9 +92,9 @@ def moe_forward(
     tokens, experts = x.shape[0], packed.w13.shape[0]
     pairs = tokens * top_k
     kernel, threads = packed.kernel, torch.get_num_threads()
-    order, chosen = torch.empty(pairs, dtype=torch.int64), torch.empty(pairs, dtype=torch.int64)
-    starts, weights = torch.empty(experts + 2, dtype=torch.int64), torch.empty(pairs, dtype=torch.float32)
-    logits = router_logits.float().contiguous()
+    order, chosen = scratch(pairs, torch.int64, "order"), scratch(pairs, torch.int64, "chosen")
+    starts, weights = scratch(experts + 2, torch.int64, "starts"), scratch(pairs, torch.float32, "weights")
+    logits = _float32(router_logits)
     kernel.moe_route_f32(
         logits, tokens, logits.shape[1], top_k, renormalize, expert_start, experts, weights, order, starts, chosen,
         threads,
@@ -94,12 +102,11 @@ def moe_forward(
     out = torch.empty(x.shape, dtype=torch.float32)
     ys, pos = scratch(pairs * packed.hidden, torch.float32), scratch(pairs, torch.int64)
     gate_up = scratch(threads * CHUNK * 2 * packed.intermediate, torch.float32, "gate_up")
-    dtype, x = x.dtype, x.float().contiguous()
-    l13, l2 = packed.layout13, packed.layout2
-    kernel.moe_forward(
-        x, tokens, top_k, order, starts, experts, weights, FORMATS[packed.w13.dtype], packed.w13, *l13.args(),
-        l13.width, packed.w2, *l2.args(), l2.width, packed.hidden, packed.intermediate, out, ys, pos, gate_up,
-        threads,
-    )  # fmt: skip
-    return out.to(dtype)
+    dtype, x = x.dtype, _float32(x)
+    kernel.moe_forward(x, tokens, top_k, order, starts, experts, weights, *packed.args, out, ys, pos, gate_up, threads)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
 
