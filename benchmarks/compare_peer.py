@@ -2,6 +2,9 @@
 `--vllm VENV`) on the same checkpoint, one server at a time, through the same workloads, in alternating
 rounds; one table of medians and ratios (ours / vLLM) at the end.
 
+`--vllm-dtype` is the dtype vLLM computes in (float32 by default; `bfloat16` to serve a bfloat16 checkpoint
+as stored, where its CPU build takes it); ours serves a checkpoint's weights as stored (`--dtype auto`).
+
 Each round starts each server in turn (the order alternates round by round), sends one untimed warm-up
 run, then every workload through our client (`bench_serving.py`) and, where vLLM's own client has a
 dataset for it, through `vllm bench serve` too, and stops the server. Both servers get the machine's
@@ -136,11 +139,11 @@ def our_server(model: Path, name: str, extra: str, isa: str) -> Server:
     return Server("ours", command, environment(isa), f"http://127.0.0.1:{port}")
 
 
-def vllm_server(venv: Path, model: Path, name: str, extra: str, isa: str) -> Server:
+def vllm_server(venv: Path, model: Path, name: str, extra: str, isa: str, dtype: str) -> Server:
     """vLLM's CPU build as ../shared/PEERS.md runs it."""
     port = free_port()
     command = [str(venv / "bin" / "python"), str(HERE / "vllm_launcher.py"), "serve", str(model),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "4096",
                "--served-model-name", name, *shlex.split(extra)]  # fmt: skip
     return Server("vllm", command, vllm_env(venv, CORES) | environment(isa), f"http://127.0.0.1:{port}")
 
@@ -266,7 +269,7 @@ def compare(args: argparse.Namespace) -> dict[Key, list[Figures]]:
     name = args.model.name
     servers = [our_server(args.model, name, args.ours_args, args.isa)]
     if args.vllm is not None:
-        servers.append(vllm_server(args.vllm, args.model, name, args.vllm_args, args.isa))
+        servers.append(vllm_server(args.vllm, args.model, name, args.vllm_args, args.isa, args.vllm_dtype))
     runs: dict[Key, list[Figures]] = defaultdict(list)
     for round_ in range(args.rounds):
         for server in servers if round_ % 2 == 0 else servers[::-1]:
@@ -335,6 +338,9 @@ def main() -> int:
     parser.add_argument("--prompts-scale", type=float, default=1.0, help="scales every workload's request count")
     parser.add_argument("--ours-args", default="--vit-dp 0", help="flags for `vlm-serve serve` (--vit-dp 0)")
     parser.add_argument("--vllm-args", default="", help="more flags for `vllm serve`")
+    parser.add_argument("--vllm-dtype", default="float32",
+                        help="vLLM's --dtype (float32; bfloat16 for a bfloat16 checkpoint where its CPU build takes it: "
+                             "ours keeps such weights in bfloat16 and computes in float32 with its default --dtype auto)")
     parser.add_argument("--no-peer-client", action="store_true", help="only our client (faster)")
     parser.add_argument("--max-foreign-cpu", type=float, default=0.15, help="drop runs with more other load (0.15)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
