@@ -10,6 +10,7 @@ import io
 import json
 
 import pytest
+import torch
 from helpers import openai_client, running_server
 from safetensors import safe_open
 
@@ -77,3 +78,19 @@ def test_the_server_answers_truly_about_simple_scenes(builtin_server, media, que
         model=BUILTIN_MODEL.name, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=64
     )
     assert reply.choices[0].message.content == answer
+
+
+def test_it_is_served_in_its_bfloat16_by_default():
+    """`--dtype auto`: the weights stay as shipped (the kernels read bfloat16), activations float32."""
+    from vlm_serve.engine import Engine
+    from vlm_serve.llm.layers.linear import LinearBase
+    from vlm_serve.llm.layers.moe import SparseMoeBlock
+
+    with Engine(BUILTIN_MODEL, vit_dp=0) as engine:
+        model = engine.scheduler.runner.model
+        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+        experts = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        assert linears and experts
+        assert {m.panels.weight.dtype for m in linears} == {torch.bfloat16}
+        assert {m.packed.w13.dtype for m in experts} == {torch.bfloat16}
+        assert engine.scheduler.runner.token_to_kv_pool.dtype == torch.float32

@@ -37,3 +37,72 @@ def test_the_triton_fp8_gemm_equals_the_product_with_dequantized_weights():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+GROUPED = """
+import torch
+from vlm_serve.llm.kernels.fp8_triton import fp8_grouped_linear
+from vlm_serve.quantization import dequantize_rows, quantize_fp8_blocks, shard_scales
+
+torch.manual_seed(0)
+experts, n, k, col0 = 5, 96, 200, 64  # (each expert's shard starts 64 columns into a scale block)
+weights, scales = [], []
+for _ in range(experts):
+    quantized, scale_inv = quantize_fp8_blocks(torch.randn(n, col0 + k))
+    weights.append(quantized[:, col0:].contiguous())
+    row_scales, offset = shard_scales(scale_inv, (128, 128), (0, n), (col0, k))
+    scales.append(row_scales)
+weights, scales = torch.stack(weights), torch.stack(scales)
+for counts in ([3, 0, 17, 1, 0], [0, 0, 0, 0, 2], [40, 1, 0, 0, 0]):
+    rows = sum(counts) + 3  # (3 rows routed to other ranks' experts, after the groups: left unwritten)
+    xs = torch.randn(rows, k)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = fp8_grouped_linear(xs, weights, scales, ends, 128, offset)
+    start = 0
+    for e, count in enumerate(counts):
+        expected = xs[start : start + count] @ dequantize_rows(weights[e], scales[e], 128, offset, torch.float32).T
+        assert torch.allclose(got[start : start + count], expected, rtol=1e-4, atol=1e-4), (counts, e)
+        start += count
+print("ok")
+"""
+
+
+def test_the_grouped_fp8_gemm_multiplies_each_experts_rows_by_that_expert():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", GROUPED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+MOE = """
+import torch
+from vlm_serve.llm.kernels import fp8_triton
+from vlm_serve.llm.layers.moe import SparseMoeBlock
+from vlm_serve.quantization import Fp8Config, quantize_fp8_blocks, row_scales
+
+torch.manual_seed(0)
+experts, hidden, inter = 16, 64, 160  # (the down projection's input spans two scale blocks)
+moe = SparseMoeBlock(hidden, inter, experts, 4)
+moe.gate.weight.data = torch.randn(experts, hidden) * 0.3
+fp8 = [quantize_fp8_blocks(torch.randn(2 * inter, hidden) * hidden**-0.5) for _ in range(experts)]
+fp8_down = [quantize_fp8_blocks(torch.randn(hidden, inter) * inter**-0.5) for _ in range(experts)]
+moe.fp8 = Fp8Config()
+moe.w13 = torch.nn.Parameter(torch.stack([w for w, _ in fp8]), requires_grad=False)
+moe.w2 = torch.nn.Parameter(torch.stack([w for w, _ in fp8_down]), requires_grad=False)
+moe.w13_scale = torch.stack([row_scales(s, 2 * inter) for _, s in fp8])
+moe.w2_scale = torch.stack([row_scales(s, hidden) for _, s in fp8_down])
+x = torch.randn(9, hidden)
+looped = moe(x)  # (on CPU without prepacking: each expert dequantized, a matmul each)
+moe._expert_loop = moe._grouped_mm
+calls = []
+fp8_triton.fp8_grouped_linear = lambda *args, gemm=fp8_triton.fp8_grouped_linear: calls.append(1) or gemm(*args)
+grouped = moe(x)
+assert len(calls) == 2, calls  # gate_up, then down
+assert torch.allclose(grouped, looped, rtol=1e-4, atol=1e-5), (grouped - looped).abs().max()
+print("ok")
+"""
+
+
+def test_fp8_experts_on_cuda_take_the_grouped_fp8_gemm_each_way():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", MOE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

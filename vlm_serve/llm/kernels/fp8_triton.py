@@ -24,22 +24,36 @@ except ImportError:  # (no Triton: FP8 layers on CUDA dequantize per call)
 if triton is not None:
 
     @triton.jit
-    def _fp8_linear_kernel(
-        x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, offset, stride_xm, stride_wn, stride_sn, stride_ym,
-        BLOCK_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    def _fp8_gemm_kernel(
+        x_ptr, w_ptr, s_ptr, y_ptr, tile_expert_ptr, tile_row0_ptr, ends_ptr, M, N, K, offset, stride_xm,
+        stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+        GROUPED: tl.constexpr, BLOCK_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        # a tile of BM rows of x: of one expert's rows where GROUPED (tile t: expert tile_expert[t], rows
+        # from tile_row0[t] up to that expert's end), else rows t * BM ... of the one weight
+        k_end = K
+        if GROUPED:
+            expert = tl.load(tile_expert_ptr + tl.program_id(0))
+            rows = tl.load(tile_row0_ptr + tl.program_id(0)) + tl.arange(0, BM)
+            # a tile past the last expert's rows (expert -1): no loads, no stores
+            end = tl.where(expert >= 0, tl.load(ends_ptr + tl.maximum(expert, 0)), 0)
+            k_end = tl.where(expert >= 0, K, 0)
+            w_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_we
+            s_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_se
+        else:
+            rows = tl.program_id(0) * BM + tl.arange(0, BM)
+            end = M
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(0, k_end, BK):
             ks = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < end) & (ks[None, :] < K), other=0.0)
             w_mask = (cols[:, None] < N) & (ks[None, :] < K)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
             block = (ks + offset) // BLOCK_COLS
             s = tl.load(s_ptr + cols[:, None] * stride_sn + block[None, :], mask=w_mask, other=0.0)
             acc += tl.dot(x, tl.trans((w * s).to(x.dtype)))
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < end) & (cols[None, :] < N))
 
 
 def available() -> bool:
@@ -53,16 +67,61 @@ def fp8_linear(
     """x (..., K) @ the real weight (N, K).T + bias, in x's dtype: `weight` float8_e4m3fn, its real value
     `weight * row_scales[n, (k + offset) // block_cols]`."""
     lead, (n, k) = x.shape[:-1], weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x.reshape(-1, k))
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    bm = 16 if x2.shape[0] <= 16 else 64
-    grid = (triton.cdiv(x2.shape[0], bm), triton.cdiv(n, 64))
-    _fp8_linear_kernel[grid](
-        x2, weight, row_scales, y, x2.shape[0], n, k, offset, x2.stride(0), weight.stride(0), row_scales.stride(0),
-        y.stride(0), BLOCK_COLS=block_cols, BM=bm, BN=64, BK=64,
+    bm = _tile_rows(x2.shape[0])
+    grid = (triton.cdiv(x2.shape[0], bm), triton.cdiv(n, BN))
+    _fp8_gemm_kernel[grid](
+        x2, weight, row_scales, y, None, None, None, x2.shape[0], n, k, offset, x2.stride(0), 0, weight.stride(0), 0,
+        row_scales.stride(0), y.stride(0), GROUPED=False, BLOCK_COLS=block_cols, BM=bm, BN=BN, BK=BK,
     )  # fmt: skip
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)
+
+
+def fp8_grouped_linear(
+    xs: torch.Tensor, weights: torch.Tensor, row_scales: torch.Tensor, ends: torch.Tensor, block_cols: int, offset: int
+) -> torch.Tensor:
+    """Rows of xs (R, K) grouped by expert, rows ends[e - 1] ... ends[e] (int32 cumulative counts, on the
+    device) times expert e's real weight (N, K).T: `weights` (E, N, K) float8_e4m3fn, `row_scales` (E, N,
+    K blocks) as `fp8_linear` takes them. Rows past ends[-1] are left unwritten. No host sync: the tiles
+    are laid out on the device, as many launched as the most the rows could need."""
+    experts, n, k = weights.shape
+    xs = _rows(xs)
+    y = torch.empty(xs.shape[0], n, dtype=xs.dtype, device=xs.device)
+    bm = _tile_rows(xs.shape[0])
+    tile_expert, tile_row0 = _expert_tiles(ends, bm, triton.cdiv(xs.shape[0], bm) + experts)
+    grid = (tile_expert.shape[0], triton.cdiv(n, BN))
+    _fp8_gemm_kernel[grid](
+        xs, weights, row_scales, y, tile_expert, tile_row0, ends, xs.shape[0], n, k, offset, xs.stride(0),
+        weights.stride(0), weights.stride(1), row_scales.stride(0), row_scales.stride(1), y.stride(0), GROUPED=True,
+        BLOCK_COLS=block_cols, BM=bm, BN=BN, BK=BK,
+    )  # fmt: skip
+    return y
+
+
+BN, BK = 64, 64
+
+
+def _tile_rows(rows: int) -> int:
+    return 16 if rows <= 16 else 64
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _expert_tiles(ends: torch.Tensor, bm: int, most: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `most` tiles of bm rows: each one's expert (-1 past the last expert's rows) and first row, every
+    expert's rows cut into tiles of their own."""
+    ends = ends.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + bm - 1) // bm
+    tile_ends = torch.cumsum(tiles, 0)
+    t = torch.arange(most, device=ends.device)
+    expert = torch.searchsorted(tile_ends, t, right=True)
+    inside = expert < ends.shape[0]
+    expert = torch.where(inside, expert, 0)
+    row0 = starts[expert] + (t - (tile_ends - tiles)[expert]) * bm
+    return torch.where(inside, expert, -1).to(torch.int32), row0.to(torch.int32)

@@ -13,6 +13,7 @@ from torch import nn
 
 from vlm_serve.checkpoint import weight_format
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
+from vlm_serve.llm.kernels import fp8_triton
 from vlm_serve.llm.kernels.moe_cpu import PackedExperts, moe_forward, pack_experts
 from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.linear import ReplicatedLinear, frozen_parameter
@@ -177,10 +178,15 @@ class SparseMoeBlock(nn.Module):
         return torch.cat(parts) if parts else rows.new_empty(0, out)
 
     def _grouped_mm(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Every expert in one grouped GEMM each way, with no host sync (CUDA)."""
+        """Every expert in one grouped GEMM each way, with no host sync (CUDA): FP8 experts through the
+        block-scaled Triton GEMM, which reads them as stored; others through torch's grouped GEMM."""
         ends = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate_up = torch._grouped_mm(xs, self.expert_weights(0, xs.dtype).transpose(1, 2), offs=ends)
-        act = silu_and_mul(gate_up)
-        ys = torch._grouped_mm(act, self.expert_weights(1, xs.dtype).transpose(1, 2), offs=ends)
+        if self.w13.dtype == FP8_DTYPE and fp8_triton.available():
+            block = self.fp8.weight_block_size[1]
+            gate_up = fp8_triton.fp8_grouped_linear(xs, self.w13, self.w13_scale, ends, block, 0)
+            ys = fp8_triton.fp8_grouped_linear(silu_and_mul(gate_up), self.w2, self.w2_scale, ends, block, self.w2_scale_offset)
+        else:
+            gate_up = torch._grouped_mm(xs, self.expert_weights(0, xs.dtype).transpose(1, 2), offs=ends)
+            ys = torch._grouped_mm(silu_and_mul(gate_up), self.expert_weights(1, xs.dtype).transpose(1, 2), offs=ends)
         rows = torch.arange(xs.shape[0], device=xs.device)
         return torch.where((rows < ends[-1])[:, None], ys, 0)  # rows past the last group are not written
