@@ -13,17 +13,33 @@ import pytest
 
 pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
 
-CHECK = """
+# what the scripts share: a TP shard of an FP8 weight, as `LinearBase` keeps it
+SHARD = """
 import torch
-from vlm_serve.llm.kernels.fp8_triton import fp8_linear
 from vlm_serve.quantization import dequantize_rows, quantize_fp8_blocks, shard_scales
 
-torch.manual_seed(0)
-for rows, n, k, row0, col0, bias in [(1, 64, 128, 0, 0, False), (5, 96, 200, 64, 32, True), (33, 130, 70, 3, 100, True)]:
-    full = torch.randn(row0 + n + 5, col0 + k + 7)
-    quantized, scale_inv = quantize_fp8_blocks(full)
-    weight = quantized[row0 : row0 + n, col0 : col0 + k].contiguous()
+def fp8_shard(n, k, row0, col0):
+    \"\"\"Rows row0 ... + n and columns col0 ... + k of a random FP8 weight: (weight, row scales, offset).\"\"\"
+    quantized, scale_inv = quantize_fp8_blocks(torch.randn(row0 + n + 5, col0 + k + 7))
     scales, offset = shard_scales(scale_inv, (128, 128), (row0, n), (col0, k))
+    return quantized[row0 : row0 + n, col0 : col0 + k].contiguous(), scales, offset
+
+torch.manual_seed(0)
+"""
+
+
+def interpreted(script: str) -> None:
+    """Runs `script` under Triton's interpreter; it prints ok when its checks hold."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", SHARD + script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+CHECK = """
+from vlm_serve.llm.kernels.fp8_triton import fp8_linear
+
+for rows, n, k, row0, col0, bias in [(1, 64, 128, 0, 0, False), (5, 96, 200, 64, 32, True), (33, 130, 70, 3, 100, True)]:
+    weight, scales, offset = fp8_shard(n, k, row0, col0)
     x = torch.randn(rows, k)
     b = torch.randn(n) if bias else None
     expected = torch.nn.functional.linear(x, dequantize_rows(weight, scales, 128, offset, torch.float32), b)
@@ -34,25 +50,15 @@ print("ok")
 
 
 def test_the_triton_fp8_gemm_equals_the_product_with_dequantized_weights():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    interpreted(CHECK)
 
 
 GROUPED = """
-import torch
 from vlm_serve.llm.kernels.fp8_triton import fp8_grouped_linear
-from vlm_serve.quantization import dequantize_rows, quantize_fp8_blocks, shard_scales
 
-torch.manual_seed(0)
-experts, n, k, col0 = 5, 96, 200, 64  # (each expert's shard starts 64 columns into a scale block)
-weights, scales = [], []
-for _ in range(experts):
-    quantized, scale_inv = quantize_fp8_blocks(torch.randn(n, col0 + k))
-    weights.append(quantized[:, col0:].contiguous())
-    row_scales, offset = shard_scales(scale_inv, (128, 128), (0, n), (col0, k))
-    scales.append(row_scales)
-weights, scales = torch.stack(weights), torch.stack(scales)
+experts, n, k = 5, 96, 200
+shards = [fp8_shard(n, k, 0, 64) for _ in range(experts)]  # (each starts 64 columns into a scale block)
+weights, scales, offset = torch.stack([s[0] for s in shards]), torch.stack([s[1] for s in shards]), shards[0][2]
 for counts in ([3, 0, 17, 1, 0], [0, 0, 0, 0, 2], [40, 1, 0, 0, 0]):
     rows = sum(counts) + 3  # (3 rows routed to other ranks' experts, after the groups: left unwritten)
     xs = torch.randn(rows, k)
@@ -68,18 +74,14 @@ print("ok")
 
 
 def test_the_grouped_fp8_gemm_multiplies_each_experts_rows_by_that_expert():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", GROUPED], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    interpreted(GROUPED)
 
 
 MOE = """
-import torch
 from vlm_serve.llm.kernels import fp8_triton
 from vlm_serve.llm.layers.moe import SparseMoeBlock
-from vlm_serve.quantization import Fp8Config, quantize_fp8_blocks, row_scales
+from vlm_serve.quantization import Fp8Config, row_scales
 
-torch.manual_seed(0)
 experts, hidden, inter = 16, 64, 160  # (the down projection's input spans two scale blocks)
 moe = SparseMoeBlock(hidden, inter, experts, 4)
 moe.gate.weight.data = torch.randn(experts, hidden) * 0.3
@@ -103,6 +105,4 @@ print("ok")
 
 
 def test_fp8_experts_on_cuda_take_the_grouped_fp8_gemm_each_way():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", MOE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    interpreted(MOE)
