@@ -9,8 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlm_serve.config import ServerArgs
+from vlm_serve.engine import Engine
 from vlm_serve.llm.speculative.ngram import NgramProposer
 from vlm_serve.llm.speculative.rejection import rejection_sample, verify_greedy
+from vlm_serve.testing.media import make_image
 
 
 @pytest.mark.parametrize(
@@ -115,3 +118,57 @@ def test_the_bound_fails_a_sampler_that_keeps_drafts_without_checking_them():
 
     target, draft = distributions(seed=1)
     assert worst_position_chi2(emitted(keep_every_draft, target, draft, seed=2), target) > CHI2_BOUND
+
+
+# ---- in the scheduler -----------------------------------------------------------------------------
+
+COPY = "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat."
+
+
+def conversations() -> list[list[dict]]:
+    image = make_image(96, 64, seed=3)
+    return [
+        [{"role": "user", "content": COPY}],
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": COPY}]}],
+        [{"role": "user", "content": "Count: one two three one two three one two"}],
+    ]
+
+
+def answers(engine: Engine) -> list[list[int]]:
+    inputs = [engine.processor.process_messages(c) for c in conversations()]
+    greedy = engine.generate_processed(inputs, max_tokens=40, temperature=0, ignore_eos=True)
+    # a sampled request beside them gets no drafts, and draws what it draws without them
+    sampled = engine.generate_processed(inputs[:1] * 2, max_tokens=12, temperature=0.8, seed=5)
+    return [out.token_ids for out in greedy + sampled]
+
+
+@pytest.mark.parametrize("arch,page_size", [("dense", 1), ("dense", 4), ("moe", 1)])
+def test_greedy_answers_with_ngram_drafts_are_those_without(arch, page_size, request):
+    """Several requests at once (text, an image), on a copy-heavy prompt; the idle self-check after each
+    batch of answers finds every KV slot free or in the prefix cache (rejected drafts' slots released)."""
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    with Engine(path, vit_dp=0, page_size=page_size) as plain:
+        want = answers(plain)
+    with Engine(path, vit_dp=0, page_size=page_size, speculative_algorithm="ngram") as speculative:
+        assert answers(speculative) == want
+        stats = speculative.scheduler.get_stats()  # (what /metrics reports)
+        assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+
+
+def test_drafts_never_run_past_max_tokens_or_a_stop_token(tiny_dense_dir):
+    with Engine(tiny_dense_dir, vit_dp=0) as plain:
+        full = plain.chat([{"role": "user", "content": COPY}], max_tokens=24, temperature=0).token_ids
+    stop = full[9]
+    with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram") as speculative:
+        assert speculative.chat([{"role": "user", "content": COPY}], max_tokens=7, temperature=0).token_ids == full[:7]
+        stopped = speculative.chat([{"role": "user", "content": COPY}], max_tokens=24, temperature=0, stop_token_ids=[stop])
+        assert stopped.token_ids == full[: full.index(stop) + 1]
+
+
+def test_speculative_settings_out_of_range_are_refused_by_name():
+    with pytest.raises(ValueError, match="speculative_algorithm must be one of ngram"):
+        ServerArgs(speculative_algorithm="medusa")
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens must be >= 1"):
+        ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="min_match_window_size .4. must not exceed"):
+        ServerArgs(speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2)

@@ -39,8 +39,9 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "log_level": ("debug", "info", "warning", "error"),
     "disaggregation_mode": ("null", "prefill", "decode"),
     "disaggregation_transfer_backend": ("mooncake", "fake"),
+    "speculative_algorithm": ("ngram",),
 }
-OPTIONAL_CHOICES = {"reasoning_parser"}  # of those, the ones that may also be None
+OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, the ones that may also be None
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
 # the HTTP server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes).
 ENGINE_SETTINGS = (
@@ -48,6 +49,8 @@ ENGINE_SETTINGS = (
     "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "enable_mixed_chunk",
     "disable_overlap_schedule", "schedule_policy", "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb",
     "context_length", "vit_max_patches_per_pass", "vit_dp", "vit_threads", "log_interval", "log_level", "seed",
+    "speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+    "speculative_ngram_max_match_window_size",
 )  # fmt: skip
 
 
@@ -112,6 +115,13 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"  # how KV moves (fake: it does not; for tests)
     disaggregation_ib_device: str | None = None  # RDMA device(s) for Mooncake, e.g. mlx5_0; none = TCP
     disaggregation_timeout: float = 300.0  # seconds a PD request waits for its other side in each queue
+    # speculative decoding: draft tokens verified in one forward; greedy answers stay token for token the same
+    # ngram: drafts from the request's own prompt and output (greedy requests; sampled ones decode as usual
+    # for now); the scheduler then runs its normal loop (no overlap); none = off
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4  # draft tokens per request and step
+    speculative_ngram_min_match_window_size: int = 1  # shortest suffix of a request's tokens matched (ngram)
+    speculative_ngram_max_match_window_size: int = 3  # longest suffix matched (ngram)
     log_interval: int = 40  # scheduler steps between log lines
     log_level: str = "warning"  # info shows the scheduler's log lines
     seed: int = 0  # seed of the sampler's random numbers where a request gives none
@@ -124,12 +134,18 @@ class ServerArgs:
         positive = (
             "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
             "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "limit_mm_per_prompt", "mm_max_image_pixels",
-            "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers",
+            "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers", "speculative_num_draft_tokens",
+            "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
         )
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, not {value}")
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ValueError(
+                f"speculative_ngram_min_match_window_size ({self.speculative_ngram_min_match_window_size}) must not "
+                f"exceed speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
+            )
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, not {self.responses_store_size}")
         if self.chunked_prefill_size not in (None, -1) and self.chunked_prefill_size < self.page_size:

@@ -18,9 +18,14 @@ class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill: new tokens on top of a (possibly empty) cached prefix
     DECODE = auto()  # one new token per request
     MIXED = auto()  # a prefill chunk plus one new token for each running request, in one forward
+    TARGET_VERIFY = auto()  # running requests' last token and draft tokens, verified in one forward
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
+
+    def extends_prompts(self) -> bool:
+        """Whether the batch computes prompt tokens (its requests start decoding after it)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
 
 
 @dataclass
@@ -55,6 +60,7 @@ class ForwardBatch:
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)  # rows giving prompt log-probs
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = None  # the backend's index tensors for this batch (`init_forward_metadata`)
+    draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each request's draft tokens (after its last token)
 
     @property
     def batch_size(self) -> int:
@@ -73,6 +79,8 @@ class ForwardOutput:
 
     sample: SampleOutput
     prompt_logprobs: list[PromptLogprobs | None]
+    # TARGET_VERIFY: per request, the target's greedy token at each of its positions (last token, drafts)
+    verify_ids: list[list[int]] | None = None
 
     def to_host(self) -> None:
         self.sample.to_host()

@@ -97,7 +97,20 @@ class ModelRunner:
         hidden = self.forward(batch)
         out = self.sampler(self.compute_logits(hidden[batch.last_token_indices()]), batch.sampling)
         self.future_map.store(batch.future_start, out.next_token_ids)
-        return ForwardOutput(out, self.prompt_logprobs(hidden, batch))
+        return ForwardOutput(out, self.prompt_logprobs(hidden, batch), self.verify_ids(hidden, batch))
+
+    @torch.inference_mode()
+    def verify_ids(self, hidden: torch.Tensor, batch: ForwardBatch) -> list[list[int]] | None:
+        """Of a TARGET_VERIFY batch: per request, the argmax of the logits at each of its new tokens
+        (drafts are given only to requests whose sampling is that argmax)."""
+        if batch.draft_ids is None:
+            return None
+        ids = self.compute_logits(hidden).argmax(dim=-1).tolist()
+        out, start = [], 0
+        for n in batch.extend_lens_cpu:
+            out.append(ids[start : start + n])
+            start += n
+        return out
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> list[PromptLogprobs | None]:

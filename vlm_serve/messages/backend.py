@@ -99,6 +99,8 @@ class StatsOut:
     computed_prompt_tokens: int
     generated_tokens: int
     num_retractions: int
+    spec_draft_tokens: int  # speculative decoding: draft tokens verified, and of those the ones kept
+    spec_accepted_tokens: int
     embedding_cache: dict[str, float]  # hits, misses, inflight_hits, evictions, usage_bytes
     encoder_load: list[int]  # patches in flight per encoder rank (empty for the inline tower)
     encoder_restarts: int

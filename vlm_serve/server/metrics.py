@@ -56,6 +56,8 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
     out.counter("prompt_tokens_computed", stats.computed_prompt_tokens, "Prompt tokens run through the model.")
     out.counter("generation_tokens", stats.generated_tokens, "Tokens generated.")
     out.counter("retractions", stats.num_retractions, "Requests retracted when the KV cache ran out.")
+    out.counter("spec_decode_num_draft_tokens", stats.spec_draft_tokens, "Speculative draft tokens verified.")
+    out.counter("spec_decode_num_accepted_tokens", stats.spec_accepted_tokens, "Speculative draft tokens kept.")
     embeddings = stats.embedding_cache
     for cache_name, counters in (
         ("embedding_cache", embeddings),

@@ -77,7 +77,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> SampleOutput:
         """logits: (batch, vocab) float32, one row per request."""
-        if all(_plain_greedy(r) for r in reqs):
+        if all(plain_greedy(r) for r in reqs):
             return SampleOutput(logits.argmax(dim=-1), [None] * len(reqs), [None] * len(reqs))
         params = [r.sampling_params for r in reqs]
 
@@ -151,7 +151,7 @@ class Sampler:
             logits[rows, cols] = float("-inf")
 
 
-def _plain_greedy(req: SamplingRequest) -> bool:
+def plain_greedy(req: SamplingRequest) -> bool:
     """Argmax of the raw logits is all this request needs this step. (is_greedy and has_penalties
     are spelled out: this runs for every request every step, and the property calls double its cost.)"""
     p = req.sampling_params

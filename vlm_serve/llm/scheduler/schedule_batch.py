@@ -204,6 +204,7 @@ class ScheduleBatch:
         self.forward_mode = forward_mode
         self.num_prefill_reqs = len(reqs) if forward_mode == ForwardMode.EXTEND else 0
         self.samples: list[bool] = []  # per request, whether its sampled token is kept (set when prepared)
+        self.draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each request's draft tokens
         self.device = req_to_token_pool.req_to_token.device
 
     def is_empty(self) -> bool:
@@ -296,6 +297,30 @@ class ScheduleBatch:
         deltas = torch.tensor([r.mrope_delta for r in self.reqs], device=self.device)
         positions = (prefix_t + deltas).expand(3, -1)
         return self._forward_batch(ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx)
+
+    def prepare_for_verify(self) -> ForwardBatch:
+        """Each running request's last token and its draft tokens (`draft_ids`), in one forward whose
+        logits verify the drafts. Their KV slots are taken like a prefill's; the scheduler releases those
+        of the drafts not kept (`Scheduler.append_verified`)."""
+        table = self.req_to_token_pool.req_to_token
+        prefix_lens = [r.kv_len for r in self.reqs]
+        seq_lens = [n + 1 + len(d) for n, d in zip(prefix_lens, self.draft_ids)]
+        self._evict_for(sum(seq_lens) - sum(prefix_lens) + len(self.reqs) * self.allocator.page_size)
+        last_locs = [int(table[r.req_pool_idx, n - 1]) for r, n in zip(self.reqs, prefix_lens)]
+        out_cache_loc = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        if out_cache_loc is None:
+            raise RuntimeError("KV cache is full: drafts are proposed only where the pool holds them")
+        ids, positions, offset = [], [], 0
+        for req, start, end, drafts in zip(self.reqs, prefix_lens, seq_lens, self.draft_ids):
+            self.req_to_token_pool.write(req.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
+            ids += [req.output_ids[-1], *drafts]
+            positions.append(_positions(req, start, end))
+            req.kv_len = end
+            offset += end - start
+        self.samples = [True] * len(self.reqs)
+        batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens)
+        batch.draft_ids = self.draft_ids
+        return batch
 
     def _forward_batch(self, ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx=None) -> ForwardBatch:
         if pool_idx is None:

@@ -36,12 +36,15 @@ from vlm_serve.llm.disaggregation.prefill import PrefillDisaggregation
 from vlm_serve.llm.disaggregation.transfer import KVLayout, create_transfer_backend
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardMode, ForwardOutput
+from vlm_serve.llm.layers.sampler import plain_greedy
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
 from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import SchedulerMetrics
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
+from vlm_serve.llm.speculative.ngram import NgramProposer
+from vlm_serve.llm.speculative.rejection import verify_greedy
 from vlm_serve.llm.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
     IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
@@ -98,6 +101,7 @@ class LaunchedBatch:
     kv_ends: list[int]  # per row: its tokens with KV once the batch has run
     future_start: int  # FutureMap slot of row 0's token
     result: Future[ForwardOutput]
+    draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each row's draft tokens
 
 
 class Scheduler:
@@ -152,7 +156,14 @@ class Scheduler:
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
 
-        self.enable_overlap = not server_args.disable_overlap_schedule
+        # speculative decoding runs the normal loop: a verify batch's accepted tokens are the next batch's inputs
+        self.enable_overlap = not server_args.disable_overlap_schedule and server_args.speculative_algorithm is None
+        self.drafter: NgramProposer | None = None
+        if server_args.speculative_algorithm == "ngram":
+            self.drafter = NgramProposer(
+                server_args.speculative_num_draft_tokens, server_args.speculative_ngram_min_match_window_size,
+                server_args.speculative_ngram_max_match_window_size, self.vocab_size,
+            )  # fmt: skip
         self.forward_thread = ForwardThread(runner) if self.enable_overlap else None
         if self.forward_thread is not None:
             if encoder is not None:
@@ -492,13 +503,13 @@ class Scheduler:
     def _has_work(self) -> bool:
         """Whether a batch can run now (without waiting for the encoder), or one is running."""
         return bool(self.waiting_queue or self.chunked_req or self.running_batch.reqs or self.result_queue) or (
-            self.last_batch is not None and not self.last_batch.forward_mode.is_decode()
+            self.last_batch is not None and self.last_batch.forward_mode.extends_prompts()
         )
 
     # ---- choosing the next batch -------------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.last_batch is not None and not self.last_batch.forward_mode.is_decode():
+        if self.last_batch is not None and self.last_batch.forward_mode.extends_prompts():
             # the last prefill's requests (but the one still being chunked) start decoding
             joined = [
                 r for r in self.last_batch.reqs
@@ -611,7 +622,26 @@ class Scheduler:
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         decoding = [r for r in batch.reqs if r.needs_decode]  # the others' last token is in flight
-        return self.new_batch(decoding) if decoding else None
+        if not decoding:
+            return None
+        decode = self.new_batch(decoding)
+        if self.drafter is not None:
+            drafts = [self._drafts(r) for r in decoding]
+            free = self.allocator.available_size() + self.tree_cache.evictable_size()
+            # (drafts only where the pool holds them as well: whole pages for every request's 1 + k tokens)
+            if any(drafts) and free >= sum(len(d) + 1 for d in drafts) + len(decoding) * self.page_size:
+                decode.forward_mode, decode.draft_ids = ForwardMode.TARGET_VERIFY, drafts
+        return decode
+
+    def _drafts(self, req: Req) -> list[int]:
+        """The request's draft tokens for this step: for greedy requests whose tokens are the logits'
+        argmax (`plain_greedy`), as many as its answer and context still have room for."""
+        if not plain_greedy(req.sample_row(True)):
+            return []
+        room = min(
+            req.sampling_params.max_new_tokens - len(req.output_ids), self.runner.context_len - req.seq_len
+        ) - 1  # (the step's own token comes on top of the drafts)
+        return self.drafter.propose(req.fill_ids)[: max(room, 0)]
 
     # ---- running a batch ---------------------------------------------------------------------------
 
@@ -619,7 +649,12 @@ class Scheduler:
         """Builds the batch's tensors and launches its forward: on the forward thread with overlap (the
         result arrives later), else here and now. Requests whose token it samples get a future id."""
         t0 = time.perf_counter()
-        forward_batch = batch.prepare_for_decode() if batch.forward_mode.is_decode() else batch.prepare_for_extend()
+        if batch.forward_mode.is_decode():
+            forward_batch = batch.prepare_for_decode()
+        elif batch.forward_mode == ForwardMode.TARGET_VERIFY:
+            forward_batch = batch.prepare_for_verify()
+        else:
+            forward_batch = batch.prepare_for_extend()
         forward_batch.future_start = self.future_map.alloc(len(batch.reqs))
         self.runner.init_forward_metadata(forward_batch)
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
@@ -630,7 +665,7 @@ class Scheduler:
             self.tree_cache.cache_unfinished_req(req)
         launched = LaunchedBatch(
             list(batch.reqs), batch.forward_mode, batch.num_prefill_reqs, list(batch.samples),
-            list(forward_batch.seq_lens_cpu), forward_batch.future_start, Future(),
+            list(forward_batch.seq_lens_cpu), forward_batch.future_start, Future(), forward_batch.draft_ids,
         )  # fmt: skip
         t1 = time.perf_counter()
         self.metrics.time_schedule += t1 - t0
@@ -654,7 +689,7 @@ class Scheduler:
         out = result.sample
         t0 = time.perf_counter()
         next_token_ids = out.tolist()
-        if batch.forward_mode == ForwardMode.DECODE:
+        if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             self.metrics.num_decode_batches += 1
         elif batch.forward_mode == ForwardMode.MIXED:
             self.metrics.num_mixed_batches += 1
@@ -677,9 +712,12 @@ class Scheduler:
             if pd_prefill:
                 self.disagg.prompt_done(req, next_token_ids[i], out, i)
                 continue
-            logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
-            top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
-            self.append_token(req, next_token_ids[i], logprobs, top)
+            if batch.draft_ids is not None and batch.draft_ids[i]:
+                self.append_verified(req, batch.draft_ids[i], result.verify_ids[i])
+            else:
+                logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
+                top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
+                self.append_token(req, next_token_ids[i], logprobs, top)
             if req.finished:
                 if req.req_pool_idx is not None:
                     self.tree_cache.cache_finished_req(req)
@@ -704,6 +742,28 @@ class Scheduler:
         reason = self._check_finished(req, token)
         if reason is not None:
             self.finish(req, reason)
+
+    def append_verified(self, req: Req, drafts: list[int], target_ids: list[int]) -> None:
+        """The tokens a verify forward keeps (`verify_greedy`), until one ends the answer; then the KV of
+        the positions not kept is released (RadixCache only ever holds kept tokens)."""
+        computed_end = req.kv_len  # the last token and every draft were computed
+        tokens = verify_greedy(target_ids, drafts)
+        self.metrics.spec_proposed += len(drafts)
+        self.metrics.spec_accepted += len(tokens) - 1
+        for token in tokens:
+            self.append_token(req, token)
+            if req.finished:
+                break
+        # computed and kept: the tokens before the last appended one (whose KV the next step computes)
+        req.kv_len = min(computed_end - len(drafts) + len(tokens) - 1, len(req.fill_ids) - 1)
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len : computed_end].long()
+        self.allocator.free(slots[slots // self.page_size != self._last_page(req)])
+
+    def _last_page(self, req: Req) -> int:
+        """The page of the request's last computed position (kept: the next tokens fill its tail)."""
+        if req.kv_len == 0:
+            return -1
+        return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len - 1]) // self.page_size
 
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
@@ -790,6 +850,7 @@ class Scheduler:
             max_total_tokens=self.max_total_tokens, prefix_cache_hit_rate=m.cache_hit_rate,
             cached_prompt_tokens=m.cached_prompt_tokens, computed_prompt_tokens=m.computed_prompt_tokens,
             generated_tokens=m.generated_tokens, num_retractions=m.num_retractions,
+            spec_draft_tokens=m.spec_proposed, spec_accepted_tokens=m.spec_accepted,
             embedding_cache={
                 "hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "usage_bytes": cache.usage_bytes,
                 "inflight_hits": self.encoding.inflight_hits,
