@@ -51,7 +51,8 @@ class SchedulerMetrics:
     computed_prompt_tokens: int = 0  # prompt tokens run through the model
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     generated_tokens: int = 0
-    spec_proposed: int = 0  # speculative decoding: draft tokens verified
+    spec_verified: int = 0  # speculative decoding: requests' verify steps that had drafts
+    spec_proposed: int = 0  # draft tokens verified
     spec_accepted: int = 0  # of those, the ones kept
     num_retractions: int = 0
     num_preemptions: int = 0

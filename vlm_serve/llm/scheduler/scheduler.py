@@ -748,6 +748,7 @@ class Scheduler:
         the positions not kept is released (RadixCache only ever holds kept tokens)."""
         computed_end = req.kv_len  # the last token and every draft were computed
         tokens = verify_greedy(target_ids, drafts)
+        self.metrics.spec_verified += 1
         self.metrics.spec_proposed += len(drafts)
         self.metrics.spec_accepted += len(tokens) - 1
         for token in tokens:
