@@ -172,3 +172,27 @@ def test_speculative_settings_out_of_range_are_refused_by_name():
         ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="min_match_window_size .4. must not exceed"):
         ServerArgs(speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2)
+
+
+class WrongDrafts:
+    """Proposes the last (padding) vocabulary row, which the tiny models never pick."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        return [self.vocab_size - 1]
+
+
+def test_a_request_whose_drafts_keep_failing_drafts_ever_less_often(tiny_dense_dir):
+    """Rejected drafts cost a wider forward for nothing: after each failure the request goes 1, 2, 4 ...
+    (at most 16) steps without drafts; its answer stays the plain one."""
+    conversation = [{"role": "user", "content": COPY}]
+    with Engine(tiny_dense_dir, vit_dp=0) as plain:
+        want = plain.chat(conversation, max_tokens=40, temperature=0, ignore_eos=True).token_ids
+    with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram") as speculative:
+        speculative.scheduler.drafter = WrongDrafts(speculative.scheduler.vocab_size)
+        assert speculative.chat(conversation, max_tokens=40, temperature=0, ignore_eos=True).token_ids == want
+        metrics = speculative.scheduler.metrics
+        # drafts at decode steps 0, 2, 5, 10, 19, 36 of the 39 (after the prefill's token)
+        assert (metrics.spec_verified, metrics.spec_accepted) == (6, 0)

@@ -92,6 +92,9 @@ class Req:
     bootstrap: BootstrapInfo | None = None
     transfer: KVSender | KVReceiver | None = None
     kv_sent: int = 0  # prefill side: prompt positions whose KV was handed to the transfer
+    # speculative decoding: decode steps to go without drafts, after drafts that were all rejected
+    draft_pause: int = 0
+    draft_backoff: int = 0  # the last pause's length (doubles while drafts keep failing)
     # overlap scheduling and streaming
     future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none
     send_token_offset: int = 0  # output_ids before this were already reported

@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens running requests are assumed to still use
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # the ratio decays to this fraction of its initial value
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minimum
+MAX_DRAFT_PAUSE = 16  # decode steps a request goes without drafts at most, after failed ones
 RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
 ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per iteration
 GRAMMAR_WAIT_SECONDS = 0.01  # the same for grammars being compiled
@@ -636,6 +637,9 @@ class Scheduler:
     def _drafts(self, req: Req) -> list[int]:
         """The request's draft tokens for this step: for greedy requests whose tokens are the logits'
         argmax (`plain_greedy`), as many as its answer and context still have room for."""
+        if req.draft_pause > 0:
+            req.draft_pause -= 1
+            return []
         if not plain_greedy(req.sample_row(True)):
             return []
         room = min(
@@ -748,6 +752,10 @@ class Scheduler:
         the positions not kept is released (RadixCache only ever holds kept tokens)."""
         computed_end = req.kv_len  # the last token and every draft were computed
         tokens = verify_greedy(target_ids, drafts)
+        # drafts that all fail cost a wider forward for nothing: pause this request's drafting, longer
+        # each time it happens again (1, 2, 4 ... MAX_DRAFT_PAUSE steps), until one is kept
+        req.draft_backoff = 0 if len(tokens) > 1 else min(max(2 * req.draft_backoff, 1), MAX_DRAFT_PAUSE)
+        req.draft_pause = req.draft_backoff
         self.metrics.spec_verified += 1
         self.metrics.spec_proposed += len(drafts)
         self.metrics.spec_accepted += len(tokens) - 1
