@@ -51,6 +51,11 @@ class EmulatedKernel(CpuKernel):
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.describe()
 
+    def __getattr__(self, function: str):  # (the library's functions: relayed to the driver)
+        if function not in self.__dict__.get("signatures", {}):
+            raise AttributeError(function)
+        return lambda *args: self.invoke(function, args)
+
     def invoke(self, function: str, args: tuple):
         restype, *argtypes = self.signatures[function]
         request, buffers = [struct.pack("<i", list(self.signatures).index(function))], []

@@ -95,17 +95,21 @@ class ModelRunner:
         FutureMap for the batch after it."""
         self.future_map.resolve(batch)
         hidden = self.forward(batch)
-        out = self.sampler(self.compute_logits(hidden[batch.last_token_indices()]), batch.sampling)
+        verify_ids = None
+        if batch.draft_ids is None:
+            logits = self.compute_logits(hidden[batch.last_token_indices()])
+        else:  # every position's logits, of which the last tokens' are sampled (a copy: the sampler writes it)
+            every = self.compute_logits(hidden)
+            logits, verify_ids = every[batch.last_token_indices()], self.verify_ids(every, batch)
+        out = self.sampler(logits, batch.sampling)
         self.future_map.store(batch.future_start, out.next_token_ids)
-        return ForwardOutput(out, self.prompt_logprobs(hidden, batch), self.verify_ids(hidden, batch))
+        return ForwardOutput(out, self.prompt_logprobs(hidden, batch), verify_ids)
 
-    @torch.inference_mode()
-    def verify_ids(self, hidden: torch.Tensor, batch: ForwardBatch) -> list[list[int]] | None:
+    @staticmethod
+    def verify_ids(logits: torch.Tensor, batch: ForwardBatch) -> list[list[int]]:
         """Of a TARGET_VERIFY batch: per request, the argmax of the logits at each of its new tokens
         (drafts are given only to requests whose sampling is that argmax)."""
-        if batch.draft_ids is None:
-            return None
-        ids = self.compute_logits(hidden).argmax(dim=-1).tolist()
+        ids = logits.argmax(dim=-1).tolist()
         out, start = [], 0
         for n in batch.extend_lens_cpu:
             out.append(ids[start : start + n])

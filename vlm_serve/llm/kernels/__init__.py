@@ -80,14 +80,6 @@ class CpuKernel:
         self.runs_here = bool(self.kernel_runs_here())
         self.isa, self.lanes, self.panel = self.kernel_isa().decode(), self.kernel_lanes(), self.kernel_panel()
 
-    def __getattr__(self, function: str):  # (functions not bound in __init__)
-        return lambda *args: self.invoke(function, args)
-
-    def invoke(self, function: str, args: tuple):
-        """Calls a function not bound in __init__: a subclass that runs the library elsewhere (the tests'
-        emulated Arm kernels) relays its calls here."""
-        raise AttributeError(f"the kernel library has no function {function}")
-
     def panels(self, weight: torch.Tensor, width: int | None = None, lead: int = 0) -> torch.Tensor:
         """Weights (..., out, in) as tiles.h's column panels in their own dtype, (..., out / width, groups,
         width, G): `width` output columns of every input row together (`self.panel` where it divides

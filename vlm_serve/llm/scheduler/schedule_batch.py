@@ -229,7 +229,6 @@ class ScheduleBatch:
 
     def prepare_for_extend(self) -> ForwardBatch:
         """Each request computes tokens kv_len .. kv_len + extend_len - 1 of its `fill_ids`."""
-        table = self.req_to_token_pool.req_to_token
         for req in self.reqs:
             if req.req_pool_idx is None:
                 rows = self.req_to_token_pool.alloc(1)
@@ -240,16 +239,11 @@ class ScheduleBatch:
                 req.kv_len = len(req.prefix_indices)
         prefix_lens = [r.kv_len for r in self.reqs]
         seq_lens = [r.kv_len + r.extend_len for r in self.reqs]
-        self._evict_for(sum(seq_lens) - sum(prefix_lens) + len(self.reqs) * self.allocator.page_size)
-        last_locs = [int(table[r.req_pool_idx, n - 1]) if n > 0 else 0 for r, n in zip(self.reqs, prefix_lens)]
-        out_cache_loc = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
-        if out_cache_loc is None:
-            raise RuntimeError("KV cache is full: the scheduler admitted more than the pool holds")
+        out_cache_loc = self._alloc_slots(prefix_lens, seq_lens, "the scheduler admitted more than the pool holds")
         ids, positions, mm_indices, mm_rows = [], [], [], []
         offset = 0
         self.samples = [end >= req.seq_len for req, end in zip(self.reqs, seq_lens)]
         for req, start, end in zip(self.reqs, prefix_lens, seq_lens):
-            self.req_to_token_pool.write(req.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
             ids.extend(req.token_ids(start, end))
             positions.append(_positions(req, start, end))
             for run_start, run_end, i, row in req.mm_runs:  # this chunk's rows of each item's embeddings
@@ -268,6 +262,21 @@ class ScheduleBatch:
             batch.mm_indices = torch.cat(mm_indices).to(self.device)
             batch.mm_embeds, batch.deepstack_embeds = embeds.embeds, embeds.deepstack
         return batch
+
+    def _alloc_slots(self, prefix_lens: list[int], seq_lens: list[int], why_enough: str) -> torch.Tensor:
+        """KV slots for positions prefix_len .. seq_len - 1 of each request (evicting cached prefixes as
+        needed), written into its row of req_to_token; `why_enough` says why the pool must hold them."""
+        table = self.req_to_token_pool.req_to_token
+        self._evict_for(sum(seq_lens) - sum(prefix_lens) + len(self.reqs) * self.allocator.page_size)
+        last_locs = [int(table[r.req_pool_idx, n - 1]) if n > 0 else 0 for r, n in zip(self.reqs, prefix_lens)]
+        out_cache_loc = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        if out_cache_loc is None:
+            raise RuntimeError(f"KV cache is full: {why_enough}")
+        offset = 0
+        for req, start, end in zip(self.reqs, prefix_lens, seq_lens):
+            self.req_to_token_pool.write(req.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
+            offset += end - start
+        return out_cache_loc
 
     def _prompt_logprob_spans(self, prefix_lens: list[int], seq_lens: list[int]) -> list[PromptLogprobSpan]:
         """The rows of this extend whose logits give prompt log-probs, for the requests that asked."""
@@ -305,21 +314,14 @@ class ScheduleBatch:
         """Each running request's last token and its draft tokens (`draft_ids`), in one forward whose
         logits verify the drafts. Their KV slots are taken like a prefill's; the scheduler releases those
         of the drafts not kept (`Scheduler.append_verified`)."""
-        table = self.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_len for r in self.reqs]
         seq_lens = [n + 1 + len(d) for n, d in zip(prefix_lens, self.draft_ids)]
-        self._evict_for(sum(seq_lens) - sum(prefix_lens) + len(self.reqs) * self.allocator.page_size)
-        last_locs = [int(table[r.req_pool_idx, n - 1]) for r, n in zip(self.reqs, prefix_lens)]
-        out_cache_loc = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
-        if out_cache_loc is None:
-            raise RuntimeError("KV cache is full: drafts are proposed only where the pool holds them")
-        ids, positions, offset = [], [], 0
+        out_cache_loc = self._alloc_slots(prefix_lens, seq_lens, "drafts are proposed only where the pool holds them")
+        ids, positions = [], []
         for req, start, end, drafts in zip(self.reqs, prefix_lens, seq_lens, self.draft_ids):
-            self.req_to_token_pool.write(req.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
             ids += [req.output_ids[-1], *drafts]
             positions.append(_positions(req, start, end))
             req.kv_len = end
-            offset += end - start
         self.samples = [True] * len(self.reqs)
         batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens)
         batch.draft_ids = self.draft_ids

@@ -640,7 +640,7 @@ class Scheduler:
         if req.draft_pause > 0:
             req.draft_pause -= 1
             return []
-        if not plain_greedy(req.sample_row(True)):
+        if not plain_greedy(req):
             return []
         room = min(
             req.sampling_params.max_new_tokens - len(req.output_ids), self.runner.context_len - req.seq_len
@@ -765,14 +765,10 @@ class Scheduler:
                 break
         # computed and kept: the tokens before the last appended one (whose KV the next step computes)
         req.kv_len = min(computed_end - len(drafts) + len(tokens) - 1, len(req.fill_ids) - 1)
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len : computed_end].long()
-        self.allocator.free(slots[slots // self.page_size != self._last_page(req)])
-
-    def _last_page(self, req: Req) -> int:
-        """The page of the request's last computed position (kept: the next tokens fill its tail)."""
-        if req.kv_len == 0:
-            return -1
-        return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len - 1]) // self.page_size
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        slots = row[req.kv_len : computed_end].long()
+        kept_page = int(row[req.kv_len - 1]) // self.page_size  # (the next tokens fill its tail)
+        self.allocator.free(slots[slots // self.page_size != kept_page])
 
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params

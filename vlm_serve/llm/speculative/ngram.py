@@ -14,20 +14,12 @@ class NgramProposer:
     """Proposes up to `num_draft_tokens` tokens: the longest suffix of the sequence, from
     `max_match_window` tokens down to `min_match_window`, that occurred earlier in it, and what followed
     its latest earlier occurrence. Ids of `vocab_size` or more (image and video pads) are never matched
-    against nor proposed."""
+    against nor proposed. (Its settings are checked where they are given, in `ServerArgs`.)"""
 
     num_draft_tokens: int
     min_match_window: int = 1
     max_match_window: int = 3
     vocab_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_match_window <= self.max_match_window:
-            raise ValueError(
-                f"the n-gram match window must satisfy 1 <= min ({self.min_match_window}) <= max ({self.max_match_window})"
-            )
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be at least 1, not {self.num_draft_tokens}")
 
     def propose(self, token_ids: list[int] | np.ndarray) -> list[int]:
         """The draft for the token after `token_ids` (prompt then output); [] where no window matches."""
