@@ -84,6 +84,24 @@ def process_name(pid: int) -> str:
         return ""
 
 
+def survivors(pids: list[int], timeout: float = 15) -> list[str]:
+    """The names and states of those of `pids` still running after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [pid for pid in pids if "Z" not in state(pid)]
+        if not running or time.monotonic() > deadline:
+            return [f"{pid} {process_name(pid)} ({state(pid)})" for pid in running]
+        time.sleep(0.2)
+
+
+def state(pid: int) -> str:
+    """A process's state letter (R, S, D...), "Z" for a zombie or a process that has gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (OSError, IndexError):
+        return "Z"
+
+
 @dataclass
 class ServerProcess:
     """A server started by `start_server`: its process (leading a process group of its own), base URL

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -74,3 +76,21 @@ def test_a_stop_wins_over_the_failed_read_it_came_with(channel, sigterm_exits):
     send_pyobj(push, _SignalledWhileRead(signal.SIGTERM, fails=True))
     with pytest.raises(SystemExit):
         recv_pyobj(pull)
+
+
+def test_a_process_ends_although_its_last_message_was_never_read(tmp_path):
+    """A server's child that stops while a peer that has gone is sent to (an encoder rank whose pool's
+    scheduler was killed): the context is collected as the function returns, and the process ends."""
+    program = f"""
+import zmq
+from vlm_serve.ipc import zmq_context
+
+def send_to_nobody():
+    context = zmq_context()
+    socket = context.socket(zmq.PUSH)
+    socket.connect("ipc://{tmp_path}/nobody")
+    socket.send(b"never read")
+
+send_to_nobody()
+"""
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=60)

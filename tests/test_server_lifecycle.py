@@ -10,31 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import uvicorn
-from helpers import descendants, process_name, spawn_serve, start_server
+from helpers import descendants, process_name, spawn_serve, start_server, survivors
 
 from vlm_serve.server.http_server import ServerState, _Server
-
-
-def _gone(pids: list[int], timeout: float = 15) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids):
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
-    except (OSError, IndexError):
-        return "Z"
 
 
 STOPS = {  # signal, sent to the whole process group
@@ -55,7 +38,7 @@ def test_a_stop_ends_the_server_and_every_child_silently(tiny_moe_dir, stop, vit
     assert {"vlm-scheduler-0", "vlm-detokenizer", *(f"vlm-encoder-{i}" for i in range(vit_dp))} <= names
     assert server.stop(*STOPS[stop]) == 0, "".join(server.output)
     assert server.after_stop == []
-    assert _gone(children), "children outlived the server"
+    assert survivors(children) == []
 
 
 def test_ctrl_c_while_the_server_starts_stops_it_silently(tiny_moe_dir):
@@ -69,7 +52,7 @@ def test_ctrl_c_while_the_server_starts_stops_it_silently(tiny_moe_dir):
     children = descendants(server.process.pid)
     assert server.stop(signal.SIGINT, group=True) == 130, "".join(server.output)
     assert server.after_stop == []
-    assert _gone(children), "children outlived the server"
+    assert survivors(children) == []
 
 
 class _ChildrenGone:
@@ -113,7 +96,7 @@ def test_a_child_that_dies_makes_the_server_unhealthy_then_stops_it(tiny_moe_dir
     assert 503 in statuses
     assert server.process.wait(30) == 1
     assert "exited" in "".join(server.output)
-    assert _gone(children), "children outlived the server"
+    assert survivors(children) == []
 
 
 def test_an_unknown_setting_in_the_config_file_is_refused_before_anything_starts(tmp_path):

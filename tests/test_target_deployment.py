@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, descendants, free_port, process_name, spawn_serve, start_server
+from helpers import ServerProcess, descendants, free_port, process_name, spawn_serve, start_server, survivors
 
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image, make_video
@@ -83,15 +83,6 @@ def _metric(server: ServerProcess, name: str) -> float:
     raise KeyError(name)
 
 
-def _gone(pids: list[int], timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not [pid for pid in pids if Path(f"/proc/{pid}").exists() and process_name(pid)]:
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_tp2_ep2_with_a_pool_of_two_answers_as_one_rank_and_survives_a_killed_encoder_rank(
     tiny_moe_dir, media_dir, conversations, expected
 ):
@@ -123,7 +114,7 @@ def test_tp2_ep2_with_a_pool_of_two_answers_as_one_rank_and_survives_a_killed_en
 
     everything = descendants(server.process.pid)
     assert server.stop() == 0, "".join(server.output)
-    assert _gone(everything), "processes outlived the server"
+    assert survivors(everything, timeout=20) == []
 
 
 def test_two_nodes_over_loopback_answer_as_one_rank_and_stop_together(tiny_moe_dir, media_dir, conversations, expected):
@@ -139,4 +130,4 @@ def test_two_nodes_over_loopback_answer_as_one_rank_and_stop_together(tiny_moe_d
     everything = descendants(server.process.pid) + descendants(other.process.pid)
     assert server.stop() == 0, "".join(server.output)
     other.process.wait(60)  # its rank loses node 0 and stops; then the node does
-    assert _gone(everything), "processes outlived the deployment"
+    assert survivors(everything, timeout=20) == []

@@ -20,6 +20,15 @@ import zmq
 from vlm_serve.process import stop_signals_deferred
 
 
+def zmq_context() -> zmq.Context:
+    """A context whose sockets drop the messages still unsent when they close. ZMQ's default is to wait
+    for them forever, and a process stopping while a peer that has gone is sent to would never end: a
+    context collected as its owner unwinds (a `return`, a SystemExit) closes its sockets."""
+    context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    return context
+
+
 def send_pyobj(socket: zmq.Socket, obj: Any, flags: int = 0) -> None:
     buf = io.BytesIO()
     ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)

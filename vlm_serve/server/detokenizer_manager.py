@@ -17,7 +17,7 @@ import zmq
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import TextStream
-from vlm_serve.ipc import recv_pyobj, send_pyobj
+from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.messages.backend import BatchTokenIdOut, TokenIdOut
 from vlm_serve.messages.frontend import BatchStrOut, StrOut
 from vlm_serve.server.ports import PortArgs
@@ -73,7 +73,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> Non
     init_child_process("vlm-detokenizer")
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s detokenizer %(levelname)s %(message)s")
     manager = DetokenizerManager(Tokenizer.from_pretrained(server_args.model))
-    context = zmq.Context()
+    context = zmq_context()
     recv_from_scheduler = context.socket(zmq.PULL)
     recv_from_scheduler.bind(port_args.detokenizer_input)
     send_to_tokenizer = context.socket(zmq.PUSH)

@@ -19,7 +19,7 @@ from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.process import IDLE_POLL_MS, exits_at_once, init_child_process
-from vlm_serve.ipc import recv_pyobj, send_pyobj
+from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder_pool import create_encoder
@@ -32,7 +32,7 @@ class ZmqSchedulerIO:
     """Rank 0's I/O: requests from the HTTP process, outputs to the detokenizer."""
 
     def __init__(self, port_args: PortArgs) -> None:
-        context = zmq.Context()
+        context = zmq_context()
         self.recv_from_tokenizer = context.socket(zmq.PULL)
         self.recv_from_tokenizer.bind(port_args.scheduler_input)
         self.send_to_detokenizer = context.socket(zmq.PUSH)

@@ -41,8 +41,8 @@ import torch.multiprocessing as mp
 import zmq
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.ipc import recv_pyobj, send_pyobj
-from vlm_serve.process import exits_at_once, init_child_process, starting_children
+from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
+from vlm_serve.process import exits_at_once, init_child_process, starting_children, stop_signals_deferred
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 from vlm_serve.vision.vision_tower import VisionOutput, load_vision_model
 
@@ -78,7 +78,7 @@ def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loa
     cannot start, ("started", index, job id) and ("done", index, job id, results)."""
     init_child_process(f"vlm-encoder-{index}")
     torch.set_num_threads(rank_threads(server_args))
-    context = zmq.Context()
+    context = zmq_context()
     events = context.socket(zmq.PUSH)
     events.connect(addresses.events)
     try:
@@ -158,8 +158,12 @@ class EncoderRanks:
         self._events.connect(addresses.events)
         self.ranks: list[_Process] = []
         self._finalizer = weakref.finalize(self, _stop_processes, self.ranks)  # also when dropped unstopped
-        for i in range(server_args.vit_dp):  # (the first waits for the fork server to import torch)
-            self.ranks.append(self._start(i))
+        try:
+            for i in range(server_args.vit_dp):  # (the first waits for the fork server to import torch)
+                self.ranks.append(self._start(i))
+        except BaseException:  # Ctrl-C, say: no rank outlives a start that did not finish
+            self.stop()
+            raise
 
     def _start(self, index: int) -> _Process:
         # (a pipe, not an Event: that is five named semaphores, reported as leaked by multiprocessing's
@@ -169,7 +173,9 @@ class EncoderRanks:
             target=rank_main, args=(self.server_args, index, self.addresses, tells_loaded), name=f"vit-rank-{index}",
             daemon=True,
         )  # fmt: skip
-        with _main_module_hidden():
+        # A stop signal waits for the fork server's answer: a rank forked for a start cut short would run
+        # unknown to us, and so unstopped.
+        with _main_module_hidden(), stop_signals_deferred():
             process.start()
         tells_loaded.close()  # the rank holds the only write end: its death is EOF
         return _Process(index, process, loaded)
@@ -283,7 +289,7 @@ class EncoderPool(VisionEncoder):
         self.device = device
         self.addresses = addresses
         self.supervisor = supervisor
-        self._context = zmq.Context()
+        self._context = zmq_context()
         self._sockets: list[zmq.Socket] = []  # every socket opened, so that all are closed
         # also when dropped without shutdown(): a context collected with open sockets would hang
         self._finalizer = weakref.finalize(self, _close, self._sockets, self._context)
@@ -324,7 +330,6 @@ class EncoderPool(VisionEncoder):
 
     def _socket(self, kind: int) -> zmq.Socket:
         socket = self._context.socket(kind)
-        socket.setsockopt(zmq.LINGER, 0)
         self._sockets.append(socket)
         return socket
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Union
 
 import zmq
 
+from vlm_serve.ipc import zmq_context
 from vlm_serve.llm.disaggregation.bootstrap import Address, RankInfo, lookup_rank, not_found, register_rank
 from vlm_serve.llm.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender, Mode, TransferBackend
 from vlm_serve.messages.backend import BootstrapInfo
@@ -240,7 +241,7 @@ class ControlBackend(TransferBackend):
         self._early: dict[str, _Early] = {}
         self._lookups: dict[Address, Future[RankInfo]] = {}  # decode: each prefill server's rank, found or being
         self._heard: dict[str, float] = {}  # decode: when each prefill rank that rooms wait on last spoke
-        self._ctx = zmq.Context()
+        self._ctx = zmq_context()
         self._inbox = self._ctx.socket(zmq.PULL)
         port = self._inbox.bind_to_random_port(f"tcp://{host}")
         self.info = RankInfo(tp_rank, tp_size, f"tcp://{host}:{port}", session, layout)
