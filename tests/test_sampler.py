@@ -23,6 +23,7 @@ class FakeReq:
     origin_input_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     grammar: None = None
+    draft: None = None
 
     @property
     def num_outputs(self) -> int:

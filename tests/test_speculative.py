@@ -1,8 +1,9 @@
-"""Speculative decoding's parts: n-gram drafts are what followed the latest earlier occurrence of the
-sequence's longest matching suffix; verification keeps exactly what the target would produce: greedy
-drafts up to the first the target disagrees with, sampled ones by rejection sampling, whose emitted
-tokens are distributed as the target's (a fixed-seed statistical test, with a bound that a sampler that
-keeps drafts too readily fails)."""
+"""Speculative decoding: n-gram drafts are what followed the latest earlier occurrence of the sequence's
+longest matching suffix; verification keeps exactly what the target would produce: the drafts up to the
+first that differs from the token sampled at its position. Sampled, the emitted tokens are distributed as
+the target's (a fixed-seed statistical test, with a bound that a verifier keeping drafts unchecked
+fails); in the scheduler, every answer (greedy or seeded, with grammars, penalties, log-probs, stop
+strings) is the one without drafts, token for token."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.speculative.ngram import NgramProposer
-from vlm_serve.llm.speculative.rejection import rejection_sample, verify_greedy
+from vlm_serve.llm.layers.sampler import SampleRow, Sampler
+from vlm_serve.llm.speculative.verify import verify_drafts
+from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.testing.media import make_image
 
 
@@ -40,14 +43,14 @@ def test_ngram_drafts_stop_at_image_pads_and_never_match_them():
     assert proposer.propose([1, 2, 3, 1, 2]) == [3, 1, 2]
 
 
-def test_greedy_verification_keeps_drafts_up_to_the_first_disagreement_then_the_targets_token():
-    assert verify_greedy([5, 6, 7, 8], [5, 6, 9]) == [5, 6, 7]
-    assert verify_greedy([5, 6, 7, 8], [4, 6, 7]) == [5]
-    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all kept, and the bonus token
-    assert verify_greedy([5], []) == [5]
+def test_verification_keeps_drafts_up_to_the_first_that_differs_then_the_sampled_token():
+    assert verify_drafts([5, 6, 7, 8], [5, 6, 9]) == [5, 6, 7]
+    assert verify_drafts([5, 6, 7, 8], [4, 6, 7]) == [5]
+    assert verify_drafts([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all kept, and the bonus token
+    assert verify_drafts([5], []) == [5]
 
 
-VOCAB, DRAFTS, TRIALS = 6, 3, 20000
+VOCAB, DRAFT, TRIALS = 6, [0, 1, 2], 20000
 # chi-square with VOCAB - 1 = 5 degrees of freedom; 25 is exceeded with probability 1.4e-4 by a right
 # sampler (the test is deterministic: fixed seeds)
 CHI2_BOUND = 25.0
@@ -59,58 +62,51 @@ def chi2(samples: list[int], probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def distributions(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target (DRAFTS + 1, VOCAB) and draft (DRAFTS, VOCAB) distributions, different at every position."""
-    g = torch.Generator().manual_seed(seed)
-    target = torch.softmax(2 * torch.randn(DRAFTS + 1, VOCAB, generator=g), -1)
-    draft = torch.softmax(2 * torch.randn(DRAFTS, VOCAB, generator=g), -1)
-    return target, draft
+def target_logits(seed: int) -> torch.Tensor:
+    """(len(DRAFT) + 1, VOCAB): a different distribution at every verified position."""
+    return 2 * torch.randn(len(DRAFT) + 1, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
-def emitted(sampler, target: torch.Tensor, draft: torch.Tensor | None, seed: int) -> list[list[int]]:
-    """`TRIALS` verifications: drafts drawn from `draft` (None: the fixed drafts 0, 1, 2, as n-gram's)."""
-    g = torch.Generator().manual_seed(seed)
-    runs = []
-    for _ in range(TRIALS):
-        if draft is None:
-            runs.append(sampler(target, list(range(DRAFTS)), None, g))
-        else:
-            ids = torch.multinomial(draft, 1, generator=g).squeeze(1).tolist()
-            runs.append(sampler(target, ids, draft, g))
-    return runs
+def verified(keep, logits: torch.Tensor, seeded: bool) -> list[list[int]]:
+    """`TRIALS` requests verifying `DRAFT` at temperature 1, in one batch through the sampler (each with
+    a generator of its own, or all on the global one), and the tokens `keep` emits for each."""
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=1.0, seed=0 if seeded else None)
+    generators = [torch.Generator().manual_seed(t) if seeded else None for t in range(TRIALS)]
+    rows = [SampleRow(params, g, [], [], j, None, draft) for g in generators for j, draft in enumerate([*DRAFT, None])]
+    sampled = Sampler([])(logits.repeat(TRIALS, 1), rows).next_token_ids.view(TRIALS, -1).tolist()
+    return [keep(tokens, DRAFT) for tokens in sampled]
 
 
-def worst_position_chi2(runs: list[list[int]], target: torch.Tensor) -> float:
-    """The largest chi-square over positions i of the i-th emitted token against target[i], among the
-    runs that reached position i with the same tokens as their drafts before it (what the target's
-    distribution at i is conditioned on)."""
+def worst_position_chi2(runs: list[list[int]], probs: torch.Tensor) -> float:
+    """The largest chi-square over positions i of the i-th emitted token against probs[i], among the
+    runs that reached position i (their drafts before it were kept: what probs[i] is conditioned on)."""
     worst = 0.0
-    for i in range(DRAFTS + 1):
+    for i in range(len(DRAFT) + 1):
         reached = [run[i] for run in runs if len(run) > i]
         if len(reached) >= 500:
-            worst = max(worst, chi2(reached, target[i]))
+            worst = max(worst, chi2(reached, probs[i]))
     return worst
 
 
-@pytest.mark.parametrize("drafted", ["n-gram", "draft model"])
-def test_rejection_sampling_emits_the_targets_distribution_at_every_position(drafted):
-    target, draft = distributions(seed=1)
-    draft = None if drafted == "n-gram" else draft
-    runs = emitted(rejection_sample, target, draft, seed=2)
-    assert worst_position_chi2(runs, target) < CHI2_BOUND
-    # drafts are kept as often as the theory says: draft i with probability p_i(x_i) (a fixed draft) or
-    # sum(min(p_i, q_i)) (drawn from q), given the ones before it were
-    keep = [float(target[i, i]) if draft is None else float(torch.minimum(target[i], draft[i]).sum()) for i in range(DRAFTS)]
-    expected = sum(torch.tensor(keep[:m]).prod().item() for m in range(1, DRAFTS + 1))
+@pytest.mark.parametrize("seeded", [False, True], ids=["global-rng", "seeded"])
+def test_sampled_verification_emits_the_targets_distribution_at_every_position(seeded):
+    logits = target_logits(seed=1)
+    probs = torch.softmax(logits, dim=-1)
+    runs = verified(verify_drafts, logits, seeded)
+    assert worst_position_chi2(runs, probs) < CHI2_BOUND
+    # draft i is kept with probability p_i(draft i), given the ones before it were
+    keep = [float(probs[i, token]) for i, token in enumerate(DRAFT)]
+    expected = sum(torch.tensor(keep[:m]).prod().item() for m in range(1, len(DRAFT) + 1))
     assert abs(sum(len(run) - 1 for run in runs) / TRIALS - expected) < 0.03 * max(expected, 0.1)
 
 
-def test_the_bound_fails_a_sampler_that_keeps_drafts_without_checking_them():
-    def keep_every_draft(target, ids, draft, g):
-        return ids + [int(torch.multinomial(target[len(ids)], 1, generator=g))]
+def test_the_bound_fails_a_verifier_that_keeps_drafts_without_checking_them():
+    def keep_every_draft(sampled: list[int], drafts: list[int]) -> list[int]:
+        return drafts + sampled[len(drafts) :]
 
-    target, draft = distributions(seed=1)
-    assert worst_position_chi2(emitted(keep_every_draft, target, draft, seed=2), target) > CHI2_BOUND
+    logits = target_logits(seed=1)
+    assert worst_position_chi2(verified(keep_every_draft, logits, False), torch.softmax(logits, -1)) > CHI2_BOUND
 
 
 # ---- in the scheduler -----------------------------------------------------------------------------
@@ -130,7 +126,6 @@ def conversations() -> list[list[dict]]:
 def answers(engine: Engine) -> list[list[int]]:
     inputs = [engine.processor.process_messages(c) for c in conversations()]
     greedy = engine.generate_processed(inputs, max_tokens=40, temperature=0, ignore_eos=True)
-    # a sampled request beside them gets no drafts, and draws what it draws without them
     sampled = engine.generate_processed(inputs[:1] * 2, max_tokens=12, temperature=0.8, seed=5)
     return [out.token_ids for out in greedy + sampled]
 
@@ -145,7 +140,75 @@ def test_greedy_answers_with_ngram_drafts_are_those_without(arch, page_size, req
     with Engine(path, vit_dp=0, page_size=page_size, speculative_algorithm="ngram") as speculative:
         assert answers(speculative) == want
         stats = speculative.scheduler.get_stats()  # (what /metrics reports)
-        assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+        assert stats.spec_draft_tokens > stats.spec_accepted_tokens
+
+
+class ReplayDrafts:
+    """Drafts read off answers known in advance (the answers without drafts, run longer): the next
+    tokens of the one that the request's tokens so far begin, with the second token of every third
+    proposal changed; so verification keeps all of some drafts, part of others, and none of some."""
+
+    def __init__(self, sequences: list[list[int]], vocab_size: int, num_draft_tokens: int = 8) -> None:
+        self.sequences, self.vocab_size, self.k = sequences, vocab_size, num_draft_tokens
+        self.proposals = 0
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        n = len(token_ids)
+        following = next((seq[n : n + self.k] for seq in self.sequences if seq[:n] == list(token_ids)), [])
+        self.proposals += 1
+        if self.proposals % 3 == 0 and len(following) > 1:
+            following[1] = (following[1] + 1) % self.vocab_size
+        return following
+
+
+FEATURES = {  # requests with every sampling feature that shapes the token at each verified position
+    "regex": dict(temperature=0, regex="[a-z]+( [a-z]+)*\\."),
+    "log-probs": dict(temperature=0, logprobs=True, top_logprobs=3),
+    "penalties": dict(temperature=0, repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=0.5, min_tokens=6),
+    "logit bias": dict(temperature=0, logit_bias={"5": 3.0}),
+    "seeded": dict(temperature=0.9, top_k=20, top_p=0.9, seed=7, n=2),
+}
+
+
+def feature_answers(engine: Engine, features: dict[str, dict], max_tokens: int) -> dict[str, list]:
+    """Each request's choices as (token ids, finish reason, log-probs), all in flight together."""
+    prompt = engine.processor.process_messages([{"role": "user", "content": COPY}])
+    submissions = {name: engine.submit(prompt, max_tokens=max_tokens, **params) for name, params in features.items()}
+    while not all(s.done for s in submissions.values()):
+        engine.step()
+    return {
+        name: [(c.token_ids, c.finish_reason, c.logprobs) for c in engine.result(s).choices]
+        for name, s in submissions.items()
+    }
+
+
+def test_every_sampling_feature_answers_with_drafts_as_without(tiny_dense_dir):
+    """Grammars (walked through the drafts, a refused draft ends the acceptance), penalties and
+    min_tokens (counting the drafts before each position), logit bias, log-probs of the kept tokens,
+    seeded sampling (n = 2), and a stop string and a stop token that drafts run past."""
+    features = dict(FEATURES)
+    with Engine(tiny_dense_dir, vit_dp=0) as plain:
+        longer = feature_answers(plain, features, max_tokens=30)
+        greedy = longer["log-probs"][0][0]
+        text = plain.tokenizer.decode(greedy)
+        features["stop string"] = dict(temperature=0, stop=[text[len(text) // 2 : len(text) // 2 + 3]])
+        # the stop token at the answer's 6th token, allowed from the 5th: a verify batch from before the
+        # 5th holds positions on both sides
+        features["min tokens"] = dict(temperature=0, min_tokens=4, stop_token_ids=[greedy[5]])
+        want = feature_answers(plain, features, max_tokens=20)
+        prompt = plain.processor.process_messages([{"role": "user", "content": COPY}]).input_ids
+    with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram") as speculative:
+        drafts = ReplayDrafts([prompt + ids for choices in longer.values() for ids, _, _ in choices], speculative.scheduler.vocab_size)
+        speculative.scheduler.drafter = drafts
+        got = feature_answers(speculative, features, max_tokens=20)
+        metrics = speculative.scheduler.metrics
+    for name in features:
+        for (ids, reason, logprobs), (want_ids, want_reason, want_logprobs) in zip(got[name], want[name]):
+            assert (ids, reason) == (want_ids, want_reason), name
+            assert logprobs == pytest.approx(want_logprobs, abs=1e-4), name
+    assert want["stop string"][0][1] == "stop" and len(want["stop string"][0][0]) < 20
+    assert want["min tokens"][0][0] == greedy[:6]
+    assert 0 < metrics.spec_accepted < metrics.spec_proposed
 
 
 def test_drafts_never_run_past_max_tokens_or_a_stop_token(tiny_dense_dir):

@@ -167,3 +167,28 @@ def test_with_reasoning_the_grammar_starts_after_the_end_of_thinking(engine):
     )  # fmt: skip
     assert out.token_ids[0] == think_end and out.finish_reason == "stop"
     assert engine.tokenizer.decode(out.token_ids[1:]) in ("left", "right")
+
+
+def test_a_grammar_after_reasoning_rolls_back_across_the_end_of_thinking(engine):
+    """What verifying speculative drafts needs of a grammar: accept them, then forget them again."""
+    import xgrammar as xgr
+
+    backend = engine.scheduler.grammar_backend
+    grammar = backend.matcher(backend.compile(("regex", "(left|right)")).result(), after_reasoning=True)
+    think_end = engine.tokenizer.token_to_id("</think>")
+    vocab = engine.scheduler.vocab_size
+    left = engine.tokenizer.encode("left")
+
+    def allowed() -> int:
+        bitmask = xgr.allocate_token_bitmask(1, vocab)
+        grammar.fill_next_token_bitmask(bitmask, 0)
+        return int(xgr.testing.bitmask_to_bool_mask(bitmask, vocab).sum())
+
+    assert all(grammar.accept_token(t) for t in [7, 8, think_end, *left[:1]])
+    constrained = allowed()
+    grammar.rollback(2)  # back before `</think>`: thinking, every token allowed
+    assert allowed() == vocab and not grammar.is_terminated()
+    assert grammar.accept_token(think_end) and allowed() < vocab
+    assert grammar.accept_token(left[0]) and allowed() == constrained
+    grammar.rollback(1)
+    assert not grammar.accept_token(engine.tokenizer.encode("up")[0])  # the grammar holds after rollback

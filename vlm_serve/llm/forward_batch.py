@@ -55,7 +55,7 @@ class ForwardBatch:
     mm_indices: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
     deepstack_embeds: list[torch.Tensor] = field(default_factory=list)
-    sampling: list[SampleRow] = field(default_factory=list)  # one per request
+    sampling: list[SampleRow] = field(default_factory=list)  # one per request (TARGET_VERIFY: per position)
     future_start: int = 0
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)  # rows giving prompt log-probs
     attn_backend: AttentionBackend | None = None
@@ -74,13 +74,11 @@ class ForwardBatch:
 
 @dataclass
 class ForwardOutput:
-    """What a launched forward gives back: the tokens it sampled, and per request the prompt log-probs
-    it computed (None where it computed none)."""
+    """What a launched forward gives back: the tokens it sampled (a verify batch: at every position),
+    and per request the prompt log-probs it computed (None where it computed none)."""
 
     sample: SampleOutput
     prompt_logprobs: list[PromptLogprobs | None]
-    # TARGET_VERIFY: per request, the target's greedy token at each of its positions (last token, drafts)
-    verify_ids: list[list[int]] | None = None
 
     def to_host(self) -> None:
         self.sample.to_host()

@@ -95,26 +95,12 @@ class ModelRunner:
         FutureMap for the batch after it."""
         self.future_map.resolve(batch)
         hidden = self.forward(batch)
-        verify_ids = None
         if batch.draft_ids is None:
-            logits = self.compute_logits(hidden[batch.last_token_indices()])
-        else:  # every position's logits, of which the last tokens' are sampled (a copy: the sampler writes it)
-            every = self.compute_logits(hidden)
-            logits, verify_ids = every[batch.last_token_indices()], self.verify_ids(every, batch)
-        out = self.sampler(logits, batch.sampling)
-        self.future_map.store(batch.future_start, out.next_token_ids)
-        return ForwardOutput(out, self.prompt_logprobs(hidden, batch), verify_ids)
-
-    @staticmethod
-    def verify_ids(logits: torch.Tensor, batch: ForwardBatch) -> list[list[int]]:
-        """Of a TARGET_VERIFY batch: per request, the argmax of the logits at each of its new tokens
-        (drafts are given only to requests whose sampling is that argmax)."""
-        ids = logits.argmax(dim=-1).tolist()
-        out, start = [], 0
-        for n in batch.extend_lens_cpu:
-            out.append(ids[start : start + n])
-            start += n
-        return out
+            out = self.sampler(self.compute_logits(hidden[batch.last_token_indices()]), batch.sampling)
+            self.future_map.store(batch.future_start, out.next_token_ids)
+        else:  # every position is sampled (a row each): the loop runs no batch ahead of this one's tokens
+            out = self.sampler(self.compute_logits(hidden), batch.sampling)
+        return ForwardOutput(out, self.prompt_logprobs(hidden, batch))
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> list[PromptLogprobs | None]:

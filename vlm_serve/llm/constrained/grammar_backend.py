@@ -6,7 +6,9 @@ A request that asks for a JSON schema, a regex or an EBNF grammar waits in the s
 gets its own `GrammarMatcher`, which the sampler uses every step: it masks the tokens the grammar does not
 allow before sampling, and is advanced by the sampled token after it (`apply_grammar_masks`,
 `accept_grammar_tokens`). Both run on the forward side, in launch order, so under the overlap loop the
-matcher has always seen the token the batch before sampled.
+matcher has always seen the token the batch before sampled. In a speculative verify batch a request has a
+row per position: each is masked as the grammar stands after the drafts before it, and the grammar is
+advanced by the tokens kept only.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
@@ -99,6 +101,8 @@ class ReasoningGrammar:
         self.matcher = matcher
         self.think_end_id = think_end_id
         self.thinking = True
+        self.steps = 0  # tokens accepted
+        self.grammar_from = 0  # the step at which the grammar took over (while not thinking)
 
     def is_terminated(self) -> bool:
         return not self.thinking and self.matcher.is_terminated()
@@ -112,8 +116,19 @@ class ReasoningGrammar:
     def accept_token(self, token_id: int) -> bool:
         if self.thinking:
             self.thinking = token_id != self.think_end_id
+            self.steps += 1
+            self.grammar_from = self.steps
             return True
-        return self.matcher.accept_token(token_id)
+        accepted = self.matcher.accept_token(token_id)
+        self.steps += accepted
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forgets the last `num_tokens` accepted (the reasoning's end among them, if it is)."""
+        if not self.thinking:
+            self.matcher.rollback(min(num_tokens, self.steps - self.grammar_from))
+            self.thinking = self.steps - num_tokens < self.grammar_from
+        self.steps -= num_tokens
 
 
 if TYPE_CHECKING:
@@ -153,30 +168,65 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequen
     )
 
 
-def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Grammar | None]) -> None:
+class GrammarRow(Protocol):
+    """What the grammar functions read of a sampler row."""
+
+    grammar: Grammar | None
+    draft: int | None  # a verify batch's row: the draft token at its position (None after the last)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[GrammarRow]) -> None:
     """Sets to -inf the logits of tokens each row's grammar does not allow next. Rows without one are
     left alone, as are rows whose grammar has ended: under overlap a request can be in the batch after
-    the one that sampled its last token, and that row's token is thrown away."""
-    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
-    if not rows:
+    the one that sampled its last token, and that row's token is thrown away. A verify batch's rows of
+    one request are masked as its grammar stands after the drafts before each (accepted, then rolled
+    back); the rows after a draft it refuses are left alone: their tokens are thrown away, and the
+    refused draft is masked out at its own row, so verification stops there."""
+    masked = [i for i, r in enumerate(rows) if r.grammar is not None and not r.grammar.is_terminated()]
+    if not masked:
         return
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
-    for i in rows:
-        matchers[i].fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])  # (every token allowed)
+    walked, ahead, lost = None, 0, False  # a request's grammar, drafts it accepted, whether one was refused
+    for i in masked:
+        grammar, draft = rows[i].grammar, rows[i].draft
+        if grammar is not walked:
+            if ahead:
+                walked.rollback(ahead)
+            walked, ahead, lost = grammar, 0, False
+        if lost or grammar.is_terminated():
+            continue
+        grammar.fill_next_token_bitmask(bitmask, i)
+        if draft is not None:
+            lost = not grammar.accept_token(draft)
+            ahead += not lost
+    if ahead:
+        walked.rollback(ahead)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)
 
 
-def accept_grammar_tokens(next_token_ids: torch.Tensor, matchers: Sequence[Grammar | None]) -> None:
-    """Advances each row's grammar by the token sampled for it."""
-    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
-    if not rows:
+def accept_grammar_tokens(next_token_ids: torch.Tensor, rows: Sequence[GrammarRow]) -> None:
+    """Advances each row's grammar by the token sampled for it; in a verify batch, by the tokens kept
+    only (`kept_rows`)."""
+    if not any(r.grammar is not None for r in rows):
         return
-    tokens = next_token_ids[rows].tolist()
-    for i, token in zip(rows, tokens):
-        if not matchers[i].accept_token(token):
+    tokens = next_token_ids.tolist()
+    for row, token, kept in zip(rows, tokens, kept_rows(rows, tokens)):
+        if row.grammar is None or row.grammar.is_terminated() or not kept:
+            continue
+        if not row.grammar.accept_token(token):
             logger.warning("grammar rejected token %d it had allowed", token)
+
+
+def kept_rows(rows: Sequence[GrammarRow], tokens: Sequence[int]) -> list[bool]:
+    """Whether each row's token is one its answer keeps: in a verify batch, a row after a draft's row
+    whose token differs from the draft (or that was not kept itself) is not."""
+    kept, rejected = [], False
+    for row, token in zip(rows, tokens):
+        kept.append(not rejected)
+        rejected = row.draft is not None and (rejected or token != row.draft)
+    return kept
 
 
 def _reason(exc: BaseException) -> str:

@@ -23,6 +23,9 @@ class SamplingRequest(Protocol):
     output_ids: list[int]  # read for penalties only
     num_outputs: int  # tokens generated before the one being sampled
     grammar: Grammar | None  # structured output: masks the logits, advanced by each sampled token
+    # a verify batch's row: the draft token its draw is compared with (None: a plain row, or the
+    # position after a request's last draft)
+    draft: int | None
 
 
 @dataclass(slots=True)
@@ -37,6 +40,7 @@ class SampleRow:
     output_ids: list[int]
     num_outputs: int
     grammar: Grammar | None = None
+    draft: int | None = None
 
 
 @dataclass
@@ -67,6 +71,10 @@ class Sampler:
     and min-p and a draw — a seeded row draws on the CPU with its own generator, so its tokens do not
     depend on the rest of the batch. Last, each grammar accepts its row's token.
 
+    A verify batch has a row per position of each request (`draft`): a seeded request draws its rows
+    in order and stops after the first whose token differs from the draft there, so its generator is
+    spent on the tokens kept only, as without drafts.
+
     Log-probs are log_softmax of the logits after penalties, bias and masks but before temperature
     and the top-k/top-p/min-p filters. `logits` is modified in place by the penalties, the bias and
     the masks, to spare copying a (batch, vocab) tensor every step. A grammar decides alone when its
@@ -84,8 +92,7 @@ class Sampler:
         self._apply_penalties(logits, reqs)
         self._apply_logit_bias(logits, reqs)
         self._mask_stop_tokens(logits, reqs)
-        grammars = [r.grammar for r in reqs]
-        apply_grammar_masks(logits, grammars)
+        apply_grammar_masks(logits, reqs)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
         logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
 
@@ -93,7 +100,7 @@ class Sampler:
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sample_rows:
             next_ids[sample_rows] = _sample(logits[sample_rows], [reqs[i] for i in sample_rows])
-        accept_grammar_tokens(next_ids, grammars)
+        accept_grammar_tokens(next_ids, reqs)
         out = SampleOutput(next_ids, [None] * len(reqs), [None] * len(reqs))
 
         if logprobs is not None:
@@ -205,18 +212,28 @@ def _sample(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
     seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
     unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
     if unseeded:
-        next_ids[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+        draws = torch.multinomial(probs[unseeded], 1)
+        next_ids[unseeded] = (draws if candidates is None else candidates[unseeded].gather(1, draws)).squeeze(1)
     if seeded:
-        cpu_probs = probs[seeded].cpu()
-        # each seeded row draws over its own top_k candidates only, so the batch cannot change it
-        draws = [
-            torch.multinomial(cpu_probs[j, : top_k[i]] if candidates is not None else cpu_probs[j], 1, generator=reqs[i].generator)
-            for j, i in enumerate(seeded)
-        ]
-        next_ids[seeded] = torch.cat(draws).to(device)
-    if candidates is not None:
-        next_ids = candidates.gather(1, next_ids[:, None]).squeeze(1)
+        seeded_candidates = None if candidates is None else candidates[seeded].cpu()
+        next_ids[seeded] = _seeded_draws(probs[seeded].cpu(), seeded_candidates, [reqs[i] for i in seeded]).to(device)
     return next_ids
+
+
+def _seeded_draws(probs: torch.Tensor, candidates: torch.Tensor | None, reqs: list[SamplingRequest]) -> torch.Tensor:
+    """Each row's draw on its own generator, over its own top_k candidates only (so that the batch cannot
+    change it). A row after a draft that its draw did not keep is not drawn (its token is thrown away)."""
+    tokens: list[int] = []
+    rejected = False  # whether the row before was a draft's, and did not keep it
+    for j, req in enumerate(reqs):
+        if rejected:
+            tokens.append(-1)
+        else:
+            k = req.sampling_params.top_k
+            draw = int(torch.multinomial(probs[j, :k] if candidates is not None else probs[j], 1, generator=req.generator))
+            tokens.append(int(candidates[j, draw]) if candidates is not None else draw)
+        rejected = req.draft is not None and tokens[-1] != req.draft
+    return torch.tensor(tokens, dtype=torch.long)
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

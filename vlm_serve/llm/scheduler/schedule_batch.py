@@ -155,6 +155,19 @@ class Req:
             outputs = self.output_ids + [self.future_token] if self.future_token else list(self.output_ids)
         return SampleRow(params, self.generator, self.origin_input_ids, outputs, self.num_outputs, self.grammar)
 
+    def verify_rows(self, drafts: list[int]) -> list[SampleRow]:
+        """The sampler's rows for a verify forward: the position after its last token, then after each
+        draft, each as if the drafts before it were kept (penalties count them, min_new_tokens too; its
+        grammar is walked through them by the sampler)."""
+        params = self.sampling_params
+        return [
+            SampleRow(
+                params, self.generator, self.origin_input_ids, self.output_ids + drafts[:j] if params.has_penalties else [],
+                self.num_outputs + j, self.grammar, drafts[j] if j < len(drafts) else None,
+            )  # fmt: skip
+            for j in range(len(drafts) + 1)
+        ]
+
     @property
     def prompt_logprobs_pending(self) -> bool:
         """Whether prompt positions whose log-probs it asked for are still to be computed."""
@@ -323,15 +336,20 @@ class ScheduleBatch:
             positions.append(_positions(req, start, end))
             req.kv_len = end
         self.samples = [True] * len(self.reqs)
-        batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens)
+        rows = [row for req, drafts in zip(self.reqs, self.draft_ids) for row in req.verify_rows(drafts)]
+        batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens, sampling=rows)
         batch.draft_ids = self.draft_ids
         return batch
 
-    def _forward_batch(self, ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx=None) -> ForwardBatch:
+    def _forward_batch(
+        self, ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx=None, sampling=None
+    ) -> ForwardBatch:
         if pool_idx is None:
             pool_idx = torch.tensor([r.req_pool_idx for r in self.reqs], device=self.device)
+        if sampling is None:
+            sampling = [r.sample_row(samples) for r, samples in zip(self.reqs, self.samples)]
         return ForwardBatch(
-            sampling=[r.sample_row(samples) for r, samples in zip(self.reqs, self.samples)],
+            sampling=sampling,
             forward_mode=self.forward_mode,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions=positions.to(self.device),

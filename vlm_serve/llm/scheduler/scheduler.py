@@ -15,6 +15,7 @@ which drives the same loop one iteration at a time (`run_iteration`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 import weakref
@@ -36,7 +37,7 @@ from vlm_serve.llm.disaggregation.prefill import PrefillDisaggregation
 from vlm_serve.llm.disaggregation.transfer import KVLayout, create_transfer_backend
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardMode, ForwardOutput
-from vlm_serve.llm.layers.sampler import plain_greedy
+from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
@@ -44,7 +45,7 @@ from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import SchedulerMetrics
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from vlm_serve.llm.speculative.ngram import NgramProposer
-from vlm_serve.llm.speculative.rejection import verify_greedy
+from vlm_serve.llm.speculative.verify import verify_drafts
 from vlm_serve.llm.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
     IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
@@ -635,12 +636,10 @@ class Scheduler:
         return decode
 
     def _drafts(self, req: Req) -> list[int]:
-        """The request's draft tokens for this step: for greedy requests whose tokens are the logits'
-        argmax (`plain_greedy`), as many as its answer and context still have room for."""
+        """The request's draft tokens for this step: as many as its answer and context still have room
+        for."""
         if req.draft_pause > 0:
             req.draft_pause -= 1
-            return []
-        if not plain_greedy(req):
             return []
         room = min(
             req.sampling_params.max_new_tokens - len(req.output_ids), self.runner.context_len - req.seq_len
@@ -662,7 +661,7 @@ class Scheduler:
         forward_batch.future_start = self.future_map.alloc(len(batch.reqs))
         self.runner.init_forward_metadata(forward_batch)
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
-            if samples:
+            if samples and forward_batch.draft_ids is None:  # (a verify batch's tokens are waited for)
                 req.future_token = FutureMap.future_id(forward_batch.future_start + i)
         for req in batch.reqs[: batch.num_prefill_reqs]:
             # share the prompt (or chunk) at once: every forward that could read its KV runs after this one
@@ -693,6 +692,8 @@ class Scheduler:
         out = result.sample
         t0 = time.perf_counter()
         next_token_ids = out.tolist()
+        if batch.draft_ids is not None:  # a verify batch: each request's first row (of 1 + its drafts)
+            first_rows = list(itertools.accumulate((len(d) + 1 for d in batch.draft_ids), initial=0))
         if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             self.metrics.num_decode_batches += 1
         elif batch.forward_mode == ForwardMode.MIXED:
@@ -716,8 +717,8 @@ class Scheduler:
             if pd_prefill:
                 self.disagg.prompt_done(req, next_token_ids[i], out, i)
                 continue
-            if batch.draft_ids is not None and batch.draft_ids[i]:
-                self.append_verified(req, batch.draft_ids[i], result.verify_ids[i])
+            if batch.draft_ids is not None:
+                self.append_verified(req, batch.draft_ids[i], out, range(first_rows[i], first_rows[i + 1]))
             else:
                 logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
                 top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
@@ -747,11 +748,12 @@ class Scheduler:
         if reason is not None:
             self.finish(req, reason)
 
-    def append_verified(self, req: Req, drafts: list[int], target_ids: list[int]) -> None:
-        """The tokens a verify forward keeps (`verify_greedy`), until one ends the answer; then the KV of
-        the positions not kept is released (RadixCache only ever holds kept tokens)."""
+    def append_verified(self, req: Req, drafts: list[int], out: SampleOutput, rows: range) -> None:
+        """The tokens a verify forward keeps (`verify_drafts` of the tokens sampled at its `rows` of
+        `out`), with their log-probs, until one ends the answer; then the KV of the positions not kept
+        is released (RadixCache only ever holds kept tokens)."""
         computed_end = req.kv_len  # the last token and every draft were computed
-        tokens = verify_greedy(target_ids, drafts)
+        tokens = verify_drafts(out.next_token_ids[rows.start : rows.stop].tolist(), drafts)
         # drafts that all fail cost a wider forward for nothing: pause this request's drafting, longer
         # each time it happens again (1, 2, 4 ... MAX_DRAFT_PAUSE steps), until one is kept
         req.draft_backoff = 0 if len(tokens) > 1 else min(max(2 * req.draft_backoff, 1), MAX_DRAFT_PAUSE)
@@ -759,8 +761,8 @@ class Scheduler:
         self.metrics.spec_verified += 1
         self.metrics.spec_proposed += len(drafts)
         self.metrics.spec_accepted += len(tokens) - 1
-        for token in tokens:
-            self.append_token(req, token)
+        for token, row in zip(tokens, rows):
+            self.append_token(req, token, out.logprobs[row], out.top_logprobs[row])
             if req.finished:
                 break
         # computed and kept: the tokens before the last appended one (whose KV the next step computes)
