@@ -17,6 +17,7 @@ trained EAGLE-3 draft are the figures to come.
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import statistics
 import tempfile
@@ -86,15 +87,16 @@ def main() -> None:
             figures = {name: [] for name in engines}
             answers = {}
             metrics = engines["ngram"].scheduler.metrics
-            proposed0, accepted0, verifies0 = metrics.spec_proposed, metrics.spec_accepted, metrics.spec_verified
+            before = dataclasses.replace(metrics.spec)
             for _ in range(args.repeats):
                 for name, engine in engines.items():
                     rate, tpot, answers[name] = run(engine, batch, args.output_tokens)
                     figures[name].append((rate, tpot))
             if answers["off"] != answers["ngram"]:
                 raise SystemExit("the speculating engine's greedy answers differ")
-            proposed, accepted = metrics.spec_proposed - proposed0, metrics.spec_accepted - accepted0
-            verifies = metrics.spec_verified - verifies0
+            proposed = metrics.spec.draft_tokens - before.draft_tokens
+            accepted = metrics.spec.accepted_tokens - before.accepted_tokens
+            verifies = metrics.spec.verify_steps - before.verify_steps
             base = statistics.median(r for r, _ in figures["off"])
             for name in engines:
                 rate = statistics.median(r for r, _ in figures[name])

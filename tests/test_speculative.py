@@ -7,8 +7,10 @@ strings) is the one without drafts, token for token."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
+from helpers import running_server
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
@@ -140,7 +142,7 @@ def test_greedy_answers_with_ngram_drafts_are_those_without(arch, page_size, req
     with Engine(path, vit_dp=0, page_size=page_size, speculative_algorithm="ngram") as speculative:
         assert answers(speculative) == want
         stats = speculative.scheduler.get_stats()  # (what /metrics reports)
-        assert stats.spec_draft_tokens > stats.spec_accepted_tokens
+        assert stats.spec.draft_tokens > stats.spec.accepted_tokens
 
 
 class ReplayDrafts:
@@ -208,7 +210,7 @@ def test_every_sampling_feature_answers_with_drafts_as_without(tiny_dense_dir):
             assert logprobs == pytest.approx(want_logprobs, abs=1e-4), name
     assert want["stop string"][0][1] == "stop" and len(want["stop string"][0][0]) < 20
     assert want["min tokens"][0][0] == greedy[:6]
-    assert 0 < metrics.spec_accepted < metrics.spec_proposed
+    assert 0 < metrics.spec.accepted_tokens < metrics.spec.draft_tokens
 
 
 def test_drafts_never_run_past_max_tokens_or_a_stop_token(tiny_dense_dir):
@@ -251,4 +253,26 @@ def test_a_request_whose_drafts_keep_failing_drafts_ever_less_often(tiny_dense_d
         assert speculative.chat(conversation, max_tokens=40, temperature=0, ignore_eos=True).token_ids == want
         metrics = speculative.scheduler.metrics
         # drafts at decode steps 0, 2, 5, 10, 19, 36 of the 39 (after the prefill's token)
-        assert (metrics.spec_verified, metrics.spec_accepted) == (6, 0)
+        assert (metrics.spec.verify_steps, metrics.spec.accepted_tokens) == (6, 0)
+
+
+def test_the_server_speculates_and_reports_the_drafts_of_each_answer_and_in_all(tiny_dense_dir):
+    """The answer is the engine's without drafts; `usage.speculative` (and SGLang's meta_info) say how
+    its drafts fared, and /metrics the same for the whole server (one request so far)."""
+    conversation = [{"role": "user", "content": COPY}]
+    with Engine(tiny_dense_dir, vit_dp=0) as plain:
+        want = plain.chat(conversation, max_tokens=40, temperature=0, ignore_eos=True).text
+    with running_server(tiny_dense_dir, "--speculative-algorithm", "ngram", "--vit-dp", "0") as server:
+        body = {"messages": conversation, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+        metrics = httpx.get(server.url + "/metrics").text
+        native = httpx.post(
+            server.url + "/generate", json={"text": "one two one two one two", "sampling_params": {"max_new_tokens": 8}}
+        ).json()  # fmt: skip
+    assert answer["choices"][0]["message"]["content"] == want
+    spec = answer["usage"]["speculative"]
+    assert spec["verify_steps"] > 0 and spec["draft_tokens"] >= spec["accepted_tokens"]
+    assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["verify_steps"])
+    for name, value in [("drafts", "verify_steps"), ("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")]:
+        assert f"vlm_serve:spec_decode_num_{name}_total {spec[value]}" in metrics
+    assert "spec_verify_ct" in native["meta_info"] and "spec_accept_length" in native["meta_info"]

@@ -34,7 +34,7 @@ from vlm_serve.model_source import with_local_model
 from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
 from vlm_serve.server.detokenizer_manager import DetokenizerManager
-from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut, BootstrapInfo
+from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut, BootstrapInfo, SpeculativeCounts
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder_pool import create_encoder
@@ -52,6 +52,7 @@ class Completion:
     logprobs: list[float] | None = None  # of each chosen token, if asked
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), best first
     message: str = ""  # why it was aborted
+    spec: SpeculativeCounts | None = None  # its drafts, verified and kept (speculative decoding on)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class _Choice:
         return Completion(
             "".join(o.text for o in self.outs), [t for o in self.outs for t in o.new_ids], last.finish_reason,
             last.matched_stop, [lp for o in self.outs for lp in o.logprobs] or None,
-            [top for o in self.outs for top in o.top_logprobs] or None, last.message,
+            [top for o in self.outs for top in o.top_logprobs] or None, last.message, last.spec,
         )  # fmt: skip
 
 

@@ -86,6 +86,26 @@ class GetStatsReq:
 
 
 @dataclass
+class SpeculativeCounts:
+    """Speculative decoding's tally, for one request or the whole server: verify steps that had drafts,
+    draft tokens verified, and of those the ones kept."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, drafts: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step, the one the step samples itself included (1.0 with no drafts kept)."""
+        return 1 + self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass
 class StatsOut:
     """Gauges and cumulative counters of the scheduler side, for Prometheus."""
 
@@ -99,8 +119,7 @@ class StatsOut:
     computed_prompt_tokens: int
     generated_tokens: int
     num_retractions: int
-    spec_draft_tokens: int  # speculative decoding: draft tokens verified, and of those the ones kept
-    spec_accepted_tokens: int
+    spec: SpeculativeCounts  # speculative decoding, over every request so far
     embedding_cache: dict[str, float]  # hits, misses, inflight_hits, evictions, usage_bytes
     encoder_load: list[int]  # patches in flight per encoder rank (empty for the inline tower)
     encoder_restarts: int
@@ -135,6 +154,7 @@ class TokenIdOut:
     cached_tokens: int = 0
     media_timings: list[MediaTimings] = field(default_factory=list)  # per image / video, when finished
     prompt_logprobs: PromptLogprobs | None = None  # with its first report, when asked
+    spec: SpeculativeCounts | None = None  # when finished, with speculative decoding on
 
 
 @dataclass

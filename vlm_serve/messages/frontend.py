@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vlm_serve.errors import ApiError, BadRequest, InternalError, ServiceUnavailable
-from vlm_serve.messages.backend import BootstrapInfo, SchedulerLimits, TokenizedGenerateReq
+from vlm_serve.messages.backend import BootstrapInfo, SchedulerLimits, SpeculativeCounts, TokenizedGenerateReq
 from vlm_serve.multimodal import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
 
@@ -84,6 +84,7 @@ class StrOut:
     status: int = 0  # of an error
     code: str = ""
     prompt_logprobs: PromptLogprobs | None = None  # with its first output, when asked
+    spec: SpeculativeCounts | None = None  # with its last output, when speculative decoding is on
 
     @classmethod
     def failed(cls, rid: str, status: int, code: str, message: str) -> StrOut:

@@ -64,7 +64,7 @@ class DetokenizerManager:
         return StrOut(
             out.rid, text, new_ids, logprobs, top_logprobs, out.finish_reason, out.matched_stop,
             out.message, out.prompt_tokens, out.cached_tokens, out.media_timings, out.status, out.code,
-            out.prompt_logprobs,
+            out.prompt_logprobs, out.spec,
         )  # fmt: skip
 
 

@@ -56,8 +56,13 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
     out.counter("prompt_tokens_computed", stats.computed_prompt_tokens, "Prompt tokens run through the model.")
     out.counter("generation_tokens", stats.generated_tokens, "Tokens generated.")
     out.counter("retractions", stats.num_retractions, "Requests retracted when the KV cache ran out.")
-    out.counter("spec_decode_num_draft_tokens", stats.spec_draft_tokens, "Speculative draft tokens verified.")
-    out.counter("spec_decode_num_accepted_tokens", stats.spec_accepted_tokens, "Speculative draft tokens kept.")
+    out.counter("spec_decode_num_drafts", stats.spec.verify_steps, "Speculative verify steps of a request that had drafts.")
+    out.counter("spec_decode_num_draft_tokens", stats.spec.draft_tokens, "Speculative draft tokens verified.")
+    out.counter("spec_decode_num_accepted_tokens", stats.spec.accepted_tokens, "Speculative draft tokens kept.")
+    out.gauge(
+        "spec_decode_mean_accepted_length", stats.spec.mean_accepted_length,
+        "Tokens per speculative verify step, the step's own included (0 before the first).",
+    )  # fmt: skip
     embeddings = stats.embedding_cache
     for cache_name, counters in (
         ("embedding_cache", embeddings),

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs
-from vlm_serve.messages.backend import TokenizedGenerateReq
+from vlm_serve.messages.backend import SpeculativeCounts, TokenizedGenerateReq
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.server.protocol import (
     ChatChoice,
@@ -42,6 +42,7 @@ from vlm_serve.server.protocol import (
     TokenLogprob,
     ToolCallDelta,
     ToolCallOut,
+    SpeculativeUsage,
     TopLogprob,
     Usage,
     VideoPart,
@@ -302,6 +303,7 @@ class OpenAIServing:
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, media=media),
+            speculative=_speculative_usage([outs[-1].spec for outs in outputs if outs and outs[-1].spec is not None]),
         )  # fmt: skip
 
     def _token_text(self, token_id: int) -> str:
@@ -380,6 +382,17 @@ def _tool_call_delta(index: int, call: ToolCall) -> ToolCallDelta:
     """A whole call in one delta: its id, name and complete arguments."""
     function = FunctionCallDelta(name=call.name, arguments=call.arguments)
     return ToolCallDelta(index=index, id=call.id, type="function", function=function)
+
+
+def _speculative_usage(counts: list[SpeculativeCounts]) -> SpeculativeUsage | None:
+    """The choices' speculative tallies summed; None where the server does not draft (or none has ended)."""
+    if not counts:
+        return None
+    total = SpeculativeCounts(*(sum(getattr(c, f) for c in counts) for f in ("verify_steps", "draft_tokens", "accepted_tokens")))
+    return SpeculativeUsage(
+        verify_steps=total.verify_steps, draft_tokens=total.draft_tokens, accepted_tokens=total.accepted_tokens,
+        mean_accepted_length=total.mean_accepted_length,
+    )  # fmt: skip
 
 
 def sse(body: BaseModel | dict | list) -> str:

@@ -693,11 +693,21 @@ class PromptTokensDetails(BaseModel):
     media: list[MediaTokens] = []  # tokens each image / video became, in prompt order
 
 
+class SpeculativeUsage(BaseModel):
+    """Speculative decoding's share of an answer (not OpenAI's: present only when the server drafts)."""
+
+    verify_steps: int  # decode steps that verified drafts
+    draft_tokens: int
+    accepted_tokens: int
+    mean_accepted_length: float  # tokens per verify step, the step's own included
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    speculative: SpeculativeUsage | None = None
 
 
 class TopLogprob(BaseModel):

@@ -263,6 +263,9 @@ class _Answer:
             meta_info.update(self._logprobs(i, outs))
         if last.finish_reason is not None:
             meta_info["e2e_latency"] = time.perf_counter() - self.start
+        if last.spec is not None:  # (SGLang's names)
+            meta_info["spec_verify_ct"] = last.spec.verify_steps
+            meta_info["spec_accept_length"] = last.spec.mean_accepted_length
         return {"text": "".join(out.text for out in outs), "output_ids": output_ids, "meta_info": meta_info}
 
     def _finish_reason(self, i: int, out: StrOut) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+from vlm_serve.messages.backend import SpeculativeCounts
 from vlm_serve.multimodal import MEDIA_STAGES, MultimodalItem
 
 # upper bounds in seconds, from sub-millisecond cache hits to minute-long videos
@@ -51,9 +52,7 @@ class SchedulerMetrics:
     computed_prompt_tokens: int = 0  # prompt tokens run through the model
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     generated_tokens: int = 0
-    spec_verified: int = 0  # speculative decoding: requests' verify steps that had drafts
-    spec_proposed: int = 0  # draft tokens verified
-    spec_accepted: int = 0  # of those, the ones kept
+    spec: SpeculativeCounts = field(default_factory=SpeculativeCounts)  # speculative decoding
     num_retractions: int = 0
     num_preemptions: int = 0
     num_finished: int = 0

@@ -17,6 +17,7 @@ from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache, TreeNode
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs, PromptLogprobSpan
+from vlm_serve.messages.backend import SpeculativeCounts
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.vision.vision_tower import VisionOutput
@@ -95,6 +96,7 @@ class Req:
     # speculative decoding: decode steps to go without drafts, after drafts that were all rejected
     draft_pause: int = 0
     draft_backoff: int = 0  # the last pause's length (doubles while drafts keep failing)
+    spec: SpeculativeCounts = field(default_factory=SpeculativeCounts)  # its drafts, verified and kept
     # overlap scheduling and streaming
     future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none
     send_token_offset: int = 0  # output_ids before this were already reported

@@ -758,9 +758,8 @@ class Scheduler:
         # each time it happens again (1, 2, 4 ... MAX_DRAFT_PAUSE steps), until one is kept
         req.draft_backoff = 0 if len(tokens) > 1 else min(max(2 * req.draft_backoff, 1), MAX_DRAFT_PAUSE)
         req.draft_pause = req.draft_backoff
-        self.metrics.spec_verified += 1
-        self.metrics.spec_proposed += len(drafts)
-        self.metrics.spec_accepted += len(tokens) - 1
+        for counts in (self.metrics.spec, req.spec):
+            counts.add(len(drafts), len(tokens) - 1)
         for token, row in zip(tokens, rows):
             self.append_token(req, token, out.logprobs[row], out.top_logprobs[row])
             if req.finished:
@@ -827,6 +826,8 @@ class Scheduler:
             out.status, out.code = reason.status, reason.code
             out.output_text = req.output_text
             out.media_timings = [item.timings for item in req.mm_items]
+            if self.drafter is not None:
+                out.spec = req.spec
         return out
 
     # ---- control and health ------------------------------------------------------------------------
@@ -857,7 +858,7 @@ class Scheduler:
             max_total_tokens=self.max_total_tokens, prefix_cache_hit_rate=m.cache_hit_rate,
             cached_prompt_tokens=m.cached_prompt_tokens, computed_prompt_tokens=m.computed_prompt_tokens,
             generated_tokens=m.generated_tokens, num_retractions=m.num_retractions,
-            spec_draft_tokens=m.spec_proposed, spec_accepted_tokens=m.spec_accepted,
+            spec=dataclasses.replace(m.spec),
             embedding_cache={
                 "hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "usage_bytes": cache.usage_bytes,
                 "inflight_hits": self.encoding.inflight_hits,
