@@ -129,6 +129,24 @@ class ServerProcess:
         return code
 
 
+class ReplayDrafts:
+    """Drafts read off answers known in advance (the answers without drafts, run longer): the next
+    tokens of the one that the request's tokens so far begin, with the second token of every third
+    proposal changed; so verification keeps all of some drafts, part of others, and none of some."""
+
+    def __init__(self, sequences: list[list[int]], num_draft_tokens: int = 8) -> None:
+        self.sequences, self.k = sequences, num_draft_tokens
+        self.proposals = 0
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        n = len(token_ids)
+        following = next((seq[n : n + self.k] for seq in self.sequences if seq[:n] == list(token_ids)), [])
+        self.proposals += 1
+        if self.proposals % 3 == 0 and len(following) > 1:
+            following[1] = int(following[1] == 0)  # (another token)
+        return following
+
+
 def stop_with_parent() -> None:
     """In the server's process before exec: SIGTERM it when the test process dies (a killed pytest
     must not leave servers behind)."""

@@ -4,8 +4,9 @@ One mixed workload (text only, one image, a repeated image, two images, a shared
 different lengths) runs through the Engine under each scheduling setting: small prefill chunks that
 end inside images, prefix-cache hits, a KV pool small enough to force retraction, page sizes 1 and
 16, every policy, mixed chunks, priorities, and the prefix cache disabled. Every setting runs under
-both event loops: `event_loop_normal` and `event_loop_overlap` (batch N+1 launched before batch N's
-result is processed). After each run the scheduler's own idle self-check has passed (it raises on a
+both event loops, `event_loop_normal` and `event_loop_overlap` (batch N+1 launched before batch N's
+result is processed), and with speculative decoding: n-gram drafts, and drafts replayed from the
+expected answers (with some spoilt) so that verification keeps all, part or none of them. After each run the scheduler's own idle self-check has passed (it raises on a
 leak) and is run once more here.
 """
 
@@ -14,7 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers import ReplayDrafts
 
+import vlm_serve.llm.scheduler.scheduler as scheduler_module
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
 
@@ -76,12 +79,21 @@ def reference(long_reference) -> list[list[int]]:
     return [tokens[:MAX_TOKENS] for tokens in long_reference]
 
 
-LOOPS = {"normal": {"disable_overlap_schedule": True}, "overlap": {"disable_overlap_schedule": False}}
+LOOPS = {
+    "normal": {"disable_overlap_schedule": True},
+    "overlap": {"disable_overlap_schedule": False},
+    "ngram": {"speculative_algorithm": "ngram"},  # (the random model rarely copies: drafts mostly fail)
+    "drafts": {"speculative_algorithm": "ngram"},  # drafts replayed from the answers: most are kept
+}
 
 
 @pytest.fixture(params=list(LOOPS))
-def loop(request) -> dict:
+def loop(request, monkeypatch, inputs, long_reference) -> dict:
     """The event loop an engine runs: keyword arguments for `Engine`."""
+    if request.param == "drafts":
+        sequences = [x.input_ids + answer for x, answer in zip(inputs, long_reference)]
+        drafts = ReplayDrafts(sequences, num_draft_tokens=3)
+        monkeypatch.setattr(scheduler_module, "NgramProposer", lambda *settings: drafts)
     return LOOPS[request.param]
 
 
@@ -169,7 +181,7 @@ def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference
     )  # fmt: skip
     sampling = {"max_tokens": MAX_TOKENS, "temperature": 0}
     low = [engine.submit(x, priority=0, **sampling) for x in inputs]
-    for _ in range(3):
+    while not engine.scheduler.running_batch.reqs:  # (with drafts, a step more could finish them)
         engine.step()
     high = [engine.submit(x, priority=10, **sampling) for x in inputs]
     while not all(job.done for job in low + high):

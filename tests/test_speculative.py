@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from helpers import running_server
+from helpers import ReplayDrafts, running_server
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
@@ -145,24 +145,6 @@ def test_greedy_answers_with_ngram_drafts_are_those_without(arch, page_size, req
         assert stats.spec.draft_tokens > stats.spec.accepted_tokens
 
 
-class ReplayDrafts:
-    """Drafts read off answers known in advance (the answers without drafts, run longer): the next
-    tokens of the one that the request's tokens so far begin, with the second token of every third
-    proposal changed; so verification keeps all of some drafts, part of others, and none of some."""
-
-    def __init__(self, sequences: list[list[int]], vocab_size: int, num_draft_tokens: int = 8) -> None:
-        self.sequences, self.vocab_size, self.k = sequences, vocab_size, num_draft_tokens
-        self.proposals = 0
-
-    def propose(self, token_ids: list[int]) -> list[int]:
-        n = len(token_ids)
-        following = next((seq[n : n + self.k] for seq in self.sequences if seq[:n] == list(token_ids)), [])
-        self.proposals += 1
-        if self.proposals % 3 == 0 and len(following) > 1:
-            following[1] = (following[1] + 1) % self.vocab_size
-        return following
-
-
 FEATURES = {  # requests with every sampling feature that shapes the token at each verified position
     "regex": dict(temperature=0, regex="[a-z]+( [a-z]+)*\\."),
     "log-probs": dict(temperature=0, logprobs=True, top_logprobs=3),
@@ -200,7 +182,7 @@ def test_every_sampling_feature_answers_with_drafts_as_without(tiny_dense_dir):
         want = feature_answers(plain, features, max_tokens=20)
         prompt = plain.processor.process_messages([{"role": "user", "content": COPY}]).input_ids
     with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram") as speculative:
-        drafts = ReplayDrafts([prompt + ids for choices in longer.values() for ids, _, _ in choices], speculative.scheduler.vocab_size)
+        drafts = ReplayDrafts([prompt + ids for choices in longer.values() for ids, _, _ in choices])
         speculative.scheduler.drafter = drafts
         got = feature_answers(speculative, features, max_tokens=20)
         metrics = speculative.scheduler.metrics
