@@ -320,7 +320,8 @@ def deployment_answers(url: str, tokenizer: Tokenizer, cached_tokens: bool = Tru
     """What a client gets from `url` for each kind of request a deployment serves: `client_answers`'
     battery, then a repeated image, a video, an image and a video, structured output, a named tool and a
     burst of 32 concurrent requests (greedy). Without `cached_tokens` the usage leaves out how many prompt
-    tokens a prefix cache served (behind replicas, that depends on which replica took the request)."""
+    tokens a prefix cache served (behind replicas, that depends on which replica took the request). How
+    a speculating server's drafts fared is left out too."""
     greedy = {"max_tokens": 24, "temperature": 0}
 
     def chat(content: list[dict], **extra) -> dict:
@@ -328,6 +329,7 @@ def deployment_answers(url: str, tokenizer: Tokenizer, cached_tokens: bool = Tru
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         answer = response.json()
+        del answer["usage"]["speculative"]
         if not cached_tokens:
             del answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         return {"choices": [c["message"] for c in answer["choices"]], "usage": answer["usage"]}

@@ -1,7 +1,7 @@
 """The PD schedulers (llm/disaggregation/prefill.py, decode.py) as a prefill and a decode engine joined by a
 loopback transfer (tests/pd_loopback.py): a request sent to both sides with one room is answered by the
 decode side exactly as one colocated engine answers it — text, images, chunked prefill, pages, both event
-loops, `n`, log-probs, stop strings, grammars — and a transfer that fails or a request aborted in any
+loops, speculative decoding, `n`, log-probs, stop strings, grammars — and a transfer that fails or a request aborted in any
 queue ends as an error or an abort on both sides, whose KV then returns to idle."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ OPTIONS = {  # the scheduler paths the PD queues must compose with
     "overlap": {},
     "normal loop, chunks of 16": {"disable_overlap_schedule": True, "chunked_prefill_size": 16},
     "pages of 4, chunks of 16": {"page_size": 4, "chunked_prefill_size": 16},
+    "n-gram drafts": {"speculative_algorithm": "ngram"},  # (the decode side verifies them)
 }
 
 

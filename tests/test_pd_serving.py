@@ -36,7 +36,7 @@ CURL = next(b for b in BLOCKS if "curl" in b.code and "circle.png" in b.code)  #
 CONFIGS = {  # flags of both servers (None: the README's commands, run as written)
     "README (overlap)": None,
     "normal loop": ["--disable-overlap-schedule"],
-    "TP 2": ["--tp-size", "2"],
+    "TP 2, n-gram drafts": ["--tp-size", "2", "--speculative-algorithm", "ngram"],  # (the decode side drafts)
 }
 
 
