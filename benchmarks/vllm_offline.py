@@ -5,10 +5,11 @@ venv's python (`--vllm-python`), never imported by the project (vLLM is not one 
 
 REQUESTS.json: `{"model": DIR, "max_model_len": N, "warmup": REQUEST, "requests": [REQUEST, ...]}`, a
 REQUEST being `{"prompt": rendered chat text with one <|image_pad|> per image, "images": [PNG paths],
-"max_tokens": n}`. The script loads `LLM(model, dtype="float32")` (vLLM's defaults otherwise: prefix
-caching on), runs the warm-up request, then answers each "run" line on stdin with one JSON line on
-stdout: `{"seconds": ..., "token_ids": [[...], ...], "prompt_token_ids": [[...], ...]}`, the
-`LLM.generate` call over all requests timed alone (greedy, `ignore_eos`, each request its own
+"max_tokens": n}`, and optional `"llm_options"` for `LLM(...)` (say a `speculative_config`). The script
+loads `LLM(model, dtype="float32", **llm_options)` (vLLM's defaults otherwise: prefix caching on), runs
+the warm-up request, then answers each "run" line on stdin (or "run N": the first N requests only) with
+one JSON line on stdout: `{"seconds": ..., "token_ids": [[...], ...], "prompt_token_ids": [[...], ...]}`,
+the `LLM.generate` call over those requests timed alone (greedy, `ignore_eos`, each request its own
 `max_tokens`), after emptying the prefix and multimodal caches so that every round starts cold. The
 prompts are rendered and the PNGs decoded before any timing; vLLM's tokenization and image
 preprocessing happen inside `generate` and are timed. It exits at the end of stdin. vLLM's own output
@@ -42,7 +43,8 @@ def main() -> None:
     def params(request: dict) -> SamplingParams:
         return SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True)
 
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0)
+    options = {"dtype": "float32", **spec.get("llm_options", {})}
+    llm = LLM(model=spec["model"], max_model_len=spec["max_model_len"], seed=0, **options)
     llm.generate([prompt(spec["warmup"])] * 2, params(spec["warmup"]), use_tqdm=False)
     prompts = [prompt(r) for r in spec["requests"]]
     sampling = [params(r) for r in spec["requests"]]
@@ -53,12 +55,14 @@ def main() -> None:
 
     reply({"ready": True})
     for line in sys.stdin:
-        if line.strip() != "run":
+        command, *count = line.split()
+        if command != "run" or not all(c.isdigit() for c in count):
             raise SystemExit(f"vllm_offline: unknown command {line.strip()!r}")
+        n = int(count[0]) if count else len(prompts)
         llm.reset_prefix_cache()
         llm.reset_mm_cache()
         start = time.perf_counter()
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = llm.generate(prompts[:n], sampling[:n], use_tqdm=False)
         seconds = time.perf_counter() - start
         reply({
             "seconds": seconds,

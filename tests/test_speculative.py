@@ -258,3 +258,28 @@ def test_the_server_speculates_and_reports_the_drafts_of_each_answer_and_in_all(
     for name, value in [("drafts", "verify_steps"), ("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")]:
         assert f"vlm_serve:spec_decode_num_{name}_total {spec[value]}" in metrics
     assert "spec_verify_ct" in native["meta_info"] and "spec_accept_length" in native["meta_info"]
+
+
+def reference_ngram(tokens: list[int], k: int, low: int, high: int, vocab: int) -> list[int]:
+    """The definition, window by window and position by position."""
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        pattern = tokens[-n:]
+        if any(t >= vocab for t in pattern):
+            continue
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == pattern]
+        if starts:
+            draft = tokens[starts[-1] + n : starts[-1] + n + k]
+            draft = draft[: next((j for j, t in enumerate(draft) if t >= vocab), len(draft))]
+            if draft:
+                return draft
+    return []
+
+
+def test_ngram_drafts_are_the_definitions_on_random_sequences():
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        length = int(torch.randint(1, 40, (1,), generator=rng))
+        tokens = torch.randint(0, 6, (length,), generator=rng).tolist()  # (few ids: many repeats; 5 is a pad)
+        low, high = sorted(torch.randint(1, 5, (2,), generator=rng).tolist())
+        proposer = NgramProposer(num_draft_tokens=3, min_match_window=low, max_match_window=high, vocab_size=5)
+        assert proposer.propose(tokens) == reference_ngram(tokens, 3, low, high, 5), (tokens, low, high)

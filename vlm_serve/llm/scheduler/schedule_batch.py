@@ -96,6 +96,7 @@ class Req:
     # speculative decoding: decode steps to go without drafts, after drafts that were all rejected
     draft_pause: int = 0
     draft_backoff: int = 0  # the last pause's length (doubles while drafts keep failing)
+    draft_limit: int | None = None  # drafts to propose at most: one more than it kept last time
     spec: SpeculativeCounts = field(default_factory=SpeculativeCounts)  # its drafts, verified and kept
     # overlap scheduling and streaming
     future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none

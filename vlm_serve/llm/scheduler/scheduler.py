@@ -636,14 +636,16 @@ class Scheduler:
         return decode
 
     def _drafts(self, req: Req) -> list[int]:
-        """The request's draft tokens for this step: as many as its answer and context still have room
-        for."""
+        """The request's draft tokens for this step: at most one more than it kept last time, and as
+        many as its answer and context still have room for."""
         if req.draft_pause > 0:
             req.draft_pause -= 1
             return []
         room = min(
             req.sampling_params.max_new_tokens - len(req.output_ids), self.runner.context_len - req.seq_len
         ) - 1  # (the step's own token comes on top of the drafts)
+        if req.draft_limit is not None:
+            room = min(room, req.draft_limit)
         return self.drafter.propose(req.fill_ids)[: max(room, 0)]
 
     # ---- running a batch ---------------------------------------------------------------------------
@@ -758,6 +760,8 @@ class Scheduler:
         # each time it happens again (1, 2, 4 ... MAX_DRAFT_PAUSE steps), until one is kept
         req.draft_backoff = 0 if len(tokens) > 1 else min(max(2 * req.draft_backoff, 1), MAX_DRAFT_PAUSE)
         req.draft_pause = req.draft_backoff
+        # and drafts that fail in part: the next ones are one longer than those kept
+        req.draft_limit = len(tokens)  # (the kept drafts and the step's own token)
         for counts in (self.metrics.spec, req.spec):
             counts.add(len(drafts), len(tokens) - 1)
         for token, row in zip(tokens, rows):

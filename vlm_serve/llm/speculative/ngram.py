@@ -24,19 +24,26 @@ class NgramProposer:
     def propose(self, token_ids: list[int] | np.ndarray) -> list[int]:
         """The draft for the token after `token_ids` (prompt then output); [] where no window matches."""
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_match_window, len(tokens) - 1), self.min_match_window - 1, -1):
-            pattern = tokens[-n:]
-            if self.vocab_size is not None and (pattern >= self.vocab_size).any():
+        last = len(tokens) - 1
+        # every earlier position holding the last token ends a match; how far back each match runs is
+        # counted a token at a time (a few vector compares, not one per window and position)
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        matched = np.ones(len(ends), dtype=np.int64)
+        running = np.ones(len(ends), dtype=bool)
+        for k in range(1, min(self.max_match_window, last)):
+            running &= ends >= k
+            running[running] = tokens[ends[running] - k] == tokens[last - k]
+            matched += running
+        pads = np.flatnonzero(tokens >= self.vocab_size) if self.vocab_size is not None else np.empty(0, np.int64)
+        pad_free = last - pads[-1] if pads.size else len(tokens)  # the longest suffix without a pad
+        for n in range(min(self.max_match_window, last, pad_free), self.min_match_window - 1, -1):
+            hits = ends[matched >= n]
+            if not hits.size:
                 continue
-            # windows that start before the suffix itself, and have a token after them
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if hits.size:
-                start = hits[-1] + n
-                draft = tokens[start : start + self.num_draft_tokens]
-                if self.vocab_size is not None:
-                    pads = np.flatnonzero(draft >= self.vocab_size)
-                    draft = draft[: pads[0]] if pads.size else draft
-                if draft.size:
-                    return draft.tolist()
+            draft = tokens[hits[-1] + 1 : hits[-1] + 1 + self.num_draft_tokens]
+            if self.vocab_size is not None:
+                stop = np.flatnonzero(draft >= self.vocab_size)
+                draft = draft[: stop[0]] if stop.size else draft
+            if draft.size:
+                return draft.tolist()
         return []
