@@ -10,6 +10,7 @@ from cpu_targets import LIBRARIES, require_kernels, targets
 from helpers import ServerProcess, openai_client, running_server
 
 from vlm_serve.llm.kernels import Target
+from vlm_serve.testing.eagle3_draft import create_eagle3_draft
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
 
@@ -47,6 +48,15 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny dense checkpoint (seed 0, fp32, untied)."""
     return create_tiny_model(tmp_path_factory.mktemp("tiny-dense"), arch="dense", seed=0)
+
+
+@pytest.fixture(scope="session")
+def eagle3_drafts(tmp_path_factory: pytest.TempPathFactory, tiny_moe_dir: Path, tiny_dense_dir: Path) -> dict[str, Path]:
+    """Random EAGLE-3 draft heads for the tiny checkpoints, by arch ("moe", "dense"): half their vocabulary."""
+    return {
+        arch: create_eagle3_draft(tmp_path_factory.mktemp(f"eagle3-{arch}"), target, seed=1, draft_vocab_size=1024)
+        for arch, target in (("moe", tiny_moe_dir), ("dense", tiny_dense_dir))
+    }
 
 
 @pytest.fixture(scope="session")

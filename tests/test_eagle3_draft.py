@@ -11,55 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
+from eagle3_reference import CausalAttention, draft_reference, fuse
 from safetensors.torch import load_file, save_file
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.embedding import VocabParallelEmbedding
 from vlm_serve.llm.speculative.eagle3 import Eagle3Config, load_eagle3_draft
 from vlm_serve.testing.eagle3_draft import create_eagle3_draft
-
-
-class CausalAttention:
-    """A one-request prefill with no cache: what the paged backends compute for it."""
-
-    def forward(self, q, k, v, layer_id, scaling, batch):
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scaling)
-        return out.transpose(0, 1)
-
-
-def rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x, positions, theta):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)
-    angles = positions[:, None].float() * inv
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-def reference(w: dict, cfg: dict, embeds, hidden3, positions):
-    """The published EAGLE-3 draft step, from the checkpoint's tensors (one request, causal)."""
-    eps, heads, kv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    hidden = hidden3 @ w["fc.weight"].T
-    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"], eps), rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)
-    n = x.shape[0]
-    q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d), positions, cfg["rope_theta"])
-    k = rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kv, d), positions, cfg["rope_theta"])
-    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kv, d)
-    attn = CausalAttention().forward(q, k, v, 0, d**-0.5, None).reshape(n, -1)
-    residual = hidden + attn @ w["midlayer.self_attn.o_proj.weight"].T
-    h = rms(residual, w["midlayer.post_attention_layernorm.weight"], eps)
-    mlp = (F.silu(h @ w["midlayer.mlp.gate_proj.weight"].T) * (h @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
-    prenorm = residual + mlp
-    normed = rms(prenorm, w["norm.weight"], eps)
-    ids = (normed @ w["lm_head.weight"].T).argmax(-1)
-    return normed, prenorm, ids + w["d2t"][ids]
 
 
 @pytest.mark.parametrize("own_embeddings", [False, True])
@@ -84,7 +42,7 @@ def test_a_draft_computes_the_published_architecture(tiny_dense_dir, tmp_path, o
     with torch.no_grad():
         normed, prenorm = draft(ids, hidden3, positions.expand(3, -1), SimpleNamespace(attn_backend=CausalAttention()))
         tokens = draft.draft_tokens(normed)
-    want_normed, want_prenorm, want_tokens = reference(weights, json.loads((path / "config.json").read_text()), embeddings[ids], hidden3, positions)
+    want_normed, want_prenorm, want_tokens = draft_reference(weights, json.loads((path / "config.json").read_text()), embeddings[ids], fuse(weights, hidden3), positions)
     torch.testing.assert_close(normed, want_normed, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(prenorm, want_prenorm, rtol=1e-4, atol=1e-4)
     assert torch.equal(tokens, want_tokens)
@@ -99,10 +57,9 @@ def test_a_chained_step_reads_the_drafts_own_hidden_state_without_fc(tiny_dense_
     ids, positions = torch.tensor([4, 9, 2]), torch.arange(3)
     with torch.no_grad():
         normed, _ = draft(ids, hidden, positions.expand(3, -1), SimpleNamespace(attn_backend=CausalAttention()))
-    # the reference with fc the identity on an already fused state
-    weights["fc.weight"] = torch.eye(target.hidden_size)
     config = json.loads((path / "config.json").read_text())
-    torch.testing.assert_close(normed, reference(weights, config, weights["embed_tokens.weight"][ids], hidden, positions)[0], rtol=1e-4, atol=1e-4)
+    want = draft_reference(weights, config, weights["embed_tokens.weight"][ids], hidden, positions)[0]
+    torch.testing.assert_close(normed, want, rtol=1e-4, atol=1e-4)
 
 
 def test_drafts_that_cannot_serve_the_target_are_refused_by_what_differs(tiny_dense_dir, tmp_path):

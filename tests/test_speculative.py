@@ -7,15 +7,22 @@ strings) is the one without drafts, token for token."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
+import transformers
+from eagle3_reference import draft_reference, fuse
 from helpers import ReplayDrafts, running_server
+from safetensors.torch import load_file
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.speculative.ngram import NgramProposer
 from vlm_serve.llm.layers.sampler import SampleRow, Sampler
+from vlm_serve.llm.scheduler.scheduler import Scheduler
+from vlm_serve.llm.speculative.eagle3 import Eagle3Draft
 from vlm_serve.llm.speculative.verify import verify_drafts
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.testing.media import make_image
@@ -283,3 +290,103 @@ def test_ngram_drafts_are_the_definitions_on_random_sequences():
         low, high = sorted(torch.randint(1, 5, (2,), generator=rng).tolist())
         proposer = NgramProposer(num_draft_tokens=3, min_match_window=low, max_match_window=high, vocab_size=5)
         assert proposer.propose(tokens) == reference_ngram(tokens, 3, low, high, 5), (tokens, low, high)
+
+
+# ---- EAGLE-3 ---------------------------------------------------------------------------------------
+
+
+def eagle3(drafts: dict, arch: str) -> dict:
+    return {"speculative_algorithm": "eagle3", "speculative_draft_model_path": str(drafts[arch])}
+
+
+@pytest.mark.parametrize("arch,page_size", [("dense", 1), ("dense", 4), ("moe", 1)])
+def test_answers_with_a_random_eagle3_draft_are_those_without(arch, page_size, request, eagle3_drafts):
+    """Its drafts are almost never the target's tokens: every step verifies and rejects them, and the
+    answers (text and an image, greedy and seeded) stay exact; the idle check finds every slot free."""
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    with Engine(path, vit_dp=0, page_size=page_size) as plain:
+        want = answers(plain)
+    with Engine(path, vit_dp=0, page_size=page_size, **eagle3(eagle3_drafts, arch)) as speculative:
+        assert answers(speculative) == want
+        assert speculative.scheduler.metrics.spec.draft_tokens > 0
+
+
+def test_the_draft_follows_each_request_through_verify_steps_as_its_definition_says(
+    tiny_dense_dir, eagle3_drafts, monkeypatch
+):
+    """Prefill, verify steps that keep all, some or none of the drafts, and chained drafting in between:
+    every chain's drafts, and the draft's state at the end, are what the published draft computes
+    (written out here) from transformers' hidden states of the sequence so far. (The drafts verified are
+    replayed from the answer, some spoilt, after the draft's own chain has run and written its KV.)"""
+    conversation = [{"role": "user", "content": COPY}]
+    draft_dir = eagle3_drafts["dense"]
+    with Engine(tiny_dense_dir, vit_dp=0) as plain:
+        prompt = plain.processor.process_messages(conversation).input_ids
+        answer = plain.chat(conversation, max_tokens=24, temperature=0, ignore_eos=True).token_ids
+    sequence = prompt + answer
+    chains, states, chained_hidden = [], {}, []
+    chain, extend, draft_forward = Scheduler._chain_drafts, Scheduler._extend_drafts, Eagle3Draft.forward
+    replay = ReplayDrafts([sequence], num_draft_tokens=4)
+
+    def replayed(self, reqs, starts, counts):
+        chained_hidden.clear()
+        drafts = chain(self, reqs, starts, counts)[0]  # (its KV written at the drafts' slots)
+        chains.append((starts[0], drafts, list(chained_hidden)))
+        return [(replay.propose(r.fill_ids) + [0] * count)[:count] for r, count in zip(reqs, counts)]
+
+    def forward(self, input_ids, hidden, positions, batch):
+        normed, prenorm = draft_forward(self, input_ids, hidden, positions, batch)
+        chained_hidden.append(prenorm[0].clone())
+        return normed, prenorm
+
+    def recording(self, batch, aux_hidden):
+        extend(self, batch, aux_hidden)
+        states.update((req.rid, req.draft_state) for req in batch.reqs)
+
+    monkeypatch.setattr(Scheduler, "_chain_drafts", replayed)
+    monkeypatch.setattr(Scheduler, "_extend_drafts", recording)
+    monkeypatch.setattr(Eagle3Draft, "forward", forward)
+    with Engine(tiny_dense_dir, vit_dp=0, **eagle3(eagle3_drafts, "dense")) as speculative:
+        assert speculative.chat(conversation, max_tokens=24, temperature=0, ignore_eos=True).token_ids == answer
+        metrics = speculative.scheduler.metrics.spec
+    assert 0 < metrics.accepted_tokens < metrics.draft_tokens
+
+    # the reference: transformers' states entering layers 0, 1 and 2 (the tiny model's low, middle, high)
+    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tiny_dense_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states_in = hf(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
+    weights = load_file(str(draft_dir / "model.safetensors"))
+    config = json.loads((draft_dir / "config.json").read_text())
+    aux = fuse(weights, torch.cat([states_in[i][0] for i in (0, 1, 2)], dim=-1))
+    embed = hf.model.language_model.embed_tokens.weight.detach()
+
+    def reference(n: int, drafts: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The draft's tokens after positions 0..n-1 of the sequence, chained through `drafts`, and its
+        pre-norm outputs at position n - 1 and at each chained one."""
+        ids, hidden = torch.tensor(sequence[1 : n + 1]), aux[:n]
+        tokens = []
+        for step in range(len(drafts) + 1):
+            _, prenorm, out = draft_reference(weights, config, embed[ids], hidden, torch.arange(len(ids)))
+            tokens.append(int(out[-1]))
+            if step < len(drafts):
+                ids, hidden = torch.cat([ids, torch.tensor([drafts[step]])]), torch.cat([hidden, prenorm[-1:]])
+        return tokens, prenorm[n - 1 :]
+
+    assert len(chains) > 3
+    for start, drafts, hidden in chains:  # the chain after position start - 1 reads the sequence up to `start`
+        tokens, want = reference(start, drafts[:-1])
+        assert tokens == drafts
+        torch.testing.assert_close(torch.stack(hidden), want[1:], rtol=1e-4, atol=1e-4)
+    final = next(iter(states.values()))
+    tokens, hidden = reference(len(sequence) - 1, [])
+    assert final.first == tokens[0]
+    torch.testing.assert_close(final.hidden, hidden[0], rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match="eagle3 needs speculative_draft_model_path"):
+        ServerArgs(speculative_algorithm="eagle3")
+    with pytest.raises(ValueError, match="speculative_draft_model_path is for speculative_algorithm eagle3"):
+        ServerArgs(speculative_algorithm="ngram", speculative_draft_model_path="/tmp/draft")
+    with pytest.raises(ValueError, match="cannot run on a PD decode server"):
+        ServerArgs(speculative_algorithm="eagle3", speculative_draft_model_path="/tmp/draft", disaggregation_mode="decode")

@@ -39,7 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "log_level": ("debug", "info", "warning", "error"),
     "disaggregation_mode": ("null", "prefill", "decode"),
     "disaggregation_transfer_backend": ("mooncake", "fake"),
-    "speculative_algorithm": ("ngram",),
+    "speculative_algorithm": ("ngram", "eagle3"),
 }
 OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, the ones that may also be None
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
@@ -50,7 +50,7 @@ ENGINE_SETTINGS = (
     "disable_overlap_schedule", "schedule_policy", "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb",
     "context_length", "vit_max_patches_per_pass", "vit_dp", "vit_threads", "log_interval", "log_level", "seed",
     "speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-    "speculative_ngram_max_match_window_size",
+    "speculative_ngram_max_match_window_size", "speculative_draft_model_path",
 )  # fmt: skip
 
 
@@ -115,10 +115,11 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"  # how KV moves (fake: it does not; for tests)
     disaggregation_ib_device: str | None = None  # RDMA device(s) for Mooncake, e.g. mlx5_0; none = TCP
     disaggregation_timeout: float = 300.0  # seconds a PD request waits for its other side in each queue
-    # speculative decoding: draft tokens verified in one forward; greedy answers stay token for token the same
-    # ngram: drafts from the request's own prompt and output (greedy requests; sampled ones decode as usual
-    # for now); the scheduler then runs its normal loop (no overlap); none = off
+    # speculative decoding: draft tokens verified in one forward; answers stay token for token the same
+    # (greedy, or seeded); ngram: drafts from the request's own prompt and output; eagle3: from an EAGLE-3
+    # draft head (`speculative_draft_model_path`); the scheduler then runs its normal loop; none = off
     speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None  # eagle3: the draft's folder or Hugging Face id
     speculative_num_draft_tokens: int = 4  # draft tokens per request and step
     speculative_ngram_min_match_window_size: int = 1  # shortest suffix of a request's tokens matched (ngram)
     speculative_ngram_max_match_window_size: int = 3  # longest suffix matched (ngram)
@@ -145,6 +146,17 @@ class ServerArgs:
             raise ValueError(
                 f"speculative_ngram_min_match_window_size ({self.speculative_ngram_min_match_window_size}) must not "
                 f"exceed speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
+            )
+        if (self.speculative_algorithm == "eagle3") != (self.speculative_draft_model_path is not None):
+            raise ValueError(
+                "speculative_algorithm eagle3 needs speculative_draft_model_path (the draft head's folder or id)"
+                if self.speculative_algorithm == "eagle3"
+                else "speculative_draft_model_path is for speculative_algorithm eagle3"
+            )
+        if self.speculative_algorithm == "eagle3" and self.disaggregation_mode == "decode":
+            raise ValueError(
+                "speculative_algorithm eagle3 cannot run on a PD decode server: its draft reads the target's hidden "
+                "states of the whole prompt, which the prefill server does not send (ngram can)"
             )
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, not {self.responses_store_size}")

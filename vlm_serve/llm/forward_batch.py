@@ -79,6 +79,7 @@ class ForwardOutput:
 
     sample: SampleOutput
     prompt_logprobs: list[PromptLogprobs | None]
+    aux_hidden: torch.Tensor | None = None  # every new token's states an EAGLE-3 draft reads (when it runs)
 
     def to_host(self) -> None:
         self.sample.to_host()

@@ -16,6 +16,8 @@ from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
 from vlm_serve.llm.overlap import FutureMap
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
+from vlm_serve.llm.speculative.eagle3 import Eagle3Draft, load_eagle3_draft
+from vlm_serve.model_source import resolve_model
 from vlm_serve.vision.encoder_pool import llm_threads
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,15 @@ class ModelRunner:
         torch.manual_seed(server_args.seed)
         if self.device.type == "cpu" and server_args.vit_dp > 0:
             torch.set_num_threads(llm_threads(server_args))  # the encoder ranks take the other cores
-        self.model = load_model(model_config, self.device, self.dtype, server_args.resolved_weight_dtype(model_config))
+        weight_dtype = server_args.resolved_weight_dtype(model_config)
+        self.model = load_model(model_config, self.device, self.dtype, weight_dtype)
+        self.draft: Eagle3Draft | None = None  # an EAGLE-3 draft head, its KV the pool's last layer
+        if server_args.speculative_algorithm == "eagle3":
+            text = self.model.model.language_model
+            path = resolve_model(server_args.speculative_draft_model_path, None, server_args.download_dir)
+            self.draft = load_eagle3_draft(path, model_config.text, len(text.layers), self.device, self.dtype, weight_dtype)
+            self.draft.share_embeddings(text.embed_tokens)
+            text.aux_layers = self.draft.config.aux_layers(len(text.layers))
         self._init_memory_pools()
         attn = self.model.model.language_model.layers[0].self_attn
         self.attn_backend = create_attention_backend(
@@ -54,7 +64,8 @@ class ModelRunner:
         text = self.model_config.text
         page_size = self.server_args.page_size
         num_kv_heads = max(1, text.num_key_value_heads // get_parallel_state().tp_size)
-        per_token = TokenToKVPool.bytes_per_token(text.num_hidden_layers, num_kv_heads, text.head_dim, self.dtype)
+        num_layers = text.num_hidden_layers + (self.draft is not None)
+        per_token = TokenToKVPool.bytes_per_token(num_layers, num_kv_heads, text.head_dim, self.dtype)
         size = self.server_args.max_total_tokens
         if size is None:
             if self.device.type == "cuda":
@@ -68,7 +79,7 @@ class ModelRunner:
         max_running = self.server_args.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max(size // 2, 1))
         self.req_to_token_pool = ReqToTokenPool(max_running, self.context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
-            size, page_size, text.num_hidden_layers, num_kv_heads, text.head_dim, self.dtype, self.device
+            size, page_size, num_layers, num_kv_heads, text.head_dim, self.dtype, self.device
         )
         self.allocator = TokenToKVPoolAllocator(size, page_size, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), context %d", size, size * per_token / 2**20, self.context_len)
@@ -78,9 +89,13 @@ class ModelRunner:
         batch.attn_backend = self.attn_backend
         batch.attn_metadata = self.attn_backend.init_forward_metadata(batch)
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every new token."""
+        return self.forward_with_aux(batch)[0]
+
+    @torch.inference_mode()
+    def forward_with_aux(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states of every new token, and the states an EAGLE-3 draft reads (or None)."""
         self.attn_backend.begin_forward(batch)
         return self.model(batch)
 
@@ -94,13 +109,13 @@ class ModelRunner:
         for), in launch order: its future ids are resolved first, and its sampled tokens stored in the
         FutureMap for the batch after it."""
         self.future_map.resolve(batch)
-        hidden = self.forward(batch)
+        hidden, aux = self.forward_with_aux(batch)
         if batch.draft_ids is None:
             out = self.sampler(self.compute_logits(hidden[batch.last_token_indices()]), batch.sampling)
             self.future_map.store(batch.future_start, out.next_token_ids)
         else:  # every position is sampled (a row each): the loop runs no batch ahead of this one's tokens
             out = self.sampler(self.compute_logits(hidden), batch.sampling)
-        return ForwardOutput(out, self.prompt_logprobs(hidden, batch))
+        return ForwardOutput(out, self.prompt_logprobs(hidden, batch), aux)
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> list[PromptLogprobs | None]:

@@ -91,8 +91,11 @@ class Qwen3VLTextModel(nn.Module):
         self.rotary_emb = MRotaryEmbedding(
             config.head_dim, config.rope_theta, config.mrope_section, config.mrope_interleaved
         )
+        self.aux_layers: tuple[int, ...] = ()  # layers whose input an EAGLE-3 draft reads
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final hidden states, and the residual stream before each of `aux_layers`, side by side
+        (None without them)."""
         ids = batch.input_ids
         if batch.mm_indices is not None:
             # image/video positions hold pad values above the vocabulary; their embeddings are replaced
@@ -102,12 +105,15 @@ class Qwen3VLTextModel(nn.Module):
             x[batch.mm_indices] = batch.mm_embeds.to(x.dtype)
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
         residual = None
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x if residual is None else residual + x)
             x, residual = layer(x, residual, cos, sin, batch)
             if i < len(batch.deepstack_embeds):
                 x, residual = residual + x, None
                 x[batch.mm_indices] += batch.deepstack_embeds[i].to(x.dtype)
-        return self.norm.add_and_norm(residual, x)[1]
+        return self.norm.add_and_norm(residual, x)[1], torch.cat(aux, dim=-1) if aux else None
 
 
 class Qwen3VLModel(nn.Module):
@@ -141,7 +147,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.model.language_model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,7 @@ from vlm_serve.vision.vision_tower import VisionOutput
 
 if TYPE_CHECKING:
     from vlm_serve.llm.constrained.grammar_backend import Grammar
+    from vlm_serve.llm.speculative.eagle3_worker import DraftState
     from vlm_serve.llm.disaggregation.transfer import KVReceiver, KVSender
     from vlm_serve.messages.backend import BootstrapInfo
 
@@ -98,6 +100,7 @@ class Req:
     draft_backoff: int = 0  # the last pause's length (doubles while drafts keep failing)
     draft_limit: int | None = None  # drafts to propose at most: one more than it kept last time
     spec: SpeculativeCounts = field(default_factory=SpeculativeCounts)  # its drafts, verified and kept
+    draft_state: DraftState | None = None  # an EAGLE-3 draft's, after the last forward that computed its tokens
     # overlap scheduling and streaming
     future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none
     send_token_offset: int = 0  # output_ids before this were already reported
@@ -326,13 +329,19 @@ class ScheduleBatch:
         positions = (prefix_t + deltas).expand(3, -1)
         return self._forward_batch(ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx)
 
-    def prepare_for_verify(self) -> ForwardBatch:
+    def prepare_for_verify(
+        self, chain: Callable[[list[Req], list[int], list[int]], list[list[int]]] | None = None
+    ) -> ForwardBatch:
         """Each running request's last token and its draft tokens (`draft_ids`), in one forward whose
         logits verify the drafts. Their KV slots are taken like a prefill's; the scheduler releases those
-        of the drafts not kept (`Scheduler.append_verified`)."""
+        of the drafts not kept (`Scheduler.append_verified`). With `chain` (a draft model's), `draft_ids`
+        only say how many drafts each request gets until `chain(reqs, last token positions, counts)`
+        drafts them, once the slots are taken: the draft model writes its KV there."""
         prefix_lens = [r.kv_len for r in self.reqs]
         seq_lens = [n + 1 + len(d) for n, d in zip(prefix_lens, self.draft_ids)]
         out_cache_loc = self._alloc_slots(prefix_lens, seq_lens, "drafts are proposed only where the pool holds them")
+        if chain is not None:
+            self.draft_ids = chain(self.reqs, prefix_lens, [len(d) for d in self.draft_ids])
         ids, positions = [], []
         for req, start, end, drafts in zip(self.reqs, prefix_lens, seq_lens, self.draft_ids):
             ids += [req.output_ids[-1], *drafts]

@@ -36,7 +36,7 @@ from vlm_serve.llm.disaggregation.decode import DecodeDisaggregation
 from vlm_serve.llm.disaggregation.prefill import PrefillDisaggregation
 from vlm_serve.llm.disaggregation.transfer import KVLayout, create_transfer_backend
 from vlm_serve.llm.distributed import get_parallel_state
-from vlm_serve.llm.forward_batch import ForwardMode, ForwardOutput
+from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
@@ -45,6 +45,7 @@ from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import SchedulerMetrics
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from vlm_serve.llm.speculative.ngram import NgramProposer
+from vlm_serve.llm.speculative.eagle3_worker import ChainRequest, Eagle3Worker
 from vlm_serve.llm.speculative.verify import verify_drafts
 from vlm_serve.llm.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
@@ -104,6 +105,7 @@ class LaunchedBatch:
     future_start: int  # FutureMap slot of row 0's token
     result: Future[ForwardOutput]
     draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each row's draft tokens
+    forward_batch: ForwardBatch | None = None  # (kept for an EAGLE-3 draft's extend over the same positions)
 
 
 class Scheduler:
@@ -161,11 +163,14 @@ class Scheduler:
         # speculative decoding runs the normal loop: a verify batch's accepted tokens are the next batch's inputs
         self.enable_overlap = not server_args.disable_overlap_schedule and server_args.speculative_algorithm is None
         self.drafter: NgramProposer | None = None
+        self.eagle: Eagle3Worker | None = None
         if server_args.speculative_algorithm == "ngram":
             self.drafter = NgramProposer(
                 server_args.speculative_num_draft_tokens, server_args.speculative_ngram_min_match_window_size,
                 server_args.speculative_ngram_max_match_window_size, self.vocab_size,
             )  # fmt: skip
+        elif server_args.speculative_algorithm == "eagle3":
+            self.eagle = Eagle3Worker(runner)
         self.forward_thread = ForwardThread(runner) if self.enable_overlap else None
         if self.forward_thread is not None:
             if encoder is not None:
@@ -627,26 +632,55 @@ class Scheduler:
         if not decoding:
             return None
         decode = self.new_batch(decoding)
+        drafts = None
         if self.drafter is not None:
             drafts = [self._drafts(r) for r in decoding]
+        elif self.eagle is not None:  # (how many: the draft model drafts them once their slots are taken)
+            drafts = [[0] * self._draft_room(r) if r.draft_state is not None else [] for r in decoding]
+        if drafts is not None:
             free = self.allocator.available_size() + self.tree_cache.evictable_size()
             # (drafts only where the pool holds them as well: whole pages for every request's 1 + k tokens)
             if any(drafts) and free >= sum(len(d) + 1 for d in drafts) + len(decoding) * self.page_size:
                 decode.forward_mode, decode.draft_ids = ForwardMode.TARGET_VERIFY, drafts
         return decode
 
-    def _drafts(self, req: Req) -> list[int]:
-        """The request's draft tokens for this step: at most one more than it kept last time, and as
-        many as its answer and context still have room for."""
-        if req.draft_pause > 0:
-            req.draft_pause -= 1
-            return []
+    def _draft_room(self, req: Req) -> int:
+        """How many drafts the request can take: as many as its answer and context still have room for."""
         room = min(
             req.sampling_params.max_new_tokens - len(req.output_ids), self.runner.context_len - req.seq_len
         ) - 1  # (the step's own token comes on top of the drafts)
+        return max(min(room, self.server_args.speculative_num_draft_tokens), 0)
+
+    def _drafts(self, req: Req) -> list[int]:
+        """The request's n-gram drafts for this step: at most one more than it kept last time."""
+        if req.draft_pause > 0:
+            req.draft_pause -= 1
+            return []
+        room = self._draft_room(req)
         if req.draft_limit is not None:
             room = min(room, req.draft_limit)
-        return self.drafter.propose(req.fill_ids)[: max(room, 0)]
+        return self.drafter.propose(req.fill_ids)[:room]
+
+    def _chain_drafts(self, reqs: list[Req], starts: list[int], counts: list[int]) -> list[list[int]]:
+        """The EAGLE-3 draft's tokens for a verify batch whose slots are taken."""
+        return self.eagle.chain([
+            ChainRequest(r.draft_state, r.req_pool_idx, start, r.mrope_delta, count)
+            for r, start, count in zip(reqs, starts, counts)
+        ])  # fmt: skip
+
+    def _extend_drafts(self, batch: LaunchedBatch, aux_hidden: torch.Tensor) -> None:
+        """The EAGLE-3 draft over the positions a forward computed: each reads the token after it (the
+        prompt's next, or what the forward produced), up to each request's last kept position, where
+        its drafting resumes."""
+        forward_batch = batch.forward_batch
+        next_ids, last_rows, row = [], [], 0
+        for req, start, n in zip(batch.reqs, forward_batch.prefix_lens_cpu, forward_batch.extend_lens_cpu):
+            following = req.fill_ids[start + 1 : start + 1 + n]
+            next_ids += following + [0] * (n - len(following))  # (past the kept positions: dropped)
+            last_rows.append(row + min(max(req.kv_len - start, 1), n) - 1)
+            row += n
+        for req, state in zip(batch.reqs, self.eagle.extend(forward_batch, next_ids, aux_hidden, last_rows)):
+            req.draft_state = state
 
     # ---- running a batch ---------------------------------------------------------------------------
 
@@ -657,7 +691,7 @@ class Scheduler:
         if batch.forward_mode.is_decode():
             forward_batch = batch.prepare_for_decode()
         elif batch.forward_mode == ForwardMode.TARGET_VERIFY:
-            forward_batch = batch.prepare_for_verify()
+            forward_batch = batch.prepare_for_verify(self._chain_drafts if self.eagle is not None else None)
         else:
             forward_batch = batch.prepare_for_extend()
         forward_batch.future_start = self.future_map.alloc(len(batch.reqs))
@@ -671,6 +705,7 @@ class Scheduler:
         launched = LaunchedBatch(
             list(batch.reqs), batch.forward_mode, batch.num_prefill_reqs, list(batch.samples),
             list(forward_batch.seq_lens_cpu), forward_batch.future_start, Future(), forward_batch.draft_ids,
+            forward_batch if self.eagle is not None else None,
         )  # fmt: skip
         t1 = time.perf_counter()
         self.metrics.time_schedule += t1 - t0
@@ -730,6 +765,8 @@ class Scheduler:
                     self.tree_cache.cache_finished_req(req)
                 else:  # released while the batch ran: it waits to be prefilled again
                     self.waiting_queue.remove(req)
+        if self.eagle is not None:
+            self._extend_drafts(batch, result.aux_hidden)
         self.metrics.time_process += time.perf_counter() - t0
         if self.forward_thread is not None:
             self.metrics.time_forward = self.forward_thread.busy_seconds
