@@ -5,8 +5,9 @@ different lengths) runs through the Engine under each scheduling setting: small 
 end inside images, prefix-cache hits, a KV pool small enough to force retraction, page sizes 1 and
 16, every policy, mixed chunks, priorities, and the prefix cache disabled. Every setting runs under
 both event loops, `event_loop_normal` and `event_loop_overlap` (batch N+1 launched before batch N's
-result is processed), and with speculative decoding: n-gram drafts, and drafts replayed from the
-expected answers (with some spoilt) so that verification keeps all, part or none of them. After each run the scheduler's own idle self-check has passed (it raises on a
+result is processed), and with speculative decoding: n-gram drafts, drafts replayed from the expected
+answers (with some spoilt) so that verification keeps all, part or none of them, and a random EAGLE-3
+draft head (its KV beside the target's through every path). After each run the scheduler's own idle self-check has passed (it raises on a
 leak) and is run once more here.
 """
 
@@ -84,16 +85,19 @@ LOOPS = {
     "overlap": {"disable_overlap_schedule": False},
     "ngram": {"speculative_algorithm": "ngram"},  # (the random model rarely copies: drafts mostly fail)
     "drafts": {"speculative_algorithm": "ngram"},  # drafts replayed from the answers: most are kept
+    "eagle3": {"speculative_algorithm": "eagle3"},  # a random EAGLE-3 draft: every step's drafts fail
 }
 
 
 @pytest.fixture(params=list(LOOPS))
-def loop(request, monkeypatch, inputs, long_reference) -> dict:
+def loop(request, monkeypatch, inputs, long_reference, eagle3_drafts) -> dict:
     """The event loop an engine runs: keyword arguments for `Engine`."""
     if request.param == "drafts":
         sequences = [x.input_ids + answer for x, answer in zip(inputs, long_reference)]
         drafts = ReplayDrafts(sequences, num_draft_tokens=3)
         monkeypatch.setattr(scheduler_module, "NgramProposer", lambda *settings: drafts)
+    if request.param == "eagle3":
+        return {**LOOPS["eagle3"], "speculative_draft_model_path": str(eagle3_drafts["moe"])}
     return LOOPS[request.param]
 
 
