@@ -38,7 +38,7 @@ import torch
 from bench_offline import VllmOffline
 from cpu_isa import describe_cpu
 
-from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 from vlm_serve.builtin.scenes import random_scene, render
 from vlm_serve.engine import Engine
 from vlm_serve.testing.tiny_model import create_tiny_model
@@ -85,20 +85,18 @@ def run(engine: Engine, conversations: list[list[dict]], **sampling) -> tuple[fl
 
 def compare(
     title: str, path: Path, conversations: Callable[[int], list[list[dict]]], batches: list[int], repeats: int,
-    draft_tokens: int, vllm_python: Path | None = None, **sampling,
+    variants: dict[str, dict], vllm_python: Path | None = None, **sampling,
 ) -> None:  # fmt: skip
-    """Prints a table of the engines' figures at each batch size (vLLM's too, with `vllm_python`)."""
+    """Prints a table of the engines' figures at each batch size: one without speculation ("off"), one
+    per `variants` entry (its Engine settings), and vLLM's with `vllm_python` (n-gram at the first
+    variant's draft length)."""
     common = {"max_running_requests": max(batches), "vit_dp": 0, "disable_overlap_schedule": True}
     with ExitStack() as stack:
-        engines = {
-            "off": stack.enter_context(Engine(path, **common)),
-            "ngram": stack.enter_context(
-                Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=draft_tokens, **common)
-            ),
-        }
+        engines = {name: stack.enter_context(Engine(path, **settings, **common)) for name, settings in {"off": {}, **variants}.items()}
         vllm = {}
         if vllm_python is not None:
-            ngram = {"method": "ngram", "num_speculative_tokens": draft_tokens, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+            k = next(iter(variants.values()))["speculative_num_draft_tokens"]
+            ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
             for name, options in [("vllm off", {}), ("vllm ngram", {"speculative_config": ngram})]:
                 vllm[name] = stack.enter_context(VllmOffline(
                     vllm_python, engines["off"], path, conversations(max(batches)), [sampling["max_tokens"]] * max(batches),
@@ -106,14 +104,13 @@ def compare(
                 ))  # fmt: skip
         for engine in engines.values():
             run(engine, conversations(1), **sampling)  # warm-up
-        print(f"\n{title}; median of {repeats}, overlap off for both (speculation runs the normal loop)")
+        print(f"\n{title}; median of {repeats}, overlap off for all (speculation runs the normal loop)")
         print(f"{'batch':>5} | {'spec':>10} | {'tok/s':>7} | {'TPOT ms':>8} | {'x off':>5} | drafts proposed | "
               "accepted length | drafts kept")  # fmt: skip
         for batch in batches:
             figures = {name: [] for name in [*engines, *vllm]}
             answers = {}
-            metrics = engines["ngram"].scheduler.metrics
-            before = dataclasses.replace(metrics.spec)
+            before = {name: dataclasses.replace(engines[name].scheduler.metrics.spec) for name in variants}
             for _ in range(repeats):
                 for name, engine in engines.items():
                     rate, tpot, answers[name] = run(engine, conversations(batch), **sampling)
@@ -122,17 +119,19 @@ def compare(
                     result = peer.run(batch)
                     figures[name].append((result.rate, float("nan")))
                     answers[name] = result.tokens
-            if answers["off"] != answers["ngram"]:
-                raise SystemExit("the speculating engine's greedy answers differ")
-            proposed = metrics.spec.draft_tokens - before.draft_tokens
-            accepted = metrics.spec.accepted_tokens - before.accepted_tokens
-            verifies = metrics.spec.verify_steps - before.verify_steps
+            for name in variants:
+                if answers[name] != answers["off"]:
+                    raise SystemExit(f"the {name} engine's greedy answers differ")
             for name in figures:
                 base = statistics.median(r for r, _ in figures["vllm off" if name.startswith("vllm") else "off"])
                 rate = statistics.median(r for r, _ in figures[name])
                 tpot = statistics.median(t for _, t in figures[name])
-                extra = (f" | {proposed:15d} | {1 + accepted / max(verifies, 1):15.2f} | {accepted / max(proposed, 1):10.0%}"
-                         if name == "ngram" else "")  # fmt: skip
+                extra = ""
+                if name in variants:
+                    spec, was = engines[name].scheduler.metrics.spec, before[name]
+                    proposed, accepted = spec.draft_tokens - was.draft_tokens, spec.accepted_tokens - was.accepted_tokens
+                    verifies = spec.verify_steps - was.verify_steps
+                    extra = f" | {proposed:15d} | {1 + accepted / max(verifies, 1):15.2f} | {accepted / max(proposed, 1):10.0%}"
                 if name.startswith("vllm"):
                     extra = f" | answers {'equal ours' if answers[name] == answers['off'] else 'differ from ours'}"
                 print(f"{batch:>5} | {name:>10} | {rate:7.1f} | {tpot * 1e3:8.1f} | {rate / base:5.2f}{extra}")
@@ -151,13 +150,21 @@ def main() -> None:
     model, isa = describe_cpu()
     print(f"CPU: {model} ({isa}), {torch.get_num_threads()} torch threads")
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    shared = {"batches": batches, "repeats": args.repeats, "draft_tokens": args.draft_tokens}
-    compare("built-in model describing pictures, up to 64 tokens", BUILTIN_MODEL, picture_conversations, max_tokens=64, **shared)
+    shared = {"batches": batches, "repeats": args.repeats}
+    ngram = {"ngram": {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens}}
+    eagle3 = {"eagle3": {
+        "speculative_algorithm": "eagle3", "speculative_draft_model_path": str(BUILTIN_DRAFT),
+        "speculative_num_draft_tokens": args.draft_tokens,
+    }}  # fmt: skip
+    compare(
+        "built-in model describing pictures, up to 64 tokens", BUILTIN_MODEL, picture_conversations,
+        variants=ngram | eagle3, max_tokens=64, **shared,
+    )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         path = create_tiny_model(Path(tmp) / "model", arch=args.arch, size=args.size, dtype="bfloat16")
         title = f"random {args.size} {args.arch} model (bfloat16) asked to copy, {args.output_tokens} tokens"
         compare(
-            title, path, copy_conversations, max_tokens=args.output_tokens, ignore_eos=True,
+            title, path, copy_conversations, variants=ngram, max_tokens=args.output_tokens, ignore_eos=True,
             vllm_python=args.vllm_python, **shared,
         )  # fmt: skip
 

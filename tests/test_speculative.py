@@ -8,6 +8,7 @@ strings) is the one without drafts, token for token."""
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import pytest
@@ -17,6 +18,8 @@ from eagle3_reference import draft_reference, fuse
 from helpers import ReplayDrafts, running_server
 from safetensors.torch import load_file
 
+from vlm_serve.builtin import BUILTIN_DRAFT
+from vlm_serve.builtin.scenes import random_scene, render
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.speculative.ngram import NgramProposer
@@ -385,8 +388,26 @@ def test_the_draft_follows_each_request_through_verify_steps_as_its_definition_s
 
 def test_eagle3_settings_are_checked_by_name():
     with pytest.raises(ValueError, match="eagle3 needs speculative_draft_model_path"):
-        ServerArgs(speculative_algorithm="eagle3")
+        ServerArgs(model="/models/Qwen3-VL-8B-Instruct", speculative_algorithm="eagle3")
     with pytest.raises(ValueError, match="speculative_draft_model_path is for speculative_algorithm eagle3"):
         ServerArgs(speculative_algorithm="ngram", speculative_draft_model_path="/tmp/draft")
-    with pytest.raises(ValueError, match="cannot run on a PD decode server"):
+    with pytest.raises(ValueError, match="cannot run under PD disaggregation"):
         ServerArgs(speculative_algorithm="eagle3", speculative_draft_model_path="/tmp/draft", disaggregation_mode="decode")
+
+
+def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_drafts():
+    """`--speculative-algorithm eagle3` without a draft path: the built-in model's shipped head
+    (`train_eagle3.py`), whose drafts the model keeps (mean accepted length above 3 of 5), answers
+    unchanged."""
+    assert ServerArgs(speculative_algorithm="eagle3").speculative_draft_model_path == str(BUILTIN_DRAFT)
+    rng = random.Random(7)
+    conversations = [
+        [{"role": "user", "content": [{"type": "image", "image": render(random_scene(rng, count=3))},
+                                      {"type": "text", "text": "Describe the image."}]}]
+        for _ in range(4)
+    ]  # fmt: skip
+    with Engine(vit_dp=0) as plain:
+        want = [out.token_ids for out in plain.chat_batch(conversations, max_tokens=48, temperature=0)]
+    with Engine(vit_dp=0, speculative_algorithm="eagle3") as speculative:
+        assert [out.token_ids for out in speculative.chat_batch(conversations, max_tokens=48, temperature=0)] == want
+        assert speculative.scheduler.metrics.spec.mean_accepted_length > 3

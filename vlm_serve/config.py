@@ -20,6 +20,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from vlm_serve.builtin import BUILTIN_DRAFT
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class ServerArgs:
     # (greedy, or seeded); ngram: drafts from the request's own prompt and output; eagle3: from an EAGLE-3
     # draft head (`speculative_draft_model_path`); the scheduler then runs its normal loop; none = off
     speculative_algorithm: str | None = None
-    speculative_draft_model_path: str | None = None  # eagle3: the draft's folder or Hugging Face id
+    speculative_draft_model_path: str | None = None  # eagle3: the draft's folder or id (the built-in model has its own)
     speculative_num_draft_tokens: int = 4  # draft tokens per request and step
     speculative_ngram_min_match_window_size: int = 1  # shortest suffix of a request's tokens matched (ngram)
     speculative_ngram_max_match_window_size: int = 3  # longest suffix matched (ngram)
@@ -147,16 +148,18 @@ class ServerArgs:
                 f"speculative_ngram_min_match_window_size ({self.speculative_ngram_min_match_window_size}) must not "
                 f"exceed speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
             )
+        if self.speculative_algorithm == "eagle3" and self.speculative_draft_model_path is None and self.model is None:
+            self.speculative_draft_model_path = str(BUILTIN_DRAFT)  # the built-in model's own draft head
         if (self.speculative_algorithm == "eagle3") != (self.speculative_draft_model_path is not None):
             raise ValueError(
                 "speculative_algorithm eagle3 needs speculative_draft_model_path (the draft head's folder or id)"
                 if self.speculative_algorithm == "eagle3"
                 else "speculative_draft_model_path is for speculative_algorithm eagle3"
             )
-        if self.speculative_algorithm == "eagle3" and self.disaggregation_mode == "decode":
+        if self.speculative_algorithm == "eagle3" and self.disaggregation_mode != "null":
             raise ValueError(
-                "speculative_algorithm eagle3 cannot run on a PD decode server: its draft reads the target's hidden "
-                "states of the whole prompt, which the prefill server does not send (ngram can)"
+                "speculative_algorithm eagle3 cannot run under PD disaggregation: the decode server's draft reads the "
+                "target's hidden states of the whole prompt, which the prefill server does not send (ngram can)"
             )
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, not {self.responses_store_size}")

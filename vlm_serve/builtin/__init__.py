@@ -5,3 +5,5 @@
 from pathlib import Path
 
 BUILTIN_MODEL = Path(__file__).resolve().with_name("qwen3-vl-shapes")
+# its EAGLE-3 draft head (`train_eagle3.py`), in the published layout
+BUILTIN_DRAFT = Path(__file__).resolve().with_name("qwen3-vl-shapes-eagle3")

@@ -105,15 +105,15 @@ class Qwen3VLTextModel(nn.Module):
             x[batch.mm_indices] = batch.mm_embeds.to(x.dtype)
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
         residual = None
-        aux = []
+        aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                aux.append(x if residual is None else residual + x)
+                aux[i] = x if residual is None else residual + x
             x, residual = layer(x, residual, cos, sin, batch)
             if i < len(batch.deepstack_embeds):
                 x, residual = residual + x, None
                 x[batch.mm_indices] += batch.deepstack_embeds[i].to(x.dtype)
-        return self.norm.add_and_norm(residual, x)[1], torch.cat(aux, dim=-1) if aux else None
+        return self.norm.add_and_norm(residual, x)[1], torch.cat([aux[i] for i in self.aux_layers], -1) if aux else None
 
 
 class Qwen3VLModel(nn.Module):
@@ -127,7 +127,7 @@ class Qwen3VLModel(nn.Module):
 
 # checkpoint name piece -> (our parameter's name piece, shard id)
 _EXPERT = re.compile(r"(.+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)")
-_STACKED = [
+STACKED_PARAMS = [
     (".q_proj.", ".qkv_proj.", "q"),
     (".k_proj.", ".qkv_proj.", "k"),
     (".v_proj.", ".qkv_proj.", "v"),
@@ -184,7 +184,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
                     loaded.add(name.replace("experts.down_proj", "w2"))
                 continue
             target, shard_id = name, None
-            for ckpt_piece, our_piece, sid in _STACKED:
+            for ckpt_piece, our_piece, sid in STACKED_PARAMS:
                 if ckpt_piece in name:
                     target, shard_id = name.replace(ckpt_piece, our_piece), sid
                     break

@@ -27,17 +27,7 @@ from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from vlm_serve.llm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, prepack_weights
 from vlm_serve.llm.layers.norm import RMSNorm
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding, apply_rotary
-from vlm_serve.llm.models.qwen3_vl import Qwen3VLMLP
-
-# checkpoint name piece -> (our parameter's name piece, shard id)
-_STACKED = [
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-]
-
+from vlm_serve.llm.models.qwen3_vl import STACKED_PARAMS, Qwen3VLMLP
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -193,7 +183,7 @@ class Eagle3Draft(nn.Module):
             if name == "t2d":  # (the inverse map, as a mask over the target's vocabulary: not needed)
                 continue
             target, shard_id = name, None
-            for ckpt_piece, our_piece, sid in _STACKED:
+            for ckpt_piece, our_piece, sid in STACKED_PARAMS:
                 if ckpt_piece in name:
                     target, shard_id = name.replace(ckpt_piece, our_piece), sid
                     break
