@@ -18,7 +18,7 @@ from eagle3_reference import draft_reference, fuse
 from helpers import ReplayDrafts, running_server
 from safetensors.torch import load_file
 
-from vlm_serve.builtin import BUILTIN_DRAFT
+from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 from vlm_serve.builtin.scenes import random_scene, render
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
@@ -411,3 +411,26 @@ def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_draf
     with Engine(vit_dp=0, speculative_algorithm="eagle3") as speculative:
         assert [out.token_ids for out in speculative.chat_batch(conversations, max_tokens=48, temperature=0)] == want
         assert speculative.scheduler.metrics.spec.mean_accepted_length > 3
+
+
+def test_two_tp_ranks_draft_with_the_built_in_head_and_answer_as_one_engine_without(tmp_path):
+    """The draft's heads and vocabulary are split over the TP ranks as the target's are (gloo)."""
+    rng = random.Random(3)
+    pictures = [render(random_scene(rng, count=2)) for _ in range(2)]
+    conversations = [
+        [{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "Describe the image."}]}]
+        for p in pictures
+    ]  # fmt: skip
+    with Engine(vit_dp=0) as plain:
+        want = [out.text for out in plain.chat_batch(conversations, max_tokens=40, temperature=0)]
+    for i, picture in enumerate(pictures):
+        picture.save(tmp_path / f"{i}.png")
+    with running_server(BUILTIN_MODEL, "--tp-size", "2", "--speculative-algorithm", "eagle3", "--vit-dp", "0",
+                        "--allowed-local-media-path", str(tmp_path)) as server:  # fmt: skip
+        for i, text in enumerate(want):
+            content = [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/{i}.png"}},
+                       {"type": "text", "text": "Describe the image."}]  # fmt: skip
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 40, "temperature": 0}
+            answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+            assert answer["choices"][0]["message"]["content"] == text
+            assert answer["usage"]["speculative"]["mean_accepted_length"] > 2

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from vlm_serve.builtin import BUILTIN_DRAFT
+from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS
 
 if TYPE_CHECKING:
@@ -148,7 +148,8 @@ class ServerArgs:
                 f"speculative_ngram_min_match_window_size ({self.speculative_ngram_min_match_window_size}) must not "
                 f"exceed speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
             )
-        if self.speculative_algorithm == "eagle3" and self.speculative_draft_model_path is None and self.model is None:
+        builtin = self.model is None or Path(self.model).expanduser().resolve() == BUILTIN_MODEL
+        if self.speculative_algorithm == "eagle3" and self.speculative_draft_model_path is None and builtin:
             self.speculative_draft_model_path = str(BUILTIN_DRAFT)  # the built-in model's own draft head
         if (self.speculative_algorithm == "eagle3") != (self.speculative_draft_model_path is not None):
             raise ValueError(

@@ -867,7 +867,7 @@ class Scheduler:
             out.status, out.code = reason.status, reason.code
             out.output_text = req.output_text
             out.media_timings = [item.timings for item in req.mm_items]
-            if self.drafter is not None:
+            if self.server_args.speculative_algorithm is not None:
                 out.spec = req.spec
         return out
 
