@@ -113,7 +113,9 @@ class Qwen3VLTextModel(nn.Module):
             if i < len(batch.deepstack_embeds):
                 x, residual = residual + x, None
                 x[batch.mm_indices] += batch.deepstack_embeds[i].to(x.dtype)
-        return self.norm.add_and_norm(residual, x)[1], torch.cat([aux[i] for i in self.aux_layers], -1) if aux else None
+        # (low to high, as SGLang and SpecForge order them; a layer named twice, twice)
+        states = torch.cat([aux[i] for i in sorted(self.aux_layers)], dim=-1) if aux else None
+        return self.norm.add_and_norm(residual, x)[1], states
 
 
 class Qwen3VLModel(nn.Module):
