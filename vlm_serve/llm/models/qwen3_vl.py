@@ -129,13 +129,33 @@ class Qwen3VLModel(nn.Module):
 
 # checkpoint name piece -> (our parameter's name piece, shard id)
 _EXPERT = re.compile(r"(.+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)")
-STACKED_PARAMS = [
+_STACKED = [
     (".q_proj.", ".qkv_proj.", "q"),
     (".k_proj.", ".qkv_proj.", "k"),
     (".v_proj.", ".qkv_proj.", "v"),
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 ]
+
+
+def stacked_name(name: str) -> tuple[str, str | int | None]:
+    """Our parameter's name for a checkpoint tensor's, and its shard in a fused projection (None: whole)."""
+    for ckpt_piece, our_piece, shard_id in _STACKED:
+        if ckpt_piece in name:
+            return name.replace(ckpt_piece, our_piece), shard_id
+    return name, None
+
+
+def load_param(param: torch.nn.Parameter, name: str, tensor: torch.Tensor, shard_id: str | int | None) -> None:
+    """A checkpoint tensor into its parameter: through the parameter's loader (which shards it for this
+    rank and converts it to the parameter's dtype), or copied whole if the shapes agree."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard_id)
+    elif param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+    else:
+        param.data.copy_(tensor)
 
 
 class Qwen3VLForConditionalGeneration(nn.Module):
@@ -185,11 +205,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
                     moe.load_down(tensor)
                     loaded.add(name.replace("experts.down_proj", "w2"))
                 continue
-            target, shard_id = name, None
-            for ckpt_piece, our_piece, sid in STACKED_PARAMS:
-                if ckpt_piece in name:
-                    target, shard_id = name.replace(ckpt_piece, our_piece), sid
-                    break
+            target, shard_id = stacked_name(name)
             if target.endswith(".weight_scale_inv"):  # an FP8 weight's block scales
                 layer = modules.get(target.removesuffix(".weight_scale_inv"))
                 if not isinstance(layer, LinearBase):
@@ -198,14 +214,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[target]
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard_id)  # (it converts to the parameter's dtype)
-            else:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                param.data.copy_(tensor)
+            load_param(params[target], name, tensor, shard_id)
             loaded.add(target)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")

@@ -27,7 +27,7 @@ from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from vlm_serve.llm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, prepack_weights
 from vlm_serve.llm.layers.norm import RMSNorm
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding, apply_rotary
-from vlm_serve.llm.models.qwen3_vl import STACKED_PARAMS, Qwen3VLMLP
+from vlm_serve.llm.models.qwen3_vl import Qwen3VLMLP, load_param, stacked_name
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -182,22 +182,11 @@ class Eagle3Draft(nn.Module):
                 continue
             if name == "t2d":  # (the inverse map, as a mask over the target's vocabulary: not needed)
                 continue
-            target, shard_id = name, None
-            for ckpt_piece, our_piece, sid in STACKED_PARAMS:
-                if ckpt_piece in name:
-                    target, shard_id = name.replace(ckpt_piece, our_piece), sid
-                    break
+            target, shard_id = stacked_name(name)
             target = target.replace(".self_attn.", ".")
             if target not in params:
                 raise ValueError(f"draft checkpoint tensor {name!r} has no place in the draft model")
-            param = params[target]
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard_id)
-            else:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                param.data.copy_(tensor)
+            load_param(params[target], name, tensor, shard_id)
             loaded.add(target)
         missing = sorted({*params, "d2t"} - loaded)
         if self.config.draft_vocab_size == self.config.vocab_size and "d2t" in missing:
