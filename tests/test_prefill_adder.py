@@ -285,6 +285,50 @@ def test_priority_goes_first_and_ties_keep_the_policy_order(cache):
     assert queue == [d, b, c, a]
 
 
+
+# ---- priority preemption -------------------------------------------------------------------------------
+
+
+def holding(cache: RadixCache, prompt_len: int, max_new_tokens: int, priority: int) -> Req:
+    """A running request whose prompt's KV is allocated (a request row and its slots)."""
+    req = waiting(cache, prompt_len, max_new_tokens=max_new_tokens, priority=priority)
+    req.req_pool_idx = cache.req_to_token_pool.alloc(1)[0]
+    cache.req_to_token_pool.write(req.req_pool_idx, 0, cache.allocator.alloc(prompt_len))
+    req.kv_len = prompt_len
+    return req
+
+
+def test_a_high_priority_request_that_does_not_fit_preempts_lower_ones_and_is_admitted_once(cache):
+    low = holding(cache, 100, max_new_tokens=50, priority=0)
+    batch = running([low], cache)
+    adder = PrefillAdder(cache, batch, 1.0, 1000, None, 0)
+    high = waiting(cache, 120, max_new_tokens=20, priority=10)  # 141 of the 256 - 100 - 50 left
+    result, victims = adder.add_one_req_preempting(high, batch, threshold=0)
+    assert victims == [low] and batch.reqs == []
+    assert low.req_pool_idx is None and low.kv_len == 0  # its KV went back to the pool
+    assert adder.can_run_list == [high] and result == AddReqResult.CONTINUE
+
+
+def test_a_request_admitted_with_the_last_tokens_of_the_budget_preempts_nobody(cache):
+    """Taking the budget's last token answers NO_TOKEN (nothing more fits), though the request was admitted:
+    it is not admitted a second time (its KV would be allocated twice), and no one is preempted for it."""
+    low = holding(cache, 100, max_new_tokens=50, priority=0)
+    batch = running([low], cache)
+    adder = PrefillAdder(cache, batch, 1.0, 1000, None, 0)
+    high = waiting(cache, adder.rem_total_tokens - 21, max_new_tokens=20, priority=10)  # prompt + outputs + a page
+    result, victims = adder.add_one_req_preempting(high, batch, threshold=0)
+    assert result == AddReqResult.NO_TOKEN and adder.rem_total_tokens == 0
+    assert adder.can_run_list == [high] and victims == [] and batch.reqs == [low]
+
+
+def test_requests_within_the_threshold_are_not_preempted(cache):
+    low = holding(cache, 100, max_new_tokens=50, priority=5)
+    batch = running([low], cache)
+    adder = PrefillAdder(cache, batch, 1.0, 1000, None, 0)
+    high = waiting(cache, 120, max_new_tokens=20, priority=10)
+    result, victims = adder.add_one_req_preempting(high, batch, threshold=5)
+    assert result == AddReqResult.NO_TOKEN and victims == [] and adder.can_run_list == [] and batch.reqs == [low]
+
 def test_an_unknown_policy_is_rejected(cache):
     with pytest.raises(ValueError, match="schedule_policy"):
         SchedulePolicy("shortest-first", cache, enable_priority=False)

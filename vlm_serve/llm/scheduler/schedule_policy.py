@@ -191,6 +191,18 @@ class PrefillAdder:
         self._take(req, prompt_len, self._new_tokens_estimate(req))
         return True
 
+    def add_one_req_preempting(self, req: Req, running_batch: ScheduleBatch, threshold: int) -> tuple[AddReqResult, list[Req]]:
+        """`add_one_req`, and when `req` itself did not fit, `preempt_to_schedule` then one more try.
+        Returns the result and the released requests. (A request admitted with the budget's last tokens
+        also answers NO_TOKEN: it must not be preempted for, nor admitted twice.)"""
+        result = self.add_one_req(req)
+        if result != AddReqResult.NO_TOKEN or (self.can_run_list and self.can_run_list[-1] is req):
+            return result, []
+        victims = self.preempt_to_schedule(req, running_batch, threshold)
+        if victims:
+            result = self.add_one_req(req)
+        return result, victims
+
     def preempt_to_schedule(self, req: Req, running_batch: ScheduleBatch, threshold: int) -> list[Req]:
         """Frees room for a high-priority `req` by releasing running requests whose priority is lower
         by more than `threshold`, lowest first. Returns the released requests (to requeue), or [] when

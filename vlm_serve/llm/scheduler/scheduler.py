@@ -574,16 +574,15 @@ class Scheduler:
                 uncached = req.fill_ids[len(req.prefix_indices) :]
                 if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                     continue  # it will hit the cache next round
-            result = adder.add_one_req(req)
-            if result == AddReqResult.NO_TOKEN and self.server_args.enable_priority_scheduling:
-                preempted = adder.preempt_to_schedule(
-                    req, self.running_batch, self.server_args.priority_scheduling_preemption_threshold
-                )
+            if self.server_args.enable_priority_scheduling:
+                threshold = self.server_args.priority_scheduling_preemption_threshold
+                result, preempted = adder.add_one_req_preempting(req, self.running_batch, threshold)
                 if preempted:
                     self.metrics.num_preemptions += len(preempted)
                     self.waiting_queue.extend(preempted)
                     mixed = [r for r in mixed if r not in preempted]
-                    result = adder.add_one_req(req)
+            else:
+                result = adder.add_one_req(req)
             if req in adder.can_run_list and not self.tree_cache.disable:
                 uncached = req.fill_ids[len(req.prefix_indices) :]
                 in_batch.insert(uncached, torch.zeros(len(uncached), dtype=torch.int64))
