@@ -9,7 +9,10 @@ ways.
 
 - the built-in model (`qwen3-vl-shapes`, bfloat16) describing pictures of four shapes: its captions
   repeat their phrases ("a large red circle at the top left, a large blue square ..."), which is what
-  prompt lookup feeds on; up to 64 tokens, to EOS.
+  prompt lookup feeds on; up to 64 tokens, to EOS. Also without speculation in the default overlap loop
+  ("overlap"), and with its trained EAGLE-3 draft, drafting at every batch size and gated
+  (`--speculative-disable-by-batch-size`: no drafts in decode steps of more than `--disable-by-batch-size`
+  requests).
 - a copy-heavy prompt (a passage and JSON with repeated keys, "repeat the log above") on a random model
   (`create_tiny_model`, medium dense by default), `--output-tokens` tokens with EOS ignored. A random
   model does not follow the instruction: how much it copies is what its own repetitions give, so this
@@ -90,9 +93,12 @@ def compare(
     """Prints a table of the engines' figures at each batch size: one without speculation ("off"), one
     per `variants` entry (its Engine settings), and vLLM's with `vllm_python` (n-gram at the first
     variant's draft length)."""
-    common = {"max_running_requests": max(batches), "vit_dp": 0, "disable_overlap_schedule": True}
+    common = {
+        "max_running_requests": max(batches), "vit_dp": 0, "disable_overlap_schedule": True,
+        "speculative_algorithm": "none",  # (the built-in model's default is its draft)
+    }  # fmt: skip
     with ExitStack() as stack:
-        engines = {name: stack.enter_context(Engine(path, **settings, **common)) for name, settings in {"off": {}, **variants}.items()}
+        engines = {name: stack.enter_context(Engine(path, **{**common, **settings})) for name, settings in {"off": {}, **variants}.items()}
         vllm = {}
         if vllm_python is not None:
             k = next(iter(variants.values()))["speculative_num_draft_tokens"]
@@ -104,13 +110,14 @@ def compare(
                 ))  # fmt: skip
         for engine in engines.values():
             run(engine, conversations(1), **sampling)  # warm-up
-        print(f"\n{title}; median of {repeats}, overlap off for all (speculation runs the normal loop)")
+        print(f"\n{title}; median of {repeats}, overlap off (speculation runs the normal loop) but where named")
         print(f"{'batch':>5} | {'spec':>10} | {'tok/s':>7} | {'TPOT ms':>8} | {'x off':>5} | drafts proposed | "
               "accepted length | drafts kept")  # fmt: skip
         for batch in batches:
             figures = {name: [] for name in [*engines, *vllm]}
             answers = {}
-            before = {name: dataclasses.replace(engines[name].scheduler.metrics.spec) for name in variants}
+            drafting = [name for name, settings in variants.items() if settings.get("speculative_algorithm")]
+            before = {name: dataclasses.replace(engines[name].scheduler.metrics.spec) for name in drafting}
             for _ in range(repeats):
                 for name, engine in engines.items():
                     rate, tpot, answers[name] = run(engine, conversations(batch), **sampling)
@@ -127,7 +134,7 @@ def compare(
                 rate = statistics.median(r for r, _ in figures[name])
                 tpot = statistics.median(t for _, t in figures[name])
                 extra = ""
-                if name in variants:
+                if name in drafting:
                     spec, was = engines[name].scheduler.metrics.spec, before[name]
                     proposed, accepted = spec.draft_tokens - was.draft_tokens, spec.accepted_tokens - was.accepted_tokens
                     verifies = spec.verify_steps - was.verify_steps
@@ -145,6 +152,10 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--disable-by-batch-size", type=int, default=4,
+        help="the gated variants draft only in decode steps of at most this many requests (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--vllm-python", type=Path, default=None, help="the python of a venv with vLLM's CPU build")
     args = parser.parse_args()
     model, isa = describe_cpu()
@@ -156,9 +167,11 @@ def main() -> None:
         "speculative_algorithm": "eagle3", "speculative_draft_model_path": str(BUILTIN_DRAFT),
         "speculative_num_draft_tokens": args.draft_tokens,
     }}  # fmt: skip
+    gate = args.disable_by_batch_size
+    gated = {f"eagle3 <={gate}": {**eagle3["eagle3"], "speculative_disable_by_batch_size": gate}}
     compare(
         "built-in model describing pictures, up to 64 tokens", BUILTIN_MODEL, picture_conversations,
-        variants=ngram | eagle3, max_tokens=64, **shared,
+        variants={"overlap": {"disable_overlap_schedule": False}} | ngram | eagle3 | gated, max_tokens=64, **shared,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         path = create_tiny_model(Path(tmp) / "model", arch=args.arch, size=args.size, dtype="bfloat16")

@@ -216,12 +216,14 @@ def test_drafts_never_run_past_max_tokens_or_a_stop_token(tiny_dense_dir):
 
 
 def test_speculative_settings_out_of_range_are_refused_by_name():
-    with pytest.raises(ValueError, match="speculative_algorithm must be one of ngram"):
+    with pytest.raises(ValueError, match="speculative_algorithm must be one of ngram, eagle3, none"):
         ServerArgs(speculative_algorithm="medusa")
     with pytest.raises(ValueError, match="speculative_num_draft_tokens must be >= 1"):
         ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="min_match_window_size .4. must not exceed"):
         ServerArgs(speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be >= 1"):
+        ServerArgs(speculative_algorithm="ngram", speculative_disable_by_batch_size=0)
 
 
 class WrongDrafts:
@@ -296,6 +298,43 @@ def test_ngram_drafts_are_the_definitions_on_random_sequences():
 
 
 # ---- EAGLE-3 ---------------------------------------------------------------------------------------
+
+
+def short_and_long(engine: Engine) -> list:
+    """A short and a long answer decoding side by side, then the long one alone."""
+    conversation = engine.processor.process_messages([{"role": "user", "content": COPY}])
+    jobs = [engine.submit(conversation, max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 30)]
+    while not all(job.done for job in jobs):
+        engine.step()
+    return [engine.result(job) for job in jobs]
+
+
+def test_decode_steps_above_the_batch_limit_run_without_ngram_drafts(tiny_dense_dir):
+    """`speculative_disable_by_batch_size` 1: the short answer only ever decodes beside the long one and
+    never drafts; the long one drafts once it decodes alone. Answers stay the plain ones. (Drafts are
+    replayed from the answers: there is one to propose at every step.)"""
+    with Engine(tiny_dense_dir, vit_dp=0) as plain:
+        want = [out.token_ids for out in short_and_long(plain)]
+        prompt = plain.processor.process_messages([{"role": "user", "content": COPY}]).input_ids
+    with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram", speculative_disable_by_batch_size=1) as gated:
+        gated.scheduler.drafter = ReplayDrafts([prompt + want[1]], num_draft_tokens=3)
+        short, long = short_and_long(gated)
+        assert [short.token_ids, long.token_ids] == want
+        assert short.choices[0].spec.draft_tokens == 0 and long.choices[0].spec.draft_tokens > 0
+
+
+def test_a_request_decoded_without_its_eagle3_draft_drafts_no_more(tiny_dense_dir, eagle3_drafts):
+    """A step above the limit does not run the draft either, so the draft's KV misses that position: the
+    requests of that step draft no more (not even alone), while a request that never missed one drafts."""
+    with Engine(tiny_dense_dir, vit_dp=0) as plain:
+        want = [out.token_ids for out in short_and_long(plain)]
+    settings = {**eagle3(eagle3_drafts, "dense"), "speculative_disable_by_batch_size": 1}
+    with Engine(tiny_dense_dir, vit_dp=0, **settings) as gated:
+        short, long = short_and_long(gated)
+        assert [short.token_ids, long.token_ids] == want
+        assert short.choices[0].spec.draft_tokens == long.choices[0].spec.draft_tokens == 0
+        alone = gated.chat([{"role": "user", "content": COPY}], max_tokens=8, temperature=0, ignore_eos=True)
+        assert alone.token_ids == want[1][:8] and alone.choices[0].spec.draft_tokens > 0
 
 
 def eagle3(drafts: dict, arch: str) -> dict:
@@ -395,6 +434,21 @@ def test_eagle3_settings_are_checked_by_name():
         ServerArgs(speculative_algorithm="eagle3", speculative_draft_model_path="/tmp/draft", disaggregation_mode="decode")
 
 
+def test_the_built_in_model_drafts_with_its_own_head_by_default_in_small_decode_steps():
+    """Its trained draft makes its answers faster at small batches (benchmarks/bench_speculative.py), so it
+    is on unless set otherwise; other models do not speculate unless asked, nor does the built-in model
+    where its draft cannot run (a PD side, expert parallelism)."""
+    default = ServerArgs()
+    assert (default.speculative_algorithm, default.speculative_draft_model_path) == ("eagle3", str(BUILTIN_DRAFT))
+    assert default.speculative_disable_by_batch_size == 4 and default.speculating
+    assert ServerArgs(speculative_disable_by_batch_size=8).speculative_disable_by_batch_size == 8
+    assert ServerArgs(speculative_algorithm="eagle3").speculative_disable_by_batch_size is None  # (as asked)
+    assert not ServerArgs(speculative_algorithm="none").speculating
+    assert ServerArgs(model="/models/Qwen3-VL-8B-Instruct").speculative_algorithm is None
+    assert ServerArgs(disaggregation_mode="prefill").speculative_algorithm is None
+    assert ServerArgs(tp_size=2, ep_size=2).speculative_algorithm is None
+
+
 def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_drafts():
     """`--speculative-algorithm eagle3` without a draft path: the built-in model's shipped head
     (`train_eagle3.py`), whose drafts the model keeps (mean accepted length above 3 of 5), answers
@@ -406,9 +460,9 @@ def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_draf
                                       {"type": "text", "text": "Describe the image."}]}]
         for _ in range(4)
     ]  # fmt: skip
-    with Engine(vit_dp=0) as plain:
+    with Engine(vit_dp=0, speculative_algorithm="none") as plain:
         want = [out.token_ids for out in plain.chat_batch(conversations, max_tokens=48, temperature=0)]
-    with Engine(vit_dp=0, speculative_algorithm="eagle3") as speculative:
+    with Engine(vit_dp=0) as speculative:  # (by default)
         assert [out.token_ids for out in speculative.chat_batch(conversations, max_tokens=48, temperature=0)] == want
         assert speculative.scheduler.metrics.spec.mean_accepted_length > 3
 
@@ -421,7 +475,7 @@ def test_two_tp_ranks_draft_with_the_built_in_head_and_answer_as_one_engine_with
         [{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "Describe the image."}]}]
         for p in pictures
     ]  # fmt: skip
-    with Engine(vit_dp=0) as plain:
+    with Engine(vit_dp=0, speculative_algorithm="none") as plain:
         want = [out.text for out in plain.chat_batch(conversations, max_tokens=40, temperature=0)]
     for i, picture in enumerate(pictures):
         picture.save(tmp_path / f"{i}.png")

@@ -33,7 +33,8 @@ def add_server_args(parser: argparse.ArgumentParser, names: Sequence[str] | None
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        shown = "" if f.type == "bool" else f" (default: {'none' if default is None else default})"
+        unset = "unset" if "none" in CHOICES.get(f.name, ()) else "none"  # (where "none" is a value of its own)
+        shown = "" if f.type == "bool" else f" (default: {unset if default is None else default})"
         options: dict[str, Any] = {"default": default, "dest": f.name, "help": docs[f.name] + shown}
         if f.type == "bool":
             parser.add_argument(flag, action="store_true", **options)

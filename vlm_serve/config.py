@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from vlm_serve.quantization import Fp8Config
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+BUILTIN_DRAFT_MAX_BATCH = 4  # the built-in model's default speculative_disable_by_batch_size
 API_KEY_ENV = "VLM_SERVE_API_KEY"  # the API key when neither api_key nor api_key_file is set
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few names
@@ -40,7 +41,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "log_level": ("debug", "info", "warning", "error"),
     "disaggregation_mode": ("null", "prefill", "decode"),
     "disaggregation_transfer_backend": ("mooncake", "fake"),
-    "speculative_algorithm": ("ngram", "eagle3"),
+    "speculative_algorithm": ("ngram", "eagle3", "none"),
 }
 OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, the ones that may also be None
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
@@ -51,7 +52,7 @@ ENGINE_SETTINGS = (
     "disable_overlap_schedule", "schedule_policy", "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb",
     "context_length", "vit_max_patches_per_pass", "vit_dp", "vit_threads", "log_interval", "log_level", "seed",
     "speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-    "speculative_ngram_max_match_window_size", "speculative_draft_model_path",
+    "speculative_ngram_max_match_window_size", "speculative_draft_model_path", "speculative_disable_by_batch_size",
 )  # fmt: skip
 
 
@@ -116,14 +117,18 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"  # how KV moves (fake: it does not; for tests)
     disaggregation_ib_device: str | None = None  # RDMA device(s) for Mooncake, e.g. mlx5_0; none = TCP
     disaggregation_timeout: float = 300.0  # seconds a PD request waits for its other side in each queue
-    # speculative decoding: draft tokens verified in one forward; answers stay token for token the same
-    # (greedy, or seeded); ngram: drafts from the request's own prompt and output; eagle3: from an EAGLE-3
-    # draft head (`speculative_draft_model_path`); the scheduler then runs its normal loop; none = off
+    # speculative decoding: draft tokens verified in one forward, answers the same token for token (greedy, seeded)
+    # ngram: drafts from the request's own prompt and output
+    # eagle3: drafts from an EAGLE-3 draft head (speculative_draft_model_path); either runs the normal loop
+    # none: off; unset: the built-in model drafts with its own head in decode steps of at most 4 requests
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None  # eagle3: the draft's folder or id (the built-in model has its own)
     speculative_num_draft_tokens: int = 4  # draft tokens per request and step
     speculative_ngram_min_match_window_size: int = 1  # shortest suffix of a request's tokens matched (ngram)
     speculative_ngram_max_match_window_size: int = 3  # longest suffix matched (ngram)
+    # decode steps of more requests than this run without drafts; none = draft at every size
+    # (a verify step's wider forward pays off at small batches, where reading the weights bounds a step)
+    speculative_disable_by_batch_size: int | None = None
     log_interval: int = 40  # scheduler steps between log lines
     log_level: str = "warning"  # info shows the scheduler's log lines
     seed: int = 0  # seed of the sampler's random numbers where a request gives none
@@ -138,6 +143,7 @@ class ServerArgs:
             "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "limit_mm_per_prompt", "mm_max_image_pixels",
             "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers", "speculative_num_draft_tokens",
             "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+            "speculative_disable_by_batch_size",
         )
         for name in positive:
             value = getattr(self, name)
@@ -149,6 +155,11 @@ class ServerArgs:
                 f"exceed speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
             )
         builtin = self.model is None or Path(self.model).expanduser().resolve() == BUILTIN_MODEL
+        if self.speculative_algorithm is None and builtin and self.disaggregation_mode == "null" and self.ep_size == 1:
+            # its trained draft makes its answers faster where decode steps are small (bench_speculative.py)
+            self.speculative_algorithm = "eagle3"
+            if self.speculative_disable_by_batch_size is None:
+                self.speculative_disable_by_batch_size = BUILTIN_DRAFT_MAX_BATCH
         if self.speculative_algorithm == "eagle3" and self.speculative_draft_model_path is None and builtin:
             self.speculative_draft_model_path = str(BUILTIN_DRAFT)  # the built-in model's own draft head
         if (self.speculative_algorithm == "eagle3") != (self.speculative_draft_model_path is not None):
@@ -196,6 +207,11 @@ class ServerArgs:
             raise ValueError("give the API key by api_key (--api-key) or by api_key_file (--api-key-file), not both")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+
+    @property
+    def speculating(self) -> bool:
+        """Whether decode steps verify draft tokens (`speculative_algorithm` ngram or eagle3)."""
+        return self.speculative_algorithm in ("ngram", "eagle3")
 
     def with_api_key(self, environ: Mapping[str, str]) -> ServerArgs:
         """These settings with the API key in `api_key`: as given, else read from `api_key_file`, else

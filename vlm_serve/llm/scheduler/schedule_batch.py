@@ -101,6 +101,7 @@ class Req:
     draft_limit: int | None = None  # drafts to propose at most: one more than it kept last time
     spec: SpeculativeCounts = field(default_factory=SpeculativeCounts)  # its drafts, verified and kept
     draft_state: DraftState | None = None  # an EAGLE-3 draft's, after the last forward that computed its tokens
+    draft_gap: bool = False  # a decode step ran without the EAGLE-3 draft: its KV misses a position, no more drafts
     # overlap scheduling and streaming
     future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none
     send_token_offset: int = 0  # output_ids before this were already reported

@@ -161,7 +161,7 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
 
         # speculative decoding runs the normal loop: a verify batch's accepted tokens are the next batch's inputs
-        self.enable_overlap = not server_args.disable_overlap_schedule and server_args.speculative_algorithm is None
+        self.enable_overlap = not server_args.disable_overlap_schedule and not server_args.speculating
         self.drafter: NgramProposer | None = None
         self.eagle: Eagle3Worker | None = None
         if server_args.speculative_algorithm == "ngram":
@@ -632,9 +632,10 @@ class Scheduler:
             return None
         decode = self.new_batch(decoding)
         drafts = None
-        if self.drafter is not None:
+        drafting = self._drafting(len(decoding))
+        if drafting and self.drafter is not None:
             drafts = [self._drafts(r) for r in decoding]
-        elif self.eagle is not None:  # (how many: the draft model drafts them once their slots are taken)
+        elif drafting and self.eagle is not None:  # (how many: the draft model drafts them once their slots are taken)
             drafts = [[0] * self._draft_room(r) if r.draft_state is not None else [] for r in decoding]
         if drafts is not None:
             free = self.allocator.available_size() + self.tree_cache.evictable_size()
@@ -642,6 +643,11 @@ class Scheduler:
             if any(drafts) and free >= sum(len(d) + 1 for d in drafts) + len(decoding) * self.page_size:
                 decode.forward_mode, decode.draft_ids = ForwardMode.TARGET_VERIFY, drafts
         return decode
+
+    def _drafting(self, decode_batch_size: int) -> bool:
+        """Whether a decode step of this many requests drafts (`speculative_disable_by_batch_size`)."""
+        limit = self.server_args.speculative_disable_by_batch_size
+        return limit is None or decode_batch_size <= limit
 
     def _draft_room(self, req: Req) -> int:
         """How many drafts the request can take: as many as its answer and context still have room for."""
@@ -679,7 +685,7 @@ class Scheduler:
             last_rows.append(row + min(max(req.kv_len - start, 1), n) - 1)
             row += n
         for req, state in zip(batch.reqs, self.eagle.extend(forward_batch, next_ids, aux_hidden, last_rows)):
-            req.draft_state = state
+            req.draft_state = None if req.draft_gap else state
 
     # ---- running a batch ---------------------------------------------------------------------------
 
@@ -764,7 +770,10 @@ class Scheduler:
                     self.tree_cache.cache_finished_req(req)
                 else:  # released while the batch ran: it waits to be prefilled again
                     self.waiting_queue.remove(req)
-        if self.eagle is not None:
+        if self.eagle is not None and batch.forward_mode == ForwardMode.DECODE and not self._drafting(len(batch.reqs)):
+            for req in batch.reqs:  # (a step without drafts costs no draft forward either)
+                req.draft_state, req.draft_gap = None, True
+        elif self.eagle is not None:
             self._extend_drafts(batch, result.aux_hidden)
         self.metrics.time_process += time.perf_counter() - t0
         if self.forward_thread is not None:
@@ -866,7 +875,7 @@ class Scheduler:
             out.status, out.code = reason.status, reason.code
             out.output_text = req.output_text
             out.media_timings = [item.timings for item in req.mm_items]
-            if self.server_args.speculative_algorithm is not None:
+            if self.server_args.speculating:
                 out.spec = req.spec
         return out
 
