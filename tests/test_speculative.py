@@ -467,6 +467,36 @@ def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_draf
         assert speculative.scheduler.metrics.spec.mean_accepted_length > 3
 
 
+TRAINED_DRAFT_SETTINGS = {  # scheduler paths the trained draft's long kept runs go through
+    "small_chunks": {"chunked_prefill_size": 16},
+    "page_size_4": {"page_size": 4},
+    "retraction": {"max_total_tokens": 96, "schedule_conservativeness": 0.05, "disable_radix_cache": True},
+    "mixed_chunk": {"chunked_prefill_size": 32, "enable_mixed_chunk": True},
+}
+
+
+@pytest.mark.parametrize("setting", list(TRAINED_DRAFT_SETTINGS))
+def test_the_trained_draft_keeps_answers_exact_through_every_scheduler_path(setting):
+    """The random draft of the parity grid keeps almost nothing; the built-in model's own head keeps most
+    of its drafts, so its KV chained into verify slots stays and is extended on: through prefill chunks
+    ending inside pictures, pages, retraction and mixed batches, answers stay those without drafts."""
+    rng = random.Random(11)
+    conversations = [
+        [{"role": "user", "content": [{"type": "image", "image": render(random_scene(rng, count=1 + i % 4))},
+                                      {"type": "text", "text": "Describe the image."}]}]
+        for i in range(5)
+    ] + [[{"role": "user", "content": "What can you do?"}]]  # fmt: skip
+    settings = {"vit_dp": 0, **TRAINED_DRAFT_SETTINGS[setting]}
+    with Engine(speculative_algorithm="none", **settings) as plain:
+        want = [out.token_ids for out in plain.chat_batch(conversations, max_tokens=40, temperature=0)]
+    with Engine(speculative_algorithm="eagle3", **settings) as speculative:  # (drafting at every batch size)
+        assert [out.token_ids for out in speculative.chat_batch(conversations, max_tokens=40, temperature=0)] == want
+        metrics = speculative.scheduler.metrics
+        assert metrics.spec.mean_accepted_length > 2
+        if setting == "retraction":
+            assert metrics.num_retractions > 0
+
+
 def test_two_tp_ranks_draft_with_the_built_in_head_and_answer_as_one_engine_without(tmp_path):
     """The draft's heads and vocabulary are split over the TP ranks as the target's are (gloo)."""
     rng = random.Random(3)
