@@ -337,6 +337,26 @@ def test_a_request_decoded_without_its_eagle3_draft_drafts_no_more(tiny_dense_di
         assert alone.token_ids == want[1][:8] and alone.choices[0].spec.draft_tokens > 0
 
 
+def test_requests_without_a_draft_state_verify_beside_drafting_ones(tiny_dense_dir, eagle3_drafts):
+    """Limit 2: three requests decode together, so all three stop drafting; once two have finished, a
+    new one (drafting) decodes beside the last of them (not drafting) in verify steps."""
+    conversation = [{"role": "user", "content": COPY}]
+    with Engine(tiny_dense_dir, vit_dp=0) as plain:
+        want = plain.chat(conversation, max_tokens=40, temperature=0, ignore_eos=True).token_ids
+    settings = {**eagle3(eagle3_drafts, "dense"), "speculative_disable_by_batch_size": 2}
+    with Engine(tiny_dense_dir, vit_dp=0, **settings) as gated:
+        prompt = gated.processor.process_messages(conversation)
+        jobs = [gated.submit(prompt, max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 40, 8)]
+        while not jobs[2].done:
+            gated.step()
+        jobs.append(gated.submit(prompt, max_tokens=20, temperature=0, ignore_eos=True))
+        while not all(job.done for job in jobs):
+            gated.step()
+        outs = [gated.result(job) for job in jobs]
+        assert [out.token_ids for out in outs] == [want[:n] for n in (4, 40, 8, 20)]
+        assert outs[1].choices[0].spec.draft_tokens == 0 and outs[3].choices[0].spec.draft_tokens > 0
+
+
 def eagle3(drafts: dict, arch: str) -> dict:
     return {"speculative_algorithm": "eagle3", "speculative_draft_model_path": str(drafts[arch])}
 

@@ -69,11 +69,18 @@ class Eagle3Worker:
         firsts = self.draft.draft_tokens(normed[rows]).tolist()
         return [DraftState(first, hidden) for first, hidden in zip(firsts, prenorm[rows])]
 
-    @torch.inference_mode()
     def chain(self, reqs: list[ChainRequest]) -> list[list[int]]:
         """Each request's `count` drafts: its state's first, then one per step, the step at position
-        start + j - 1 reading draft j's token and the draft's output for the step before."""
-        drafts = [[r.state.first] if r.count else [] for r in reqs]
+        start + j - 1 reading draft j's token and the draft's output for the step before. (A request
+        getting none may have no state.)"""
+        drafted = iter(self._chain([r for r in reqs if r.count]))
+        return [next(drafted) if r.count else [] for r in reqs]
+
+    @torch.inference_mode()
+    def _chain(self, reqs: list[ChainRequest]) -> list[list[int]]:
+        if not reqs:
+            return []
+        drafts = [[r.state.first] for r in reqs]
         hidden = torch.stack([r.state.hidden for r in reqs])
         req_to_token = self.runner.req_to_token_pool.req_to_token
         device = hidden.device
