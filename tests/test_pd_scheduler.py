@@ -1,16 +1,20 @@
 """The PD schedulers (llm/disaggregation/prefill.py, decode.py) as a prefill and a decode engine joined by a
 loopback transfer (tests/pd_loopback.py): a request sent to both sides with one room is answered by the
 decode side exactly as one colocated engine answers it — text, images, chunked prefill, pages, both event
-loops, speculative decoding, `n`, log-probs, stop strings, grammars — and a transfer that fails or a request aborted in any
-queue ends as an error or an abort on both sides, whose KV then returns to idle."""
+loops, speculative decoding (n-gram, and EAGLE-3 with the draft's KV computed on the prefill side), `n`,
+log-probs, stop strings, grammars — and a transfer that fails or a request aborted in any queue ends as an
+error or an abort on both sides, whose KV then returns to idle."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from pd_loopback import PDPair
 
+from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.builtin.scenes import random_scene, render
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
 
@@ -27,13 +31,17 @@ OPTIONS = {  # the scheduler paths the PD queues must compose with
     "normal loop, chunks of 16": {"disable_overlap_schedule": True, "chunked_prefill_size": 16},
     "pages of 4, chunks of 16": {"page_size": 4, "chunked_prefill_size": 16},
     "n-gram drafts": {"speculative_algorithm": "ngram"},  # (the decode side verifies them)
+    # (a random draft head: both sides load it, the prefill side computes its KV chunk by chunk)
+    "EAGLE-3 drafts, chunks of 16": {"speculative_algorithm": "eagle3", "chunked_prefill_size": 16},
 }
 
 
 @pytest.fixture(scope="module", params=list(OPTIONS))
-def engines(request, tiny_moe_dir):
+def engines(request, tiny_moe_dir, eagle3_drafts):
     monkeypatch = pytest.MonkeyPatch()
     options = {"dtype": "float32", **OPTIONS[request.param]}
+    if options.get("speculative_algorithm") == "eagle3":
+        options["speculative_draft_model_path"] = str(eagle3_drafts["moe"])
     pair = PDPair(tiny_moe_dir, monkeypatch, **options)
     colocated = Engine(tiny_moe_dir, **options)
     yield pair, colocated
@@ -70,6 +78,31 @@ def test_the_decode_side_answers_as_one_engine_does(engines, messages):
     assert got.prompt_tokens == want.prompt_tokens
     assert prefill.token_ids == want.token_ids[:1]  # the prefill side sampled the first token only
     assert pair.decode.scheduler.metrics.computed_prompt_tokens == 0  # the decode side computed no prompt
+
+
+def test_the_decode_side_drafts_over_the_draft_kv_the_prefill_side_computed(monkeypatch):
+    """With EAGLE-3 on both sides (the built-in model's default), the prefill side sends the draft's KV of
+    the prompt with the target's, written before it goes: the decode side's draft, which starts drafting
+    from its first decode step's state, keeps about as many drafts as one engine's (with the prompt's
+    draft KV stale it keeps half as many)."""
+    rng = random.Random(5)
+    conversations = [
+        [{"role": "user", "content": [{"type": "image", "image": render(random_scene(rng, count=1 + i % 4))},
+                                      {"type": "text", "text": "Describe the image."}]}]
+        for i in range(4)
+    ]  # fmt: skip
+    with Engine(vit_dp=0) as colocated:
+        want = [out.token_ids for out in colocated.chat_batch(conversations, max_tokens=48, temperature=0)]
+        colocated_length = colocated.scheduler.metrics.spec.mean_accepted_length
+    pair = PDPair(BUILTIN_MODEL, monkeypatch, vit_dp=0)
+    try:
+        assert pair.prefill.scheduler.eagle is not None and pair.decode.scheduler.eagle is not None
+        for messages, tokens in zip(conversations, want):
+            _, got = answer(pair, messages, max_tokens=48, temperature=0)
+            assert got.token_ids == tokens
+        assert pair.decode.scheduler.metrics.spec.mean_accepted_length > colocated_length - 0.5
+    finally:
+        pair.close()
 
 
 def test_a_repeated_prompt_is_served_from_the_prefill_sides_prefix_cache(engines):

@@ -2,8 +2,9 @@
 server (an encoder pool of two ranks) and a decode server (no vision tower, media sized pixel-free), the
 KV moving through Mooncake's transfer engine over TCP on loopback. Every greedy answer equals a
 colocated server's — text, an image, a repeated image, a video, image + video, n=2, streaming, batches,
-SGLang's /generate, json_schema, a named tool, 32 requests at once, the README's curl example — under
-both event loops (the overlap one started by the README's own commands), and with both servers at TP 2;
+SGLang's /generate, json_schema, a named tool, 32 requests at once, the README's curl example — with the
+README's own commands (the built-in model's EAGLE-3 draft on both servers, its KV sent with the target's),
+under the overlap loop without drafts, and with both servers at TP 2 and n-gram drafts;
 the decode server never decodes a pixel, and both servers' KV returns to idle. A server of the pair
 killed while a request's KV moves fails that request on the other one, which returns to idle."""
 
@@ -34,8 +35,8 @@ BLOCKS = readme_blocks()
 PD_COMMANDS = next(b for b in BLOCKS if "--pd-disaggregation" in b.code)  # the README's PD set-up
 CURL = next(b for b in BLOCKS if "curl" in b.code and "circle.png" in b.code)  # its curl example
 CONFIGS = {  # flags of both servers (None: the README's commands, run as written)
-    "README (overlap)": None,
-    "normal loop": ["--disable-overlap-schedule"],
+    "README (EAGLE-3 drafts)": None,  # (the built-in model's default: the prefill side computes the draft's KV)
+    "overlap, no drafts": ["--speculative-algorithm", "none"],
     "TP 2, n-gram drafts": ["--tp-size", "2", "--speculative-algorithm", "ngram"],  # (the decode side drafts)
 }
 
@@ -123,10 +124,13 @@ def curl_example(folder: Path, url: str) -> str:
     return json.loads(result.stdout)["choices"][0]["message"]["content"]
 
 
-def test_answers_through_the_pd_pair_equal_a_colocated_servers(pd, colocated, colocated_server, folder):
+def test_answers_through_the_pd_pair_equal_a_colocated_servers(pd, colocated, colocated_server, folder, request):
     url, prefill, decode = pd
     assert deployment_answers(url, TOKENIZER) == colocated
     assert curl_example(folder, url) == curl_example(folder, colocated_server.url)
+    if CONFIGS[request.node.callspec.params["pd"]] is None:  # (the decode side's EAGLE-3 draft keeps drafts)
+        assert metric(decode, "spec_decode_num_accepted_tokens") > 0
+    assert metric(prefill, "spec_decode_num_draft_tokens") == 0  # (the prefill side never decodes)
     assert metric(decode, 'media_stage_seconds_sum{stage="decode"}') == 0  # no pixel was decoded there
     assert metric(decode, "vit_items") == 0 and metric(prefill, "vit_items") > 0
     for server in (prefill, decode):

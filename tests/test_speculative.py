@@ -450,14 +450,12 @@ def test_eagle3_settings_are_checked_by_name():
         ServerArgs(model="/models/Qwen3-VL-8B-Instruct", speculative_algorithm="eagle3")
     with pytest.raises(ValueError, match="speculative_draft_model_path is for speculative_algorithm eagle3"):
         ServerArgs(speculative_algorithm="ngram", speculative_draft_model_path="/tmp/draft")
-    with pytest.raises(ValueError, match="cannot run under PD disaggregation"):
-        ServerArgs(speculative_algorithm="eagle3", speculative_draft_model_path="/tmp/draft", disaggregation_mode="decode")
 
 
 def test_the_built_in_model_drafts_with_its_own_head_by_default_in_small_decode_steps():
     """Its trained draft makes its answers faster at small batches (benchmarks/bench_speculative.py), so it
-    is on unless set otherwise; other models do not speculate unless asked, nor does the built-in model
-    where its draft cannot run (a PD side, expert parallelism)."""
+    is on unless set otherwise, under TP, EP and on both sides of PD too; other models do not speculate
+    unless asked."""
     default = ServerArgs()
     assert (default.speculative_algorithm, default.speculative_draft_model_path) == ("eagle3", str(BUILTIN_DRAFT))
     assert default.speculative_disable_by_batch_size == 4 and default.speculating
@@ -465,8 +463,8 @@ def test_the_built_in_model_drafts_with_its_own_head_by_default_in_small_decode_
     assert ServerArgs(speculative_algorithm="eagle3").speculative_disable_by_batch_size is None  # (as asked)
     assert not ServerArgs(speculative_algorithm="none").speculating
     assert ServerArgs(model="/models/Qwen3-VL-8B-Instruct").speculative_algorithm is None
-    assert ServerArgs(disaggregation_mode="prefill").speculative_algorithm is None
-    assert ServerArgs(tp_size=2, ep_size=2).speculative_algorithm is None
+    assert ServerArgs(disaggregation_mode="prefill").speculative_algorithm == "eagle3"
+    assert ServerArgs(tp_size=2, ep_size=2).speculative_algorithm == "eagle3"
 
 
 def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_drafts():
@@ -517,8 +515,10 @@ def test_the_trained_draft_keeps_answers_exact_through_every_scheduler_path(sett
             assert metrics.num_retractions > 0
 
 
-def test_two_tp_ranks_draft_with_the_built_in_head_and_answer_as_one_engine_without(tmp_path):
-    """The draft's heads and vocabulary are split over the TP ranks as the target's are (gloo)."""
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2-ep2"])
+def test_two_tp_ranks_draft_with_the_built_in_head_and_answer_as_one_engine_without(tmp_path, ep_size):
+    """The draft's heads and vocabulary are split over the TP ranks as the target's are (gloo), with the
+    target's experts split too or not (the draft has none: it runs the same on every rank)."""
     rng = random.Random(3)
     pictures = [render(random_scene(rng, count=2)) for _ in range(2)]
     conversations = [
@@ -529,8 +529,8 @@ def test_two_tp_ranks_draft_with_the_built_in_head_and_answer_as_one_engine_with
         want = [out.text for out in plain.chat_batch(conversations, max_tokens=40, temperature=0)]
     for i, picture in enumerate(pictures):
         picture.save(tmp_path / f"{i}.png")
-    with running_server(BUILTIN_MODEL, "--tp-size", "2", "--speculative-algorithm", "eagle3", "--vit-dp", "0",
-                        "--allowed-local-media-path", str(tmp_path)) as server:  # fmt: skip
+    with running_server(BUILTIN_MODEL, "--tp-size", "2", "--ep-size", str(ep_size), "--speculative-algorithm", "eagle3",
+                        "--vit-dp", "0", "--allowed-local-media-path", str(tmp_path)) as server:  # fmt: skip
         for i, text in enumerate(want):
             content = [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/{i}.png"}},
                        {"type": "text", "text": "Describe the image."}]  # fmt: skip

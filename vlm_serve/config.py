@@ -120,6 +120,7 @@ class ServerArgs:
     # speculative decoding: draft tokens verified in one forward, answers the same token for token (greedy, seeded)
     # ngram: drafts from the request's own prompt and output
     # eagle3: drafts from an EAGLE-3 draft head (speculative_draft_model_path); either runs the normal loop
+    # (under PD both servers load the draft: the prefill server computes the draft's KV of the prompt too)
     # none: off; unset: the built-in model drafts with its own head in decode steps of at most 4 requests
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None  # eagle3: the draft's folder or id (the built-in model has its own)
@@ -155,7 +156,7 @@ class ServerArgs:
                 f"exceed speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
             )
         builtin = self.model is None or Path(self.model).expanduser().resolve() == BUILTIN_MODEL
-        if self.speculative_algorithm is None and builtin and self.disaggregation_mode == "null" and self.ep_size == 1:
+        if self.speculative_algorithm is None and builtin:
             # its trained draft makes its answers faster where decode steps are small (bench_speculative.py)
             self.speculative_algorithm = "eagle3"
             if self.speculative_disable_by_batch_size is None:
@@ -167,11 +168,6 @@ class ServerArgs:
                 "speculative_algorithm eagle3 needs speculative_draft_model_path (the draft head's folder or id)"
                 if self.speculative_algorithm == "eagle3"
                 else "speculative_draft_model_path is for speculative_algorithm eagle3"
-            )
-        if self.speculative_algorithm == "eagle3" and self.disaggregation_mode != "null":
-            raise ValueError(
-                "speculative_algorithm eagle3 cannot run under PD disaggregation: the decode server's draft reads the "
-                "target's hidden states of the whole prompt, which the prefill server does not send (ngram can)"
             )
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, not {self.responses_store_size}")

@@ -485,7 +485,8 @@ class ControlBackend(TransferBackend):
         if prefill.layout.slot_bytes != decode.layout.slot_bytes:
             return (
                 f"the prefill rank's KV slots ({_slots(prefill.layout)}) are not the decode rank's "
-                f"({_slots(decode.layout)}): both servers must serve the same model with the same KV dtype"
+                f"({_slots(decode.layout)}): both servers must serve the same model with the same KV dtype, "
+                "and both or neither with an EAGLE-3 draft (its KV is one more layer)"
             )
         return None
 

@@ -7,6 +7,10 @@ pages that chunk completed goes out; after the last one, the rest with the metad
 token, sampled here). The request then waits in the inflight queue, holding its KV, until the transfer
 has succeeded: only then does its KV go into the prefix cache, and the request ends here (with its one
 token: the router answers its client from the decode side).
+
+The KV of a batch's positions goes out only once the scheduler has processed the batch's result
+(`send_computed`): with an EAGLE-3 draft, its KV (the pool's last layer) of those positions is written
+then, and goes with the target's, so the decode server's draft reads the whole prompt.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class PrefillDisaggregation(Disaggregation):
         super().__init__(scheduler, backend, records)
         self.bootstrap_queue: list[Req] = []  # waiting for the decode side's destination
         self.inflight_queue: list[Req] = []  # prompt done, KV on its way
+        self.computed: list[tuple[Req, int, bytes | None]] = []  # KV computed, to send: (req, end, record)
 
     def __len__(self) -> int:
         return len(self.bootstrap_queue) + len(self.inflight_queue)
@@ -84,12 +89,12 @@ class PrefillDisaggregation(Disaggregation):
 
     def chunk_done(self, req: Req, computed: int) -> None:
         """A forward computed the request's prompt up to position `computed` (not its end): the KV of the
-        whole pages before it goes out."""
-        self._send(req, computed - computed % self.scheduler.page_size)
+        whole pages before it is to go out."""
+        self.computed.append((req, computed - computed % self.scheduler.page_size, None))
 
     def prompt_done(self, req: Req, token: int, out: SampleOutput, row: int) -> None:
-        """The last chunk ran and sampled the first token: the rest of the KV goes out with the record,
-        and the request waits for the transfer in the inflight queue."""
+        """The last chunk ran and sampled the first token: the rest of the KV is to go out with the
+        record, and the request waits for the transfer in the inflight queue."""
         s, params = self.scheduler, req.sampling_params
         req.output_ids.append(token)
         record = PrefillRecord(
@@ -99,16 +104,19 @@ class PrefillDisaggregation(Disaggregation):
             cached_tokens=req.cached_tokens, media_tokens=[it.num_tokens(s.merge_size) for it in req.mm_items],
             mrope_delta=req.mrope_delta,
         )  # fmt: skip
-        self._send(req, len(req.origin_input_ids), record.to_bytes())
+        self.computed.append((req, len(req.origin_input_ids), record.to_bytes()))
         self.inflight_queue.append(req)
         self.enter(req)
 
-    def _send(self, req: Req, end: int, meta: bytes | None = None) -> None:
-        if end > req.kv_sent or meta is not None:
-            self.transfer_started(req)
-            row = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx]
-            req.transfer.send(row[req.kv_sent : end].tolist(), req.kv_sent, meta)
-            req.kv_sent = end
+    def send_computed(self) -> None:
+        """Sends the KV that `chunk_done` and `prompt_done` said is computed (and the records)."""
+        for req, end, meta in self.computed:
+            if end > req.kv_sent or meta is not None:
+                self.transfer_started(req)
+                row = self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx]
+                req.transfer.send(row[req.kv_sent : end].tolist(), req.kv_sent, meta)
+                req.kv_sent = end
+        self.computed.clear()
 
     def remove(self, req: Req) -> bool:
         """Takes an aborted request out of the PD queues (releasing what it holds); False if it is in

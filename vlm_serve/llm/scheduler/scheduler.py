@@ -775,6 +775,8 @@ class Scheduler:
                 req.draft_state, req.draft_gap = None, True
         elif self.eagle is not None:
             self._extend_drafts(batch, result.aux_hidden)
+        if isinstance(self.disagg, PrefillDisaggregation):
+            self.disagg.send_computed()  # (after the draft's extend: its KV goes too)
         self.metrics.time_process += time.perf_counter() - t0
         if self.forward_thread is not None:
             self.metrics.time_forward = self.forward_thread.busy_seconds
