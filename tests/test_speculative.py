@@ -19,7 +19,8 @@ from helpers import ReplayDrafts, running_server
 from safetensors.torch import load_file
 
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
-from vlm_serve.builtin.scenes import random_scene, render
+from vlm_serve.builtin.scenes import random_example, random_scene, render
+from vlm_serve.builtin.train import greedy_answer, messages
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.speculative.ngram import NgramProposer
@@ -483,6 +484,19 @@ def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_draf
     with Engine(vit_dp=0) as speculative:  # (by default)
         assert [out.token_ids for out in speculative.chat_batch(conversations, max_tokens=48, temperature=0)] == want
         assert speculative.scheduler.metrics.spec.mean_accepted_length > 3
+
+
+def test_the_built_in_model_drafting_with_its_trained_head_answers_as_transformers_generate():
+    """The oracle itself: in float32, with prefill chunks of 16 and its own draft, the built-in model's
+    answers to its kinds of question (pictures, clips, pairs, greetings) are transformers' greedy ones."""
+    rng = random.Random(23)
+    examples = [random_example(rng) for _ in range(8)]
+    with Engine(vit_dp=0, dtype="float32", chunked_prefill_size=16, speculative_algorithm="eagle3") as engine:
+        got = [out.text for out in engine.chat_batch([messages(e) for e in examples], max_tokens=64, temperature=0)]
+        assert engine.scheduler.metrics.spec.mean_accepted_length > 2
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(BUILTIN_MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert got == [greedy_answer(hf, engine.processor, e, 64) for e in examples]
 
 
 TRAINED_DRAFT_SETTINGS = {  # scheduler paths the trained draft's long kept runs go through
