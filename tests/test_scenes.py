@@ -1,4 +1,6 @@
-"""The synthetic scenes the built-in model learns from: what is drawn is what the texts say."""
+"""The synthetic scenes the built-in model learns from: what is drawn is what the texts say, in the first
+model's distribution (kept as it was: the old held-out set) and in the wide one (shapes anywhere, of any
+size and shade, many phrasings, questions outside its skills)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from PIL import ImageColor
+
 from vlm_serve.builtin.scenes import (
-    COLOURS, KINDS, SIZES, Motion, Scene, Shape, caption, colour_answer, comparison_answer, count_answer,
-    presence_answer, random_example, random_scene, render, render_motion, scene_example,
+    COLOURS, DIAGONALS, DIRECTIONS, EDGE_MARGIN, EXTENTS, KINDS, OTHER_ANSWER, SIZES, Motion, Scene, Shape, caption,
+    colour_answer, colour_name, comparison_answer, count_answer, motion_caption, place_answer, presence_answer,
+    random_example, random_motion, random_scene, random_shade, render, render_motion, scene_example, shape_answer,
 )  # fmt: skip
-from vlm_serve.builtin.train import IGNORE, answer_loss, cell_labels, messages, published_layout
+from vlm_serve.builtin.train import IGNORE, answer_loss, cell_labels, messages, patches_as_matmul, published_layout
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
 
@@ -53,10 +58,103 @@ def test_a_moving_shape_goes_the_way_its_caption_says():
     assert xs == sorted(xs) and xs[-1] - xs[0] > 40
 
 
+def test_the_first_models_distribution_is_kept_as_it_was():
+    """(The old held-out set of bench_quality.py is drawn from it: its questions must stay the same.)"""
+    drawn = [random_example(random.Random(seed)) for seed in (1, 2, 5, 6)]
+    assert [(e.kind, e.question, e.answer) for e in drawn] == [
+        ("caption", "What shapes are in this image?", "A large brown star in the center."),
+        ("compare", "Compare the number of shapes in the two images.", "The second image has more shapes: two against one."),
+        ("presence", "Is there a square in the picture?", "Yes, there are two squares."),
+        ("presence", "Is there a star in the picture?", "No, there is no star."),
+    ]  # fmt: skip
+    assert all(s.x is None and s.rgb is None for e in drawn for scene in e.scenes for s in scene.shapes)
+
+
+def test_named_colours_map_to_the_nearest_of_the_eight_names_and_greys_to_none():
+    named = {
+        "pink": "pink", "hotpink": "pink", "lightpink": "pink", "brown": "brown", "saddlebrown": "brown",
+        "sienna": "brown", "red": "red", "crimson": "red", "orange": "orange", "gold": "yellow", "yellow": "yellow",
+        "lime": "green", "darkgreen": "green", "navy": "blue", "royalblue": "blue", "purple": "purple",
+        "indigo": "purple", "white": None, "black": None, "gray": None, "silver": None,
+    }  # fmt: skip
+    assert {name: colour_name(ImageColor.getrgb(name)) for name in named} == named
+    assert all(colour_name(rgb) == name for name, rgb in COLOURS.items())
+    assert colour_name((255, 190, 0)) is None  # (halfway between orange and gold: a boundary shade, never drawn)
+    rng = random.Random(0)
+    for name in COLOURS:
+        shades = {random_shade(rng, name) for _ in range(30)}
+        assert len(shades) > 20 and all(colour_name(rgb) == name for rgb in shades)
+
+
+def test_wide_scenes_put_shapes_of_any_size_anywhere_each_centre_clear_of_the_cells_edges():
+    rng = random.Random(0)
+    scenes = [random_scene(rng, wide=True) for _ in range(300)]
+    shapes = [(scene, s) for scene in scenes for s in scene.shapes]
+    assert {len(scene.shapes) for scene in scenes} == {1, 2, 3, 4}
+    for scene, s in shapes:
+        assert (s.row, s.column) == (int(s.y * 3), int(s.x * 3))
+        assert all(abs(v - edge) >= EDGE_MARGIN for v in (s.x, s.y) for edge in (1 / 3, 2 / 3))
+        low, high = EXTENTS[s.size]
+        assert low <= s.extent <= high and colour_name(s.rgb) == s.colour
+        short = min(scene.width, scene.height)
+        assert s.extent * short <= s.x * scene.width <= scene.width - s.extent * short  # (inside the picture)
+        assert [(t.row, t.column) for t in scene.shapes] == sorted({(t.row, t.column) for t in scene.shapes})
+    xs = [s.x for _, s in shapes]
+    assert min(xs) < 0.12 and max(xs) > 0.88 and any(0.4 < x < 0.45 for x in xs)  # (not only cell centres)
+    assert {scene.width != scene.height for scene in scenes} == {True, False}
+    assert any(scene.jpeg_quality for scene in scenes) and any(scene.noise for scene in scenes)
+
+
+def test_each_wide_shape_is_drawn_where_it_is_in_its_shade():
+    rng = random.Random(4)
+    for _ in range(20):
+        scene = random_scene(rng, wide=True)
+        image = render(scene)
+        assert image.size == (scene.width, scene.height)
+        for s in scene.shapes:
+            pixel = image.getpixel((int(s.x * scene.width), int(s.y * scene.height)))
+            assert all(abs(a - b) < 60 for a, b in zip(pixel, s.rgb)), (s, pixel)
+
+
+def test_wide_clips_move_in_eight_directions_the_way_their_captions_say():
+    rng = random.Random(2)
+    motions = [random_motion(rng, wide=True) for _ in range(200)]
+    assert {m.direction for m in motions} == {*DIRECTIONS, *DIAGONALS}
+    motion = next(m for m in motions if m.direction == "from the bottom left to the top right")
+    assert motion_caption(motion).endswith(f"{motion.shape.kind} moves from the bottom left to the top right.")
+    frames = render_motion(motion)
+    shade = torch.tensor(motion.shape.rgb)
+
+    def centre(frame) -> tuple[float, float]:
+        mask = (torch.tensor(np.array(frame), dtype=torch.int32) - shade).abs().max(-1).values < 30
+        ys, xs = mask.nonzero().float().mean(0).tolist()
+        return xs, ys
+
+    (x0, y0), (x1, y1) = centre(frames[0]), centre(frames[-1])
+    assert x1 - x0 > motion.size / 4 and y0 - y1 > motion.size / 4
+
+
+def test_the_wide_distribution_asks_what_shape_and_where_and_answers_off_skill_questions_with_its_skills():
+    two = Scene([Shape("circle", "orange", "large", 0, 0), Shape("circle", "blue", "small", 1, 2)])
+    assert shape_answer(Scene(two.shapes[:1])) == "An orange circle."
+    assert shape_answer(two) == "There are two shapes: an orange circle and a blue circle."
+    assert place_answer(two, "circle") == "There are two circles: at the top left and on the right."
+    assert place_answer(SCENE, "triangle") == "The triangle is at the bottom right."
+    assert place_answer(SCENE, "star") == "There is no star."
+    examples = [random_example(random.Random(seed), wide=True) for seed in range(400)]
+    kinds = {e.kind for e in examples}
+    assert kinds == {"caption", "shape", "count", "colour", "presence", "place", "motion", "compare", "greeting", "other"}
+    other = [e for e in examples if e.kind == "other"]
+    assert all(e.answer == OTHER_ANSWER for e in other) and len({e.question for e in other}) > 10
+    assert any(e.images for e in other) and any(not e.images for e in other)
+    assert any(e.question.isupper() for e in examples) and any(e.question.islower() for e in examples)
+
+
 def test_examples_are_reproducible_from_a_seed():
-    a, b = random_example(random.Random(7)), random_example(random.Random(7))
-    assert (a.kind, a.question, a.answer) == (b.kind, b.question, b.answer)
-    assert [np.asarray(i).tolist() for i in a.images] == [np.asarray(i).tolist() for i in b.images]
+    for wide in (False, True):
+        a, b = random_example(random.Random(7), wide=wide), random_example(random.Random(7), wide=wide)
+        assert (a.kind, a.question, a.answer) == (b.kind, b.question, b.answer)
+        assert [np.asarray(i).tolist() for i in a.images] == [np.asarray(i).tolist() for i in b.images]
 
 
 def test_trained_weights_are_written_in_the_published_layout(tiny_moe_dir):
@@ -88,12 +186,27 @@ def test_questions_come_as_people_ask_them_text_first_or_last_in_any_case():
         assert parts == (["text", "image"] if example.question_first else ["image", "text"])
 
 
-def test_each_picture_token_is_taught_what_its_cell_holds():
-    cells = cell_labels(SCENE)
+def test_each_picture_token_is_taught_what_is_centred_in_its_part_of_the_picture():
+    cells = cell_labels(SCENE, 3, 3)
     empty = [len(COLOURS), len(KINDS), len(SIZES)]
     assert cells[3] == [list(COLOURS).index("red"), KINDS.index("circle"), SIZES.index("large")]  # middle left
     assert cells[8] == [list(COLOURS).index("blue"), KINDS.index("triangle"), SIZES.index("small")]  # bottom right
     assert [i for i, c in enumerate(cells) if c == empty] == [0, 1, 2, 4, 5, 6, 7]
+    # an oblong picture's 2 x 3 tokens; the shape's centre (not its cell) decides
+    star = Shape("star", "green", "small", 0, 2, x=0.9, y=0.45, extent=0.06, rgb=COLOURS["green"])
+    cells = cell_labels(Scene([star]), 2, 3)
+    assert [i for i, c in enumerate(cells) if c != empty] == [2]
+
+
+def test_the_patch_embedding_trains_as_the_matrix_product_it_is(tiny_moe_dir):
+    import transformers
+
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    embed = model.model.visual.patch_embed
+    patches = torch.randn(12, embed.proj.weight[0].numel())
+    want = embed(patches)
+    patches_as_matmul(embed)
+    torch.testing.assert_close(embed(patches), want, rtol=1e-5, atol=1e-5)
 
 
 def test_is_there_questions_ask_as_often_about_an_absent_kind_as_a_present_one():

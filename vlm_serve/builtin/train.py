@@ -5,7 +5,8 @@
 It starts from a random checkpoint of the built-in shape (`create_tiny_model(size="builtin")`: the
 published Qwen3-VL-MoE layout, tokenizer and chat template; its processor sees every image as at most
 3 x 3 tokens), trains every weight with transformers' Qwen3VLMoeForConditionalGeneration on freshly
-generated examples (the loss is on the answer's tokens, plus `CellProbe`'s on the picture tokens),
+generated examples of the scenes' wide distribution (the loss is on the answer's tokens, plus
+`CellProbe`'s on the picture tokens),
 and writes the weights back in the published layout. Examples go through the project's own
 MultimodalProcessor, whose ids and pixels are transformers' (test_preprocess). On this project's 2-core
 CPU machine the shipped weights took the time printed in their `training.json` (1 h 58 min).
@@ -46,12 +47,16 @@ def messages(example: Example) -> list[dict]:
     return [{"role": "user", "content": [text, *content] if example.question_first else [*content, text]}]
 
 
-def cell_labels(scene: Scene) -> list[list[int]]:
-    """What each of the picture's 3 x 3 cells holds, in reading order: [colour, kind, size], each an index
-    into COLOURS, KINDS, SIZES, or one past the end for an empty cell."""
-    cells = [[len(COLOURS), len(KINDS), len(SIZES)] for _ in range(9)]
-    for s in scene.shapes:
-        cells[3 * s.row + s.column] = [list(COLOURS).index(s.colour), KINDS.index(s.kind), SIZES.index(s.size)]
+def cell_labels(scene: Scene, rows: int, columns: int) -> list[list[int]]:
+    """What each of the picture's `rows` x `columns` tokens holds, in reading order: [colour, kind, size] of
+    the (largest) shape whose centre is in the token's part of the picture, each an index into COLOURS,
+    KINDS, SIZES, or one past the end where no centre is."""
+    cells = [[len(COLOURS), len(KINDS), len(SIZES)] for _ in range(rows * columns)]
+    for s in sorted(scene.shapes, key=lambda s: s.extent or 0):
+        x, y = (s.x, s.y) if s.x is not None else ((s.column + 0.5) / 3, (s.row + 0.5) / 3)
+        cells[int(y * rows) * columns + int(x * columns)] = [
+            list(COLOURS).index(s.colour), KINDS.index(s.kind), SIZES.index(s.size)
+        ]  # fmt: skip
     return cells
 
 
@@ -60,11 +65,15 @@ def encode(processor: MultimodalProcessor, example: Example) -> dict:
     question = messages(example)
     prompt = processor.process_messages(question, add_generation_prompt=True)
     answer = processor.tokenizer.encode(example.answer) + [processor.tokenizer.token_to_id("<|im_end|>")]
+    pictures = [item for item in prompt.mm_items if item.modality == "image"]
     return {
         "input_ids": prompt.input_ids + answer,
         "labels": [IGNORE] * len(prompt.input_ids) + answer,
         "items": prompt.mm_items,
-        "cells": [cell_labels(scene) for scene in example.scenes],
+        "cells": [
+            cell for scene, item in zip(example.scenes, pictures, strict=True)
+            for cell in cell_labels(scene, item.grid_thw[1] // 2, item.grid_thw[2] // 2)
+        ],  # fmt: skip
     }
 
 
@@ -87,15 +96,19 @@ def collate(encoded: list[dict], pad_id: int, image_id: int, video_id: int) -> d
         if chosen:
             batch[key] = torch.cat([it.pixel_values for it in chosen])
             batch[f"{modality}_grid_thw"] = torch.tensor([it.grid_thw for it in chosen])
-    if "pixel_values" in batch:  # one row of cells per picture, in the pictures' order
-        batch["cell_labels"] = torch.tensor([cells for e in encoded for cells in e.get("cells", [])])
+    if "pixel_values" in batch:  # one row per picture token, in the pictures' order
+        batch["cell_labels"] = torch.tensor([cell for e in encoded for cell in e.get("cells", [])])
     return batch
 
 
 class Batches(torch.utils.data.IterableDataset):
     """The training batches, made in a worker process while the model trains on the previous ones: drawing,
     video encoding and preprocessing are about a third of a step. The first `single_steps` show one shape
-    per picture."""
+    per picture. Examples are drawn `POOL` batches at a time and batched by length (the batches then in a
+    random order): padded to their batch's longest, examples of all lengths together would cost the
+    language model twice the work."""
+
+    POOL = 8
 
     def __init__(self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int) -> None:
         self.out_dir, self.seed, self.steps, self.single_steps, self.batch_size = (
@@ -106,19 +119,24 @@ class Batches(torch.utils.data.IterableDataset):
         processor = MultimodalProcessor.from_pretrained(self.out_dir, tokenizer, cache_mb=0)
         pad = tokenizer.token_to_id("<|endoftext|>")
         rng = random.Random(self.seed)
-        for step in range(1, self.steps + 1):
-            most = 1 if step <= self.single_steps else 4
-            examples = [encode(processor, random_example(rng, most)) for _ in range(self.batch_size)]
-            yield collate(examples, pad, processor.image_token_id, processor.video_token_id)
+        for first in range(1, self.steps + 1, self.POOL):
+            pool = []
+            for step in range(first, min(first + self.POOL, self.steps + 1)):
+                most = 1 if step <= self.single_steps else 4
+                pool += [encode(processor, random_example(rng, most, wide=True)) for _ in range(self.batch_size)]
+            pool.sort(key=lambda e: len(e["input_ids"]))
+            batches = [pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
+            rng.shuffle(batches)
+            for examples in batches:
+                yield collate(examples, pad, processor.image_token_id, processor.video_token_id)
 
 
 class CellProbe(torch.nn.Module):
-    """A linear read-out of each picture token's cell (colour, kind, size) from the vision tower's output,
-    trained beside the model and then dropped. From scratch the language model at first ignores the
-    pictures, whose tokens are then nearly all alike, so nothing teaches the tower to tell them apart; this
-    loss makes the tokens say what is in their cell from the start."""
-
-    GRID = [1, 6, 6]  # a square picture at the built-in size: 3 x 3 tokens, one per cell
+    """A linear read-out of what each picture token's part of the picture holds (colour, kind, size of the
+    shape centred there) from the vision tower's output, trained beside the model and then dropped. From
+    scratch the language model at first ignores the pictures, whose tokens are then nearly all alike, so
+    nothing teaches the tower to tell them apart; this loss makes the tokens say what is in their part
+    from the start."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -132,22 +150,26 @@ class CellProbe(torch.nn.Module):
             self.seen.append((kwargs.get("grid_thw", args[1] if len(args) > 1 else None), output.pooler_output))
 
     def loss(self, grid: torch.Tensor | None, cells: torch.Tensor | None) -> torch.Tensor:
-        """Cross-entropy of the cells of the batch's square pictures (0 without any), given the batch's
-        image_grid_thw and cell_labels (`collate`)."""
+        """Cross-entropy of the batch's picture tokens (0 without pictures), given the batch's
+        image_grid_thw and cell_labels (`collate`: one row per token)."""
         seen, self.seen = self.seen, []
         tokens = next((out for g, out in seen if grid is not None and g is not None and torch.equal(g, grid)), None)
         if tokens is None:
             return torch.zeros(())
-        per_picture = tokens.split((grid.prod(-1) // 4).tolist())
-        square = [i for i, g in enumerate(grid.tolist()) if g == self.GRID]
-        if not square:
-            return torch.zeros(())
-        logits = self.head(torch.stack([per_picture[i] for i in square]))  # [pictures, 9, classes]
-        labels = cells[square]
-        parts = logits.split([len(COLOURS) + 1, len(KINDS) + 1, len(SIZES) + 1], dim=-1)
+        parts = self.head(tokens).split([len(COLOURS) + 1, len(KINDS) + 1, len(SIZES) + 1], dim=-1)
         cross_entropy = torch.nn.functional.cross_entropy
-        losses = [cross_entropy(p.flatten(0, 1), labels[..., k].flatten()) for k, p in enumerate(parts)]
-        return sum(losses) / len(losses)
+        return sum(cross_entropy(p, cells[:, k]) for k, p in enumerate(parts)) / len(parts)
+
+
+def patches_as_matmul(patch_embed: torch.nn.Module) -> None:
+    """Makes the vision tower's patch embedding (a Conv3d whose kernel is its stride: one product per
+    patch) one matrix product, as it is: the convolution's backward took a tenth of a training step."""
+    conv = patch_embed.proj
+
+    def forward(pixels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(pixels.to(conv.weight.dtype), conv.weight.flatten(1), conv.bias)
+
+    patch_embed.forward = forward
 
 
 def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -234,6 +256,7 @@ def train(
     processor = MultimodalProcessor.from_pretrained(out_dir, tokenizer, cache_mb=0)
     config = transformers.AutoConfig.from_pretrained(out_dir)
     model = transformers.Qwen3VLMoeForConditionalGeneration(config).float()
+    patches_as_matmul(model.model.visual.patch_embed)
     probe_cells = CellProbe(model)
     parameters = [*model.parameters(), *probe_cells.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -241,8 +264,8 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
-    probe = [random_example(held_out) for _ in range(48)]
-    single_probe = [random_example(held_out, most=1) for _ in range(48)]
+    probe = [random_example(held_out, wide=True) for _ in range(48)]
+    single_probe = [random_example(held_out, most=1, wide=True) for _ in range(48)]
     start = time.perf_counter()
     batches = Batches(out_dir, seed, steps, round(single_share * steps), batch_size)
     model.train()

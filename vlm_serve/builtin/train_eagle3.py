@@ -146,7 +146,7 @@ def make_data(examples: int, seed: int) -> list[dict]:
     """Each example's ids (prompt, then the built-in model's greedy answer with its end token), the
     answer's first position, and the target's states entering layers AUX_LAYER_IDS + 1."""
     rng = random.Random(seed)
-    chosen = [random_example(rng) for _ in range(examples)]
+    chosen = [random_example(rng, wide=True) for _ in range(examples)]
     with Engine(BUILTIN_MODEL, vit_dp=0) as engine:
         processor = engine.processor
         prompts = [processor.process_messages(messages(e), add_generation_prompt=True) for e in chosen]
