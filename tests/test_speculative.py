@@ -23,6 +23,7 @@ from vlm_serve.builtin.scenes import random_example, random_scene, render
 from vlm_serve.builtin.train import greedy_answer, messages
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
+from vlm_serve.llm.forward_batch import ForwardMode
 from vlm_serve.llm.speculative.ngram import NgramProposer
 from vlm_serve.llm.layers.sampler import SampleRow, Sampler
 from vlm_serve.llm.scheduler.scheduler import Scheduler
@@ -325,13 +326,26 @@ def test_decode_steps_above_the_batch_limit_run_without_ngram_drafts(tiny_dense_
 
 
 def test_a_request_decoded_without_its_eagle3_draft_drafts_no_more(tiny_dense_dir, eagle3_drafts):
-    """A step above the limit does not run the draft either, so the draft's KV misses that position: the
-    requests of that step draft no more (not even alone), while a request that never missed one drafts."""
+    """A step above the limit does not run the draft either (nor does the target keep the states it would
+    read), so the draft's KV misses that position: the requests of that step draft no more (not even alone),
+    while a request that never missed one drafts."""
     with Engine(tiny_dense_dir, vit_dp=0) as plain:
         want = [out.token_ids for out in short_and_long(plain)]
     settings = {**eagle3(eagle3_drafts, "dense"), "speculative_disable_by_batch_size": 1}
     with Engine(tiny_dense_dir, vit_dp=0, **settings) as gated:
+        runner, kept = gated.scheduler.runner, []
+        forward = runner.forward_batch_generation
+
+        def recording(batch):
+            out = forward(batch)
+            kept.append((batch.forward_mode, batch.batch_size, out.aux_hidden is not None))
+            return out
+
+        runner.forward_batch_generation = recording
         short, long = short_and_long(gated)
+        # (nor once the long one decodes alone: it drafts no more)
+        assert (ForwardMode.DECODE, 2, False) in kept and (ForwardMode.DECODE, 1, False) in kept
+        assert not any(mode == ForwardMode.DECODE and aux for mode, _, aux in kept)
         assert [short.token_ids, long.token_ids] == want
         assert short.choices[0].spec.draft_tokens == long.choices[0].spec.draft_tokens == 0
         alone = gated.chat([{"role": "user", "content": COPY}], max_tokens=8, temperature=0, ignore_eos=True)

@@ -61,6 +61,7 @@ class ForwardBatch:
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = None  # the backend's index tensors for this batch (`init_forward_metadata`)
     draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each request's draft tokens (after its last token)
+    keep_aux: bool = True  # whether the target keeps the states an EAGLE-3 draft reads (its extend runs after)
 
     @property
     def batch_size(self) -> int:

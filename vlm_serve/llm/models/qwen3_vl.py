@@ -107,7 +107,7 @@ class Qwen3VLTextModel(nn.Module):
         residual = None
         aux = {}
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
+            if i in self.aux_layers and batch.keep_aux:
                 aux[i] = x if residual is None else residual + x
             x, residual = layer(x, residual, cos, sin, batch)
             if i < len(batch.deepstack_embeds):

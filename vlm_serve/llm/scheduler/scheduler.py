@@ -649,6 +649,13 @@ class Scheduler:
         limit = self.server_args.speculative_disable_by_batch_size
         return limit is None or decode_batch_size <= limit
 
+    def _skips_draft(self, batch: ScheduleBatch | LaunchedBatch) -> bool:
+        """Whether the EAGLE-3 draft skips a batch: a decode step too large to draft (its requests draft no
+        more: `draft_gap`), or one of requests that draft no more."""
+        return batch.forward_mode == ForwardMode.DECODE and (
+            not self._drafting(len(batch.reqs)) or all(r.draft_gap for r in batch.reqs)
+        )
+
     def _draft_room(self, req: Req) -> int:
         """How many drafts the request can take: as many as its answer and context still have room for."""
         room = min(
@@ -700,6 +707,7 @@ class Scheduler:
         else:
             forward_batch = batch.prepare_for_extend()
         forward_batch.future_start = self.future_map.alloc(len(batch.reqs))
+        forward_batch.keep_aux = self.eagle is not None and not self._skips_draft(batch)
         self.runner.init_forward_metadata(forward_batch)
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
             if samples and forward_batch.draft_ids is None:  # (a verify batch's tokens are waited for)
@@ -770,7 +778,7 @@ class Scheduler:
                     self.tree_cache.cache_finished_req(req)
                 else:  # released while the batch ran: it waits to be prefilled again
                     self.waiting_queue.remove(req)
-        if self.eagle is not None and batch.forward_mode == ForwardMode.DECODE and not self._drafting(len(batch.reqs)):
+        if self.eagle is not None and self._skips_draft(batch):
             for req in batch.reqs:  # (a step without drafts costs no draft forward either)
                 req.draft_state, req.draft_gap = None, True
         elif self.eagle is not None:
