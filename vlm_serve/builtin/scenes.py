@@ -319,7 +319,9 @@ def background(
     """A grey-toned background, white to black (plain, a gradient or blotches, more or less noisy): never one
     of `COLOURS`. With `avoid`, its greys stay clear of those shades (the shapes drawn on it)."""
     low, high = sorted(rng.randint(0, 255) for _ in range(2))
-    while avoid is not None and min(_grey_distance(rgb, low, high) for rgb in avoid) < 45:
+    for _ in range(100 if avoid else 0):  # (greyish shades may leave little room: then it tries no further)
+        if min(_grey_distance(rgb, low, high) for rgb in avoid) >= 45:
+            break
         low, high = sorted(rng.randint(0, 255) for _ in range(2))
     tint = [rng.randint(-12, 12) for _ in range(3)]
     style = rng.choice(("plain", "gradient", "blotches"))
