@@ -649,7 +649,7 @@ class Scheduler:
         limit = self.server_args.speculative_disable_by_batch_size
         return limit is None or decode_batch_size <= limit
 
-    def _skips_draft(self, batch: ScheduleBatch | LaunchedBatch) -> bool:
+    def _skips_draft(self, batch: ScheduleBatch) -> bool:
         """Whether the EAGLE-3 draft skips a batch: a decode step too large to draft (its requests draft no
         more: `draft_gap`), or one of requests that draft no more."""
         return batch.forward_mode == ForwardMode.DECODE and (
@@ -778,7 +778,7 @@ class Scheduler:
                     self.tree_cache.cache_finished_req(req)
                 else:  # released while the batch ran: it waits to be prefilled again
                     self.waiting_queue.remove(req)
-        if self.eagle is not None and self._skips_draft(batch):
+        if self.eagle is not None and not batch.forward_batch.keep_aux:
             for req in batch.reqs:  # (a step without drafts costs no draft forward either)
                 req.draft_state, req.draft_gap = None, True
         elif self.eagle is not None:
