@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import random
 import shlex
 import sys
@@ -56,7 +54,7 @@ from vlm_serve.builtin.scenes import (
     scene_example,
     typed,
 )
-from vlm_serve.builtin.train import greedy_answer, messages
+from vlm_serve.builtin.train import chat_content, greedy_answer
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.processor import MultimodalProcessor
 
@@ -91,25 +89,6 @@ def held_out(scenes: int, name: str = "old") -> list[tuple[Example, Example]]:
                 example.question = typed(rng, example.question, wide)
         items[-1][1].question_first = i % 2 == 1
     return items
-
-
-def data_url(mime: str, data: bytes) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def chat_content(example: Example) -> list[dict]:
-    """The OpenAI message content of `example`, as training put it (`messages`), with the pictures as PNG
-    and the clip as MPEG-4 data URLs."""
-    content = []
-    for part in messages(example)[0]["content"]:
-        if part["type"] == "image":
-            buffer = io.BytesIO()
-            part["image"].save(buffer, format="PNG")
-            part = {"type": "image_url", "image_url": {"url": data_url("image/png", buffer.getvalue())}}
-        elif part["type"] == "video":
-            part = {"type": "video_url", "video_url": {"url": data_url("video/mp4", part["video"])}}
-        content.append(part)
-    return content
 
 
 async def ask_server(url: str, name: str, examples: list[Example], concurrency: int) -> list[str]:

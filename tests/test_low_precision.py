@@ -1,4 +1,5 @@
-"""Checkpoints served in their own precision. On CPU under `--dtype auto`, a bfloat16 checkpoint's linear
+"""Checkpoints served in their own precision on CPU (these tests pin the device: on CUDA `--dtype auto` computes
+in the checkpoint's dtype, which the GPU kit checks, vlm_serve.testing.gpu_check). On CPU under `--dtype auto`, a bfloat16 checkpoint's linear
 weights, experts and embeddings stay bfloat16 in memory (half of float32's bytes), and an FP8 checkpoint's
 quantized weights stay FP8 with their block scales (a quarter), while activations, norms and the KV cache
 are float32; `--dtype float32` upcasts the unquantized weights.
@@ -27,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import openai_client, prefill_logits, running_server
+from helpers import openai_client, running_server
+from vlm_serve.testing.logits import prefill_logits
 from safetensors.torch import load_file, save_file
 from test_model_parity import _conversations, _hf_inputs
 
@@ -47,7 +49,7 @@ def video_path(tmp_path_factory):
 @pytest.fixture(scope="module", params=["moe", "dense"])
 def bf16(request, tiny_bf16_dirs):
     path = tiny_bf16_dirs[request.param]
-    engine = Engine(path, max_total_tokens=8192, max_running_requests=16)
+    engine = Engine(path, device="cpu", max_total_tokens=8192, max_running_requests=16)
     yield request.param, path, engine
     engine.shutdown()
 
@@ -106,7 +108,7 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_same_weights(bf16, v
 def test_float32_upcasts_the_weights_and_answers_alike(bf16):
     arch, path, engine = bf16
     conversation = [{"role": "user", "content": "Tell me a story about a cat."}]
-    with Engine(path, dtype="float32", max_total_tokens=8192) as upcast:
+    with Engine(path, device="cpu", dtype="float32", max_total_tokens=8192) as upcast:
         assert {w.dtype for w in _weights(upcast)} <= {torch.float32}
         expected = upcast.chat(conversation, max_tokens=12, temperature=0, ignore_eos=True).token_ids
     assert engine.chat(conversation, max_tokens=12, temperature=0, ignore_eos=True).token_ids == expected
@@ -115,9 +117,9 @@ def test_float32_upcasts_the_weights_and_answers_alike(bf16):
 def test_the_server_answers_as_the_engine(tiny_bf16_dirs, video_path):
     path = tiny_bf16_dirs["moe"]
     conversation = _conversations(video_path)["one_image"]
-    with Engine(path, max_total_tokens=8192) as engine:
+    with Engine(path, device="cpu", max_total_tokens=8192) as engine:
         expected = engine.chat(conversation, max_tokens=8, temperature=0, ignore_eos=True).text
-    with running_server(path) as server:
+    with running_server(path, "--device", "cpu") as server:
         image, text = conversation[0]["content"]
         buffer = io.BytesIO()
         image["image"].save(buffer, "PNG")
@@ -168,7 +170,7 @@ def dequantized_copy(fp8_dir: Path, bf16_dir: Path, out: Path) -> Path:
 def fp8(request, tiny_fp8_dirs, tiny_bf16_dirs, tmp_path_factory):
     arch, path = request.param, tiny_fp8_dirs[request.param]
     reference = dequantized_copy(path, tiny_bf16_dirs[arch], tmp_path_factory.mktemp("dequantized") / arch)
-    engine = Engine(path, max_total_tokens=8192, max_running_requests=16)
+    engine = Engine(path, device="cpu", max_total_tokens=8192, max_running_requests=16)
     yield arch, path, reference, engine
     engine.shutdown()
 
@@ -205,9 +207,9 @@ def test_fp8_logits_are_within_rounding_of_transformers_own_fp8_loading(fp8, vid
 def test_the_server_serves_an_fp8_checkpoint_as_the_engine(tiny_fp8_dirs, video_path):
     path = tiny_fp8_dirs["dense"]
     conversation = [{"role": "user", "content": "Tell me a story about a cat."}]
-    with Engine(path, max_total_tokens=8192) as engine:
+    with Engine(path, device="cpu", max_total_tokens=8192) as engine:
         expected = engine.chat(conversation, max_tokens=8, temperature=0, ignore_eos=True).text
-    with running_server(path) as server:
+    with running_server(path, "--device", "cpu") as server:
         answer = openai_client(server).chat.completions.create(
             model="default", messages=conversation, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import prefill_logits
+from vlm_serve.testing.logits import prefill_logits
 
 from vlm_serve.engine import Engine
 from vlm_serve.vision.vision_tower import load_vision_model

@@ -62,6 +62,22 @@ def linear_weight_dtype() -> torch.dtype:
     return weight_format().weight_dtype
 
 
+def randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    """Gives every parameter random values in place (`load_format="dummy"`): weights of a realistic scale
+    (std 0.02) and norms' scales near 1, so that activations neither vanish nor blow up through the layers."""
+    generator = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.02, generator=generator)
+
+
+def check_dummy(config, dummy: bool) -> None:
+    """Random weights are drawn in the model's plain format: an FP8 checkpoint's block scales are not made."""
+    if dummy and config.quantization is not None:
+        raise ValueError("load_format dummy does not make FP8 weights: serve the checkpoint's config without "
+                         "its quantization_config, or load its weights")
+
+
 def build_module(
     factory: Callable[[], M], device: torch.device, dtype: torch.dtype, weights: WeightFormat = WeightFormat()
 ) -> M:

@@ -155,7 +155,8 @@ def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
     from vlm_serve.testing.tiny_model import create_tiny_model
 
     path = create_tiny_model(
-        ns.out_dir, arch=ns.arch, seed=ns.seed, size=ns.size, dtype=ns.dtype, quantize=ns.quantize
+        ns.out_dir, arch=ns.arch, seed=ns.seed, size=ns.size, dtype=ns.dtype, quantize=ns.quantize,
+        weights=not ns.no_weights,
     )
     print(path)
     return 0
@@ -223,10 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     tiny.add_argument(
         "--size",
-        choices=["tiny", "small", "medium"],
+        choices=["tiny", "small", "medium", "large"],
         default="tiny",
         help="parameters (fp32) dense / MoE: tiny 0.5M / 0.6M (for tests), small 50M / 233M, medium 261M / 425M "
-        "(benchmark models shaped like scaled-down Qwen3-VL-235B-A22B: 128 experts, top-8) (default: %(default)s)",
+        "(benchmark models shaped like scaled-down Qwen3-VL-235B-A22B: 128 experts, top-8); large: Qwen3-VL-8B's "
+        "shapes / Qwen3-VL-30B-A3B's at 24 of its 48 layers (with --no-weights) (default: %(default)s)",
+    )
+    tiny.add_argument(
+        "--no-weights", action="store_true",
+        help="write the config, tokenizer and processor only, to serve with --load-format dummy (random weights)",
     )
     tiny.add_argument(
         "--dtype", choices=list(DTYPES), default=None,

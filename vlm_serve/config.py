@@ -34,6 +34,7 @@ API_KEY_ENV = "VLM_SERVE_API_KEY"  # the API key when neither api_key nor api_ke
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few names
     "dtype": ("auto", *DTYPES),
+    "load_format": ("auto", "dummy"),
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "cpu", "torch", "flashinfer"),
     "schedule_policy": SCHEDULE_POLICIES,
@@ -47,7 +48,7 @@ OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, th
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
 # the HTTP server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes).
 ENGINE_SETTINGS = (
-    "model", "revision", "download_dir", "dtype", "device", "attention_backend", "page_size", "max_total_tokens",
+    "model", "revision", "download_dir", "dtype", "load_format", "device", "attention_backend", "page_size", "max_total_tokens",
     "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "enable_mixed_chunk",
     "disable_overlap_schedule", "schedule_policy", "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb",
     "context_length", "vit_max_patches_per_pass", "vit_dp", "vit_threads", "log_interval", "log_level", "seed",
@@ -67,6 +68,7 @@ class ServerArgs:
     # weights' dtype (and the activations' and KV cache's, except on CPU under auto); auto = the checkpoint's
     # weights as stored (bfloat16 for the published ones), with float32 activations on CPU
     dtype: str = "auto"
+    load_format: str = "auto"  # dummy: random weights, no weight file read (speed figures of a config's shapes)
     device: str = "auto"  # auto = cuda if available, else cpu
     attention_backend: str = "auto"  # auto = flashinfer on CUDA, the C kernel (cpu) on CPU where it runs, else torch
     tp_size: int = 1  # tensor-parallel ranks (GPUs), one scheduler process each

@@ -20,9 +20,11 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+def resolve_model(
+    model: str | Path | None, revision: str | None = None, download_dir: str | None = None, weights: bool = True
+) -> Path:
     """The local folder holding the checkpoint `model` names (None: the built-in one). A ValueError of
-    one line naming `model` if there is none."""
+    one line naming `model` if there is none. Without `weights`, a folder without weights will do."""
     if model is None:
         return BUILTIN_MODEL
     path = Path(model).expanduser()
@@ -30,14 +32,14 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
         path = _from_hub(str(model), revision, download_dir)
     elif not path.exists():
         raise ValueError(f"model {model}: no such folder")
-    return check_checkpoint(path)
+    return check_checkpoint(path, weights)
 
 
 def with_local_model(server_args: ServerArgs) -> ServerArgs:
     """`server_args` with `model` the local checkpoint folder it names (`resolve_model`), served under
     its Hugging Face id as given (as vLLM does) or else the folder's name, unless a name is set."""
     model = server_args.model
-    folder = resolve_model(model, server_args.revision, server_args.download_dir)
+    folder = resolve_model(model, server_args.revision, server_args.download_dir, server_args.load_format != "dummy")
     from_hub = model is not None and folder != Path(model).expanduser()
     served = server_args.served_model_name or (model if from_hub else folder.name)
     return replace(server_args, model=str(folder), served_model_name=served)
@@ -48,13 +50,13 @@ def is_hub_id(model: str) -> bool:
     return _HUB_ID.fullmatch(model) is not None and ".." not in model
 
 
-def check_checkpoint(path: Path) -> Path:
-    """`path`, if it is a Hugging Face checkpoint folder (config.json and safetensors weights)."""
+def check_checkpoint(path: Path, weights: bool = True) -> Path:
+    """`path`, if it is a Hugging Face checkpoint folder (config.json and, if `weights`, safetensors weights)."""
     if not path.is_dir():
         raise ValueError(f"model {path}: not a folder (a checkpoint folder holds config.json and *.safetensors)")
     if not (path / "config.json").is_file():
         raise ValueError(f"model {path}: no config.json in it (not a Hugging Face checkpoint folder)")
-    if not any(path.glob("*.safetensors")):
+    if weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"model {path}: no *.safetensors weights in it")
     return path
 

@@ -15,6 +15,7 @@ CPU machine the shipped weights took the time printed in their `training.json` (
 from __future__ import annotations
 
 import argparse
+import base64
 import io
 import json
 import math
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from vlm_serve.builtin.scenes import COLOURS, KINDS, SIZES, Example, Scene, random_example
 from vlm_serve.testing.media import write_video
@@ -45,6 +46,24 @@ def messages(example: Example) -> list[dict]:
         content.append({"type": "video", "video": buffer.getvalue()})
     text = {"type": "text", "text": example.question}
     return [{"role": "user", "content": [text, *content] if example.question_first else [*content, text]}]
+
+
+def chat_content(example: Example) -> list[dict]:
+    """`messages`' content in OpenAI form for a server: the pictures as PNG, the clip as MPEG-4 data URLs."""
+    content = []
+    for part in messages(example)[0]["content"]:
+        if part["type"] == "image":
+            buffer = io.BytesIO()
+            part["image"].save(buffer, format="PNG")
+            part = {"type": "image_url", "image_url": {"url": data_url("image/png", buffer.getvalue())}}
+        elif part["type"] == "video":
+            part = {"type": "video_url", "video_url": {"url": data_url("video/mp4", part["video"])}}
+        content.append(part)
+    return content
+
+
+def data_url(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def cell_labels(scene: Scene, rows: int, columns: int) -> list[list[int]]:
@@ -196,6 +215,15 @@ def published_layout(model: torch.nn.Module, dtype: torch.dtype = torch.float32)
     }
 
 
+def training_layout(model: torch.nn.Module, published: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`published_layout`'s inverse: a full state dict of `model` (float32) from published weights."""
+    fused = (".experts.gate_up_proj", ".experts.down_proj")
+    state = {name: (t.transpose(-1, -2) if name.endswith(fused) else t).float() for name, t in published.items()}
+    if model.config.get_text_config().tie_word_embeddings:
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    return state
+
+
 def save(model: torch.nn.Module, out_dir: Path) -> None:
     """The model's weights into the checkpoint at `out_dir`, as published, with greedy decoding as default."""
     save_file(published_layout(model, SHIPPED_DTYPE), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -236,10 +264,11 @@ def exact_match(model, processor: MultimodalProcessor, examples: list[Example]) 
 
 def train(
     out_dir: Path, steps: int, batch_size: int, seed: int, lr: float, eval_every: int, single_share: float = 0.1,
-    cell_weight: float = 0.5,
+    cell_weight: float = 0.5, init_from: Path | None = None,
 ) -> None:
     """`steps` steps of `batch_size` examples; the first `single_share` of them show one shape per picture,
-    and every step adds `cell_weight` times the `CellProbe` loss to the answers' loss.
+    and every step adds `cell_weight` times the `CellProbe` loss to the answers' loss. With `init_from` (a
+    checkpoint this trainer wrote) training goes on from its weights, on a fresh schedule.
 
     Both are there because from scratch the language model at first ignores the pictures, whose tokens
     are then nearly one shared vector. Without the cell loss, 2250 steps (the first 1800 on single shapes)
@@ -256,6 +285,8 @@ def train(
     processor = MultimodalProcessor.from_pretrained(out_dir, tokenizer, cache_mb=0)
     config = transformers.AutoConfig.from_pretrained(out_dir)
     model = transformers.Qwen3VLMoeForConditionalGeneration(config).float()
+    if init_from is not None:
+        model.load_state_dict(training_layout(model, load_file(str(Path(init_from) / "model.safetensors"))))
     patches_as_matmul(model.model.visual.patch_embed)
     probe_cells = CellProbe(model)
     parameters = [*model.parameters(), *probe_cells.parameters()]
@@ -307,9 +338,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=500, help="steps between held-out exact-match checks")
     parser.add_argument("--single-share", type=float, default=0.1, help="share of steps on one-shape pictures")
     parser.add_argument("--cell-weight", type=float, default=0.5, help="weight of the vision tokens' cell loss")
+    parser.add_argument("--init-from", type=Path, help="a checkpoint this trainer wrote, to go on training from")
     args = parser.parse_args()
     train(args.out_dir, args.steps, args.batch_size, args.seed, args.lr, args.eval_every, args.single_share,
-          args.cell_weight)  # fmt: skip
+          args.cell_weight, args.init_from)  # fmt: skip
 
 
 if __name__ == "__main__":

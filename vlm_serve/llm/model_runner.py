@@ -42,7 +42,7 @@ class ModelRunner:
         if self.device.type == "cpu" and server_args.vit_dp > 0:
             torch.set_num_threads(llm_threads(server_args))  # the encoder ranks take the other cores
         weight_dtype = server_args.resolved_weight_dtype(model_config)
-        self.model = load_model(model_config, self.device, self.dtype, weight_dtype)
+        self.model = load_model(model_config, self.device, self.dtype, weight_dtype, server_args.load_format == "dummy")
         self.draft: Eagle3Draft | None = None  # an EAGLE-3 draft head, its KV the pool's last layer
         if server_args.speculative_algorithm == "eagle3":
             text = self.model.model.language_model

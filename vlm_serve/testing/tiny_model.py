@@ -130,6 +130,7 @@ class ModelSize:
     image_max_pixels: int = 512 * 512  # the processor's limits (see the module docstring)
     video_max_pixels: int = 1024 * 32 * 32 * 2  # a whole clip's
     max_frames: int = 768
+    vocab: int | None = None  # the embedding's rows, padded past the tokenizer's (a real model's vocabulary)
 
     def __post_init__(self) -> None:
         inter, hidden = self.experts.intermediate, self.moe.hidden
@@ -183,6 +184,18 @@ SIZES = {
         image_max_pixels=96 * 96,
         video_max_pixels=16 * 96 * 96,
         max_frames=16,
+    ),
+    # Speed figures at real sizes (config only: served with load_format="dummy"). Dense: Qwen3-VL-8B's
+    # shapes. MoE: Qwen3-VL-30B-A3B's (the 235B-A22B's routing: 128 experts, top 8) at 24 of its 48
+    # layers, so that it fits an 80 GB GPU.
+    "large": ModelSize(
+        dense=TextShape(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288),
+        moe=TextShape(hidden=2048, layers=24, heads=32, kv_heads=4, head_dim=128, intermediate=6144),
+        experts=ExpertShape(num_experts=128, per_token=8, intermediate=768),
+        vision=VisionShape(depth=27, hidden=1152, heads=16, intermediate=4304, positions=2304, deepstack=(8, 16, 24)),
+        attention_gain=RESIDUAL_GAIN / 4,
+        image_max_pixels=16384 * 32 * 32,
+        vocab=151936,
     ),
 }
 ROPE_THETA = 10000.0
@@ -599,10 +612,10 @@ def _checked_args(
     return SIZES[size], dtype or ("bfloat16" if quantize else "float32")
 
 
-def _vocabulary(tokenizer: Tokenizer) -> tuple[dict[str, int], int]:
-    """The special tokens' ids, and the vocabulary size padded to a multiple of 64."""
+def _vocabulary(tokenizer: Tokenizer, size: ModelSize) -> tuple[dict[str, int], int]:
+    """The special tokens' ids, and the vocabulary size padded to a multiple of 64 (or to the size's)."""
     token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    return token_ids, _round_up(tokenizer.get_vocab_size(with_added_tokens=True), 64)
+    return token_ids, size.vocab or _round_up(tokenizer.get_vocab_size(with_added_tokens=True), 64)
 
 
 def _is_linear(name: str, shape: tuple[int, ...]) -> bool:
@@ -658,7 +671,7 @@ def model_config(
 ) -> dict:
     """The `config.json` that `create_tiny_model` writes for these arguments."""
     model_size, dtype = _checked_args(arch, size, dtype, quantize)
-    token_ids, vocab_size = _vocabulary(_train_tokenizer())
+    token_ids, vocab_size = _vocabulary(_train_tokenizer(), model_size)
     specs = _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)
     quantization = _fp8_config(specs) if quantize else None
     return _model_config(arch, model_size, token_ids, vocab_size, tie_word_embeddings, dtype, quantization)
@@ -672,8 +685,27 @@ def weight_shapes(
     These are the unquantized checkpoints' tensors; an FP8 checkpoint holds them as its config says.
     """
     model_size, _ = _checked_args(arch, size)
-    _, vocab_size = _vocabulary(_train_tokenizer())
+    _, vocab_size = _vocabulary(_train_tokenizer(), model_size)
     return {name: shape for name, shape, _, _ in _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)}
+
+
+def _write_weights(
+    path: Path, specs: list, seed: int, dtype: str, quantization: Fp8Config | None, num_tokens: int
+) -> None:
+    """The checkpoint's random tensors (`_weight_specs`: name, shape, mean, std), in `dtype` or FP8."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {  # in place: out-of-place arithmetic would double the time for the larger presets
+        name: torch.randn(shape, generator=generator).mul_(std).add_(mean) for name, shape, mean, std in specs
+    }
+    # Rows of the padded vocabulary tail belong to no token: zero logits, far below the real tokens'.
+    for name in ("model.language_model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            tensors[name][num_tokens:] = 0.0
+    if quantization:
+        tensors = _fp8_tensors(tensors, quantization)
+    else:
+        tensors = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in tensors.items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def create_tiny_model(
@@ -684,8 +716,10 @@ def create_tiny_model(
     dtype: str | None = None,
     size: str = "tiny",
     quantize: str | None = None,
+    weights: bool = True,
 ) -> Path:
-    """Write a random Qwen3-VL checkpoint (`arch` "moe" or "dense", `size` one of `SIZES`) into `out_dir`.
+    """Write a random Qwen3-VL checkpoint (`arch` "moe" or "dense", `size` one of `SIZES`) into `out_dir`;
+    without `weights`, all of it but the weights (to serve with `load_format="dummy"`).
 
     `dtype` is the weights' (default float32; bfloat16 when quantized); `quantize="fp8"` writes the
     layout of Qwen's FP8 checkpoints (see the module docstring). Returns `out_dir`. The same arguments
@@ -696,24 +730,13 @@ def create_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = _train_tokenizer()
-    token_ids, vocab_size = _vocabulary(tokenizer)
+    token_ids, vocab_size = _vocabulary(tokenizer, model_size)
 
-    generator = torch.Generator().manual_seed(seed)
     specs = _weight_specs(arch, model_size, vocab_size, tie_word_embeddings)
-    tensors = {  # in place: out-of-place arithmetic would double the time for the larger presets
-        name: torch.randn(shape, generator=generator).mul_(std).add_(mean) for name, shape, mean, std in specs
-    }
-    # Rows of the padded vocabulary tail belong to no token: zero logits, far below the real tokens'.
-    num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    for name in ("model.language_model.embed_tokens.weight", "lm_head.weight"):
-        if name in tensors:
-            tensors[name][num_tokens:] = 0.0
     quantization = _fp8_config(specs) if quantize else None
-    if quantization:
-        tensors = _fp8_tensors(tensors, quantization)
-    else:
-        tensors = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in tensors.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+        _write_weights(out / "model.safetensors", specs, seed, dtype, quantization, num_tokens)
 
     _write_json(
         out / "config.json",

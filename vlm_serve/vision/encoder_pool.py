@@ -86,7 +86,7 @@ def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loa
         jobs.bind(addresses.jobs[index])
         config = ModelConfig.from_pretrained(server_args.model)
         device = rank_device(server_args, index)
-        visual = load_vision_model(config, device, server_args.resolved_dtype(config), server_args.resolved_weight_dtype(config))
+        visual = load_vision_tower(server_args, config, device)
     except Exception as exc:  # noqa: BLE001 - reported to the pool, which fails to start
         send_pyobj(events, ("error", index, f"{type(exc).__name__}: {exc}"))
         events.close(linger=5000)
@@ -524,7 +524,10 @@ def create_encoder(
     tower on `device` in this process."""
     if server_args.vit_dp > 0:
         return EncoderPool(server_args, device, pool) if pool is not None else EncoderPool.start(server_args, device)
-    visual = load_vision_model(
-        model_config, device, server_args.resolved_dtype(model_config), server_args.resolved_weight_dtype(model_config)
-    )
-    return InlineEncoder(visual, server_args.vit_max_patches_per_pass)
+    return InlineEncoder(load_vision_tower(server_args, model_config, device), server_args.vit_max_patches_per_pass)
+
+
+def load_vision_tower(server_args: ServerArgs, config: ModelConfig, device: torch.device):
+    """The vision tower as `server_args` has it loaded, on `device`."""
+    dtype, weight_dtype = server_args.resolved_dtype(config), server_args.resolved_weight_dtype(config)
+    return load_vision_model(config, device, dtype, weight_dtype, server_args.load_format == "dummy")

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_serve.checkpoint import WeightFormat, build_module, checkpoint_files, iter_weights
+from vlm_serve.checkpoint import WeightFormat, build_module, checkpoint_files, iter_weights, randomize
 from vlm_serve.config import ModelConfig, VisionConfig
 from vlm_serve.llm.layers.linear import ReplicatedLinear, prepack_weights
+from vlm_serve.llm.layers.sdpa import sdpa
 
 Grid = tuple[int, int, int]
 VISION_PREFIX = "model.visual."  # the tower's tensors in a Qwen3-VL checkpoint
@@ -105,7 +106,7 @@ class VisionAttention(nn.Module):
             end = start + length * count
             def heads(t: torch.Tensor) -> torch.Tensor:
                 return t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+            o = sdpa(heads(q), heads(k), heads(v))
             out[start:end] = o.transpose(1, 2).reshape(end - start, self.num_heads, self.head_dim)
         return self.proj(out.view(n, -1))
 
@@ -260,12 +261,17 @@ class Qwen3VLVisionModel(nn.Module):
 
 
 def load_vision_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
+    dummy: bool = False,
 ) -> Qwen3VLVisionModel:
     """The vision tower alone (for an encoder rank, or rank 0's inline encoder), computing in `dtype`, its
     linear weights stored in `weight_dtype` (default: `dtype`) and prepacked where the device and dtype
-    allow (`prepack_weights`)."""
+    allow (`prepack_weights`); `dummy`: random weights."""
     model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype, WeightFormat(weight_dtype))
+    if dummy:
+        randomize(model)
+        prepack_weights(model)
+        return model.eval()
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor in iter_weights(checkpoint_files(config.path)):

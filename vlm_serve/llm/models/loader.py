@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from vlm_serve.checkpoint import WeightFormat, build_module, checkpoint_files, iter_weights
+from vlm_serve.checkpoint import WeightFormat, build_module, check_dummy, checkpoint_files, iter_weights, randomize
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.linear import prepack_weights
 from vlm_serve.llm.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -31,14 +31,19 @@ def experts_transposed(files: list[Path], config: ModelConfig) -> bool:
 
 
 def load_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
+    dummy: bool = False,
 ) -> Qwen3VLForConditionalGeneration:
     """The language model (the vision tower's tensors are left to `load_vision_model`), computing in
-    `dtype`, its linear weights stored in `weight_dtype` (default: `dtype`)."""
-    files = checkpoint_files(config.path)
+    `dtype`, its linear weights stored in `weight_dtype` (default: `dtype`); `dummy`: random weights."""
+    check_dummy(config, dummy)
     weights = WeightFormat(weight_dtype, config.quantization)
     model = build_module(lambda: Qwen3VLForConditionalGeneration(config), device, dtype, weights)
-    weights = ((name, t) for name, t in iter_weights(files) if not name.startswith(VISION_PREFIX))
-    model.load_weights(weights, experts_transposed(files, config))
+    if dummy:
+        randomize(model)
+    else:
+        files = checkpoint_files(config.path)
+        weights = ((name, t) for name, t in iter_weights(files) if not name.startswith(VISION_PREFIX))
+        model.load_weights(weights, experts_transposed(files, config))
     prepack_weights(model)
     return model.eval()

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.layers.attention.base import AttentionBackend
+from vlm_serve.llm.layers.sdpa import sdpa
 
 MIRROR_SPARE_TOKENS = 64  # room to grow, so that most decode steps only append to the mirror
 
@@ -112,9 +112,7 @@ class TorchAttnBackend(AttentionBackend):
             mirror_v[meta.index] = v.to(mirror_v.dtype)
             keys = mirror_k[:, : meta.max_len].transpose(1, 2)  # (batch, kv_heads, len, dim)
             values = mirror_v[:, : meta.max_len].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=meta.mask, scale=scaling, enable_gqa=True
-            )
+            out = sdpa(q.unsqueeze(2), keys, values, attn_mask=meta.mask, scale=scaling, enable_gqa=True)
             return out.squeeze(2)
         k_cache, v_cache = self.token_to_kv_pool.get_kv(layer_id)
         out = torch.empty_like(q)
@@ -123,7 +121,7 @@ class TorchAttnBackend(AttentionBackend):
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)  # (1, heads, n, dim)
             keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+            o = sdpa(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
             out[start : start + n] = o[0].transpose(0, 1)
             start += n
         return out

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU validation kit as one command on a lent GPU machine (no network), run from the repo's root with
+# the wheels of `benchmarks/gpu_carry.sh all` carried in .whl/:
+#
+#   bash benchmarks/gpu_kit.sh OUT [SECONDS] [STEPS]
+#
+# It installs the wheels (FlashInfer into a folder of its own), then runs vlm_serve.testing.gpu_check's
+# STEPS (default torch,flashinfer,suite), each in a share of the SECONDS left (default 420):
+#   torch: parity, server, figures and profile without FlashInfer (the torch attention backend);
+#   flashinfer: parity, profile and figures with FlashInfer (where it runs: half precision, its head sizes);
+#   suite: the model tests under pytest on CUDA (FlashInfer installed), for the time left.
+# Each step's records go under OUT/<step>/ and are packed into OUT/kit.tgz (a call returns 8 files at most).
+set -uo pipefail
+
+OUT=${1:?usage: gpu_kit.sh OUT [SECONDS]}
+BUDGET=${2:-420}
+STEPS=${3:-torch,flashinfer,suite}
+START=$SECONDS
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+wheels=(.whl/*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $(printf '%s\n' "${wheels[@]}" | grep -v flashinfer) || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fi \
+    .whl/flashinfer*.whl || exit 1
+export PYTHONPATH=/tmp/site
+# the project itself, editable from this tree (its dependencies are the wheels above)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+# FlashInfer's JIT build: curand's headers, where CUDA's own include folder lacks them; all cores
+CURAND=$(python3 -c 'import nvidia, os; print(next((os.path.join(p, "cu13", "include") for p in nvidia.__path__ if os.path.isfile(os.path.join(p, "cu13", "include", "curand_kernel.h"))), ""))' 2>/dev/null)
+[ -n "$CURAND" ] && export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $CURAND"
+export MAX_JOBS=$(nproc)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+kit() {  # kit NAME SHARE-OF-THE-TIME-LEFT(%) ARGS...: one run of the kit, its records under OUT/NAME
+    local name=$1 share=$2
+    shift 2
+    timeout $(( $(left) * share / 100 )) python3 -m vlm_serve.testing.gpu_check "$OUT/$name" "$@" 2>&1 \
+        | tee "$OUT/$name.log" | grep -E '^\[|^device|^FAIL'
+}
+for step in ${STEPS//,/ }; do
+    case $step in
+        torch) kit torch 45 --parts parity,server,figures,profile ;;
+        flashinfer) PYTHONPATH=$PYTHONPATH:/tmp/fi kit flashinfer 60 --parts parity,profile,figures ;;
+        suite) PYTHONPATH=$PYTHONPATH:/tmp/fi kit suite 95 --parts suite --test-timeout 120 ;;
+    esac
+done
+(cd "$OUT" && tar czf kit.tgz --remove-files $(ls -d torch* flashinfer* suite* 2>/dev/null))
+echo "kit: $((SECONDS - START)) s"

@@ -1,0 +1,60 @@
+"""What the GPU kit (vlm_serve.testing.gpu_check) found on CUDA, kept as specifications. The CUDA tests run
+on a GPU (the kit's suite part runs this file first) and are skipped elsewhere; the choice of backend and
+its error are checked on any device."""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from vlm_serve.engine import Engine
+from vlm_serve.llm.layers.attention import TorchAttnBackend, create_attention_backend
+from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from vlm_serve.testing.tiny_model import create_tiny_model
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU kit runs it on a lent GPU)")
+
+
+def pools(device: str, dtype: torch.dtype, head_dim: int):
+    device = torch.device(device)
+    return ReqToTokenPool(4, 128, device), TokenToKVPool(256, 1, 1, 2, head_dim, dtype, device)
+
+
+def test_flashinfer_asked_for_where_it_cannot_run_is_refused_naming_what_it_needs():
+    with pytest.raises(ValueError, match=r"bfloat16 or float16 KV cache and a head size of 64, 128, 256 \(here: torch.float32, head size 32, on cpu\)"):
+        create_attention_backend("flashinfer", *pools("cpu", torch.float32, 32), 8, 2, 32, 0.125)
+
+
+@cuda
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 128), (torch.bfloat16, 32)])
+def test_auto_takes_torch_on_cuda_where_flashinfer_cannot_run(dtype, head_dim):
+    """FlashInfer has no float32 kernels, and its Hopper prefill kernels no head size 32 (both crashed
+    on an H200 when auto picked FlashInfer for them)."""
+    backend = create_attention_backend("auto", *pools("cuda", dtype, head_dim), 8, 2, head_dim, head_dim**-0.5)
+    assert isinstance(backend, TorchAttnBackend)
+
+
+@cuda
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python (the gpu extra)")
+def test_auto_takes_flashinfer_on_cuda_for_half_precision_at_its_head_sizes():
+    from vlm_serve.llm.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    backend = create_attention_backend("auto", *pools("cuda", torch.bfloat16, 128), 8, 2, 128, 128**-0.5)
+    assert isinstance(backend, FlashInferAttnBackend)
+
+
+@cuda
+def test_torch_attention_on_cuda_never_runs_cudnn_attention():
+    """cuDNN's attention builds a plan for each new shape: 90% of a decode step's time on an H200."""
+    path = create_tiny_model(tempfile.mkdtemp(), arch="dense", size="small", dtype="bfloat16")
+    with Engine(path, device="cuda", attention_backend="torch", vit_dp=0, disable_overlap_schedule=True) as engine:
+        engine.generate("Count to ten:", max_tokens=2, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            engine.generate("Count to twenty:", max_tokens=8, ignore_eos=True)
+    names = {event.key for event in trace.key_averages()}
+    assert not [n for n in names if "cudnn_attention" in n]
+    assert any("attention" in n for n in names)  # (the profile saw the attention)

@@ -1,0 +1,36 @@
+"""The GPU kit's CPU half (`python -m vlm_serve.testing.gpu_check OUT --device cpu`): every part it runs
+on CPU passes, and it leaves its records and figures where a lent GPU's run would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "vlm_serve.testing.gpu_check", str(tmp_path), "--device", "cpu"],
+                            capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[suite] skipped: on CPU the test suite itself runs these files" in result.stdout
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("device: cpu;") and " 0 failed" in summary
+    parity = json.loads((tmp_path / "parity.json").read_text())
+    names = [r["name"] for r in parity]
+    assert "moe tiny cpu float32 vs transformers" in names and "dense tiny torch bfloat16 vs transformers" in names
+    assert any(n.startswith("built-in model torch bfloat16") for n in names)
+    assert [r["name"] for r in json.loads((tmp_path / "server.json").read_text())] == [
+        "server starts (built-in model, --vit-dp 1)", "answers", "streaming"
+    ]
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert set(figures["dense tiny"]) == {"decode_tok_s_batch_1", "tpot_ms_batch_1", "decode_tok_s_batch_4",
+                                          "ttft_ms_1024px_picture"}  # fmt: skip
+    for name in ("dense tiny ITL, encoder pool", "dense tiny ITL, inline"):
+        assert figures[name]["itl_p99_ms"] >= figures[name]["itl_p50_ms"] > 0
+    assert "aten::" in (tmp_path / "profile-cpu.txt").read_text()
+
+
+def test_the_kit_refuses_an_unknown_part(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "vlm_serve.testing.gpu_check", str(tmp_path), "--parts", "speed"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and "unknown part(s) speed" in result.stderr
