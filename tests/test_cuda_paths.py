@@ -11,8 +11,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
+from vlm_serve.llm.cuda_graph_runner import bucket_for, capture_sizes
 from vlm_serve.llm.layers.attention import TorchAttnBackend, create_attention_backend
+from vlm_serve.llm.layers.attention.flashinfer_backend import padded_decode_indices
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.testing.tiny_model import create_tiny_model
 
@@ -58,3 +61,43 @@ def test_torch_attention_on_cuda_never_runs_cudnn_attention():
     names = {event.key for event in trace.key_averages()}
     assert not [n for n in names if "cudnn_attention" in n]
     assert any("attention" in n for n in names)  # (the profile saw the attention)
+
+
+def test_decode_batches_replay_the_smallest_captured_size_that_holds_them():
+    sizes = capture_sizes(20)
+    assert sizes == [1, 2, 4, 8, 12, 16, 20]
+    assert [bucket_for(n, sizes) for n in (1, 3, 8, 9, 17, 20, 21)] == [1, 4, 8, 12, 20, 20, None]
+    assert capture_sizes(1) == [1] and capture_sizes(160)[-3:] == [128, 144, 160]
+
+
+def test_padding_rows_of_a_graph_batch_read_and_write_the_dummy_slot_alone():
+    indptr, indices = padded_decode_indices(torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([7, 8, 9, 4, 5]), 4)
+    assert indptr.tolist() == [0, 3, 5, 6, 7] and indices.tolist() == [7, 8, 9, 4, 5, 0, 0]
+    assert padded_decode_indices(torch.tensor([0], dtype=torch.int32), torch.tensor([], dtype=torch.int64), 2)[0].tolist() == [0, 1, 2]
+
+
+def test_cuda_graph_settings_are_checked():
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, not 0"):
+        ServerArgs(cuda_graph_max_bs=0)
+
+
+@cuda
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python (the gpu extra)")
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(arch):
+    """Batches of 1 to 5 requests (padded to the captured sizes 1, 2, 4, 8), as the requests finish at
+    different lengths, in bfloat16 with FlashInfer."""
+    path = create_tiny_model(tempfile.mkdtemp(), arch=arch, size="small", dtype="bfloat16")
+    prompts = [f"{i}: count the shapes" + " and colours" * i for i in range(5)]
+    answers = {}
+    for eager in (True, False):
+        with Engine(path, device="cuda", disable_cuda_graph=eager, cuda_graph_max_bs=8) as engine:
+            assert (engine.scheduler.runner.cuda_graphs is None) == eager
+            outs = [engine.submit(engine.processor.process_messages([{"role": "user", "content": p}],
+                                                                    add_generation_prompt=True),
+                                  max_tokens=6 + 3 * i, ignore_eos=True, temperature=0)
+                    for i, p in enumerate(prompts)]  # fmt: skip
+            while not all(o.done for o in outs):
+                engine.step()
+            answers[eager] = [engine.result(o).token_ids for o in outs]
+    assert answers[False] == answers[True]

@@ -48,9 +48,10 @@ OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, th
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
 # the HTTP server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes).
 ENGINE_SETTINGS = (
-    "model", "revision", "download_dir", "dtype", "load_format", "device", "attention_backend", "page_size", "max_total_tokens",
-    "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "enable_mixed_chunk",
-    "disable_overlap_schedule", "schedule_policy", "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb",
+    "model", "revision", "download_dir", "dtype", "load_format", "device", "attention_backend", "page_size",
+    "max_total_tokens", "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "enable_mixed_chunk",
+    "disable_overlap_schedule", "disable_cuda_graph", "cuda_graph_max_bs", "schedule_policy",
+    "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb",
     "context_length", "vit_max_patches_per_pass", "vit_dp", "vit_threads", "log_interval", "log_level", "seed",
     "speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
     "speculative_ngram_max_match_window_size", "speculative_draft_model_path", "speculative_disable_by_batch_size",
@@ -83,6 +84,8 @@ class ServerArgs:
     chunked_prefill_size: int | None = None  # longest prefill chunk; -1 = no chunking; none = 2048 on CPU, 8192 on GPU
     enable_mixed_chunk: bool = False  # run running requests' decode inside prefill chunks
     disable_overlap_schedule: bool = False  # process each batch's result before launching the next
+    disable_cuda_graph: bool = False  # on CUDA, run decode batches eagerly instead of replaying captured graphs
+    cuda_graph_max_bs: int = 160  # the largest decode batch replayed as a CUDA graph (larger ones run eagerly)
     schedule_policy: str = "fcfs"  # order of the waiting queue (lpm: longest cached prefix first)
     schedule_conservativeness: float = 1.0  # > 1 reserves more KV for running requests' outputs
     disable_radix_cache: bool = False  # no prefix sharing between requests
@@ -146,7 +149,7 @@ class ServerArgs:
             "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "limit_mm_per_prompt", "mm_max_image_pixels",
             "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers", "speculative_num_draft_tokens",
             "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
-            "speculative_disable_by_batch_size",
+            "speculative_disable_by_batch_size", "cuda_graph_max_bs",
         )
         for name in positive:
             value = getattr(self, name)

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.llm.cuda_graph_runner import CudaGraphRunner
 from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
 from vlm_serve.llm.layers.attention import create_attention_backend
@@ -56,6 +57,7 @@ class ModelRunner:
             server_args.attention_backend, self.req_to_token_pool, self.token_to_kv_pool,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling,
         )  # fmt: skip
+        self.cuda_graphs = self._capture_cuda_graphs() if self._uses_cuda_graphs() else None
         self.sampler = Sampler(model_config.eos_token_ids)
         # a batch has at most one row per request, and the chunked request's on top in a mixed batch
         self.future_map = FutureMap(self.req_to_token_pool.size + 1, self.device)
@@ -84,6 +86,24 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(size, page_size, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), context %d", size, size * per_token / 2**20, self.context_len)
 
+    def _uses_cuda_graphs(self) -> bool:
+        """Decode runs as CUDA graphs on a GPU unless disabled, where the attention backend can be captured
+        (FlashInfer) and on one rank (collectives inside graphs are not captured here yet)."""
+        return (
+            self.device.type == "cuda" and not self.server_args.disable_cuda_graph
+            and self.attn_backend.supports_cuda_graph and get_parallel_state().tp_size == 1
+        )  # fmt: skip
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        """The decode graphs; if capturing fails, a warning naming why, and decode runs eagerly (a server
+        that serves slower beats one that does not start)."""
+        try:
+            return CudaGraphRunner(self, min(self.server_args.cuda_graph_max_bs, self.req_to_token_pool.size))
+        except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager path, which works
+            logger.warning("CUDA graphs could not be captured (%s: %s); decode runs eagerly (--disable-cuda-graph "
+                           "silences this)", type(exc).__name__, exc)  # fmt: skip
+            return None
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """On the scheduler's side, when the batch is built: the attention backend's index tensors."""
         batch.attn_backend = self.attn_backend
@@ -96,6 +116,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_with_aux(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states of every new token, and the states an EAGLE-3 draft reads (or None)."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            return self.cuda_graphs.replay(batch), None
         self.attn_backend.begin_forward(batch)
         return self.model(batch)
 

@@ -14,8 +14,10 @@ Parts, in order of value (each writes its records under OUT and a line to OUT/su
 - `server`: `vlm-serve serve` with the built-in model and one encoder rank (`--vit-dp 1`, on the GPU):
   pictures, a clip, a repeated picture and a streamed answer equal the in-process engine's on the CPU.
 - `figures`: on random models of real shapes (`large` preset, `load_format="dummy"`; `tiny` on CPU):
-  decode tokens/s at batch 1/16/64, TPOT, TTFT of one 1024 x 1024 picture, and decode ITL p99 while
-  such pictures arrive, with the encoder pool and with the tower inline.
+  decode tokens/s at batch 1/16/64, TPOT, TTFT of one 1024 x 1024 picture (on CUDA with and without CUDA
+  graphs), and decode ITL p99 while such pictures arrive, with the encoder pool and with the tower inline.
+  The parity part also checks that decode replayed from CUDA graphs gives the eager tokens.
+- `profile`: torch's profiler over decode steps, per attention backend (where the time goes).
 
 On CPU (`--device cpu`, what CI runs) every part but `suite` runs, at tiny sizes.
 """
@@ -182,6 +184,25 @@ def logits_error(ours: torch.Tensor, reference: torch.Tensor, dtype: str, rounde
     return said
 
 
+def graphs_as_eager(path: Path, device: torch.device) -> str:
+    """Greedy tokens of 5 requests finishing at different lengths (decode batches of 5 down to 1, padded
+    to the captured sizes), with decode replayed from CUDA graphs and run eagerly."""
+    from vlm_serve.engine import Engine
+
+    answers = {}
+    for eager in (True, False):
+        with Engine(path, device=device.type, dtype="bfloat16", disable_cuda_graph=eager, vit_dp=0) as engine:
+            submissions = [engine.submit(p, max_tokens=8 + 4 * i, ignore_eos=True, temperature=0)
+                           for i, p in enumerate(_text_prompts(engine, 5))]  # fmt: skip
+            while not all(s.done for s in submissions):
+                engine.step()
+            answers[eager] = [engine.result(s).token_ids for s in submissions]
+        free_device_memory()
+    if answers[True] != answers[False]:
+        raise AssertionError(f"graphs {answers[False]} != eager {answers[True]}")
+    return "identical greedy tokens, 5 requests of 8 to 24 tokens"
+
+
 def run_parity(check: Check, device: torch.device) -> None:
     from vlm_serve.builtin.scenes import random_example
     from vlm_serve.builtin.train import messages
@@ -214,6 +235,8 @@ def run_parity(check: Check, device: torch.device) -> None:
                     return detail
 
                 check.run(f"{arch} {size} {backend} {dtype} vs transformers", compare)
+        if "flashinfer" in backends(device, "bfloat16", head_dim):
+            check.run(f"{arch} {size} CUDA graphs vs eager", lambda path=path: graphs_as_eager(path, device))
 
     examples = [random_example(__import__("random").Random(seed)) for seed in range(12)]
     with Engine(None, device="cpu", dtype="float32", vit_dp=0) as cpu_engine:
@@ -396,16 +419,20 @@ def run_figures(check: Check, device: torch.device, size: str) -> None:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     batches, tokens = ((1, 16, 64), 64) if device.type == "cuda" else ((1, 4), 8)
     figures: dict[str, dict] = {}
+    # on CUDA, decode replays CUDA graphs by default: measured also without them
+    runs = [("", False), (" eager", True)] if device.type == "cuda" else [("", False)]
     for arch in ("dense", "moe"):
         path = create_tiny_model(folder / arch, arch=arch, size=size, weights=False, dtype="bfloat16")
+        for label, eager in runs:
 
-        def measure(arch=arch, path=path) -> str:
-            with Engine(path, load_format="dummy", device=device.type, dtype=dtype, vit_dp=0) as engine:
-                figures[f"{arch} {size}"] = decode_figures(engine, batches, tokens)
-            free_device_memory()
-            return json.dumps(figures[f"{arch} {size}"])
+            def measure(arch=arch, path=path, label=label, eager=eager) -> str:
+                options = dict(device=device.type, dtype=dtype, vit_dp=0, disable_cuda_graph=eager)
+                with Engine(path, load_format="dummy", **options) as engine:
+                    figures[f"{arch} {size}{label}"] = decode_figures(engine, batches, tokens)
+                free_device_memory()
+                return json.dumps(figures[f"{arch} {size}{label}"])
 
-        check.run(f"{arch} {size}: decode, TPOT, TTFT", measure)
+            check.run(f"{arch} {size}{label}: decode, TPOT, TTFT", measure)
     for vit_dp, name in ((1, "encoder pool"), (0, "inline")):
         path = folder / "dense"
 

@@ -21,6 +21,8 @@ class AttentionBackend(ABC):
     stores the new K/V in the pool, then attends over prefix + new tokens.
     """
 
+    supports_cuda_graph = False  # whether decode forwards can be captured (`CudaGraphRunner`)
+
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
