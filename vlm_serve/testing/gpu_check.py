@@ -192,6 +192,8 @@ def graphs_as_eager(path: Path, device: torch.device) -> str:
     answers = {}
     for eager in (True, False):
         with Engine(path, device=device.type, dtype="bfloat16", disable_cuda_graph=eager, vit_dp=0) as engine:
+            if not eager and engine.scheduler.runner.cuda_graphs is None:
+                raise AssertionError("no CUDA graphs were captured (the log's warning says why)")
             submissions = [engine.submit(p, max_tokens=8 + 4 * i, ignore_eos=True, temperature=0)
                            for i, p in enumerate(_text_prompts(engine, 5))]  # fmt: skip
             while not all(s.done for s in submissions):
