@@ -165,7 +165,7 @@ def main() -> int:
         print(f"{name}: {len(items)} held-out items (seed {HELD_OUT_SEEDS[name]}), {len(sets[name])} questions")
     print(f"model {args.model}")
 
-    server = our_server(args.model, "builtin", args.server_args)
+    server = our_server(args.model, "builtin", args.server_args, "native")
     log = Path(tempfile.mkdtemp(prefix="bench-quality-")) / "server.log"
     answers = {}
     with running(server, log, timeout=300):

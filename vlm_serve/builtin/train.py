@@ -1,15 +1,15 @@
 """Trains the built-in model on synthetic scenes (`scenes.py`), from a seed:
 
-    python -m vlm_serve.builtin.train OUT_DIR [--steps 9000] [--batch-size 32] [--seed 0]
+    python -m vlm_serve.builtin.train OUT_DIR [--steps 9000] [--batch-size 32] [--seed 0] [--init-from DIR]
 
 It starts from a random checkpoint of the built-in shape (`create_tiny_model(size="builtin")`: the
 published Qwen3-VL-MoE layout, tokenizer and chat template; its processor sees every image as at most
-3 x 3 tokens), trains every weight with transformers' Qwen3VLMoeForConditionalGeneration on freshly
-generated examples of the scenes' wide distribution (the loss is on the answer's tokens, plus
-`CellProbe`'s on the picture tokens),
-and writes the weights back in the published layout. Examples go through the project's own
-MultimodalProcessor, whose ids and pixels are transformers' (test_preprocess). On this project's 2-core
-CPU machine the shipped weights took the time printed in their `training.json` (1 h 58 min).
+4 x 4 tokens, 128 x 128 pixels), trains every weight with transformers' Qwen3VLMoeForConditionalGeneration
+on freshly generated examples of the scenes' wide distribution (the loss is on the answer's tokens, plus
+`CellProbe`'s on the picture tokens), and writes the weights back in the published layout. `--init-from`
+goes on from the weights of a checkpoint it wrote (a run longer than a session, in parts). Examples go
+through the project's own MultimodalProcessor, whose ids and pixels are transformers' (test_preprocess).
+On this project's 2-core CPU machine the shipped weights took the time printed in their `training.json`.
 """
 
 from __future__ import annotations

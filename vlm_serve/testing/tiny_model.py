@@ -174,15 +174,16 @@ SIZES = {
         attention_gain=RESIDUAL_GAIN / 4,
     ),
     # the built-in model's shape (trained on synthetic scenes, vlm_serve/builtin): pictures of at most
-    # 96 x 96 pixels, 3 x 3 tokens; clips of up to 16 such frames
+    # 128 x 128 pixels, 4 x 4 tokens (at 96 x 96, 3 x 3, a shape a tenth of the picture wide is 10 pixels);
+    # clips of up to 16 such frames
     "builtin": ModelSize(
         dense=_BUILTIN_TEXT,
         moe=_BUILTIN_TEXT,
         experts=ExpertShape(num_experts=8, per_token=2, intermediate=64),
         vision=VisionShape(depth=4, hidden=128, heads=4, intermediate=384, positions=64, deepstack=(2,)),
         attention_gain=RESIDUAL_GAIN,
-        image_max_pixels=96 * 96,
-        video_max_pixels=16 * 96 * 96,
+        image_max_pixels=128 * 128,
+        video_max_pixels=16 * 128 * 128,
         max_frames=16,
     ),
     # Speed figures at real sizes (config only: served with load_format="dummy"). Dense: Qwen3-VL-8B's
