@@ -17,7 +17,9 @@ from vlm_serve.builtin.scenes import (
     colour_answer, colour_name, comparison_answer, count_answer, motion_caption, place_answer, presence_answer,
     random_example, random_motion, random_scene, random_shade, render, render_motion, scene_example, shape_answer,
 )  # fmt: skip
-from vlm_serve.builtin.train import IGNORE, answer_loss, cell_labels, messages, patches_as_matmul, published_layout
+from vlm_serve.builtin.train import (
+    IGNORE, answer_loss, cell_labels, messages, patches_as_matmul, published_layout, training_layout,
+)  # fmt: skip
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
 
@@ -165,6 +167,16 @@ def test_trained_weights_are_written_in_the_published_layout(tiny_moe_dir):
     published = load_file(str(tiny_moe_dir / "model.safetensors"))
     assert written.keys() == published.keys()
     assert all(torch.equal(written[name], published[name]) for name in published)
+
+
+def test_training_goes_on_from_the_published_weights_it_wrote(tiny_moe_dir):
+    """`--init-from`: the published layout read back into a fresh model gives every weight again."""
+    import transformers
+
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    fresh = transformers.Qwen3VLMoeForConditionalGeneration(model.config).float()
+    fresh.load_state_dict(training_layout(fresh, published_layout(model)))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
 
 
 def test_the_curriculum_can_keep_pictures_to_one_shape():
