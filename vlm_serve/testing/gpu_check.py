@@ -29,6 +29,7 @@ import gc
 import importlib.util
 import json
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -240,7 +241,7 @@ def run_parity(check: Check, device: torch.device) -> None:
         if "flashinfer" in backends(device, "bfloat16", head_dim):
             check.run(f"{arch} {size} CUDA graphs vs eager", lambda path=path: graphs_as_eager(path, device))
 
-    examples = [random_example(__import__("random").Random(seed)) for seed in range(12)]
+    examples = [random_example(random.Random(seed)) for seed in range(12)]
     with Engine(None, device="cpu", dtype="float32", vit_dp=0) as cpu_engine:
         expected = [cpu_engine.chat(messages(e), max_tokens=48, temperature=0).text for e in examples]
     for backend in backends(device, "bfloat16", head_dim=32):  # the built-in model's head size
@@ -268,7 +269,7 @@ def run_server(check: Check, device: torch.device) -> None:
     from vlm_serve.builtin.train import chat_content, messages
     from vlm_serve.engine import Engine
 
-    rng = __import__("random").Random(7)
+    rng = random.Random(7)
     examples = [random_example(rng) for _ in range(6)] + [motion_example(rng, random_motion(rng))]
     examples.append(examples[0])  # a repeated picture: the second asking is served from the caches
     with Engine(None, device="cpu", dtype="float32", vit_dp=0) as engine:
