@@ -3,8 +3,9 @@
 The KV pool is viewed as pages of one slot each, so a request's KV is simply the list of its slots from
 `req_to_token`, whatever page size the allocator uses. Prefill/extend runs FlashInfer's batch prefill
 over the paged cache (new K/V are written first; its causal mask aligns queries to the end of each
-sequence, which is exactly "prefix + new tokens up to itself"); decode runs its batch decode kernel. For CUDA graphs (`CudaGraphRunner`), one decode wrapper per captured
-batch size reads fixed index buffers, which `plan_cuda_graph` fills before each replay.
+sequence, which is exactly "prefix + new tokens up to itself"); decode runs its batch decode kernel.
+For CUDA graphs (`CudaGraphRunner`), one decode wrapper per captured batch size reads fixed index
+buffers, which `plan_cuda_graph` fills before each replay.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class FlashInferAttnBackend(AttentionBackend):
     """Plans FlashInfer's wrappers in `begin_forward`, on the forward's stream, from index tensors the
     scheduler gathered when it built the batch."""
 
+    supports_cuda_graph = True
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
@@ -61,8 +64,6 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
-
-    supports_cuda_graph = True
 
     def init_cuda_graphs(self, batch_sizes: list[int]) -> None:
         """A decode wrapper of fixed batch size for each of `batch_sizes`, its index buffers on the device
