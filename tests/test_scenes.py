@@ -18,7 +18,7 @@ from vlm_serve.builtin.scenes import (
     random_example, random_motion, random_scene, random_shade, render, render_motion, scene_example, shape_answer,
 )  # fmt: skip
 from vlm_serve.builtin.train import (
-    IGNORE, answer_loss, cell_labels, messages, patches_as_matmul, published_layout, training_layout,
+    IGNORE, CellProbe, answer_loss, cell_labels, messages, patches_as_matmul, published_layout, training_layout,
 )  # fmt: skip
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
@@ -237,3 +237,28 @@ def test_each_example_weighs_the_same_in_the_answers_loss_whatever_its_length():
         torch.nn.functional.cross_entropy(logits[row, :-1], labels[row, 1:], ignore_index=IGNORE) for row in (0, 1)
     ]
     assert torch.allclose(answer_loss(logits, labels), (per_example[0] + per_example[1]) / 2)
+
+
+def test_the_cell_probe_reports_what_it_reads_right_of_the_tokens_holding_a_shape(tiny_moe_dir):
+    import transformers
+
+    from vlm_serve.builtin.scenes import COLOURS, KINDS, SIZES
+
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    probe = CellProbe(model)
+    sizes = [len(COLOURS) + 1, len(KINDS) + 1, len(SIZES) + 1]
+    cells = torch.tensor([[0, 1, 0], [2, 3, 1], [len(COLOURS), len(KINDS), len(SIZES)]])  # two shapes, one empty
+    # tokens whose features are their labels one-hot (the second's kind read wrong), read out as they are
+    tokens = torch.zeros(3, model.config.get_text_config().hidden_size)
+    for row, (colour, kind, size) in enumerate(cells.tolist()):
+        for offset, label in zip((0, sizes[0], sizes[0] + sizes[1]), (colour, kind, size)):
+            tokens[row, offset + label] = 1.0
+    tokens[1, sizes[0] + 3], tokens[1, sizes[0] + 4] = 0.0, 1.0
+    with torch.no_grad():
+        probe.head.weight.zero_()
+        probe.head.weight[:, : sum(sizes)] = torch.eye(sum(sizes))
+        probe.head.bias.zero_()
+    grid = torch.tensor([[1, 2, 2]])
+    probe.seen = [(grid, tokens)]
+    probe.loss(grid, cells)
+    assert probe.accuracy == {"colour": 1.0, "kind": 0.5, "size": 1.0}

@@ -162,6 +162,9 @@ class CellProbe(torch.nn.Module):
         classes = len(COLOURS) + len(KINDS) + len(SIZES) + 3  # each with "empty"
         self.head = torch.nn.Linear(model.config.get_text_config().hidden_size, classes)
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (grid_thw, merged tokens) of each tower pass
+        # the last batch's share of tokens holding a shape's centre whose colour, kind and size it reads right:
+        # whether the tower tells them apart (or the language model fails to use what it tells)
+        self.accuracy: dict[str, float] = {}
         model.model.visual.register_forward_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs, output) -> None:
@@ -176,6 +179,12 @@ class CellProbe(torch.nn.Module):
         if tokens is None:
             return torch.zeros(())
         parts = self.head(tokens).split([len(COLOURS) + 1, len(KINDS) + 1, len(SIZES) + 1], dim=-1)
+        with torch.no_grad():
+            centred = cells[:, 1] != len(KINDS)
+            self.accuracy = {
+                name: (p[centred].argmax(-1) == cells[centred, k]).float().mean().item()
+                for k, (name, p) in enumerate(zip(("colour", "kind", "size"), parts))
+            }
         cross_entropy = torch.nn.functional.cross_entropy
         return sum(cross_entropy(p, cells[:, k]) for k, p in enumerate(parts)) / len(parts)
 
@@ -310,7 +319,8 @@ def train(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 25 == 0:
-            print(f"step {step}/{steps}: loss {loss.item():.4f}, cells {cell_loss.item():.4f} "
+            read = ", ".join(f"{k} {v:.0%}" for k, v in probe_cells.accuracy.items())
+            print(f"step {step}/{steps}: loss {loss.item():.4f}, cells {cell_loss.item():.4f} ({read}) "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
         if eval_every and step % eval_every == 0:
             print(f"  exact match on held-out examples: {exact_match(model, processor, probe)}", flush=True)
