@@ -52,8 +52,6 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(3, largest, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.req_pool_indices = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(largest, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.batches = {size: self._static_batch(size) for size in self.sizes}
@@ -64,10 +62,12 @@ class CudaGraphRunner:
         logger.info("captured CUDA graphs of decode batches of %s requests", self.sizes)
 
     def _static_batch(self, size: int) -> ForwardBatch:
-        """The batch a graph of `size` rows is captured with: views of the static buffers."""
+        """The batch a graph of `size` rows is captured with: views of the static buffers the model reads
+        (the attention reads its wrapper's own; the request rows and lengths are only placeholders)."""
+        placeholder = torch.ones(size, dtype=torch.int64, device=self.runner.device)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, input_ids=self.input_ids[:size], positions=self.positions[:, :size],
-            req_pool_indices=self.req_pool_indices[:size], seq_lens=self.seq_lens[:size],
+            req_pool_indices=placeholder, seq_lens=placeholder,
             out_cache_loc=self.out_cache_loc[:size], seq_lens_cpu=[1] * size, prefix_lens_cpu=[0] * size,
             extend_lens_cpu=[1] * size, attn_backend=self.runner.attn_backend,
             attn_metadata=self.runner.attn_backend.cuda_graph_metadata(size), keep_aux=False,
@@ -104,13 +104,10 @@ class CudaGraphRunner:
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:, :n].copy_(batch.positions)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
-        self.req_pool_indices[:n].copy_(batch.req_pool_indices)
-        self.seq_lens[:n].copy_(batch.seq_lens)
         if size > n:  # padding rows: token 0 at position 0, in slot 0
-            for buffer in (self.input_ids, self.out_cache_loc, self.req_pool_indices):
-                buffer[n:size].zero_()
+            self.input_ids[n:size].zero_()
+            self.out_cache_loc[n:size].zero_()
             self.positions[:, n:size].zero_()
-            self.seq_lens[n:size].fill_(1)
         self.runner.attn_backend.plan_cuda_graph(size, batch.attn_metadata)
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -270,8 +270,14 @@ def load_vision_model(
     model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype, WeightFormat(weight_dtype))
     if dummy:
         randomize(model)
-        prepack_weights(model)
-        return model.eval()
+    else:
+        _load_weights(model, config)
+    prepack_weights(model)
+    return model.eval()
+
+
+def _load_weights(model: Qwen3VLVisionModel, config: ModelConfig) -> None:
+    """The checkpoint's vision tensors into `model`; every parameter must get one."""
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor in iter_weights(checkpoint_files(config.path)):
@@ -285,5 +291,3 @@ def load_vision_model(
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {missing[:5]}")
-    prepack_weights(model)
-    return model.eval()
