@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,7 +19,8 @@ from vlm_serve.builtin.scenes import (
     random_example, random_motion, random_scene, random_shade, render, render_motion, scene_example, shape_answer,
 )  # fmt: skip
 from vlm_serve.builtin.train import (
-    IGNORE, CellProbe, answer_loss, cell_labels, messages, patches_as_matmul, published_layout, training_layout,
+    IGNORE, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, messages, patches_as_matmul, published_layout,
+    train_tower, training_layout,
 )  # fmt: skip
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
@@ -239,26 +241,79 @@ def test_each_example_weighs_the_same_in_the_answers_loss_whatever_its_length():
     assert torch.allclose(answer_loss(logits, labels), (per_example[0] + per_example[1]) / 2)
 
 
-def test_the_cell_probe_reports_what_it_reads_right_of_the_tokens_holding_a_shape(tiny_moe_dir):
+def _probe_reading_its_tokens(model_dir) -> tuple[CellProbe, torch.Tensor, torch.Tensor]:
+    """A cell probe whose read-out is the identity on the first classes, two shapes' tokens and an empty
+    one's (their features: the presence logit, then their labels one-hot), and the tokens' cells."""
     import transformers
 
-    from vlm_serve.builtin.scenes import COLOURS, KINDS, SIZES
-
-    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     probe = CellProbe(model)
-    sizes = [len(COLOURS) + 1, len(KINDS) + 1, len(SIZES) + 1]
-    cells = torch.tensor([[0, 1, 0], [2, 3, 1], [len(COLOURS), len(KINDS), len(SIZES)]])  # two shapes, one empty
-    # tokens whose features are their labels one-hot (the second's kind read wrong), read out as they are
+    classes = probe.head.out_features
+    cells = torch.tensor([[0, 1, 0], [2, 3, 1], [len(COLOURS), len(KINDS), len(SIZES)]])
     tokens = torch.zeros(3, model.config.get_text_config().hidden_size)
-    for row, (colour, kind, size) in enumerate(cells.tolist()):
-        for offset, label in zip((0, sizes[0], sizes[0] + sizes[1]), (colour, kind, size)):
-            tokens[row, offset + label] = 1.0
-    tokens[1, sizes[0] + 3], tokens[1, sizes[0] + 4] = 0.0, 1.0
+    for row, (colour, kind, size) in enumerate(cells.tolist()[:2]):
+        tokens[row, 0] = 4.0
+        for offset, label in zip((1, 1 + len(COLOURS), 1 + len(COLOURS) + len(KINDS)), (colour, kind, size)):
+            tokens[row, offset + label] = 4.0
+    tokens[2, 0] = -4.0
     with torch.no_grad():
         probe.head.weight.zero_()
-        probe.head.weight[:, : sum(sizes)] = torch.eye(sum(sizes))
+        probe.head.weight[:, :classes] = torch.eye(classes)
         probe.head.bias.zero_()
+    return probe, tokens, cells
+
+
+def _probe_loss(probe: CellProbe, tokens: torch.Tensor, cells: torch.Tensor) -> float:
     grid = torch.tensor([[1, 2, 2]])
     probe.seen = [(grid, tokens)]
-    probe.loss(grid, cells)
+    return probe.loss(grid, cells).item()
+
+
+def test_the_cell_probe_reports_what_it_reads_right_of_the_tokens_holding_a_shape(tiny_moe_dir):
+    probe, tokens, cells = _probe_reading_its_tokens(tiny_moe_dir)
+    kind = 1 + len(COLOURS)
+    tokens[1, kind + 3], tokens[1, kind + 4] = 0.0, 4.0  # the second shape's kind read wrong
+    _probe_loss(probe, tokens, cells)
     assert probe.accuracy == {"colour": 1.0, "kind": 0.5, "size": 1.0}
+
+
+def test_the_cell_probe_teaches_an_empty_token_only_that_nothing_is_centred_there(tiny_moe_dir):
+    probe, tokens, cells = _probe_reading_its_tokens(tiny_moe_dir)
+    loss = _probe_loss(probe, tokens, cells)
+    tokens[2, 1:] = torch.randn(tokens.shape[1] - 1)  # whatever colour, kind and size it reads
+    assert _probe_loss(probe, tokens, cells) == pytest.approx(loss)
+    tokens[2, 0] = 4.0  # ... but not that a shape is centred there
+    assert _probe_loss(probe, tokens, cells) > loss + 0.1
+
+
+def test_the_cell_probe_weighs_a_wrong_kind_more_than_a_wrong_colour_or_size(tiny_moe_dir):
+    def loss_with_second_read(part_offset: int, wrong: int, right: int) -> float:
+        probe, tokens, cells = _probe_reading_its_tokens(tiny_moe_dir)
+        tokens[1, part_offset + right], tokens[1, part_offset + wrong] = 0.0, 4.0
+        return _probe_loss(probe, tokens, cells)
+
+    colour = loss_with_second_read(1, 0, 2) - loss_with_second_read(1, 2, 2)
+    kind = loss_with_second_read(1 + len(COLOURS), 0, 3) - loss_with_second_read(1 + len(COLOURS), 3, 3)
+    assert kind == pytest.approx(CellProbe.KIND_WEIGHT * colour, rel=1e-4)
+
+
+def test_pictures_come_with_what_each_of_their_tokens_is_taught(tiny_moe_dir):
+    batch = next(iter(Pictures(tiny_moe_dir, seed=0, steps=1, batch_size=3)))
+    grid = batch["image_grid_thw"]
+    assert len(grid) == 3 and batch["pixel_values"].shape[0] == int(grid.prod(-1).sum())
+    assert batch["cell_labels"].shape == (int(grid.prod(-1).sum()) // 4, 3)  # one row per merged token
+    assert (batch["cell_labels"][:, 1] != len(KINDS)).sum() >= 3  # each picture holds a shape
+
+
+def test_the_vision_tower_can_train_alone_first_leaving_the_language_model_as_it_was(tiny_moe_dir):
+    import transformers
+
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    probe = CellProbe(model)
+    model.train()
+    train_tower(model, probe, tiny_moe_dir, TrainingArgs(vision_steps=2, vision_batch_size=2))
+    changed = {name for name, t in model.state_dict().items() if not torch.equal(t, before[name])}
+    assert "model.visual.patch_embed.proj.weight" in changed and "model.visual.merger.linear_fc2.weight" in changed
+    assert all(name.startswith("model.visual.") for name in changed)
+    assert set(probe.accuracy) == {"colour", "kind", "size"}
