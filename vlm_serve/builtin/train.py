@@ -393,6 +393,7 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
     start = time.perf_counter()
     if args.vision_steps:
         train_tower(model, probe_cells, out_dir, args)
+        save(model, out_dir)  # (a run cut short goes on from here with --init-from)
     parameters = [*model.parameters(), *probe_cells.parameters()]
     optimizer, schedule = optimizer_and_schedule(parameters, args.lr, args.steps)
     probe = [random_example(held_out, wide=True) for _ in range(48)]
