@@ -209,6 +209,10 @@ class CellProbe(torch.nn.Module):
         if module.training:
             self.seen.append((kwargs.get("grid_thw", args[1] if len(args) > 1 else None), output.pooler_output))
 
+    def read(self) -> str:
+        """`accuracy` as a log says it."""
+        return ", ".join(f"{name} {share:.0%}" for name, share in self.accuracy.items())
+
     def loss(self, grid: torch.Tensor | None, cells: torch.Tensor | None) -> torch.Tensor:
         """The batch's picture tokens' loss (0 without pictures), given the batch's image_grid_thw and
         cell_labels (`collate`: one row per token)."""
@@ -336,34 +340,38 @@ class TrainingArgs:
     init_from: Path | None = None
 
 
-def optimizer_and_schedule(parameters: list[torch.nn.Parameter], lr: float, steps: int):
-    """AdamW with a linear warm-up over the first 2% of `steps`, then a cosine decay to 0."""
-    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, steps // 50)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
-    return optimizer, schedule
+class Optimizer:
+    """AdamW over `parameters` with a linear warm-up over the first 2% of `steps`, then a cosine decay to 0."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], lr: float, steps: int) -> None:
+        self.parameters = parameters
+        self.adam = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+        warmup = max(1, steps // 50)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.adam, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+        )
+
+    def step(self, loss: torch.Tensor) -> None:
+        """Back-propagates `loss`, clips the gradients' norm to 1 and updates the parameters."""
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.parameters, 1.0)
+        self.adam.step()
+        self.schedule.step()
+        self.adam.zero_grad(set_to_none=True)
 
 
 def train_tower(model: torch.nn.Module, probe_cells: CellProbe, out_dir: Path, args: TrainingArgs) -> None:
     """`args.vision_steps` steps of the vision tower alone (and the probe) on pictures (`Pictures`)."""
     tower = model.model.visual
-    parameters = [*tower.parameters(), *probe_cells.parameters()]
-    optimizer, schedule = optimizer_and_schedule(parameters, args.lr, args.vision_steps)
+    optimizer = Optimizer([*tower.parameters(), *probe_cells.parameters()], args.lr, args.vision_steps)
     pictures = Pictures(out_dir, args.seed + 2, args.vision_steps, args.vision_batch_size)
     start = time.perf_counter()
     for step, batch in enumerate(torch.utils.data.DataLoader(pictures, batch_size=None, num_workers=1), 1):
         tower(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
         loss = probe_cells.loss(batch["image_grid_thw"], batch["cell_labels"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.step(loss)
         if step % 25 == 0:
-            read = ", ".join(f"{k} {v:.0%}" for k, v in probe_cells.accuracy.items())
-            print(f"vision step {step}/{args.vision_steps}: cells {loss.item():.4f} ({read}) "
+            print(f"vision step {step}/{args.vision_steps}: cells {loss.item():.4f} ({probe_cells.read()}) "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
 
 
@@ -394,8 +402,7 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
     if args.vision_steps:
         train_tower(model, probe_cells, out_dir, args)
         save(model, out_dir)  # (a run cut short goes on from here with --init-from)
-    parameters = [*model.parameters(), *probe_cells.parameters()]
-    optimizer, schedule = optimizer_and_schedule(parameters, args.lr, args.steps)
+    optimizer = Optimizer([*model.parameters(), *probe_cells.parameters()], args.lr, args.steps)
     probe = [random_example(held_out, wide=True) for _ in range(48)]
     single_probe = [random_example(held_out, most=1, wide=True) for _ in range(48)]
     batches = Batches(out_dir, args.seed, args.steps, round(args.single_share * args.steps), args.batch_size)
@@ -403,15 +410,10 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
         cells, labels = batch.pop("cell_labels", None), batch.pop("labels")
         loss = answer_loss(model(**batch).logits, labels)
         cell_loss = probe_cells.loss(batch.get("image_grid_thw"), cells)
-        (loss + args.cell_weight * cell_loss).backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.step(loss + args.cell_weight * cell_loss)
         if step % 25 == 0:
-            read = ", ".join(f"{k} {v:.0%}" for k, v in probe_cells.accuracy.items())
-            print(f"step {step}/{args.steps}: loss {loss.item():.4f}, cells {cell_loss.item():.4f} ({read}) "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            print(f"step {step}/{args.steps}: loss {loss.item():.4f}, cells {cell_loss.item():.4f} "
+                  f"({probe_cells.read()}) ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
         if args.eval_every and step % args.eval_every == 0:
             print(f"  exact match on held-out examples: {exact_match(model, processor, probe)}", flush=True)
             if step <= args.single_share * args.steps:
