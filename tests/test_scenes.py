@@ -20,7 +20,7 @@ from vlm_serve.builtin.scenes import (
 )  # fmt: skip
 from vlm_serve.builtin.train import (
     IGNORE, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, messages, patches_as_matmul, published_layout,
-    train_tower, training_layout,
+    parameter_groups, train_tower, training_layout,
 )  # fmt: skip
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
@@ -317,3 +317,15 @@ def test_the_vision_tower_can_train_alone_first_leaving_the_language_model_as_it
     assert "model.visual.patch_embed.proj.weight" in changed and "model.visual.merger.linear_fc2.weight" in changed
     assert all(name.startswith("model.visual.") for name in changed)
     assert set(probe.accuracy) == {"colour", "kind", "size"}
+
+
+def test_the_whole_models_steps_can_train_the_vision_tower_at_a_lower_rate(tiny_moe_dir):
+    import transformers
+
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    probe = CellProbe(model)
+    rest, tower = parameter_groups(model, probe, TrainingArgs(lr=1e-3, tower_lr_scale=0.1))
+    assert tower["lr"] == pytest.approx(1e-4) and "lr" not in rest  # (the optimizer's own: 1e-3)
+    assert {id(p) for p in tower["params"]} == {id(p) for p in model.model.visual.parameters()}
+    every = [*model.parameters(), *probe.parameters()]
+    assert sorted(map(id, rest["params"] + tower["params"])) == sorted(map(id, every))  # each once
