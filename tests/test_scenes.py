@@ -26,6 +26,13 @@ from vlm_serve.builtin.train import (
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
 
 
+def _training_model(model_dir) -> torch.nn.Module:
+    """transformers' model of the checkpoint at `model_dir`, in float32, as the trainer trains it."""
+    import transformers
+
+    return transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+
+
 def test_the_texts_name_each_shape_its_colour_size_and_place():
     assert caption(SCENE) == "A large red circle on the left and a small blue triangle at the bottom right."
     assert count_answer(SCENE) == "There are two shapes."
@@ -162,9 +169,7 @@ def test_examples_are_reproducible_from_a_seed():
 
 
 def test_trained_weights_are_written_in_the_published_layout(tiny_moe_dir):
-    import transformers
-
-    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    model = _training_model(tiny_moe_dir)
     written = published_layout(model)
     published = load_file(str(tiny_moe_dir / "model.safetensors"))
     assert written.keys() == published.keys()
@@ -175,7 +180,7 @@ def test_training_goes_on_from_the_published_weights_it_wrote(tiny_moe_dir):
     """`--init-from`: the published layout read back into a fresh model gives every weight again."""
     import transformers
 
-    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    model = _training_model(tiny_moe_dir)
     fresh = transformers.Qwen3VLMoeForConditionalGeneration(model.config).float()
     fresh.load_state_dict(training_layout(fresh, published_layout(model)))
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
@@ -213,9 +218,7 @@ def test_each_picture_token_is_taught_what_is_centred_in_its_part_of_the_picture
 
 
 def test_the_patch_embedding_trains_as_the_matrix_product_it_is(tiny_moe_dir):
-    import transformers
-
-    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    model = _training_model(tiny_moe_dir)
     embed = model.model.visual.patch_embed
     patches = torch.randn(12, embed.proj.weight[0].numel())
     want = embed(patches)
@@ -244,9 +247,7 @@ def test_each_example_weighs_the_same_in_the_answers_loss_whatever_its_length():
 def _probe_reading_its_tokens(model_dir) -> tuple[CellProbe, torch.Tensor, torch.Tensor]:
     """A cell probe whose read-out is the identity on the first classes, two shapes' tokens and an empty
     one's (their features: the presence logit, then their labels one-hot), and the tokens' cells."""
-    import transformers
-
-    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model = _training_model(model_dir)
     probe = CellProbe(model)
     classes = probe.head.out_features
     cells = torch.tensor([[0, 1, 0], [2, 3, 1], [len(COLOURS), len(KINDS), len(SIZES)]])
@@ -306,9 +307,7 @@ def test_pictures_come_with_what_each_of_their_tokens_is_taught(tiny_moe_dir):
 
 
 def test_the_vision_tower_can_train_alone_first_leaving_the_language_model_as_it_was(tiny_moe_dir):
-    import transformers
-
-    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    model = _training_model(tiny_moe_dir)
     before = {name: t.clone() for name, t in model.state_dict().items()}
     probe = CellProbe(model)
     model.train()
@@ -320,9 +319,7 @@ def test_the_vision_tower_can_train_alone_first_leaving_the_language_model_as_it
 
 
 def test_the_whole_models_steps_can_train_the_vision_tower_at_a_lower_rate(tiny_moe_dir):
-    import transformers
-
-    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    model = _training_model(tiny_moe_dir)
     probe = CellProbe(model)
     rest, tower = parameter_groups(model, probe, TrainingArgs(lr=1e-3, tower_lr_scale=0.1))
     assert tower["lr"] == pytest.approx(1e-4) and "lr" not in rest  # (the optimizer's own: 1e-3)

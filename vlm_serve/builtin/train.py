@@ -88,13 +88,14 @@ def encode(processor: MultimodalProcessor, example: Example) -> dict:
     prompt = processor.process_messages(question, add_generation_prompt=True)
     answer = processor.tokenizer.encode(example.answer) + [processor.tokenizer.token_to_id("<|im_end|>")]
     pictures = [item for item in prompt.mm_items if item.modality == "image"]
+    merge = processor.image_processor.config.merge_size
     return {
         "input_ids": prompt.input_ids + answer,
         "labels": [IGNORE] * len(prompt.input_ids) + answer,
         "items": prompt.mm_items,
         "cells": [
             cell for scene, item in zip(example.scenes, pictures, strict=True)
-            for cell in cell_labels(scene, item.grid_thw[1] // 2, item.grid_thw[2] // 2)
+            for cell in cell_labels(scene, item.grid_thw[1] // merge, item.grid_thw[2] // merge)
         ],  # fmt: skip
     }
 
@@ -344,11 +345,10 @@ class TrainingArgs:
 
 
 class Optimizer:
-    """AdamW over `parameters` (or torch's parameter groups, each with its own "lr") with a linear warm-up
-    over the first 2% of `steps`, then a cosine decay to 0."""
+    """AdamW over torch's parameter `groups` (each may set its own "lr") with a linear warm-up over the first
+    2% of `steps`, then a cosine decay to 0."""
 
-    def __init__(self, parameters: list[torch.nn.Parameter] | list[dict], lr: float, steps: int) -> None:
-        groups = parameters if isinstance(parameters[0], dict) else [{"params": parameters}]
+    def __init__(self, groups: list[dict], lr: float, steps: int) -> None:
         self.parameters = [p for group in groups for p in group["params"]]
         self.adam = torch.optim.AdamW(groups, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         warmup = max(1, steps // 50)
@@ -375,12 +375,12 @@ def parameter_groups(model: torch.nn.Module, probe_cells: CellProbe, args: Train
 
 def train_tower(model: torch.nn.Module, probe_cells: CellProbe, out_dir: Path, args: TrainingArgs) -> None:
     """`args.vision_steps` steps of the vision tower alone (and the probe) on pictures (`Pictures`)."""
-    tower = model.model.visual
-    optimizer = Optimizer([*tower.parameters(), *probe_cells.parameters()], args.lr, args.vision_steps)
+    parameters = [*model.model.visual.parameters(), *probe_cells.parameters()]
+    optimizer = Optimizer([{"params": parameters}], args.lr, args.vision_steps)
     pictures = Pictures(out_dir, args.seed + 2, args.vision_steps, args.vision_batch_size)
     start = time.perf_counter()
     for step, batch in enumerate(torch.utils.data.DataLoader(pictures, batch_size=None, num_workers=1), 1):
-        tower(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
+        model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
         loss = probe_cells.loss(batch["image_grid_thw"], batch["cell_labels"])
         optimizer.step(loss)
         if step % 25 == 0:
