@@ -5,9 +5,10 @@
 #   bash benchmarks/gpu_kit.sh OUT [SECONDS] [STEPS]
 #
 # It installs the wheels (FlashInfer into a folder of its own), then runs vlm_serve.testing.gpu_check's
-# STEPS (default torch,flashinfer,suite), each in a share of the SECONDS left (default 420):
+# STEPS (default torch,flashinfer,suite), each in a share of the SECONDS left (default 420); a step can name
+# its parts, joined by "+", for a rerun of some (e.g. flashinfer:figures+parity,suite):
 #   torch: parity, server, figures and profile without FlashInfer (the torch attention backend);
-#   flashinfer: parity, profile and figures with FlashInfer (where it runs: half precision, its head sizes);
+#   flashinfer: parity, figures and profile with FlashInfer (where it runs: half precision, its head sizes);
 #   suite: the model tests under pytest on CUDA (FlashInfer installed), for the time left.
 # Each step's records go under OUT/<step>/ and are packed into OUT/kit.tgz (a call returns 8 files at most).
 set -uo pipefail
@@ -41,9 +42,11 @@ kit() {  # kit NAME SHARE-OF-THE-TIME-LEFT(%) ARGS...: one run of the kit, its r
         | tee "$OUT/$name.log" | grep -E '^\[|^device|^FAIL'
 }
 for step in ${STEPS//,/ }; do
+    parts=
+    [[ $step == *:* ]] && parts=${step#*:} && parts=${parts//+/,}
     case $step in
-        torch) kit torch 45 --parts parity,server,figures,profile ;;
-        flashinfer) PYTHONPATH=$PYTHONPATH:/tmp/fi kit flashinfer 60 --parts parity,profile,figures ;;
+        torch*) kit torch 45 --parts ${parts:-parity,server,figures,profile} ;;
+        flashinfer*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit flashinfer 60 --parts ${parts:-parity,figures,profile} ;;
         suite) PYTHONPATH=$PYTHONPATH:/tmp/fi kit suite 95 --parts suite --test-timeout 120 ;;
     esac
 done

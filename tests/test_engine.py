@@ -4,8 +4,10 @@ bad input, observability. Every test ends with the scheduler's idle self-check."
 from __future__ import annotations
 
 import base64
+import gc
 import io
 import logging
+import weakref
 
 import pytest
 
@@ -286,3 +288,15 @@ def test_submit_returns_at_once_and_step_drives_it(engine):
     while not job.done:
         engine.step()
     assert engine.result(job).token_ids == engine.chat(PROMPT, max_tokens=3, temperature=0).token_ids
+
+
+def test_an_engine_shut_down_leaves_its_model_runner_to_one_garbage_collection(tiny_moe_dir):
+    """Its model, KV pool and (on CUDA) graphs are device memory: a runner that only a second collection
+    frees (here, a cycle through it outlived the first, which ran the scheduler's finalizers) kept a GPU's
+    memory from the next engine."""
+    engine = vlm_serve.Engine(model=tiny_moe_dir, dtype="float32")
+    engine.generate("Count to three:", max_tokens=2)
+    runner = weakref.ref(engine.scheduler.runner)
+    engine.shutdown()
+    gc.collect()
+    assert runner() is None

@@ -27,3 +27,18 @@ def test_children_started_in_the_block_ignore_ctrl_c_and_a_sigterm_waits_for_its
     finally:
         signal.signal(signal.SIGTERM, sigterm)
     assert child.stdout == "True\n"
+
+
+def test_a_child_stopped_while_it_exits_ends_with_its_own_code_and_no_second_traceback():
+    """(A launcher stopping an encoder rank whose start had just failed printed "cannot release un-acquired
+    lock" from inside the rank's log flush.)"""
+    script = """
+import logging, os, signal
+from vlm_serve.process import exit_now, init_child_process
+init_child_process("exiting")
+flush = logging.shutdown
+logging.shutdown = lambda: (os.kill(os.getpid(), signal.SIGTERM), flush())
+exit_now(3)
+"""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert (child.returncode, child.stderr) == (3, "")

@@ -90,7 +90,11 @@ def exits_at_once(main: Callable[..., None]) -> Callable[..., None]:
 
 
 def exit_now(code: int) -> NoReturn:
-    """Ends this process once its logs and output are flushed, skipping the interpreter's teardown."""
+    """Ends this process once its logs and output are flushed, skipping the interpreter's teardown. A
+    SIGTERM now (the launcher stopping a child that is already leaving, for instance after its start failed)
+    is ignored: its handler's SystemExit would break into the flush with a second traceback."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -19,7 +19,7 @@ import torch
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from vlm_serve.llm.model_runner import ModelRunner
+    from vlm_serve.llm.layers.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +40,18 @@ def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
 
 
 class CudaGraphRunner:
-    """Captures `runner.model`'s decode forward at each of `capture_sizes(max_batch_size)` and replays it
-    for decode batches that fit (`can_run`)."""
+    """Captures `model`'s decode forward at each of `capture_sizes(max_batch_size)` and replays it for
+    decode batches that fit (`can_run`).
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
-        self.runner = runner
+    It holds the model and the attention backend, not the ModelRunner: a reference back would make a cycle,
+    which only the garbage collector frees, and so the device memory of an engine shut down would wait for it."""
+
+    def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, max_batch_size: int) -> None:
+        self.model, self.attn_backend = model, attn_backend
         self.sizes = capture_sizes(max_batch_size)
-        backend = runner.attn_backend
-        backend.init_cuda_graphs(self.sizes)
-        device, largest = runner.device, self.sizes[-1]
+        attn_backend.init_cuda_graphs(self.sizes)
+        device, largest = next(model.parameters()).device, self.sizes[-1]
+        self.device = device
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(3, largest, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(largest, dtype=torch.int64, device=device)
@@ -64,34 +67,34 @@ class CudaGraphRunner:
     def _static_batch(self, size: int) -> ForwardBatch:
         """The batch a graph of `size` rows is captured with: views of the static buffers the model reads
         (the attention reads its wrapper's own; the request rows and lengths are only placeholders)."""
-        placeholder = torch.ones(size, dtype=torch.int64, device=self.runner.device)
+        placeholder = torch.ones(size, dtype=torch.int64, device=self.device)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, input_ids=self.input_ids[:size], positions=self.positions[:, :size],
             req_pool_indices=placeholder, seq_lens=placeholder,
             out_cache_loc=self.out_cache_loc[:size], seq_lens_cpu=[1] * size, prefix_lens_cpu=[0] * size,
-            extend_lens_cpu=[1] * size, attn_backend=self.runner.attn_backend,
-            attn_metadata=self.runner.attn_backend.cuda_graph_metadata(size), keep_aux=False,
+            extend_lens_cpu=[1] * size, attn_backend=self.attn_backend,
+            attn_metadata=self.attn_backend.cuda_graph_metadata(size), keep_aux=False,
         )  # fmt: skip
 
     def _capture(self, size: int, pool):
         batch = self.batches[size]
-        self.runner.attn_backend.plan_cuda_graph(size, batch.attn_metadata)  # every row padding
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        self.attn_backend.plan_cuda_graph(size, batch.attn_metadata)  # every row padding
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up (lazy initialisation, autotuning) outside the capture
             for _ in range(2):
-                self.runner.model(batch)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+                self.model(batch)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.outputs[size] = self.runner.model(batch)[0]
+            self.outputs[size] = self.model(batch)[0]
         self.graphs[size] = graph
         return graph.pool()
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Plain decode batches that fit the largest graph (not those an EAGLE-3 draft reads states of,
         nor those with pictures' embeddings)."""
-        keeps_aux = batch.keep_aux and bool(self.runner.model.model.language_model.aux_layers)
+        keeps_aux = batch.keep_aux and bool(self.model.model.language_model.aux_layers)
         return (
             batch.forward_mode.is_decode() and batch.batch_size <= self.sizes[-1] and not keeps_aux
             and batch.mm_indices is None
@@ -108,7 +111,7 @@ class CudaGraphRunner:
             self.input_ids[n:size].zero_()
             self.out_cache_loc[n:size].zero_()
             self.positions[:, n:size].zero_()
-        self.runner.attn_backend.plan_cuda_graph(size, batch.attn_metadata)
+        self.attn_backend.plan_cuda_graph(size, batch.attn_metadata)
         self.graphs[size].replay()
         return self.outputs[size][:n]
 

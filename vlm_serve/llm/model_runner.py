@@ -98,7 +98,8 @@ class ModelRunner:
         """The decode graphs; if capturing fails, a warning naming why, and decode runs eagerly (a server
         that serves slower beats one that does not start)."""
         try:
-            return CudaGraphRunner(self, min(self.server_args.cuda_graph_max_bs, self.req_to_token_pool.size))
+            max_batch_size = min(self.server_args.cuda_graph_max_bs, self.req_to_token_pool.size)
+            return CudaGraphRunner(self.model, self.attn_backend, max_batch_size)
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager path, which works
             logger.warning("CUDA graphs could not be captured (%s: %s); decode runs eagerly (--disable-cuda-graph "
                            "silences this)", type(exc).__name__, exc)  # fmt: skip

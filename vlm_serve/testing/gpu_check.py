@@ -49,9 +49,12 @@ FLOAT32_TOLERANCE = 1e-3  # of the largest |logit|: float32 kernels differ in su
 # top-8: transformers' own bfloat16 logits then differ from its float32 ones by 0.24 of a standard
 # deviation, with the same most likely token at 57% of the positions). So bfloat16 is held to transformers'
 # own bfloat16 (on the CPU): a mean |logit difference| at most BFLOAT16_SLACK times its (plus 0.01 of a
-# standard deviation), and the same most likely token as float32 within BFLOAT16_ARGMAX_POINTS of its share.
+# standard deviation), and the same most likely token as float32 at a share of the positions no lower than
+# its share by more than BFLOAT16_ARGMAX_ERRORS standard errors of a share over that many positions (a
+# prompt has a few dozen: on an H200, a MoE's share was 53% against transformers' 60%, one standard error,
+# with the mean difference equal to transformers', 0.235 against 0.233).
 BFLOAT16_SLACK = 1.25
-BFLOAT16_ARGMAX_POINTS = 0.05
+BFLOAT16_ARGMAX_ERRORS = 2.0
 SUITE = [  # in order of value: a lent GPU's time may end before the last
     "tests/test_cuda_paths.py", "tests/test_model_parity.py", "tests/test_server.py", "tests/test_encoder_pool.py",
     "tests/test_fp8_triton.py", "tests/test_moe_layer.py", "tests/test_engine.py", "tests/test_builtin_model.py",
@@ -178,9 +181,11 @@ def logits_error(ours: torch.Tensor, reference: torch.Tensor, dtype: str, rounde
         return error, (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
 
     (error, agreement), (theirs, their_agreement) = distance(ours), distance(rounded)
-    said = (f"mean logit difference {error:.3f} of a standard deviation, argmax agreement {agreement:.0%} "
-            f"(transformers in bfloat16: {theirs:.3f}, {their_agreement:.0%})")  # fmt: skip
-    if error > BFLOAT16_SLACK * theirs + 0.01 or agreement < their_agreement - BFLOAT16_ARGMAX_POINTS:
+    positions = reference.shape[0]
+    said = (f"mean logit difference {error:.3f} of a standard deviation, argmax agreement {agreement:.0%} of "
+            f"{positions} positions (transformers in bfloat16: {theirs:.3f}, {their_agreement:.0%})")  # fmt: skip
+    standard_error = (their_agreement * (1 - their_agreement) / positions) ** 0.5
+    if error > BFLOAT16_SLACK * theirs + 0.01 or agreement < their_agreement - BFLOAT16_ARGMAX_ERRORS * standard_error:
         raise AssertionError(said)
     return said
 

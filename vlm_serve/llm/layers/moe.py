@@ -38,7 +38,6 @@ class SparseMoeBlock(nn.Module):
         self.moe_tp_rank = state.moe_tp_rank
         self.hidden_size = hidden_size
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
-        # (experts, out, in) like nn.Linear weights: gate and up stacked in w13
         # (experts, out, in) like nn.Linear weights: gate and up stacked in w13. Of an FP8 checkpoint they
         # take their storage when they load (FP8 with scales per row, `shard_scales`)
         weights = weight_format()
@@ -152,17 +151,22 @@ class SparseMoeBlock(nn.Module):
         local = experts.flatten() - self.expert_start
         local = torch.where((local >= 0) & (local < self.num_local_experts), local, self.num_local_experts)
         order = torch.argsort(local, stable=True)
-        counts = torch.bincount(local, minlength=self.num_local_experts + 1)[: self.num_local_experts]
+        grouped = local[order]
+        # where each expert's rows end (no bincount: on CUDA it reads the indices' range on the host, which a
+        # captured CUDA graph cannot)
+        ends = torch.searchsorted(grouped, torch.arange(self.num_local_experts, device=x.device), right=True)
         tokens = order // self.top_k
-        ys = (self._grouped_mm if x.is_cuda else self._expert_loop)(x[tokens], counts)
-        ys = ys * (weights.flatten()[order] * (local[order] < self.num_local_experts)).to(x.dtype)[:, None]
-        return tp_all_reduce(torch.zeros_like(x).index_add_(0, tokens, ys))
+        ys = (self._grouped_mm if x.is_cuda else self._expert_loop)(x[tokens], ends)
+        ys = ys * (weights.flatten()[order] * (grouped < self.num_local_experts)).to(x.dtype)[:, None]
+        # each token's top-k rows summed in a fixed order: on CUDA an index_add_ sums them by atomics, in an
+        # order that changes from run to run, and so do the rounding and, in a random model, greedy tokens
+        pairs = torch.empty_like(ys)
+        pairs[order] = ys
+        return tp_all_reduce(pairs.view(-1, self.top_k, x.shape[-1]).sum(1))
 
-    def _expert_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _expert_loop(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """One matmul each way per expert that has pairs, and one activation over all rows."""
-        starts = [0]
-        for size in counts.tolist():
-            starts.append(starts[-1] + size)
+        starts = [0, *ends.tolist()]
         active = [(e, starts[e], starts[e + 1]) for e in range(self.num_local_experts) if starts[e + 1] > starts[e]]
         gate_up = self._per_expert(xs, active, 0)
         act = silu_and_mul(gate_up)
@@ -177,10 +181,10 @@ class SparseMoeBlock(nn.Module):
         out = (2 * self.intermediate, self.hidden_size)[which]
         return torch.cat(parts) if parts else rows.new_empty(0, out)
 
-    def _grouped_mm(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped_mm(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Every expert in one grouped GEMM each way, with no host sync (CUDA): FP8 experts through the
         block-scaled Triton GEMM, which reads them as stored; others through torch's grouped GEMM."""
-        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        ends = ends.to(torch.int32)
         if self.w13.dtype == FP8_DTYPE and fp8_triton.available():
             block = self.fp8.weight_block_size[1]
             gate_up = fp8_triton.fp8_grouped_linear(xs, self.w13, self.w13_scale, ends, block, 0)
