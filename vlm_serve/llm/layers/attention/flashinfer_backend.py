@@ -64,6 +64,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+        self.planned = torch.cuda.Event()  # after the last plan's copy to the device (`_plan`)
 
     def init_cuda_graphs(self, batch_sizes: list[int]) -> None:
         """A decode wrapper of fixed batch size for each of `batch_sizes`, its index buffers on the device
@@ -91,10 +92,11 @@ class FlashInferAttnBackend(AttentionBackend):
         """Plans the graph wrapper of `batch_size` for the decode batch of `meta`, padded to that size."""
         indptr, indices = padded_decode_indices(meta.kv_indptr, meta.kv_indices, batch_size)
         dtype = self.token_to_kv_pool.dtype
-        self.graph_decode[batch_size].plan(
-            indptr, indices, torch.ones(batch_size, dtype=torch.int32), self.num_heads, self.num_kv_heads,
-            self.head_dim, 1, sm_scale=self.scaling, q_data_type=dtype, kv_data_type=dtype,
-        )  # fmt: skip
+        self._plan(
+            self.graph_decode[batch_size], indptr, indices, torch.ones(batch_size, dtype=torch.int32),
+            self.num_heads, self.num_kv_heads, self.head_dim, 1, sm_scale=self.scaling, q_data_type=dtype,
+            kv_data_type=dtype,
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> _Metadata:
         rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
@@ -110,16 +112,25 @@ class FlashInferAttnBackend(AttentionBackend):
         meta: _Metadata = batch.attn_metadata
         dtype = self.token_to_kv_pool.dtype
         if meta.qo_indptr is None:
-            self.decode.plan(
-                meta.kv_indptr, meta.kv_indices, meta.last_page_len, self.num_heads, self.num_kv_heads,
+            self._plan(
+                self.decode, meta.kv_indptr, meta.kv_indices, meta.last_page_len, self.num_heads, self.num_kv_heads,
                 self.head_dim, 1, sm_scale=self.scaling, q_data_type=dtype, kv_data_type=dtype,
             )
             return
-        self.prefill.plan(
-            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.last_page_len, self.num_heads,
+        self._plan(
+            self.prefill, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.last_page_len, self.num_heads,
             self.num_kv_heads, self.head_dim, 1, causal=True, sm_scale=self.scaling, q_data_type=dtype,
             kv_data_type=dtype,
         )
+
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        """`wrapper.plan(...)`. A plan fills a page-locked host buffer of its wrapper and copies it to the
+        device asynchronously, on the stream: under the overlap loop the host plans the next batch while the
+        device runs this one, so it first waits until the device has taken the last plan's copy (by then
+        it has, in practice: the host waited for the batch before that one's tokens)."""
+        self.planned.synchronize()
+        wrapper.plan(*args, **kwargs)
+        self.planned.record()
 
     def forward(self, q, k, v, layer_id, scaling, batch):
         self.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
