@@ -19,7 +19,7 @@ from vlm_serve.builtin.scenes import (
     random_example, random_motion, random_scene, random_shade, render, render_motion, scene_example, shape_answer,
 )  # fmt: skip
 from vlm_serve.builtin.train import (
-    IGNORE, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, messages, patches_as_matmul, published_layout,
+    IGNORE, Batches, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, messages, patches_as_matmul, published_layout,
     parameter_groups, train_tower, training_layout,
 )  # fmt: skip
 
@@ -190,6 +190,24 @@ def test_the_curriculum_can_keep_pictures_to_one_shape():
     rng = random.Random(0)
     assert {len(random_scene(rng, most=1).shapes) for _ in range(50)} == {1}
     assert {len(random_scene(rng).shapes) for _ in range(200)} == {1, 2, 3, 4}
+
+
+def test_a_share_of_the_training_examples_come_from_the_first_models_distribution(tiny_moe_dir, monkeypatch):
+    import vlm_serve.builtin.train as train
+
+    drawn: list[bool] = []
+
+    def recorded(rng, most=4, wide=False):
+        drawn.append(wide)
+        return random_example(rng, most, wide)
+
+    monkeypatch.setattr(train, "random_example", recorded)
+    for old_share in (0.0, 0.5):
+        drawn.clear()
+        batches = list(Batches(tiny_moe_dir, seed=0, steps=2, single_steps=0, batch_size=16, old_share=old_share))
+        assert len(batches) == 2 and all(len(batch["input_ids"]) == 16 for batch in batches)
+        assert len(drawn) == 32
+        assert drawn.count(False) == 0 if old_share == 0 else 8 <= drawn.count(False) <= 24
 
 
 def test_questions_come_as_people_ask_them_text_first_or_last_in_any_case():

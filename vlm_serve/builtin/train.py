@@ -129,13 +129,15 @@ class Batches(torch.utils.data.IterableDataset):
     video encoding and preprocessing are about a third of a step. The first `single_steps` show one shape
     per picture. Examples are drawn `POOL` batches at a time and batched by length (the batches then in a
     random order): padded to their batch's longest, examples of all lengths together would cost the
-    language model twice the work."""
+    language model twice the work. `old_share` of the examples come from the first model's distribution."""
 
     POOL = 8
 
-    def __init__(self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int) -> None:
-        self.out_dir, self.seed, self.steps, self.single_steps, self.batch_size = (
-            out_dir, seed, steps, single_steps, batch_size)  # fmt: skip
+    def __init__(
+        self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int, old_share: float = 0.0
+    ) -> None:
+        self.out_dir, self.seed, self.steps, self.single_steps, self.batch_size, self.old_share = (
+            out_dir, seed, steps, single_steps, batch_size, old_share)  # fmt: skip
 
     def __iter__(self):
         tokenizer = Tokenizer.from_pretrained(self.out_dir)
@@ -146,7 +148,10 @@ class Batches(torch.utils.data.IterableDataset):
             pool = []
             for step in range(first, min(first + self.POOL, self.steps + 1)):
                 most = 1 if step <= self.single_steps else 4
-                pool += [encode(processor, random_example(rng, most, wide=True)) for _ in range(self.batch_size)]
+                pool += [
+                    encode(processor, random_example(rng, most, wide=rng.random() >= self.old_share))
+                    for _ in range(self.batch_size)
+                ]
             pool.sort(key=lambda e: len(e["input_ids"]))
             batches = [pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
             rng.shuffle(batches)
@@ -329,7 +334,8 @@ class TrainingArgs:
     loss. With `init_from` (a checkpoint this trainer wrote) training goes on from its weights, on a fresh
     schedule. A tower trained first (by its own steps or in `init_from`) loses much of what it learned at
     the whole model's full rate: from 93% of kinds read right to 50-75% within 300 steps at lr 1e-3;
-    `tower_lr_scale` keeps its rate lower."""
+    `tower_lr_scale` keeps its rate lower. `old_share` of the examples are drawn from the first model's
+    distribution (the old held-out set's): on the wide one alone, its straight clips came out as diagonals."""
 
     steps: int = 9000
     batch_size: int = 32
@@ -341,6 +347,7 @@ class TrainingArgs:
     vision_steps: int = 0
     vision_batch_size: int = 64
     tower_lr_scale: float = 1.0  # the vision tower's learning rate in the whole model's steps, as a share of lr
+    old_share: float = 0.2
     init_from: Path | None = None
 
 
@@ -418,7 +425,8 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
     optimizer = Optimizer(parameter_groups(model, probe_cells, args), args.lr, args.steps)
     probe = [random_example(held_out, wide=True) for _ in range(48)]
     single_probe = [random_example(held_out, most=1, wide=True) for _ in range(48)]
-    batches = Batches(out_dir, args.seed, args.steps, round(args.single_share * args.steps), args.batch_size)
+    batches = Batches(out_dir, args.seed, args.steps, round(args.single_share * args.steps), args.batch_size,
+                      args.old_share)  # fmt: skip
     for step, batch in enumerate(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1), 1):
         cells, labels = batch.pop("cell_labels", None), batch.pop("labels")
         loss = answer_loss(model(**batch).logits, labels)
@@ -454,6 +462,7 @@ def main() -> None:
         "vision_steps": "steps training the vision tower alone on pictures, first",
         "vision_batch_size": "pictures in each of those steps",
         "init_from": "a checkpoint this trainer wrote, to go on training from",
+        "old_share": "share of examples from the first model's (grid) distribution",
     }
     for field in fields(TrainingArgs):
         kind = Path if field.name == "init_from" else type(getattr(defaults, field.name))
