@@ -176,8 +176,8 @@ def random_scene(rng: random.Random, count: int | None = None, most: int = 4, wi
 def _wide_scene(rng: random.Random, count: int) -> Scene:
     """`count` shapes anywhere (their centres in distinct cells, away from the cells' edges), each of
     either size, overlapping a little at most, in a shade of its colour; the picture square half the
-    time (96-320 px), else any size up to 320 px of aspect ratio 0.6-1.67 (larger ones, brought down to
-    the model's 96 x 96 by its processor, would look the same and cost more to draw)."""
+    time (96-320 px), else any size up to 320 px of aspect ratio 0.6-1.67 (larger ones, brought to the
+    model's 192 x 192 by its processor, would look the same and cost more to draw)."""
     if rng.random() < 0.5:
         width = height = rng.choice((96, 128, 160, 192, 256, 320))
     else:
