@@ -14,13 +14,14 @@ from safetensors.torch import load_file
 from PIL import ImageColor
 
 from vlm_serve.builtin.scenes import (
-    COLOURS, DIAGONALS, DIRECTIONS, EDGE_MARGIN, EXTENTS, KINDS, OTHER_ANSWER, SIZES, Motion, Scene, Shape, caption,
-    colour_answer, colour_name, comparison_answer, count_answer, motion_caption, place_answer, presence_answer,
-    random_example, random_motion, random_scene, random_shade, render, render_motion, scene_example, shape_answer,
+    COLOURS, DIAGONALS, DIRECTIONS, EDGE_MARGIN, EXTENTS, GREETING_ANSWER, KINDS, OTHER_ANSWER, SIZES, Example, Motion,
+    Scene, Shape, caption, colour_answer, colour_name, comparison_answer, count_answer, motion_caption, place_answer,
+    presence_answer, random_example, random_motion, random_scene, random_shade, render, render_motion, scene_example,
+    shape_answer,
 )  # fmt: skip
 from vlm_serve.builtin.train import (
-    IGNORE, Batches, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, messages, patches_as_matmul, published_layout,
-    parameter_groups, train_tower, training_layout,
+    IGNORE, Batches, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, exact_match, messages,
+    patches_as_matmul, published_layout, parameter_groups, train_tower, training_layout,
 )  # fmt: skip
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
@@ -208,6 +209,29 @@ def test_a_share_of_the_training_examples_come_from_the_first_models_distributio
         assert len(batches) == 2 and all(len(batch["input_ids"]) == 16 for batch in batches)
         assert len(drawn) == 32
         assert drawn.count(False) == 0 if old_share == 0 else 8 <= drawn.count(False) <= 24
+
+
+def test_the_trainers_probe_scores_answers_of_any_length_and_nothing_past_them(tiny_moe_dir):
+    from vlm_serve.tokenizer import Tokenizer
+    from vlm_serve.vision.processor import MultimodalProcessor
+
+    processor = MultimodalProcessor.from_pretrained(tiny_moe_dir, Tokenizer.from_pretrained(tiny_moe_dir), cache_mb=0)
+    end = processor.tokenizer.token_to_id("<|im_end|>")
+
+    class Answers(torch.nn.Module):
+        """Says `text` (as far as it is let), then ends its turn."""
+
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.ids = processor.tokenizer.encode(text) + [end]
+
+        def generate(self, input_ids, max_new_tokens, **_):
+            return torch.cat([input_ids, torch.tensor([self.ids[:max_new_tokens]])], dim=1)
+
+    greeting = Example("greeting", "Hello", GREETING_ANSWER)
+    assert len(processor.tokenizer.encode(GREETING_ANSWER)) > 64
+    assert exact_match(Answers(GREETING_ANSWER), processor, [greeting]) == {"greeting": 1.0}
+    assert exact_match(Answers(GREETING_ANSWER + " Ask me anything."), processor, [greeting]) == {"greeting": 0.0}
 
 
 def test_questions_come_as_people_ask_them_text_first_or_last_in_any_case():
