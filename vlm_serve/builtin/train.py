@@ -134,7 +134,7 @@ class Batches(torch.utils.data.IterableDataset):
     POOL = 8
 
     def __init__(
-        self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int, old_share: float = 0.0
+        self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int, old_share: float
     ) -> None:
         self.out_dir, self.seed, self.steps, self.single_steps, self.batch_size, self.old_share = (
             out_dir, seed, steps, single_steps, batch_size, old_share)  # fmt: skip
