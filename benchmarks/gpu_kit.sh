@@ -11,7 +11,8 @@
 #     eager decode bound by kernel launches, were measured on an H200: `torch:figures+profile` reruns them);
 #   flashinfer: parity, figures (CUDA graphs on and off) and profile with FlashInfer (where it runs: half
 #     precision, its head sizes);
-#   suite: the model tests under pytest on CUDA (FlashInfer installed), for the time left.
+#   suite: the model tests under pytest on CUDA (FlashInfer installed), for the time left; its parts are test
+#     files (e.g. suite:test_engine+test_speculative).
 # Each step's records go under OUT/<step>/ and are packed into OUT/kit.tgz (a call returns 8 files at most).
 set -uo pipefail
 
@@ -49,7 +50,7 @@ for step in ${STEPS//,/ }; do
     case $step in
         torch*) kit torch 30 --parts ${parts:-parity,server} ;;
         flashinfer*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit flashinfer 60 --parts ${parts:-parity,figures,profile} ;;
-        suite) PYTHONPATH=$PYTHONPATH:/tmp/fi kit suite 95 --parts suite --test-timeout 120 ;;
+        suite*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit suite 95 --parts suite --test-timeout 120 ${parts:+--suite-files $parts} ;;
     esac
 done
 (cd "$OUT" && tar czf kit.tgz --remove-files $(ls -d torch* flashinfer* suite* 2>/dev/null))

@@ -81,16 +81,17 @@ def test_the_server_answers_truly_about_simple_scenes(builtin_server, media, que
 
 
 def test_it_is_served_in_its_bfloat16_by_default():
-    """`--dtype auto`: the weights stay as shipped (the kernels read bfloat16), activations float32."""
+    """`--dtype auto`: the weights stay as shipped (where the CPU kernels take them, their panels are
+    bfloat16), activations and the KV cache float32 on CPU and bfloat16 on a GPU."""
     from vlm_serve.engine import Engine
     from vlm_serve.llm.layers.linear import LinearBase
     from vlm_serve.llm.layers.moe import SparseMoeBlock
 
     with Engine(BUILTIN_MODEL, vit_dp=0) as engine:
-        model = engine.scheduler.runner.model
-        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-        experts = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        runner = engine.scheduler.runner
+        linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+        experts = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
         assert linears and experts
-        assert {m.panels.weight.dtype for m in linears} == {torch.bfloat16}
-        assert {m.packed.w13.dtype for m in experts} == {torch.bfloat16}
-        assert engine.scheduler.runner.token_to_kv_pool.dtype == torch.float32
+        assert {(m.weight if m.panels is None else m.panels.weight).dtype for m in linears} == {torch.bfloat16}
+        assert {(m.w13 if m.packed is None else m.packed.w13).dtype for m in experts} == {torch.bfloat16}
+        assert runner.token_to_kv_pool.dtype == (torch.float32 if runner.device.type == "cpu" else torch.bfloat16)

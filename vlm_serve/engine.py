@@ -19,12 +19,15 @@ scheduler's idle self-check finding leaked memory: a bug) raises RuntimeError, a
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
@@ -303,11 +306,15 @@ class Engine:
         self._wait(choices)
 
     def shutdown(self) -> None:
-        """Stops the forward thread and the encoder pool's processes; the engine takes no requests
-        afterwards."""
+        """Stops the forward thread and the encoder pool's processes and gives the device memory back, to
+        other processes too (the next engine's encoder ranks); the engine takes no requests afterwards."""
         if self.scheduler is not None:
+            on_cuda = self.scheduler.runner.device.type == "cuda"
             self.scheduler.shutdown()
             self.scheduler = None  # type: ignore[assignment]
+            if on_cuda:  # torch keeps freed blocks for this process alone until they are emptied
+                gc.collect()
+                torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:
         return self

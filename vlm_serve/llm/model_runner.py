@@ -72,7 +72,11 @@ class ModelRunner:
         if size is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                size = int(free * GPU_KV_MEMORY_FRACTION) // per_token
+                # at most what the running requests' whole contexts fill: a small model leaves the rest of
+                # the GPU to other processes (its encoder ranks started next, other engines)
+                running = self.server_args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+                contexts = running * (self.server_args.context_length or text.max_position_embeddings)
+                size = min(int(free * GPU_KV_MEMORY_FRACTION) // per_token, contexts)
             else:
                 size = CPU_KV_BUDGET_TOKENS
         size -= size % page_size

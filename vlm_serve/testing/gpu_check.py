@@ -106,9 +106,9 @@ def free_device_memory() -> None:
 # ---- suite -----------------------------------------------------------------------------------------
 
 
-def run_suite(check: Check, timeout: int) -> None:
-    """Each file of `SUITE` under pytest on its own, so that each one's failures are on record as it ends."""
-    files = [f for f in SUITE if Path(f).is_file()]
+def run_suite(check: Check, timeout: int, files: list[str]) -> None:
+    """Each test file under pytest on its own, so that each one's failures are on record as it ends."""
+    files = [f for f in files if Path(f).is_file()]
     if not files:
         check.record("suite", False, "no tests/ folder here: run the kit from the repository's root")
         return
@@ -504,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--size", default=None, help="model size preset of the figures (default: large on CUDA, tiny on CPU)")
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds per test of the suite part")
+    parser.add_argument("--suite-files", default=None, help="comma-separated names of the suite part's test files "
+                        "(e.g. test_engine,test_speculative; default: all of SUITE, in its order)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - set(PARTS)
@@ -524,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
             if device.type != "cuda":
                 print("[suite] skipped: on CPU the test suite itself runs these files (CI)", flush=True)
                 continue
-            run_suite(check, args.test_timeout)
+            files = SUITE if args.suite_files is None else [f"tests/{n}.py" for n in args.suite_files.split(",") if n]
+            run_suite(check, args.test_timeout, files)
         elif part == "parity":
             run_parity(check, device)
         elif part == "server":
