@@ -110,15 +110,22 @@ def test_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(arch):
 def test_an_engine_with_cuda_graphs_gives_its_device_memory_back_at_shutdown():
     """Its KV pool takes most of the free memory: on an H200 the next engine ran out of memory while the
     last one's graphs held its runner in a cycle, and a process started after an engine's shutdown (an
-    encoder rank, a user's script) did while torch kept the freed blocks for the process that freed them."""
+    encoder rank, a user's script) did while torch kept the freed blocks for the process that freed them.
+    Here its pool takes 4 GiB; what stays is loaded once a process (kernel code, library workspaces: 620
+    MiB on an H200)."""
     path = create_tiny_model(tempfile.mkdtemp(), arch="dense", size="small", dtype="bfloat16")
+
+    def free_after_an_engine() -> int:
+        engine = Engine(path, device="cuda", vit_dp=0, max_total_tokens=1 << 20)
+        assert engine.scheduler.runner.cuda_graphs is not None
+        engine.generate("Count to three:", max_tokens=4, ignore_eos=True)
+        engine.shutdown()
+        return torch.cuda.mem_get_info()[0]
+
     free_before, _ = torch.cuda.mem_get_info()
-    engine = Engine(path, device="cuda", vit_dp=0)
-    assert engine.scheduler.runner.cuda_graphs is not None
-    engine.generate("Count to three:", max_tokens=4, ignore_eos=True)
-    engine.shutdown()
-    free_after, _ = torch.cuda.mem_get_info()
-    assert free_before - free_after < 256 * 2**20
+    first, second = free_after_an_engine(), free_after_an_engine()
+    assert free_before - first < 2**30
+    assert abs(first - second) < 256 * 2**20
 
 
 @cuda
