@@ -108,7 +108,7 @@ def test_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(arch):
 @cuda
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python (the gpu extra)")
 def test_an_engine_with_cuda_graphs_gives_its_device_memory_back_at_shutdown():
-    """Its KV pool takes most of the free memory: on an H200 the next engine ran out of memory while the
+    """A KV pool can take most of the free memory: on an H200 the next engine ran out of memory while the
     last one's graphs held its runner in a cycle, and a process started after an engine's shutdown (an
     encoder rank, a user's script) did while torch kept the freed blocks for the process that freed them.
     Here its pool takes 4 GiB; what stays is loaded once a process (kernel code, library workspaces: 620
