@@ -50,7 +50,8 @@ for step in ${STEPS//,/ }; do
     case $step in
         torch*) kit torch 30 --parts ${parts:-parity,server} ;;
         flashinfer*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit flashinfer 60 --parts ${parts:-parity,figures,profile} ;;
-        suite*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit suite 95 --parts suite --test-timeout 120 ${parts:+--suite-files $parts} ;;
+        suite*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit suite 95 --parts suite --test-timeout 120 \
+            ${parts:+--suite-files $parts} ;;
     esac
 done
 (cd "$OUT" && tar czf kit.tgz --remove-files $(ls -d torch* flashinfer* suite* 2>/dev/null))

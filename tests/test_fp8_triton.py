@@ -34,10 +34,12 @@ def run_kernel_script(script: str) -> None:
     prints ok when its checks hold. On a GPU `tl.dot` multiplies float32 in TF32 (10-bit mantissas), hence
     the wider tolerance there."""
     if torch.cuda.is_available():
-        env, prefix = dict(os.environ), "import torch\ntorch.set_default_device('cuda')\nTOL = dict(rtol=1e-2, atol=5e-2)\n"
+        env = dict(os.environ)
+        prefix = "import torch\ntorch.set_default_device('cuda')\nTOL = dict(rtol=1e-2, atol=5e-2)\n"
     else:
         env, prefix = {**os.environ, "TRITON_INTERPRET": "1"}, "TOL = dict(rtol=1e-4, atol=1e-4)\n"
-    done = subprocess.run([sys.executable, "-c", prefix + SHARD + script], env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-c", prefix + SHARD + script]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
@@ -50,7 +52,8 @@ for rows, n, k, row0, col0, bias in [(1, 64, 128, 0, 0, False), (5, 96, 200, 64,
     b = torch.randn(n) if bias else None
     expected = torch.nn.functional.linear(x, dequantize_rows(weight, scales, 128, offset, torch.float32), b)
     got = fp8_linear(x, weight, scales, 128, offset, b)
-    assert got.shape == expected.shape and torch.allclose(got, expected, **TOL), (rows, n, k, (got - expected).abs().max())
+    assert got.shape == expected.shape, (rows, n, k)
+    assert torch.allclose(got, expected, **TOL), (rows, n, k, (got - expected).abs().max())
 print("ok")
 """
 
