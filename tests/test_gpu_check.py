@@ -34,3 +34,11 @@ def test_the_kit_refuses_an_unknown_part(tmp_path):
     result = subprocess.run([sys.executable, "-m", "vlm_serve.testing.gpu_check", str(tmp_path), "--parts", "speed"],
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and "unknown part(s) speed" in result.stderr
+
+
+def test_the_kit_refuses_a_suite_file_it_does_not_have(tmp_path):
+    """A misspelt name would otherwise leave that file unrun on a lent GPU, unsaid."""
+    command = [sys.executable, "-m", "vlm_serve.testing.gpu_check", str(tmp_path), "--parts", "suite",
+               "--suite-files", "test_engine,test_engin"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2 and "--suite-files: not in the suite: tests/test_engin.py" in result.stderr

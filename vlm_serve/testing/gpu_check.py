@@ -25,7 +25,6 @@ On CPU (`--device cpu`, what CI runs) every part but `suite` runs, at tiny sizes
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import platform
@@ -95,12 +94,6 @@ def environment(device: torch.device) -> dict:
     else:
         info.update(cpu=platform.processor() or platform.machine())
     return info
-
-
-def free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # ---- suite -----------------------------------------------------------------------------------------
@@ -205,7 +198,6 @@ def graphs_as_eager(path: Path, device: torch.device) -> str:
             while not all(s.done for s in submissions):
                 engine.step()
             answers[eager] = [engine.result(s).token_ids for s in submissions]
-        free_device_memory()
     if answers[True] != answers[False]:
         raise AssertionError(f"graphs {answers[False]} != eager {answers[True]}")
     return "identical greedy tokens, 5 requests of 8 to 24 tokens"
@@ -239,7 +231,6 @@ def run_parity(check: Check, device: torch.device) -> None:
                             out = engine.generate_processed([processed], max_tokens=16, temperature=0, ignore_eos=True)
                             if out[0].token_ids != ref_tokens:
                                 raise AssertionError(f"greedy tokens {out[0].token_ids} != transformers' {ref_tokens}")
-                    free_device_memory()
                     return detail
 
                 check.run(f"{arch} {size} {backend} {dtype} vs transformers", compare)
@@ -254,7 +245,6 @@ def run_parity(check: Check, device: torch.device) -> None:
         def builtin(backend=backend) -> str:
             with Engine(None, device=device.type, dtype="bfloat16", attention_backend=backend, vit_dp=0) as engine:
                 answers = [engine.chat(messages(e), max_tokens=48, temperature=0).text for e in examples]
-            free_device_memory()
             same = sum(a == b for a, b in zip(answers, expected))
             if same != len(examples):
                 diff = next((a, b) for a, b in zip(answers, expected) if a != b)
@@ -437,7 +427,6 @@ def run_figures(check: Check, device: torch.device, size: str) -> None:
                 options = dict(device=device.type, dtype=dtype, vit_dp=0, disable_cuda_graph=eager)
                 with Engine(path, load_format="dummy", **options) as engine:
                     figures[f"{arch} {size}{label}"] = decode_figures(engine, batches, tokens)
-                free_device_memory()
                 return json.dumps(figures[f"{arch} {size}{label}"])
 
             check.run(f"{arch} {size}{label}: decode, TPOT, TTFT", measure)
@@ -448,7 +437,6 @@ def run_figures(check: Check, device: torch.device, size: str) -> None:
             with Engine(path, load_format="dummy", device=device.type, dtype=dtype, vit_dp=vit_dp) as engine:
                 engine.generate_processed([_picture(engine, 99)], max_tokens=1, temperature=0)  # warm-up
                 figures[f"dense {size} ITL, {name}"] = itl_while_pictures_arrive(engine, tokens=2 * tokens)
-            free_device_memory()
             return json.dumps(figures[f"dense {size} ITL, {name}"])
 
         check.run(f"dense {size}: decode ITL while 1024 px pictures arrive, {name}", itl)
@@ -481,7 +469,6 @@ def run_profile(check: Check, device: torch.device, size: str) -> None:
                     began = time.perf_counter()
                     engine.generate_processed(prompts, max_tokens=17, ignore_eos=True, temperature=0)
                     seconds = time.perf_counter() - began
-            free_device_memory()
             events = trace.key_averages()
             tables = [events.table(sort_by="self_cpu_time_total", row_limit=30)]
             if device.type == "cuda":
@@ -511,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown part(s) {', '.join(sorted(unknown))}; the parts are {', '.join(PARTS)}")
+    suite = SUITE
+    if args.suite_files is not None:
+        suite = [f"tests/{name}.py" for name in args.suite_files.split(",") if name]
+        unknown = [f for f in suite if f not in SUITE]
+        if unknown:
+            parser.error(f"--suite-files: not in the suite: {', '.join(unknown)}; it has {', '.join(SUITE)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
@@ -526,8 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type != "cuda":
                 print("[suite] skipped: on CPU the test suite itself runs these files (CI)", flush=True)
                 continue
-            files = SUITE if args.suite_files is None else [f"tests/{n}.py" for n in args.suite_files.split(",") if n]
-            run_suite(check, args.test_timeout, files)
+            run_suite(check, args.test_timeout, suite)
         elif part == "parity":
             run_parity(check, device)
         elif part == "server":
