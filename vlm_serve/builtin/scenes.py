@@ -442,11 +442,16 @@ def motion_caption(motion: Motion) -> str:
 
 
 def comparison_answer(first: Scene, second: Scene) -> str:
+    """'The first image has three shapes and the second has one, so the first has more.'
+
+    Each image's count comes before the verdict: the model answers word by word, so it counts each picture
+    (as it does one alone) before it compares. Told the verdict first ("The first image has more shapes:
+    three against one."), it had to compare before it had counted, and got 65% of the wide set's pairs
+    right while counting 95% of the pictures alone right."""
     a, b = len(first.shapes), len(second.shapes)
-    if a == b:
-        return f"Both images have {NUMBERS[a]} shape{'' if a == 1 else 's'}."
-    more = "first" if a > b else "second"
-    return f"The {more} image has more shapes: {NUMBERS[max(a, b)]} against {NUMBERS[min(a, b)]}."
+    verdict = "neither has more" if a == b else f"the {'first' if a > b else 'second'} has more"
+    counts = f"The first image has {NUMBERS[a]} shape{'' if a == 1 else 's'} and the second has {NUMBERS[b]}"
+    return f"{counts}, so {verdict}."
 
 
 PROMPTS = {  # the first model's phrasings of each kind of question
