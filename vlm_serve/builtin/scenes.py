@@ -177,7 +177,7 @@ def _wide_scene(rng: random.Random, count: int) -> Scene:
     """`count` shapes anywhere (their centres in distinct cells, away from the cells' edges), each of
     either size, overlapping a little at most, in a shade of its colour; the picture square half the
     time (96-320 px), else any size up to 320 px of aspect ratio 0.6-1.67 (larger ones, brought to the
-    model's 192 x 192 by its processor, would look the same and cost more to draw)."""
+    model's 256 x 256 by its processor, would look the same and cost more to draw)."""
     if rng.random() < 0.5:
         width = height = rng.choice((96, 128, 160, 192, 256, 320))
     else:
@@ -521,7 +521,7 @@ GREETING_ANSWER = (
 OTHER_ANSWER = "I can describe shapes: their kinds, colours, number and places, and how they move in a video."
 KIND_WEIGHTS = {  # how often each kind of question comes, in each distribution
     False: {"caption": 26, "count": 10, "colour": 22, "presence": 22, "motion": 11, "compare": 8, "greeting": 1},
-    True: {"caption": 18, "shape": 10, "count": 8, "colour": 16, "presence": 14, "place": 10, "motion": 10,
+    True: {"caption": 24, "shape": 14, "count": 8, "colour": 16, "presence": 14, "place": 10, "motion": 10,
            "compare": 6, "greeting": 3, "other": 5},
 }  # fmt: skip
 
