@@ -4,6 +4,7 @@ size and shade, many phrasings, questions outside its skills)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -373,3 +374,15 @@ def test_the_whole_models_steps_can_train_the_vision_tower_at_a_lower_rate(tiny_
     assert {id(p) for p in tower["params"]} == {id(p) for p in model.model.visual.parameters()}
     every = [*model.parameters(), *probe.parameters()]
     assert sorted(map(id, rest["params"] + tower["params"])) == sorted(map(id, every))  # each once
+
+
+def test_a_run_that_goes_on_from_another_records_the_runs_it_came_from(tmp_path):
+    """A shipped model trained in parts (runs longer than a session) says every part's settings."""
+    from vlm_serve.builtin.train import train
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(first, TrainingArgs(steps=1, batch_size=2, eval_every=0))
+    train(second, TrainingArgs(steps=1, batch_size=2, eval_every=0, seed=1, init_from=first))
+    record = json.loads((second / "training.json").read_text())
+    assert record["init_from_training"] == json.loads((first / "training.json").read_text())
+    assert "init_from_training" not in record["init_from_training"]  # the first began from a seed

@@ -451,6 +451,8 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
               "single_turn": True,  # every example is one question: the demo sends it questions alone
               "seconds": round(seconds),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if args.init_from is not None:  # the runs it went on from, each with its own, back to the one from a seed
+        record["init_from_training"] = json.loads((Path(args.init_from) / "training.json").read_text())
     (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out_dir} after {seconds:.0f} s")
 
