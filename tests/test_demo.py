@@ -1,6 +1,7 @@
 """The Gradio demo: the history -> messages conversion, what a model that knows single questions only is
-sent, and the page itself driven by headless Chromium (upload a picture of a red circle, ask its colour:
-the streamed answer is the built-in model's, "red")."""
+sent, and the page itself driven by headless Chromium (upload a picture drawn as a person draws one, off
+the built-in model's grid: a pink circle up and to the right on white; ask its colour: the streamed answer
+is the built-in model's, "pink")."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import free_port
 from packaging.requirements import Requirement
+from PIL import Image, ImageDraw
 
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import Scene, Shape, render
@@ -30,7 +32,7 @@ from vlm_serve.demo import (
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 PROMPT = "what colour is the circle?"
-ANSWER = "The circle is red."  # the built-in model's
+ANSWER = "The circle is pink."  # the built-in model's
 BOT = "#chatbot [data-testid=bot]"  # an assistant bubble of the page
 GREEDY = {"temperature": 0, "max_tokens": 12}
 CONTROLS = (GREEDY["max_tokens"], GREEDY["temperature"], 1.0, 0, 1.0, None)  # the page's: top_k 0 = off, no seed
@@ -48,7 +50,9 @@ def engine():
 @pytest.fixture
 def image(tmp_path):
     path = tmp_path / "circle.png"
-    render(Scene([Shape("circle", "red", "large", 1, 1)], background_seed=3, width=192, height=144)).save(path)
+    picture = Image.new("RGB", (200, 150), "white")
+    ImageDraw.Draw(picture).ellipse([120, 30, 170, 80], fill="pink")
+    picture.save(path)
     return path
 
 

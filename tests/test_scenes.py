@@ -4,6 +4,7 @@ size and shade, many phrasings, questions outside its skills)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -43,7 +44,11 @@ def test_the_texts_name_each_shape_its_colour_size_and_place():
     assert presence_answer(SCENE, "square") == "No, there is no square."
     one = Scene([Shape("star", "green", "small", 0, 1)])
     assert caption(one) == "A small green star at the top." and count_answer(one) == "There is one shape."
-    assert comparison_answer(SCENE, one) == "The first image has more shapes: two against one."
+    assert comparison_answer(SCENE, one) == (
+        "The first image has two shapes and the second has one, so the first has more."
+    )
+    assert comparison_answer(one, SCENE).endswith("one shape and the second has two, so the second has more.")
+    assert comparison_answer(one, one).endswith("one shape and the second has one, so neither has more.")
 
 
 def _near(pixel, colour) -> bool:
@@ -75,7 +80,8 @@ def test_the_first_models_distribution_is_kept_as_it_was():
     drawn = [random_example(random.Random(seed)) for seed in (1, 2, 5, 6)]
     assert [(e.kind, e.question, e.answer) for e in drawn] == [
         ("caption", "What shapes are in this image?", "A large brown star in the center."),
-        ("compare", "Compare the number of shapes in the two images.", "The second image has more shapes: two against one."),
+        ("compare", "Compare the number of shapes in the two images.",
+         "The first image has one shape and the second has two, so the second has more."),
         ("presence", "Is there a square in the picture?", "Yes, there are two squares."),
         ("presence", "Is there a star in the picture?", "No, there is no star."),
     ]  # fmt: skip
@@ -368,3 +374,15 @@ def test_the_whole_models_steps_can_train_the_vision_tower_at_a_lower_rate(tiny_
     assert {id(p) for p in tower["params"]} == {id(p) for p in model.model.visual.parameters()}
     every = [*model.parameters(), *probe.parameters()]
     assert sorted(map(id, rest["params"] + tower["params"])) == sorted(map(id, every))  # each once
+
+
+def test_a_run_that_goes_on_from_another_records_the_runs_it_came_from(tmp_path):
+    """A shipped model trained in parts (runs longer than a session) says every part's settings."""
+    from vlm_serve.builtin.train import train
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(first, TrainingArgs(steps=1, batch_size=2, eval_every=0))
+    train(second, TrainingArgs(steps=1, batch_size=2, eval_every=0, seed=1, init_from=first))
+    record = json.loads((second / "training.json").read_text())
+    assert record["init_from_training"] == json.loads((first / "training.json").read_text())
+    assert "init_from_training" not in record["init_from_training"]  # the first began from a seed

@@ -516,7 +516,7 @@ def test_the_built_in_model_drafting_with_its_trained_head_answers_as_transforme
 TRAINED_DRAFT_SETTINGS = {  # scheduler paths the trained draft's long kept runs go through
     "small_chunks": {"chunked_prefill_size": 16},
     "page_size_4": {"page_size": 4},
-    "retraction": {"max_total_tokens": 96, "schedule_conservativeness": 0.05, "disable_radix_cache": True},
+    "retraction": {"max_total_tokens": 220, "schedule_conservativeness": 0.05, "disable_radix_cache": True},
     "mixed_chunk": {"chunked_prefill_size": 32, "enable_mixed_chunk": True},
 }
 

@@ -222,14 +222,14 @@ def test_image_processor_and_vision_tower(tiny_moe_dir: Path, moe_model: torch.n
     assert (outputs[0] - outputs[1]).abs().max() > 0.1
 
 
-def test_the_builtin_shape_sees_every_picture_at_about_192_pixels_square(tmp_path: Path):
-    """Small pictures scaled up, large ones down, to 6 x 6 tokens or near (transformers' processor and ours)."""
+def test_the_builtin_shape_sees_every_picture_at_about_256_pixels_square(tmp_path: Path):
+    """Small pictures scaled up, large ones down, to 8 x 8 tokens or near (transformers' processor and ours)."""
     from vlm_serve.vision.processor import MultimodalProcessor
 
     model_dir = create_tiny_model(tmp_path / "builtin", arch="moe", size="builtin", tie_word_embeddings=True)
     theirs = transformers.AutoImageProcessor.from_pretrained(model_dir)
     ours = MultimodalProcessor.from_pretrained(model_dir, Tokenizer.from_pretrained(model_dir), cache_mb=0)
-    for (width, height), grid in {(96, 96): [1, 12, 12], (640, 640): [1, 12, 12], (160, 96): [1, 10, 16]}.items():
+    for (width, height), grid in {(96, 96): [1, 16, 16], (640, 640): [1, 16, 16], (160, 96): [1, 14, 22]}.items():
         picture = Image.new("RGB", (width, height), "white")
         assert theirs(images=[picture], return_tensors="pt")["image_grid_thw"][0].tolist() == grid
         assert list(ours.image_processor.preprocess(picture).grid_thw) == grid

@@ -5,7 +5,7 @@
 
 It starts from a random checkpoint of the built-in shape (`create_tiny_model(size="builtin")`: the
 published Qwen3-VL-MoE layout, tokenizer and chat template; its processor brings every picture to about
-192 x 192 pixels, 6 x 6 tokens), trains every weight with transformers' Qwen3VLMoeForConditionalGeneration
+256 x 256 pixels, 8 x 8 tokens), trains every weight with transformers' Qwen3VLMoeForConditionalGeneration
 on freshly generated examples of the scenes' wide distribution (the loss is on the answer's tokens, plus
 `CellProbe`'s on the picture tokens), and writes the weights back in the published layout. `--vision-steps`
 first trains the vision tower alone on pictures, three times as many in the same time. `--init-from`
@@ -451,6 +451,8 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
               "single_turn": True,  # every example is one question: the demo sends it questions alone
               "seconds": round(seconds),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if args.init_from is not None:  # the runs it went on from, each with its own, back to the one from a seed
+        record["init_from_training"] = json.loads((Path(args.init_from) / "training.json").read_text())
     (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out_dir} after {seconds:.0f} s")
 

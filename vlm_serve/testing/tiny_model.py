@@ -177,18 +177,19 @@ SIZES = {
         attention_gain=RESIDUAL_GAIN / 4,
     ),
     # the built-in model's shape (trained on synthetic scenes, vlm_serve/builtin): every picture scaled to
-    # about 192 x 192 pixels, 6 x 6 tokens, whatever its size. Its tower reads the kind of a shape under 16
-    # pixels wide (in 16-pixel patches) wrong one time in five or more, and a shape a tenth of a 96-pixel
-    # picture is 10 pixels: scaled up, 19. Clips of 4 to 8 frames come at 160-192 pixels a frame.
+    # about 256 x 256 pixels, 8 x 8 tokens, whatever its size. Its tower reads the kind of a shape under 16
+    # pixels wide (in 16-pixel patches) wrong one time in five or more, and a shape a tenth of a picture's
+    # shorter side is 26 pixels wide at 256 (at 192 it was 19, and a small shape's kind, colour or size was
+    # misread in one 4-shape caption in three). Clips of 4 to 8 frames come at 160-192 pixels a frame.
     "builtin": ModelSize(
         dense=_BUILTIN_TEXT,
         moe=_BUILTIN_TEXT,
         experts=ExpertShape(num_experts=8, per_token=2, intermediate=64),
         vision=VisionShape(depth=4, hidden=128, heads=4, intermediate=384, positions=64, deepstack=(2,)),
         attention_gain=RESIDUAL_GAIN,
-        image_max_pixels=192 * 192,
+        image_max_pixels=256 * 256,
         video_max_pixels=8 * 192 * 192,
-        image_min_pixels=192 * 192,
+        image_min_pixels=256 * 256,
         video_min_pixels=4 * 192 * 192,
         max_frames=16,
         # Interleaved MRoPE gives a picture's columns the 3rd, 6th, ... rotary frequencies and its rows the
