@@ -163,7 +163,7 @@ def random_shape(rng: random.Random, row: int, column: int) -> Shape:
 
 def random_scene(rng: random.Random, count: int | None = None, most: int = 4, wide: bool = False) -> Scene:
     """1 to `most` shapes (or `count`). The first model's scenes: in random cells, the picture 96 px square
-    or, now and then, larger or oblong (the processor brings it back to 3 x 3 tokens or near). Wide ones:
+    or, now and then, larger or oblong (the processor brings it to 8 x 8 tokens or near). Wide ones:
     see `_wide_scene`."""
     count = count if count is not None else rng.randint(1, most)
     if wide:
