@@ -179,8 +179,8 @@ SIZES = {
     # the built-in model's shape (trained on synthetic scenes, vlm_serve/builtin): every picture scaled to
     # about 256 x 256 pixels, 8 x 8 tokens, whatever its size. Its tower reads the kind of a shape under 16
     # pixels wide (in 16-pixel patches) wrong one time in five or more, and a shape a tenth of a picture's
-    # shorter side is 26 pixels wide at 256 (at 192 it was 19, and a small shape's kind, colour or size was
-    # misread in one 4-shape caption in three). Clips of 4 to 8 frames come at 160-192 pixels a frame.
+    # shorter side is 26 pixels wide at 256 (at 192 it was 19: 67% of the wide set's captions were right, the
+    # misses mostly one small shape's kind, colour or size among four). Clips come at 160-192 pixels a frame.
     "builtin": ModelSize(
         dense=_BUILTIN_TEXT,
         moe=_BUILTIN_TEXT,
