@@ -521,7 +521,7 @@ GREETING_ANSWER = (
 OTHER_ANSWER = "I can describe shapes: their kinds, colours, number and places, and how they move in a video."
 KIND_WEIGHTS = {  # how often each kind of question comes, in each distribution
     False: {"caption": 26, "count": 10, "colour": 22, "presence": 22, "motion": 11, "compare": 8, "greeting": 1},
-    True: {"caption": 24, "shape": 14, "count": 8, "colour": 16, "presence": 14, "place": 10, "motion": 10,
+    True: {"caption": 24, "shape": 14, "count": 8, "colour": 16, "presence": 14, "place": 10, "motion": 18,
            "compare": 6, "greeting": 3, "other": 5},
 }  # fmt: skip
 

@@ -188,9 +188,9 @@ SIZES = {
         vision=VisionShape(depth=4, hidden=128, heads=4, intermediate=384, positions=64, deepstack=(2,)),
         attention_gain=RESIDUAL_GAIN,
         image_max_pixels=256 * 256,
-        video_max_pixels=8 * 192 * 192,
+        video_max_pixels=8 * 256 * 256,
         image_min_pixels=256 * 256,
-        video_min_pixels=4 * 192 * 192,
+        video_min_pixels=4 * 256 * 256,
         max_frames=16,
         # Interleaved MRoPE gives a picture's columns the 3rd, 6th, ... rotary frequencies and its rows the
         # 2nd, 5th, ...: with 16 of them (head_dim 32), at theta 10000, a column's step turns the fastest pair
