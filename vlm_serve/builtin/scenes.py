@@ -226,8 +226,10 @@ def random_motion(rng: random.Random, wide: bool = False) -> Motion:
     low, high = EXTENTS[size]
     extent = rng.uniform(low, min(high, 0.16))
     if direction in DIRECTIONS:  # (anywhere across: the row or column it moves along is any)
-        r0 = r1 = rng.randrange(3) if r0 == r1 else r0
-        c0 = c1 = rng.randrange(3) if c0 == c1 else c0
+        if r0 == r1:
+            r0 = r1 = rng.randrange(3)
+        else:
+            c0 = c1 = rng.randrange(3)
 
     def spot(cell: int) -> float:
         return min(1 - extent, max(extent, (cell + rng.uniform(0.25, 0.75)) / 3))
