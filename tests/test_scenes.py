@@ -140,16 +140,19 @@ def test_wide_clips_move_in_eight_directions_the_way_their_captions_say():
     assert {m.direction for m in motions} == {*DIRECTIONS, *DIAGONALS}
     motion = next(m for m in motions if m.direction == "from the bottom left to the top right")
     assert motion_caption(motion).endswith(f"{motion.shape.kind} moves from the bottom left to the top right.")
-    frames = render_motion(motion)
-    shade = torch.tensor(motion.shape.rgb)
 
-    def centre(frame) -> tuple[float, float]:
+    def centre(frame, shade: torch.Tensor) -> tuple[float, float]:
         mask = (torch.tensor(np.array(frame), dtype=torch.int32) - shade).abs().max(-1).values < 30
         ys, xs = mask.nonzero().float().mean(0).tolist()
         return xs, ys
 
-    (x0, y0), (x1, y1) = centre(frames[0]), centre(frames[-1])
-    assert x1 - x0 > motion.size / 4 and y0 - y1 > motion.size / 4
+    for direction, ((r0, c0), (r1, c1)) in {**DIRECTIONS, **DIAGONALS}.items():
+        for motion in [m for m in motions if m.direction == direction][:3]:
+            frames = render_motion(motion)
+            shade = torch.tensor(motion.shape.rgb)
+            (x0, y0), (x1, y1) = centre(frames[0], shade), centre(frames[-1], shade)
+            for moved, step in ((x1 - x0, c1 - c0), (y1 - y0, r1 - r0)):  # across (a third or more) or along
+                assert moved * step > motion.size / 3 if step else abs(moved) < motion.size / 10, (direction, moved)
 
 
 def test_the_wide_distribution_asks_what_shape_and_where_and_answers_off_skill_questions_with_its_skills():

@@ -226,8 +226,10 @@ def random_motion(rng: random.Random, wide: bool = False) -> Motion:
     low, high = EXTENTS[size]
     extent = rng.uniform(low, min(high, 0.16))
     if direction in DIRECTIONS:  # (anywhere across: the row or column it moves along is any)
-        r0 = r1 = rng.randrange(3) if r0 == r1 else r0
-        c0 = c1 = rng.randrange(3) if c0 == c1 else c0
+        if r0 == r1:
+            r0 = r1 = rng.randrange(3)
+        else:
+            c0 = c1 = rng.randrange(3)
 
     def spot(cell: int) -> float:
         return min(1 - extent, max(extent, (cell + rng.uniform(0.25, 0.75)) / 3))
@@ -521,7 +523,7 @@ GREETING_ANSWER = (
 OTHER_ANSWER = "I can describe shapes: their kinds, colours, number and places, and how they move in a video."
 KIND_WEIGHTS = {  # how often each kind of question comes, in each distribution
     False: {"caption": 26, "count": 10, "colour": 22, "presence": 22, "motion": 11, "compare": 8, "greeting": 1},
-    True: {"caption": 24, "shape": 14, "count": 8, "colour": 16, "presence": 14, "place": 10, "motion": 10,
+    True: {"caption": 24, "shape": 14, "count": 8, "colour": 16, "presence": 14, "place": 10, "motion": 18,
            "compare": 6, "greeting": 3, "other": 5},
 }  # fmt: skip
 
