@@ -51,7 +51,7 @@ BROWN_TRIANGLE = drawn(300, 300, ("triangle", "brown", (20, 180, 110, 270)))
 TWO_DRAWN = drawn(256, 256, ("circle", "blue", (30, 30, 110, 110)), ("square", "orange", (160, 150, 230, 220)))
 DIAMOND_AND_CIRCLE = drawn(320, 200, ("diamond", "green", (200, 70, 260, 130)), ("circle", "red", (40, 60, 100, 120)))
 SLIDING_SQUARE = [drawn(192, 192, ("square", "green", (10 + 20 * i, 70, 60 + 20 * i, 120))) for i in range(7)]
-RISING_BALL = [drawn(192, 192, ("circle", "blue", (110, 130 - 15 * i, 156, 176 - 15 * i))) for i in range(8)]  # on the right
+RISING_BALL = [drawn(192, 192, ("circle", "blue", (110, 130 - 15 * i, 156, 176 - 15 * i))) for i in range(8)]  # (right)
 
 
 def png_url(picture: Scene | Image.Image) -> str:
@@ -122,7 +122,8 @@ def test_the_server_answers_truly_about_simple_scenes(builtin_server, media, que
         ({"image_url": png_url(DIAMOND_AND_CIRCLE)}, "Where is the diamond?", "The diamond is on the right."),
         ({"image_url": png_url(DIAMOND_AND_CIRCLE)}, "What is the capital of France?", OTHER_ANSWER),
         ({"video_url": mp4_url(SLIDING_SQUARE)}, "Describe the video.", "A green square moves from left to right."),
-        ({"video_url": mp4_url(RISING_BALL)}, "Which way does the ball move?", "A blue circle moves from bottom to top."),
+        ({"video_url": mp4_url(RISING_BALL)}, "Which way does the ball move?",
+         "A blue circle moves from bottom to top."),
     ],
     ids=["pink", "one-shape", "brown", "which-shape", "caption", "place", "outside-its-skills", "motion", "motion-up"],
 )  # fmt: skip
