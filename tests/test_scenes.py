@@ -147,12 +147,12 @@ def test_wide_clips_move_in_eight_directions_the_way_their_captions_say():
         return xs, ys
 
     for direction, ((r0, c0), (r1, c1)) in {**DIRECTIONS, **DIAGONALS}.items():
-        for motion in [m for m in motions if m.direction == direction][:3]:
-            frames = render_motion(motion)
-            shade = torch.tensor(motion.shape.rgb)
+        for clip in [m for m in motions if m.direction == direction][:3]:
+            frames = render_motion(clip)
+            shade = torch.tensor(clip.shape.rgb)
             (x0, y0), (x1, y1) = centre(frames[0], shade), centre(frames[-1], shade)
             for moved, step in ((x1 - x0, c1 - c0), (y1 - y0, r1 - r0)):  # across (a third or more) or along
-                assert moved * step > motion.size / 3 if step else abs(moved) < motion.size / 10, (direction, moved)
+                assert moved * step > clip.size / 3 if step else abs(moved) < clip.size / 10, (direction, moved)
 
 
 def test_the_wide_distribution_asks_what_shape_and_where_and_answers_off_skill_questions_with_its_skills():
