@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from PIL import ImageColor
 
 from vlm_serve.builtin.scenes import (
-    COLOURS, DIAGONALS, DIRECTIONS, EDGE_MARGIN, EXTENTS, GREETING_ANSWER, KINDS, OTHER_ANSWER, SIZES, Example, Motion,
-    Scene, Shape, caption, colour_answer, colour_name, comparison_answer, count_answer, motion_caption, place_answer,
-    presence_answer, random_example, random_motion, random_scene, random_shade, render, render_motion, scene_example,
-    shape_answer,
+    COLOURS, DIAGONALS, DIRECTIONS, EDGE_MARGIN, EXTENTS, GREETING_ANSWER, KIND_WEIGHTS, KINDS, OTHER_ANSWER, SIZES,
+    Example, Motion, Scene, Shape, caption, colour_answer, colour_name, comparison_answer, count_answer,
+    motion_caption, place_answer, presence_answer, random_example, random_motion, random_scene, random_shade, render,
+    render_motion, scene_example, shape_answer,
 )  # fmt: skip
 from vlm_serve.builtin.train import (
     IGNORE, Batches, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, exact_match, messages,
@@ -205,19 +205,36 @@ def test_the_curriculum_can_keep_pictures_to_one_shape():
 def test_a_share_of_the_training_examples_come_from_the_first_models_distribution(tiny_moe_dir, monkeypatch):
     import vlm_serve.builtin.train as train
 
-    drawn: list[bool] = []
+    drawn: list[tuple[bool, dict | None]] = []
 
-    def recorded(rng, most=4, wide=False):
-        drawn.append(wide)
-        return random_example(rng, most, wide)
+    def recorded(rng, most=4, wide=False, weights=None):
+        drawn.append((wide, weights))
+        return random_example(rng, most, wide, weights)
 
     monkeypatch.setattr(train, "random_example", recorded)
+    wide_weights = TrainingArgs(kind_weights="caption=40").wide_weights()
     for old_share in (0.0, 0.5):
         drawn.clear()
-        batches = list(Batches(tiny_moe_dir, seed=0, steps=2, single_steps=0, batch_size=16, old_share=old_share))
+        batches = list(Batches(tiny_moe_dir, seed=0, steps=2, single_steps=0, batch_size=16, old_share=old_share,
+                               wide_weights=wide_weights))  # fmt: skip
         assert len(batches) == 2 and all(len(batch["input_ids"]) == 16 for batch in batches)
         assert len(drawn) == 32
-        assert drawn.count(False) == 0 if old_share == 0 else 8 <= drawn.count(False) <= 24
+        old = [weights for wide, weights in drawn if not wide]
+        assert len(old) == 0 if old_share == 0 else 8 <= len(old) <= 24
+        assert old == [None] * len(old)  # the first distribution keeps its own weights (its held-out set's)
+        assert all(weights is wide_weights for wide, weights in drawn if wide)
+
+
+def test_kind_weights_change_how_often_the_wide_examples_ask_each_kind():
+    weights = TrainingArgs(kind_weights="caption=40, compare=0").wide_weights()
+    assert weights == {**KIND_WEIGHTS[True], "caption": 40, "compare": 0}
+    rng = random.Random(0)
+    kinds = [random_example(rng, wide=True, weights=weights).kind for _ in range(300)]
+    assert "compare" not in kinds and kinds.count("caption") > 300 * 24 / 118 * 1.3  # 31% of them, not 20%
+    assert TrainingArgs().wide_weights() == KIND_WEIGHTS[True]
+    for wrong, named in (("captoin=3", "no question kind 'captoin'"), ("caption=many", "weight 'many'")):
+        with pytest.raises(ValueError, match=named):
+            TrainingArgs(kind_weights=wrong).wide_weights()
 
 
 def test_the_trainers_probe_scores_answers_of_any_length_and_nothing_past_them(tiny_moe_dir):

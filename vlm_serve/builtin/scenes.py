@@ -545,11 +545,13 @@ def _prompt(rng: random.Random, kind: str, wide: bool) -> str:
     return rng.choice(PROMPTS.get(kind, ()) + (WIDE_PROMPTS.get(kind, ()) if wide else ()))
 
 
-def random_example(rng: random.Random, most: int = 4, wide: bool = False) -> Example:
-    """A training or test example of a kind drawn with `KIND_WEIGHTS`, its pictures holding at most `most`
-    shapes; its question before the media one time in three, now and then in lower case (a wide one's
-    also all in lower or upper case)."""
-    weights = KIND_WEIGHTS[wide]
+def random_example(
+    rng: random.Random, most: int = 4, wide: bool = False, weights: dict[str, float] | None = None
+) -> Example:
+    """A training or test example of a kind drawn with `weights` (the distribution's `KIND_WEIGHTS` unless
+    given), its pictures holding at most `most` shapes; its question before the media one time in three, now
+    and then in lower case (a wide one's also all in lower or upper case)."""
+    weights = weights or KIND_WEIGHTS[wide]
     kind = rng.choices(list(weights), list(weights.values()))[0]
     example = _random_example_of(rng, kind, most, wide)
     example.question_first = rng.random() < 1 / 3

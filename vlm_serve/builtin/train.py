@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlm_serve.builtin.scenes import COLOURS, KINDS, SIZES, Example, Scene, random_example, random_scene, render
+from vlm_serve.builtin.scenes import (
+    COLOURS, KIND_WEIGHTS, KINDS, SIZES, Example, Scene, random_example, random_scene, render)  # fmt: skip
 from vlm_serve.testing.media import write_video
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
@@ -133,11 +134,11 @@ class Batches(torch.utils.data.IterableDataset):
 
     POOL = 8
 
-    def __init__(
-        self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int, old_share: float
-    ) -> None:
+    def __init__(self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int, old_share: float,
+                 wide_weights: dict[str, float]) -> None:  # fmt: skip
         self.out_dir, self.seed, self.steps, self.single_steps, self.batch_size, self.old_share = (
             out_dir, seed, steps, single_steps, batch_size, old_share)  # fmt: skip
+        self.wide_weights = wide_weights
 
     def __iter__(self):
         tokenizer = Tokenizer.from_pretrained(self.out_dir)
@@ -148,10 +149,10 @@ class Batches(torch.utils.data.IterableDataset):
             pool = []
             for step in range(first, min(first + self.POOL, self.steps + 1)):
                 most = 1 if step <= self.single_steps else 4
-                pool += [
-                    encode(processor, random_example(rng, most, wide=rng.random() >= self.old_share))
-                    for _ in range(self.batch_size)
-                ]
+                for _ in range(self.batch_size):
+                    wide = rng.random() >= self.old_share
+                    example = random_example(rng, most, wide, self.wide_weights if wide else None)
+                    pool.append(encode(processor, example))
             pool.sort(key=lambda e: len(e["input_ids"]))
             batches = [pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
             rng.shuffle(batches)
@@ -339,7 +340,9 @@ class TrainingArgs:
     schedule. A tower trained first (by its own steps or in `init_from`) loses much of what it learned at
     the whole model's full rate: from 93% of kinds read right to 50-75% within 300 steps at lr 1e-3;
     `tower_lr_scale` keeps its rate lower. `old_share` of the examples are drawn from the first model's
-    distribution (the old held-out set's): on the wide one alone, its straight clips came out as diagonals."""
+    distribution (the old held-out set's): on the wide one alone, its straight clips came out as diagonals.
+    `kind_weights` ("caption=40,compare=12") changes how often the wide examples ask each kind of question
+    (`KIND_WEIGHTS`' wide ones otherwise), to train more on the kinds answered worst."""
 
     steps: int = 9000
     batch_size: int = 32
@@ -352,7 +355,21 @@ class TrainingArgs:
     vision_batch_size: int = 64
     tower_lr_scale: float = 1.0  # the vision tower's learning rate in the whole model's steps, as a share of lr
     old_share: float = 0.2
+    kind_weights: str = ""
     init_from: Path | None = None
+
+    def wide_weights(self) -> dict[str, float]:
+        """`KIND_WEIGHTS`' wide distribution with `kind_weights`' changes."""
+        weights = dict(KIND_WEIGHTS[True])
+        for item in filter(None, self.kind_weights.split(",")):
+            kind, _, weight = (part.strip() for part in item.partition("="))
+            if kind not in weights:
+                raise ValueError(f"--kind-weights: no question kind {kind!r} (kinds: {', '.join(weights)})")
+            try:
+                weights[kind] = float(weight)
+            except ValueError:
+                raise ValueError(f"--kind-weights: {kind}'s weight {weight!r} is not a number") from None
+        return weights
 
 
 class Optimizer:
@@ -430,7 +447,7 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
     probe = [random_example(held_out, wide=True) for _ in range(48)]
     single_probe = [random_example(held_out, most=1, wide=True) for _ in range(48)]
     batches = Batches(out_dir, args.seed, args.steps, round(args.single_share * args.steps), args.batch_size,
-                      args.old_share)  # fmt: skip
+                      args.old_share, args.wide_weights())  # fmt: skip
     for step, batch in enumerate(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1), 1):
         cells, labels = batch.pop("cell_labels", None), batch.pop("labels")
         loss = answer_loss(model(**batch).logits, labels)
@@ -469,6 +486,7 @@ def main() -> None:
         "vision_batch_size": "pictures in each of those steps",
         "init_from": "a checkpoint this trainer wrote, to go on training from",
         "old_share": "share of examples from the first model's (grid) distribution",
+        "kind_weights": "how often wide examples ask each kind, e.g. caption=40,compare=12 (others as KIND_WEIGHTS)",
     }
     for field in fields(TrainingArgs):
         kind = Path if field.name == "init_from" else type(getattr(defaults, field.name))
@@ -476,7 +494,12 @@ def main() -> None:
                             help=helps.get(field.name))  # fmt: skip
     args = vars(parser.parse_args())
     out_dir = args.pop("out_dir")
-    train(out_dir, TrainingArgs(**args))
+    training = TrainingArgs(**args)
+    try:
+        training.wide_weights()
+    except ValueError as error:
+        parser.error(str(error))
+    train(out_dir, training)
 
 
 if __name__ == "__main__":
