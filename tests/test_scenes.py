@@ -232,7 +232,9 @@ def test_kind_weights_change_how_often_the_wide_examples_ask_each_kind():
     kinds = [random_example(rng, wide=True, weights=weights).kind for _ in range(300)]
     assert "compare" not in kinds and kinds.count("caption") > 300 * 24 / 118 * 1.3  # 31% of them, not 20%
     assert TrainingArgs().wide_weights() == KIND_WEIGHTS[True]
-    for wrong, named in (("captoin=3", "no question kind 'captoin'"), ("caption=many", "weight 'many'")):
+    all_zero = ",".join(f"{kind}=0" for kind in KIND_WEIGHTS[True])
+    for wrong, named in (("captoin=3", "no question kind 'captoin'"), ("caption=many", "weight 'many'"),
+                         ("caption=-1", "must be 0 or more"), ("caption=nan", "must be 0 or more"), (all_zero, "every weight is 0")):
         with pytest.raises(ValueError, match=named):
             TrainingArgs(kind_weights=wrong).wide_weights()
 

@@ -369,6 +369,10 @@ class TrainingArgs:
                 weights[kind] = float(weight)
             except ValueError:
                 raise ValueError(f"--kind-weights: {kind}'s weight {weight!r} is not a number") from None
+            if not weights[kind] >= 0:
+                raise ValueError(f"--kind-weights: {kind}'s weight {weight} must be 0 or more")
+        if not sum(weights.values()) > 0:
+            raise ValueError("--kind-weights: every weight is 0: no question would be asked")
         return weights
 
 
