@@ -13,6 +13,8 @@ import random
 import httpx
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import transformers
 from eagle3_reference import draft_reference, fuse
 from helpers import ReplayDrafts, running_server
@@ -123,6 +125,43 @@ def test_the_bound_fails_a_verifier_that_keeps_drafts_without_checking_them():
     assert worst_position_chi2(verified(keep_every_draft, logits, False), torch.softmax(logits, -1)) > CHI2_BOUND
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32),
+    choices=st.lists(st.sampled_from(["best", "second", "random"]), min_size=1, max_size=5),
+    logprobs=st.booleans(),
+    top_k=st.sampled_from([-1, 3, 50]),
+)
+def test_a_seeded_verify_batch_keeps_the_tokens_and_log_probs_of_plain_steps(seed, choices, logprobs, top_k):
+    """Whatever the drafts (a row's most likely token, its second, any token; after a draft that was not
+    kept too), a seeded request's kept tokens and their log-probs are those of one plain step per
+    position, its generator has drawn as often as those steps (the next step draws the same), and every
+    row holds a real token id (a row's log-prob is read at it)."""
+    vocab = 64
+    logits = 3 * torch.randn(len(choices) + 1, vocab, generator=torch.Generator().manual_seed(seed))
+    ranked = logits.argsort(dim=-1, descending=True)
+    pick = {"best": 0, "second": 1}
+    drafts = [int(ranked[j, pick[c]]) if c in pick else (seed + 7 * j) % vocab for j, c in enumerate(choices)]
+    params = SamplingParams(temperature=0.8, top_k=top_k, seed=seed, logprobs=logprobs, top_logprobs=2 * logprobs)
+    rows = [SampleRow(params, torch.Generator().manual_seed(seed), [], [], j, None, d) for j, d in enumerate([*drafts, None])]
+    for row in rows:
+        row.generator = rows[0].generator  # (one request: one generator)
+    out = Sampler([])(logits.clone(), rows)
+    sampled = out.next_token_ids.tolist()
+    assert all(0 <= t < vocab for t in sampled)
+    kept = verify_drafts(sampled, drafts)
+
+    generator = torch.Generator().manual_seed(seed)
+    want, want_logprobs = [], []
+    for j in range(len(kept)):
+        plain = Sampler([])(logits[j : j + 1].clone(), [SampleRow(params, generator, [], [], j)])
+        want.append(int(plain.next_token_ids[0]))
+        want_logprobs.append((plain.logprobs[0], plain.top_logprobs[0]))
+    assert kept == want
+    assert [(out.logprobs[j], out.top_logprobs[j]) for j in range(len(kept))] == want_logprobs
+    assert torch.equal(rows[0].generator.get_state(), generator.get_state())
+
+
 # ---- in the scheduler -----------------------------------------------------------------------------
 
 COPY = "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat."
@@ -163,6 +202,7 @@ FEATURES = {  # requests with every sampling feature that shapes the token at ea
     "penalties": dict(temperature=0, repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=0.5, min_tokens=6),
     "logit bias": dict(temperature=0, logit_bias={"5": 3.0}),
     "seeded": dict(temperature=0.9, top_k=20, top_p=0.9, seed=7, n=2),
+    "seeded log-probs": dict(temperature=1.0, seed=42, n=3, logprobs=True, top_logprobs=2),
 }
 
 

@@ -222,17 +222,18 @@ def _sample(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
 
 def _seeded_draws(probs: torch.Tensor, candidates: torch.Tensor | None, reqs: list[SamplingRequest]) -> torch.Tensor:
     """Each row's draw on its own generator, over its own top_k candidates only (so that the batch cannot
-    change it). A row after a draft that its draw did not keep is not drawn (its token is thrown away)."""
+    change it). A row after a draft that its draw did not keep is not drawn: its token, thrown away, is
+    its most likely one (a real id: log-probs are still read at it)."""
     tokens: list[int] = []
-    rejected = False  # whether the row before was a draft's, and did not keep it
+    rejected = False  # whether a draft in the request's rows so far was not kept
     for j, req in enumerate(reqs):
         if rejected:
-            tokens.append(-1)
+            tokens.append(int(candidates[j, 0]) if candidates is not None else int(probs[j].argmax()))
         else:
             k = req.sampling_params.top_k
             draw = int(torch.multinomial(probs[j, :k] if candidates is not None else probs[j], 1, generator=req.generator))
             tokens.append(int(candidates[j, draw]) if candidates is not None else draw)
-        rejected = req.draft is not None and tokens[-1] != req.draft
+        rejected = req.draft is not None and (rejected or tokens[-1] != req.draft)
     return torch.tensor(tokens, dtype=torch.long)
 
 
