@@ -127,14 +127,16 @@ def stop_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def spawn_serve(model_dir: Path, *flags: str, port: int | None = None) -> ServerProcess:
-    """Starts `vlm-serve serve` (on a free loopback port unless given) and returns at once; its output
-    lines collect in `.output`."""
+def spawn_serve(
+    model_dir: Path, *flags: str, port: int | None = None, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """Starts `vlm-serve serve` (on a free loopback port unless given; in `env` if given) and returns at
+    once; its output lines collect in `.output`."""
     port = port or free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model_dir), "--port", str(port), *flags]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        preexec_fn=stop_with_parent,
+        preexec_fn=stop_with_parent, env=env,
     )  # fmt: skip
     output: list[str] = []
 
@@ -147,9 +149,11 @@ def spawn_serve(model_dir: Path, *flags: str, port: int | None = None) -> Server
     return ServerProcess(process, f"http://127.0.0.1:{port}", output, reader)
 
 
-def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerProcess:
+def start_server(
+    model_dir: Path, *flags: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> ServerProcess:
     """Runs `vlm-serve serve` on a free loopback port and returns once it prints where it listens."""
-    server = spawn_serve(model_dir, *flags)
+    server = spawn_serve(model_dir, *flags, env=env)
     deadline = time.monotonic() + timeout
     while not any("serving" in line and server.url.rsplit(":", 1)[1] in line for line in server.output):
         if server.process.poll() is not None or time.monotonic() > deadline:
@@ -160,10 +164,10 @@ def start_server(model_dir: Path, *flags: str, timeout: float = 180) -> ServerPr
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, *flags: str) -> Iterator[ServerProcess]:
+def running_server(model_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """`start_server` for a `with` block (a module's server fixture): at the end SIGTERM must stop it
     cleanly and silently."""
-    server = start_server(model_dir, *flags)
+    server = start_server(model_dir, *flags, env=env)
     try:
         yield server
     finally:

@@ -7,12 +7,14 @@ fails or never compiles, the idle self-check). Through real servers: test_fault_
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import time
 from concurrent.futures import Future
 
 import pytest
+import request_faults
 import torch
 
 from vlm_serve.config import ServerArgs
@@ -122,3 +124,56 @@ def test_a_failed_idle_self_check_is_raised_not_passed_over(engine):
         engine.scheduler.allocator.free(leaked)
     _settled(engine)
     assert engine.chat(TEXT, max_tokens=MAX_TOKENS, temperature=0).text == before
+
+
+# ---- a request's own failure -----------------------------------------------------------------------------
+
+ENGINES = {  # the built-in model drafts with EAGLE-3 in the normal loop; the tiny one runs the overlap loop
+    "built-in, EAGLE-3": dict(),
+    "overlap": dict(speculative_algorithm="none"),
+    "n-gram": dict(speculative_algorithm="ngram"),
+}
+TOGETHER = [dict(temperature=0), dict(temperature=0.8, seed=11, logprobs=True, top_logprobs=2)]
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def each_engine(request):
+    with Engine(vit_dp=0, **ENGINES[request.param]) as engine:
+        yield engine
+
+
+def _answers(engine: Engine, requests: list[dict]) -> list[list[int] | Exception]:
+    """Each request's token ids (or the error it raised), all in flight together."""
+    prompt = engine.processor.process_messages(TEXT)
+    submissions = [engine.submit(prompt, max_tokens=MAX_TOKENS + 4, ignore_eos=True, **r) for r in requests]
+    while not all(s.done for s in submissions):
+        engine.step()
+    results = []
+    for s in submissions:
+        try:
+            results.append(engine.result(s).token_ids)
+        except InternalError as exc:
+            results.append(exc)
+    return results
+
+
+@pytest.mark.parametrize("fault", ["sampling", "output", "text"])
+def test_a_request_whose_own_path_raises_fails_alone_and_the_others_get_their_answers(each_engine, fault, monkeypatch):
+    """Its sampling (the batch's, then its own), its output processing (at its third token) or its text
+    (the detokenizer): it ends with a 500 naming the request and the cause; the requests beside it get
+    the answers they get without it, nothing is left held, and the next request is served."""
+    engine = each_engine
+    want = _answers(engine, TOGETHER)
+    request_faults.install(monkeypatch.setattr)
+    faulty = {
+        "sampling": dict(stop=[request_faults.SAMPLE]), "output": dict(stop=[request_faults.OUTPUT]),
+        "text": dict(logit_bias={engine.tokenizer.token_to_id(request_faults.DETOKENIZE): 100}),
+    }[fault]  # fmt: skip
+    got = _answers(engine, [dict(temperature=0.5, **faulty), *TOGETHER])
+    where = {"sampling": "while sampling", "output": "while its output was processed", "text": "while its text was decoded"}
+    assert isinstance(got[0], InternalError) and got[0].status == 500
+    assert re.fullmatch(rf"request req\d+-0 failed {where[fault]}: RuntimeError: injected \w+ fault", got[0].message)
+    assert got[1:] == want
+    _settled(engine)
+    monkeypatch.undo()
+    assert _answers(engine, TOGETHER) == want

@@ -23,20 +23,25 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, descendants, openai_client, process_name, start_server
+import request_faults
+from helpers import ServerProcess, descendants, openai_client, process_name, running_server, start_server
 
+from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.testing.media import make_image
+from vlm_serve.tokenizer import Tokenizer
 
 MAX_TOKENS = 8
 LONG = 1000  # tokens: an answer still in flight when its client leaves or its server fails
@@ -382,3 +387,51 @@ def test_a_killed_scheduler_rank_fails_every_request_in_flight_visibly_and_stops
         _every_request_answered_or_visibly_failed(server, "vlm-scheduler-1", cause)
     finally:
         server.stop()
+
+
+# ---- a request's own failure -----------------------------------------------------------------------------
+
+
+def _error_message(server: ServerProcess, path: str, body: dict) -> tuple[int, str]:
+    """A request expected to fail: its status (200 for a stream whose error came as an event) and the
+    error's message."""
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as response:
+        if response.status_code != 200:
+            response.read()
+            return response.status_code, response.json()["error"]["message"]
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    errors = [json.loads(event)["error"] for event in events[:-1] if "error" in json.loads(event)]
+    assert len(errors) == 1, events
+    return 200, errors[0]["message"]
+
+
+def test_a_request_whose_own_path_raises_fails_alone_on_the_default_server():
+    """On the default server (the built-in model, drafting with EAGLE-3) with faults injected into each of
+    its processes (request_faults): a request whose sampling, output processing or text raises ends with a
+    500 (or, streamed, an error event) naming it and the cause, streamed or not and on /generate; the
+    requests sent with it get the answers they get alone, and the server goes on serving, idle after."""
+    with running_server(BUILTIN_MODEL, env=request_faults.server_env()) as server:
+        client = openai_client(server)
+        greedy = dict(model=None, messages=TEXT, max_tokens=MAX_TOKENS, temperature=0)
+        want = client.chat.completions.create(**greedy).choices[0].message.content
+        chat = dict(messages=TEXT, max_tokens=12, temperature=0.5, ignore_eos=True)
+        forced = str(Tokenizer.from_pretrained(BUILTIN_MODEL).token_to_id(request_faults.DETOKENIZE))
+        faulty = [
+            ("/v1/chat/completions", {**chat, "stop": [request_faults.SAMPLE]}, "while sampling"),
+            ("/v1/chat/completions", {**chat, "stop": [request_faults.OUTPUT]}, "while its output was processed"),
+            ("/v1/chat/completions", {**chat, "stop": [request_faults.OUTPUT], "stream": True}, "while its output"),
+            ("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "logit_bias": {forced: 100}}},
+             "while its text was decoded"),
+        ]  # fmt: skip
+        with ThreadPoolExecutor(8) as pool:
+            failures = [pool.submit(_error_message, server, path, body) for path, body, _ in faulty]
+            answers = [pool.submit(client.chat.completions.create, **greedy) for _ in range(4)]
+            for (path, _, where), failure in zip(faulty, failures):
+                status, message = failure.result()
+                assert status in (500, 200) and f"failed {where}" in message and "RuntimeError: injected" in message
+                assert re.match(r"request \S+ failed", message), message
+            assert [a.result().choices[0].message.content for a in answers] == [want] * 4
+        _wait_until(lambda: _idle(_metrics(server)), "the server is idle")
+        assert server.process.poll() is None and httpx.get(server.url + "/health").status_code == 200
+        assert client.chat.completions.create(**greedy).choices[0].message.content == want

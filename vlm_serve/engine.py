@@ -259,6 +259,8 @@ class Engine:
                         choice.outs.append(out)
                         if choice.finished:
                             del self._choices[out.rid]
+                        if choice.failed:  # (the detokenizer may have failed it alone: the scheduler goes on)
+                            self._io.inbox.append(AbortReq(out.rid, "it failed"))
         self._io.outbox.clear()
         stalled = (
             scheduler.last_batch is None and not scheduler.result_queue and not len(scheduler.encoding)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,9 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def sample_groups(self) -> list[range]:
+        return sample_groups(self.batch_size, self.draft_ids)
+
     def last_token_indices(self) -> torch.Tensor:
         """Row of each request's last new token: the rows whose logits are sampled."""
         ends = torch.tensor(self.extend_lens_cpu, dtype=torch.int64).cumsum(0) - 1
@@ -84,3 +88,10 @@ class ForwardOutput:
 
     def to_host(self) -> None:
         self.sample.to_host()
+
+
+def sample_groups(batch_size: int, draft_ids: list[list[int]] | None) -> list[range]:
+    """Each request's rows of a batch's sampling: one, or in a verify batch one per position (1 + its drafts)."""
+    sizes = [1] * batch_size if draft_ids is None else [1 + len(d) for d in draft_ids]
+    starts = list(itertools.accumulate(sizes, initial=0))
+    return [range(a, b) for a, b in zip(starts, starts[1:])]

@@ -11,7 +11,7 @@ from vlm_serve.llm.cuda_graph_runner import CudaGraphRunner
 from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
 from vlm_serve.llm.layers.attention import create_attention_backend
-from vlm_serve.llm.layers.sampler import Sampler
+from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
@@ -138,11 +138,23 @@ class ModelRunner:
         self.future_map.resolve(batch)
         hidden, aux = self.forward_with_aux(batch)
         if batch.draft_ids is None:
-            out = self.sampler(self.compute_logits(hidden[batch.last_token_indices()]), batch.sampling)
+            out = self.sample(hidden[batch.last_token_indices()], batch)
             self.future_map.store(batch.future_start, out.next_token_ids)
         else:  # every position is sampled (a row each): the loop runs no batch ahead of this one's tokens
-            out = self.sampler(self.compute_logits(hidden), batch.sampling)
+            out = self.sample(hidden, batch)
         return ForwardOutput(out, self.prompt_logprobs(hidden, batch), aux)
+
+    def sample(self, hidden: torch.Tensor, batch: ForwardBatch) -> SampleOutput:
+        """The tokens after `hidden` (a row per sampled position). If sampling the batch raises, each
+        request is sampled alone, so that a request's own failure (its settings, its grammar) fails it
+        only (`SampleOutput.failures`)."""
+        try:
+            return self.sampler(self.compute_logits(hidden), batch.sampling)
+        except Exception:  # noqa: BLE001 - sampled again request by request, which says whose it is
+            logger.exception("sampling a batch of %d requests failed; sampling each alone", batch.batch_size)
+            return self.sampler.sample_apart(
+                lambda start, stop: self.compute_logits(hidden[start:stop]), batch.sampling, batch.sample_groups()
+            )
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch) -> list[PromptLogprobs | None]:

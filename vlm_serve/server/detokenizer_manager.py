@@ -43,9 +43,27 @@ class DetokenizerManager:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.streams: dict[str, _Stream] = {}
+        self.failed: set[str] = set()  # requests whose text failed here, until the scheduler ends them
 
     def detokenize(self, batch: BatchTokenIdOut) -> BatchStrOut:
-        return BatchStrOut([self._one(out) for out in batch.outs])
+        """The text of each output; a request whose text cannot be made fails alone (a 500 naming why: its
+        front end then aborts it), and its later outputs are dropped."""
+        outs = []
+        for out in batch.outs:
+            if out.rid in self.failed:
+                if out.finish_reason is not None:
+                    self.failed.discard(out.rid)
+                continue
+            try:
+                outs.append(self._one(out))
+            except Exception as exc:  # noqa: BLE001 - its own failure: it ends, the others go on
+                logger.exception("request %s failed while its text was decoded", out.rid)
+                self.streams.pop(out.rid, None)
+                if out.finish_reason is None:
+                    self.failed.add(out.rid)
+                why = f"request {out.rid} failed while its text was decoded: {type(exc).__name__}: {exc}"
+                outs.append(StrOut.failed(out.rid, 500, "internal_error", why))
+        return BatchStrOut(outs)
 
     def _one(self, out: TokenIdOut) -> StrOut:
         stream = self.streams.setdefault(out.rid, _Stream(TextStream(self.tokenizer, out.stop_holdback)))

@@ -180,9 +180,8 @@ class TokenizerManager:
         try:
             while pending.unfinished:
                 out = await pending.queue.get()
-                if out.finish_reason == "error":
+                if out.finish_reason == "error":  # (still aborted below: the detokenizer may have failed it alone)
                     failed = True
-                    pending.unfinished.discard(out.rid)
                     raise self._failed(out)
                 now = time.perf_counter()
                 if out.new_ids:

@@ -206,17 +206,22 @@ def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[GrammarRow]) -> Non
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)
 
 
-def accept_grammar_tokens(next_token_ids: torch.Tensor, rows: Sequence[GrammarRow]) -> None:
+def accept_grammar_tokens(next_token_ids: torch.Tensor, rows: Sequence[GrammarRow]) -> dict[int, str]:
     """Advances each row's grammar by the token sampled for it; in a verify batch, by the tokens kept
-    only (`kept_rows`)."""
+    only (`kept_rows`). Returns the rows whose grammar raised, with why (the others are advanced)."""
+    failures: dict[int, str] = {}
     if not any(r.grammar is not None for r in rows):
-        return
+        return failures
     tokens = next_token_ids.tolist()
-    for row, token, kept in zip(rows, tokens, kept_rows(rows, tokens)):
+    for i, (row, token, kept) in enumerate(zip(rows, tokens, kept_rows(rows, tokens))):
         if row.grammar is None or row.grammar.is_terminated() or not kept:
             continue
-        if not row.grammar.accept_token(token):
-            logger.warning("grammar rejected token %d it had allowed", token)
+        try:
+            if not row.grammar.accept_token(token):
+                logger.warning("grammar rejected token %d it had allowed", token)
+        except Exception as exc:  # noqa: BLE001 - this row's request fails; the batch goes on
+            failures[i] = f"its grammar failed: {type(exc).__name__}: {exc}"
+    return failures
 
 
 def kept_rows(rows: Sequence[GrammarRow], tokens: Sequence[int]) -> list[bool]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import torch
@@ -48,6 +49,7 @@ class SampleOutput:
     next_token_ids: torch.Tensor  # (batch,) int64, on the model's device (or the host, after `to_host`)
     logprobs: list[float | None]  # per row: the chosen token's log-prob, None where not asked
     top_logprobs: list[list[tuple[int, float]] | None]  # per row: (token id, log-prob) best first, None where not asked
+    failures: dict[int, str] = field(default_factory=dict)  # rows that could not be sampled: why (their token is 0)
     copy_done: torch.cuda.Event | None = None  # recorded after the copy `to_host` started
 
     def to_host(self) -> None:
@@ -78,7 +80,10 @@ class Sampler:
     Log-probs are log_softmax of the logits after penalties, bias and masks but before temperature
     and the top-k/top-p/min-p filters. `logits` is modified in place by the penalties, the bias and
     the masks, to spare copying a (batch, vocab) tensor every step. A grammar decides alone when its
-    answer may end: min_new_tokens does not mask EOS on its row."""
+    answer may end: min_new_tokens does not mask EOS on its row.
+
+    A failure is one request's where it can be: a grammar that raises fails its row only, and when the
+    batch cannot be sampled, `sample_apart` samples each request alone (the caller decides when)."""
 
     def __init__(self, stop_token_ids: Iterable[int]):
         self.eos_token_ids = list(stop_token_ids)
@@ -100,8 +105,7 @@ class Sampler:
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sample_rows:
             next_ids[sample_rows] = _sample(logits[sample_rows], [reqs[i] for i in sample_rows])
-        accept_grammar_tokens(next_ids, reqs)
-        out = SampleOutput(next_ids, [None] * len(reqs), [None] * len(reqs))
+        out = SampleOutput(next_ids, [None] * len(reqs), [None] * len(reqs), accept_grammar_tokens(next_ids, reqs))
 
         if logprobs is not None:
             chosen = logprobs.gather(1, next_ids[logprob_rows].unsqueeze(1)).squeeze(1).tolist()
@@ -112,6 +116,28 @@ class Sampler:
                 if params[i].top_logprobs:
                     n = params[i].top_logprobs
                     out.top_logprobs[i] = list(zip(top_ids[j][:n], top_values[j][:n]))
+        return out
+
+    def sample_apart(
+        self, logits_of: Callable[[int, int], torch.Tensor], reqs: Sequence[SamplingRequest], groups: Sequence[range]
+    ) -> SampleOutput:
+        """After sampling a whole batch raised: each request's rows (`groups`, consecutive) sampled alone,
+        from fresh logits (`logits_of(start, stop)`: the failed try changed the batch's in place). The rows
+        of a request that fails alone too get token 0 and the error in `failures`. (A seeded request whose
+        generator the failed try drew from draws on from there.)"""
+        tokens: list[torch.Tensor] = []
+        out = SampleOutput(torch.empty(0), [], [])
+        for group in groups:
+            try:
+                part = self(logits_of(group.start, group.stop), reqs[group.start : group.stop])
+            except Exception as exc:  # noqa: BLE001 - this request's own failure: reported, the others go on
+                part = SampleOutput(torch.zeros(len(group), dtype=torch.long), [None] * len(group), [None] * len(group))
+                part.failures = dict.fromkeys(range(len(group)), f"{type(exc).__name__}: {exc}")
+            tokens.append(part.next_token_ids.cpu())
+            out.logprobs += part.logprobs
+            out.top_logprobs += part.top_logprobs
+            out.failures.update((group.start + row, why) for row, why in part.failures.items())
+        out.next_token_ids = torch.cat(tokens)
         return out
 
     @staticmethod

@@ -163,13 +163,13 @@ class RadixCache:
         self.inc_lock_ref(match.last_node)
         req.prefix_indices, req.last_node = match.indices, match.last_node
 
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: Req, keep: bool = True) -> None:
         """A request is done (finished, aborted or retracted): its computed KV goes into the tree (or
-        back to the allocator when the tree is disabled) and its request row is freed."""
+        back to the allocator when the tree is disabled or not to `keep`) and its request row is freed."""
         row = req.req_pool_idx
         slots = self.req_to_token_pool.req_to_token[row, : req.kv_len].long()
         own_from = len(req.prefix_indices)
-        if not self.disable:
+        if keep and not self.disable:
             aligned = req.kv_len - req.kv_len % self.page_size
             cached = self.insert(req.fill_ids[:aligned], slots[:aligned])
             self.allocator.free(slots[own_from:cached])

@@ -90,7 +90,7 @@ class Req:
     grammar: Grammar | None = None  # structured output; set when its grammar is compiled
     output_text: str | None = None  # the text cut before the stop string that ended the request
     first_token_time: float | None = None
-    to_abort: str | None = None  # set by an abort; the scheduler releases the request next step
+    to_finish: FinishReason | None = None  # an abort or a failure while it is in a batch: released next step
     # prefill/decode disaggregation: the prefill server its KV comes from or goes to, and the transfer
     bootstrap: BootstrapInfo | None = None
     transfer: KVSender | KVReceiver | None = None

@@ -15,7 +15,6 @@ which drives the same loop one iteration at a time (`run_iteration`).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 import weakref
@@ -36,7 +35,7 @@ from vlm_serve.llm.disaggregation.decode import DecodeDisaggregation
 from vlm_serve.llm.disaggregation.prefill import PrefillDisaggregation
 from vlm_serve.llm.disaggregation.transfer import KVLayout, create_transfer_backend
 from vlm_serve.llm.distributed import get_parallel_state
-from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
+from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput, sample_groups
 from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
@@ -82,6 +81,14 @@ class SchedulerIO(Protocol):
         """Every message waiting now; with `block`, waits a while (not forever) for the first one."""
 
     def send(self, message: Any) -> None: ...
+
+
+@dataclass
+class FailReq:
+    """A request failed where rank 0 alone could see it (its output): every rank stops it at the same step."""
+
+    rid: str
+    reason: FinishReason
 
 
 @dataclass
@@ -186,6 +193,7 @@ class Scheduler:
         self._idle_checked = True
         self._finished: list[Req] = []  # finished this iteration, reported by stream_output
         self._outputs: list[TokenIdOut] = []  # refusals, reported by stream_output
+        self._failed_here: list[FailReq] = []  # failures found by rank 0 alone, handed to every rank next step
         self._replies: list[Any] = []  # answers to control requests
         self.disagg = self._init_disaggregation()
 
@@ -275,7 +283,9 @@ class Scheduler:
         """Rank 0 reads every waiting message (an idle scheduler waits a while for the first one); with
         TP it broadcasts them, so every rank applies the same requests before the same step. Pixel
         values are left out of the broadcast: only rank 0 encodes."""
-        messages = self.io.recv(block=self.is_idle()) if self.tp_rank == 0 else []
+        messages = []
+        if self.tp_rank == 0:
+            messages, self._failed_here = self._failed_here + self.io.recv(block=self.is_idle()), []
         if self.tp_size > 1:
             box = [[_without_pixels(m) for m in messages]]
             dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
@@ -289,6 +299,9 @@ class Scheduler:
                 self.handle_generate_request(message)
             elif isinstance(message, AbortReq):
                 self.abort_request(message.rid, message.message)
+            elif isinstance(message, FailReq):
+                if message.rid in self.reqs:
+                    self.stop_request(self.reqs[message.rid], message.reason)
             elif isinstance(message, FlushCacheReq):
                 self._replies.append(self.flush_cache())
             elif isinstance(message, GetStatsReq):
@@ -311,11 +324,18 @@ class Scheduler:
         )
         try:
             self.add_request(req)
-        except ValueError as exc:  # the request's own fault: refused before it started
-            code = getattr(exc, "code", None) or ""  # (an ApiError's, e.g. context_length_exceeded)
-            self._outputs.append(TokenIdOut(message.rid, finish_reason="error", message=str(exc), status=400, code=code))
+        except Exception as exc:  # noqa: BLE001 - ValueError: the request's own fault; else the server's, its alone
+            if isinstance(exc, ValueError):
+                code = getattr(exc, "code", None) or ""  # (an ApiError's, e.g. context_length_exceeded)
+                reason = FinishReason.error(400, code, str(exc))
+            else:
+                reason = self._failure(req, "while being admitted", exc)
             if req.bootstrap is not None and self.disagg is not None:
-                self.disagg.refuse(req.bootstrap, str(exc))
+                self.disagg.refuse(req.bootstrap, reason.message)
+            if self.reqs.get(req.rid) is req:  # it failed once admitted: stopped where it got to
+                self.stop_request(req, reason)
+                return
+            self._outputs.append(self._error_out(message.rid, reason))
 
     def add_request(self, req: Req) -> None:
         """Validates and queues a request; a request that can never run raises ValueError."""
@@ -420,6 +440,8 @@ class Scheduler:
                     p.req.grammar = self.grammar_backend.matcher(p.compiled.result(), after_reasoning)
                 except GrammarError as exc:
                     failure = FinishReason.error(400, "invalid_grammar", str(exc))
+                except Exception as exc:  # noqa: BLE001 - its own failure: it ends, the others go on
+                    failure = self._failure(p.req, "while its grammar was made", exc)
             if failure is None:
                 self._enqueue(p.req)
             else:
@@ -474,24 +496,38 @@ class Scheduler:
         return [self.reqs[rid] for rid, _ in items], failed
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
-        """Stops a request wherever it is; what it holds is released when the next batch is built."""
         req = self.reqs.get(rid)
-        if req is None:
-            return
+        if req is not None:
+            self.stop_request(req, FinishReason("abort", message=message))
+
+    def stop_request(self, req: Req, reason: FinishReason) -> None:
+        """Ends a request wherever it is (an abort, or a failure of its own): at once where it waits; in a
+        batch (it holds KV), when the next batch is built, which releases what it holds."""
         queued = [p for p in self.grammar_queue if p.req is req]
         if queued:
             self.grammar_queue.remove(queued[0])
-            self.finish(req, FinishReason("abort", message=message))
         elif req in self.encoding:
             self.encoding.remove(req)
-            self.finish(req, FinishReason("abort", message=message))
         elif req in self.waiting_queue:
             self.waiting_queue.remove(req)
-            self.finish(req, FinishReason("abort", message=message))
         elif self.disagg is not None and self.disagg.remove(req):
-            self.finish(req, FinishReason("abort", message=message))
-        else:
-            req.to_abort = message
+            pass
+        elif req.req_pool_idx is not None or req is self.chunked_req:
+            req.to_finish = reason
+            return
+        self.finish(req, reason)
+
+    def fail_request(self, req: Req, where: str, exc: Exception | str) -> None:
+        """A request's own failure (its sampling, grammar or output): it ends with a 500 naming the cause,
+        and the others go on."""
+        if not req.finished and req.to_finish is None:
+            self.stop_request(req, self._failure(req, where, exc))
+
+    @staticmethod
+    def _failure(req: Req, where: str, exc: BaseException | str) -> FinishReason:
+        cause = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        logger.error("request %s failed %s: %s", req.rid, where, cause, exc_info=None if isinstance(exc, str) else exc)
+        return FinishReason.error(500, "internal_error", f"request {req.rid} failed {where}: {cause}")
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         if req.transfer is not None and reason.kind in ("abort", "error"):
@@ -523,24 +559,24 @@ class Scheduler:
                 if not r.finished and r is not self.chunked_req and r.transfer is None  # (PD prefill: none decode here)
             ]  # fmt: skip
             self.running_batch.reqs = self.running_batch.reqs + joined
-        self._release_aborted()
+        self._release_stopped()
         batch = self.get_new_batch_prefill()
         if batch is not None:
             return batch
         return self.update_running_batch()
 
-    def _release_aborted(self) -> None:
-        """Releases aborted requests and drops finished ones from the running batch. A request may be in
-        the batch still running (overlap): its KV is read by that forward and written only by later
-        ones, which run after it."""
-        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
-            self.tree_cache.cache_finished_req(self.chunked_req)
-            self.finish(self.chunked_req, FinishReason("abort", message=self.chunked_req.to_abort))
+    def _release_stopped(self) -> None:
+        """Releases the requests stopped while in a batch (aborted or failed) and drops finished ones from
+        the running batch. A request may be in the batch still running (overlap): its KV is read by that
+        forward and written only by later ones, which run after it. A failed request's KV is not cached:
+        it may not match its tokens."""
+        stopped = [r for r in self.running_batch.reqs if r.to_finish is not None and not r.finished]
+        if self.chunked_req is not None and self.chunked_req.to_finish is not None:
+            stopped.append(self.chunked_req)
             self.chunked_req = None
-        for req in self.running_batch.reqs:
-            if req.to_abort is not None and not req.finished:
-                self.tree_cache.cache_finished_req(req)
-                self.finish(req, FinishReason("abort", message=req.to_abort))
+        for req in stopped:
+            self.tree_cache.cache_finished_req(req, keep=req.to_finish.kind != "error")
+            self.finish(req, req.to_finish)
         self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished]
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
@@ -742,42 +778,23 @@ class Scheduler:
         out = result.sample
         t0 = time.perf_counter()
         next_token_ids = out.tolist()
-        if batch.draft_ids is not None:  # a verify batch: each request's first row (of 1 + its drafts)
-            first_rows = list(itertools.accumulate((len(d) + 1 for d in batch.draft_ids), initial=0))
         if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             self.metrics.num_decode_batches += 1
         elif batch.forward_mode == ForwardMode.MIXED:
             self.metrics.num_mixed_batches += 1
         else:
             self.metrics.num_prefill_batches += 1
-        for i, req in enumerate(batch.reqs):
-            if req.finished:
+        for i, (req, rows) in enumerate(zip(batch.reqs, sample_groups(len(batch.reqs), batch.draft_ids))):
+            if req.finished or req.to_finish is not None:
                 continue
-            if result.prompt_logprobs[i] is not None:
-                req.prompt_logprobs.extend(result.prompt_logprobs[i])
-            if i < batch.num_prefill_reqs and req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
-                self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
-            pd_prefill = i < batch.num_prefill_reqs and req.transfer is not None  # its KV goes to a decode server
-            if not batch.samples[i]:  # a chunk that is not the last: nothing to sample yet
-                if pd_prefill:
-                    self.disagg.chunk_done(req, batch.kv_ends[i])
+            failure = next((out.failures[row] for row in rows if row in out.failures), None)
+            if failure is not None:
+                self.fail_request(req, "while sampling", failure)
                 continue
-            if req.future_token == FutureMap.future_id(batch.future_start + i):
-                req.future_token = 0  # (a later batch may already have given it the next one)
-            if pd_prefill:
-                self.disagg.prompt_done(req, next_token_ids[i], out, i)
-                continue
-            if batch.draft_ids is not None:
-                self.append_verified(req, batch.draft_ids[i], out, range(first_rows[i], first_rows[i + 1]))
-            else:
-                logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
-                top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
-                self.append_token(req, next_token_ids[i], logprobs, top)
-            if req.finished:
-                if req.req_pool_idx is not None:
-                    self.tree_cache.cache_finished_req(req)
-                else:  # released while the batch ran: it waits to be prefilled again
-                    self.waiting_queue.remove(req)
+            try:
+                self._process_result_row(batch, i, req, result, next_token_ids, rows)
+            except Exception as exc:  # noqa: BLE001 - its own failure: it ends, the others go on
+                self.fail_request(req, "while its output was processed", exc)
         if self.eagle is not None and not batch.forward_batch.keep_aux:
             for req in batch.reqs:  # (a step without drafts costs no draft forward either)
                 req.draft_state, req.draft_gap = None, True
@@ -788,6 +805,37 @@ class Scheduler:
         self.metrics.time_process += time.perf_counter() - t0
         if self.forward_thread is not None:
             self.metrics.time_forward = self.forward_thread.busy_seconds
+
+    def _process_result_row(
+        self, batch: LaunchedBatch, i: int, req: Req, result: ForwardOutput, next_token_ids: list[int], rows: range
+    ) -> None:
+        """Row `i` of a batch's result: request `req`'s prompt log-probs, its token(s) (sampled at `rows`)."""
+        out = result.sample
+        if result.prompt_logprobs[i] is not None:
+            req.prompt_logprobs.extend(result.prompt_logprobs[i])
+        if i < batch.num_prefill_reqs and req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
+            self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
+        pd_prefill = i < batch.num_prefill_reqs and req.transfer is not None  # its KV goes to a decode server
+        if not batch.samples[i]:  # a chunk that is not the last: nothing to sample yet
+            if pd_prefill:
+                self.disagg.chunk_done(req, batch.kv_ends[i])
+            return
+        if req.future_token == FutureMap.future_id(batch.future_start + i):
+            req.future_token = 0  # (a later batch may already have given it the next one)
+        if pd_prefill:
+            self.disagg.prompt_done(req, next_token_ids[i], out, i)
+            return
+        if batch.draft_ids is not None:
+            self.append_verified(req, batch.draft_ids[i], out, rows)
+        else:
+            logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
+            top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
+            self.append_token(req, next_token_ids[i], logprobs, top)
+        if req.finished:
+            if req.req_pool_idx is not None:
+                self.tree_cache.cache_finished_req(req)
+            else:  # released while the batch ran: it waits to be prefilled again
+                self.waiting_queue.remove(req)
 
     def append_token(
         self, req: Req, token: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None
@@ -859,8 +907,17 @@ class Scheduler:
             return
         outs, self._outputs = self._outputs, []
         for req in [*self.reqs.values(), *finished]:
+            if req.to_finish is not None and not req.finished:
+                continue  # (reported once released)
             if req.send_token_offset < len(req.output_ids) or req.finished:
-                outs.append(self._token_out(req))
+                try:
+                    outs.append(self._token_out(req))
+                except Exception as exc:  # noqa: BLE001 - its own failure, which every rank learns next step
+                    reason = self._failure(req, "while its output was sent", exc)
+                    if req.finished:
+                        outs.append(self._error_out(req.rid, reason))
+                    else:
+                        self._failed_here.append(FailReq(req.rid, reason))
         if outs:
             self.io.send(BatchTokenIdOut(outs))
         for reply in self._replies:
@@ -868,6 +925,8 @@ class Scheduler:
         self._replies = []
 
     def _token_out(self, req: Req) -> TokenIdOut:
+        if req.finished and req.finished_reason.kind == "error":  # what the client gets is the error alone
+            return self._error_out(req.rid, req.finished_reason)
         start, req.send_token_offset = req.send_token_offset, len(req.output_ids)
         params = req.sampling_params
         out = TokenIdOut(
@@ -888,6 +947,10 @@ class Scheduler:
             if self.server_args.speculating:
                 out.spec = req.spec
         return out
+
+    @staticmethod
+    def _error_out(rid: str, reason: FinishReason) -> TokenIdOut:
+        return TokenIdOut(rid, finish_reason="error", message=reason.message, status=reason.status, code=reason.code)
 
     # ---- control and health ------------------------------------------------------------------------
 
