@@ -170,9 +170,9 @@ def test_a_request_whose_own_path_raises_fails_alone_and_the_others_get_their_an
         "text": dict(logit_bias={engine.tokenizer.token_to_id(request_faults.DETOKENIZE): 100}),
     }[fault]  # fmt: skip
     got = _answers(engine, [dict(temperature=0.5, **faulty), *TOGETHER])
-    where = {"sampling": "while sampling", "output": "while its output was processed", "text": "while its text was decoded"}
+    where = {"sampling": "sampling", "output": "its output was processed", "text": "its text was decoded"}[fault]
     assert isinstance(got[0], InternalError) and got[0].status == 500
-    assert re.fullmatch(rf"request req\d+-0 failed {where[fault]}: RuntimeError: injected \w+ fault", got[0].message)
+    assert re.fullmatch(rf"request req\d+-0 failed while {where}: RuntimeError: injected \w+ fault", got[0].message)
     assert got[1:] == want
     _settled(engine)
     monkeypatch.undo()

@@ -143,23 +143,22 @@ def test_a_seeded_verify_batch_keeps_the_tokens_and_log_probs_of_plain_steps(see
     pick = {"best": 0, "second": 1}
     drafts = [int(ranked[j, pick[c]]) if c in pick else (seed + 7 * j) % vocab for j, c in enumerate(choices)]
     params = SamplingParams(temperature=0.8, top_k=top_k, seed=seed, logprobs=logprobs, top_logprobs=2 * logprobs)
-    rows = [SampleRow(params, torch.Generator().manual_seed(seed), [], [], j, None, d) for j, d in enumerate([*drafts, None])]
-    for row in rows:
-        row.generator = rows[0].generator  # (one request: one generator)
+    generator = torch.Generator().manual_seed(seed)  # (one request: one generator for its rows)
+    rows = [SampleRow(params, generator, [], [], j, None, d) for j, d in enumerate([*drafts, None])]
     out = Sampler([])(logits.clone(), rows)
     sampled = out.next_token_ids.tolist()
     assert all(0 <= t < vocab for t in sampled)
     kept = verify_drafts(sampled, drafts)
 
-    generator = torch.Generator().manual_seed(seed)
+    plain_generator = torch.Generator().manual_seed(seed)
     want, want_logprobs = [], []
     for j in range(len(kept)):
-        plain = Sampler([])(logits[j : j + 1].clone(), [SampleRow(params, generator, [], [], j)])
+        plain = Sampler([])(logits[j : j + 1].clone(), [SampleRow(params, plain_generator, [], [], j)])
         want.append(int(plain.next_token_ids[0]))
         want_logprobs.append((plain.logprobs[0], plain.top_logprobs[0]))
     assert kept == want
     assert [(out.logprobs[j], out.top_logprobs[j]) for j in range(len(kept))] == want_logprobs
-    assert torch.equal(rows[0].generator.get_state(), generator.get_state())
+    assert torch.equal(rows[0].generator.get_state(), plain_generator.get_state())
 
 
 # ---- in the scheduler -----------------------------------------------------------------------------
