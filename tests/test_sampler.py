@@ -142,8 +142,9 @@ def test_unseeded_draws_follow_the_distribution_and_the_temperature():
 
 
 def test_greedy_rows_take_the_argmax():
+    """Temperature 0, top_k 1, and a temperature too small to divide by (as vLLM: below 1e-5)."""
     logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 4.0]])
-    for params in ({"temperature": 0}, {"top_k": 1, "temperature": 5.0}):
+    for params in ({"temperature": 0}, {"top_k": 1, "temperature": 5.0}, {"temperature": 5e-324}, {"temperature": 1e-6}):
         out = Sampler([EOS])(logits.clone(), [make_req(**params), make_req(**params)])
         assert out.tolist() == [1, 0]
         assert out.logprobs == [None, None] and out.top_logprobs == [None, None]
