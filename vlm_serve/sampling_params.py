@@ -11,12 +11,13 @@ from typing import Any
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer, as in vLLM
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy, as in vLLM (dividing by it could overflow the logits)
 
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = no limit
     min_p: float = 0.0
@@ -95,7 +96,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def has_grammar(self) -> bool:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 import torch
 
 from vlm_serve.llm.constrained.grammar_backend import accept_grammar_tokens, apply_grammar_masks
-from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.sampling_params import GREEDY_BELOW, SamplingParams
 
 if TYPE_CHECKING:
     from vlm_serve.llm.constrained.grammar_backend import Grammar
@@ -189,7 +189,7 @@ def plain_greedy(req: SamplingRequest) -> bool:
     are spelled out: this runs for every request every step, and the property calls double its cost.)"""
     p = req.sampling_params
     return (
-        (p.temperature == 0 or p.top_k == 1)
+        (p.temperature < GREEDY_BELOW or p.top_k == 1)
         and not (p.logprobs or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1)
         and req.num_outputs >= p.min_new_tokens
         and req.grammar is None
