@@ -4,6 +4,7 @@ the client will not send). transformers' tokenizer is the oracle for how a conve
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -180,6 +181,46 @@ def test_stop_token_ids_are_token_ids_of_the_vocabulary(client, model, server, o
     for bad in (10**9, -1):
         response = post(server, {"model": model, "messages": messages, "max_tokens": 2, "stop_token_ids": [5, bad]})
         assert_refused(response, "stop_token_ids", str(bad), "vocabulary")
+
+
+def regex_ending_at(tokens: list[str]) -> tuple[int, str]:
+    """A token j of an answer (its tokens' texts) and a regex whose first match in the answer ends with
+    that token: its last two characters, alone or after digits."""
+    for j in range(1, len(tokens)):
+        tail = tokens[j][-2:]
+        if tail.strip() and len(tail) == 2 and tail not in "".join(tokens[:j]) + tokens[j][:-1]:
+            return j, rf"\d{{3}}|{re.escape(tail)}"
+    pytest.skip("no token to end a stop_regex match with")
+
+
+def test_stop_regex_ends_the_answer_with_its_first_match_kept(client, model, server):
+    """SGLang's `stop_regex`: the answer ends with the token that completes a match of a pattern, the
+    match kept (as SGLang keeps it), and `matched_stop` is the pattern; streamed, the same text."""
+    request = dict(model=model, messages=user("Tell me a story."), max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**request, logprobs=True)
+    tokens = [t.token for t in whole.choices[0].logprobs.content]
+    j, pattern = regex_ending_at(tokens)
+    cut = client.chat.completions.create(**request, extra_body={"stop_regex": [pattern]})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["matched_stop"] == pattern
+    assert cut.choices[0].message.content == "".join(tokens[: j + 1])
+    assert cut.usage.completion_tokens == j + 1
+    chunks = list(client.chat.completions.create(**request, stream=True, extra_body={"stop_regex": pattern}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # text completions take it too
+    text = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    whole = client.completions.create(**text, logprobs=0)
+    j, pattern = regex_ending_at(whole.choices[0].logprobs.tokens)
+    cut = client.completions.create(**text, extra_body={"stop_regex": pattern})
+    assert cut.choices[0].text == "".join(whole.choices[0].logprobs.tokens[: j + 1])
+    assert cut.choices[0].model_extra["matched_stop"] == pattern
+
+
+def test_an_invalid_stop_regex_is_refused_naming_the_pattern(server, model):
+    for path, body in (("/v1/chat/completions", {"messages": user("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
+        response = post(server, {"model": model, "max_tokens": 2, **body, "stop_regex": ["ok", "(a"]}, path)
+        assert_refused(response, "stop_regex", "'(a'", "not a valid regular expression")
+        assert response.json()["error"]["param"] == "stop_regex"
 
 
 def test_a_seed_is_a_signed_64_bit_integer(client, model, server):

@@ -29,7 +29,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from vlm_serve.errors import ApiError, BadRequest
 from vlm_serve.messages.backend import BootstrapInfo
-from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, OPENAI_SAMPLING_KEYS, SEED_MAX, SEED_MIN
+from vlm_serve.sampling_params import (
+    MAX_N, MAX_TOP_LOGPROBS, OPENAI_SAMPLING_KEYS, SEED_MAX, SEED_MIN, check_stop_regex,
+)  # fmt: skip
 
 
 class _Strict(BaseModel):
@@ -473,7 +475,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[str, A
     # sampling
     "allowed_token_ids": ((None, []), "restricting the vocabulary is not implemented (logit_bias biases tokens)"),
     "bad_words": ((None, []), "banned words are not implemented"),
-    "stop_regex": ((None, "", []), "regex stop conditions are not implemented (stop strings are)"),
+    "stop_regex": ((None, []), "responses take no regex stop conditions (chat and text completions and /generate do)"),
     "thinking_token_budget": (_UNSET, "a reasoning budget is not implemented"),
     "repetition_detection": (_UNSET, "repetition detection is not implemented"),
     "watermarking": (_OFF, "watermarking is not implemented"),
@@ -532,6 +534,12 @@ def refuse_unsupported(body: dict[str, Any], declared: Collection[str]) -> None:
             raise BadRequest(f"`{name}` is not supported: {reason} (given {given})", param=name)
 
 
+def valid_stop_regex(patterns: str | list[str] | None) -> str | list[str] | None:
+    """A request's `stop_regex` as given, once each pattern is known to be a regular expression."""
+    check_stop_regex(patterns)
+    return patterns
+
+
 class SamplingSettings(BaseModel):
     """The sampling settings every generating endpoint takes (OpenAI's, with vLLM's and SGLang's extras)."""
 
@@ -552,6 +560,7 @@ class _SamplingRequest(BootstrapFields, SamplingSettings):
     max_tokens: int | None = Field(None, ge=1)  # 0 is refused, as by OpenAI and vLLM
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's: the answer ends with the first match of one
     n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
@@ -577,6 +586,8 @@ class _SamplingRequest(BootstrapFields, SamplingSettings):
         if isinstance(body, dict):
             refuse_unsupported(body, cls.model_fields)
         return body
+
+    _valid_stop_regex = field_validator("stop_regex")(valid_stop_regex)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> _SamplingRequest:
