@@ -148,6 +148,54 @@ def test_chat_template_kwargs_reach_the_template(client, model, theirs, media_di
     assert numbered.usage.prompt_tokens == plain.usage.prompt_tokens + added
 
 
+def echoed_and_plain(client, model, messages: list[dict], **extra) -> tuple:
+    """The same greedy chat request with vLLM's `echo` and without it (log-probs on)."""
+    request = dict(model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    echoed = client.chat.completions.create(**request, extra_body={"echo": True, **extra})
+    plain = client.chat.completions.create(**request, extra_body=extra)
+    return echoed, plain
+
+
+@pytest.mark.parametrize("continued", [True, False], ids=["continuing it", "after it"])
+def test_echo_starts_the_answer_with_the_final_assistant_message(client, model, continued):
+    """As in vLLM: the echoed text has no log-probs and no tokens in the usage."""
+    extra = {"continue_final_message": True, "add_generation_prompt": False} if continued else {}
+    echoed, plain = echoed_and_plain(client, model, CONTINUED["text"], **extra)
+    assert echoed.choices[0].message.content == "Once upon a time" + plain.choices[0].message.content
+    assert echoed.choices[0].message.role == "assistant"
+    echoed_logprobs, plain_logprobs = echoed.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert [t.token for t in echoed_logprobs] == [t.token for t in plain_logprobs]
+    assert [t.logprob for t in echoed_logprobs] == pytest.approx([t.logprob for t in plain_logprobs], abs=1e-3)
+    assert (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == (
+        plain.usage.prompt_tokens, plain.usage.completion_tokens
+    )
+    stream = client.chat.completions.create(
+        model=model, messages=CONTINUED["text"], max_tokens=8, temperature=0, stream=True, logprobs=True,
+        stream_options={"include_usage": True}, extra_body={"echo": True, **extra},
+    )  # fmt: skip
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and deltas[1].content == "Once upon a time"
+    assert chunks[1].choices[0].logprobs is None
+    assert "".join(d.content or "" for d in deltas) == echoed.choices[0].message.content
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in plain.choices[0].logprobs.content]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_echo_of_a_user_message_adds_nothing_after_a_generation_prompt(client, model):
+    """The answer's role is the assistant's: a last user message is not echoed. Without a generation
+    prompt the answer goes on from the last message and has its role, as in vLLM: that one is echoed."""
+    echoed, plain = echoed_and_plain(client, model, STORY)
+    assert echoed.choices[0].message.content == plain.choices[0].message.content
+    echoed, plain = echoed_and_plain(client, model, STORY, add_generation_prompt=False)
+    assert echoed.choices[0].message.role == plain.choices[0].message.role == "user"
+    assert echoed.choices[0].message.content == "Tell me a story." + plain.choices[0].message.content
+    # text parts are echoed one per line
+    echoed, plain = echoed_and_plain(client, model, CONTINUED["text parts"], continue_final_message=True)
+    assert echoed.choices[0].message.content == "Once\n upon a" + plain.choices[0].message.content
+
+
 def test_prompt_options_that_contradict_each_other_are_refused(server, model):
     assistant_last = CONTINUED["text"]
     both = {"continue_final_message": True, "add_generation_prompt": True}

@@ -226,6 +226,12 @@ class ChatPrompt(BaseModel):
             raise ValueError(f"`chat_template_kwargs` cannot set {reserved[0]!r}: it is a request field of its own")
         return self
 
+    @property
+    def answer_role(self) -> str:
+        """The role of the answer, as vLLM names it: the assistant's after a generation prompt, else that of
+        the last message (which the answer goes on from)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def media_options(self) -> dict[str, dict[str, Any]]:
         """The request-wide options of each modality ("image", "video"): `mm_processor_kwargs`, then
         `media_io_kwargs` (its video `num_frames` is `max_frames`)."""
@@ -490,7 +496,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[str, A
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported"),
     "input_ids": (_UNSET, "token-id prompts go in the `prompt` of /v1/completions"),
     "suffix": ((None, ""), "text after the insertion point is not supported"),
-    "echo": (_OFF, "chat completions do not echo the last message (text completions take `echo`)"),
+    "echo": (_OFF, "responses do not echo their input (chat and text completions take `echo`)"),
     # the answer's text
     "skip_special_tokens": ((None, True), "special tokens are always left out of the answer's text"),
     "spaces_between_special_tokens": ((None, True), "special tokens are always left out of the answer's text"),
@@ -645,6 +651,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
     # a chat template variable, as vLLM passes it; "none" also turns thinking off, as SGLang does
     # (`enable_thinking: false`, unless chat_template_kwargs say otherwise)
     reasoning_effort: str | None = None
+    echo: bool = False  # vLLM's: the answer starts with the last message's text when that has its role
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -653,6 +660,16 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
             if isinstance(tool, dict) and tool.get("type", "function") != "function":
                 raise ValueError(f"tool {i} is a {tool.get('type')!r} tool: only function tools are supported")
         return tools
+
+    def echoed(self) -> str:
+        """What `echo` puts before the answer (as vLLM does): the last message's text (its text parts one
+        per line) when that message has the answer's role, else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.answer_role or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.text for part in last.content if isinstance(part, TextPart))
 
     @model_validator(mode="after")
     def _reasoning_effort_to_template(self) -> ChatCompletionRequest:
@@ -747,7 +764,7 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # (the last message's, where there is no generation prompt: `answer_role`)
     content: str | None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
@@ -784,7 +801,7 @@ class ToolCallDelta(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
