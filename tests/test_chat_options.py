@@ -4,6 +4,7 @@ the client will not send). transformers' tokenizer is the oracle for how a conve
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -147,6 +148,54 @@ def test_chat_template_kwargs_reach_the_template(client, model, theirs, media_di
     assert numbered.usage.prompt_tokens == plain.usage.prompt_tokens + added
 
 
+def echoed_and_plain(client, model, messages: list[dict], **extra) -> tuple:
+    """The same greedy chat request with vLLM's `echo` and without it (log-probs on)."""
+    request = dict(model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    echoed = client.chat.completions.create(**request, extra_body={"echo": True, **extra})
+    plain = client.chat.completions.create(**request, extra_body=extra)
+    return echoed, plain
+
+
+@pytest.mark.parametrize("continued", [True, False], ids=["continuing it", "after it"])
+def test_echo_starts_the_answer_with_the_final_assistant_message(client, model, continued):
+    """As in vLLM: the echoed text has no log-probs and no tokens in the usage."""
+    extra = {"continue_final_message": True, "add_generation_prompt": False} if continued else {}
+    echoed, plain = echoed_and_plain(client, model, CONTINUED["text"], **extra)
+    assert echoed.choices[0].message.content == "Once upon a time" + plain.choices[0].message.content
+    assert echoed.choices[0].message.role == "assistant"
+    echoed_logprobs, plain_logprobs = echoed.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert [t.token for t in echoed_logprobs] == [t.token for t in plain_logprobs]
+    assert [t.logprob for t in echoed_logprobs] == pytest.approx([t.logprob for t in plain_logprobs], abs=1e-3)
+    assert (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == (
+        plain.usage.prompt_tokens, plain.usage.completion_tokens
+    )
+    stream = client.chat.completions.create(
+        model=model, messages=CONTINUED["text"], max_tokens=8, temperature=0, stream=True, logprobs=True,
+        stream_options={"include_usage": True}, extra_body={"echo": True, **extra},
+    )  # fmt: skip
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and deltas[1].content == "Once upon a time"
+    assert chunks[1].choices[0].logprobs is None
+    assert "".join(d.content or "" for d in deltas) == echoed.choices[0].message.content
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in plain.choices[0].logprobs.content]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_echo_of_a_user_message_adds_nothing_after_a_generation_prompt(client, model):
+    """The answer's role is the assistant's: a last user message is not echoed. Without a generation
+    prompt the answer goes on from the last message and has its role, as in vLLM: that one is echoed."""
+    echoed, plain = echoed_and_plain(client, model, STORY)
+    assert echoed.choices[0].message.content == plain.choices[0].message.content
+    echoed, plain = echoed_and_plain(client, model, STORY, add_generation_prompt=False)
+    assert echoed.choices[0].message.role == plain.choices[0].message.role == "user"
+    assert echoed.choices[0].message.content == "Tell me a story." + plain.choices[0].message.content
+    # text parts are echoed one per line
+    echoed, plain = echoed_and_plain(client, model, CONTINUED["text parts"], continue_final_message=True)
+    assert echoed.choices[0].message.content == "Once\n upon a" + plain.choices[0].message.content
+
+
 def test_prompt_options_that_contradict_each_other_are_refused(server, model):
     assistant_last = CONTINUED["text"]
     both = {"continue_final_message": True, "add_generation_prompt": True}
@@ -180,6 +229,46 @@ def test_stop_token_ids_are_token_ids_of_the_vocabulary(client, model, server, o
     for bad in (10**9, -1):
         response = post(server, {"model": model, "messages": messages, "max_tokens": 2, "stop_token_ids": [5, bad]})
         assert_refused(response, "stop_token_ids", str(bad), "vocabulary")
+
+
+def regex_ending_at(tokens: list[str]) -> tuple[int, str]:
+    """A token j of an answer (its tokens' texts) and a regex whose first match in the answer ends with
+    that token: its last two characters, alone or after digits."""
+    for j in range(1, len(tokens)):
+        tail = tokens[j][-2:]
+        if tail.strip() and len(tail) == 2 and tail not in "".join(tokens[:j]) + tokens[j][:-1]:
+            return j, rf"\d{{3}}|{re.escape(tail)}"
+    pytest.skip("no token to end a stop_regex match with")
+
+
+def test_stop_regex_ends_the_answer_with_its_first_match_kept(client, model, server):
+    """SGLang's `stop_regex`: the answer ends with the token that completes a match of a pattern, the
+    match kept (as SGLang keeps it), and `matched_stop` is the pattern; streamed, the same text."""
+    request = dict(model=model, messages=user("Tell me a story."), max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**request, logprobs=True)
+    tokens = [t.token for t in whole.choices[0].logprobs.content]
+    j, pattern = regex_ending_at(tokens)
+    cut = client.chat.completions.create(**request, extra_body={"stop_regex": [pattern]})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["matched_stop"] == pattern
+    assert cut.choices[0].message.content == "".join(tokens[: j + 1])
+    assert cut.usage.completion_tokens == j + 1
+    chunks = list(client.chat.completions.create(**request, stream=True, extra_body={"stop_regex": pattern}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # text completions take it too
+    text = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    whole = client.completions.create(**text, logprobs=0)
+    j, pattern = regex_ending_at(whole.choices[0].logprobs.tokens)
+    cut = client.completions.create(**text, extra_body={"stop_regex": pattern})
+    assert cut.choices[0].text == "".join(whole.choices[0].logprobs.tokens[: j + 1])
+    assert cut.choices[0].model_extra["matched_stop"] == pattern
+
+
+def test_an_invalid_stop_regex_is_refused_naming_the_pattern(server, model):
+    for path, body in (("/v1/chat/completions", {"messages": user("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
+        response = post(server, {"model": model, "max_tokens": 2, **body, "stop_regex": ["ok", "(a"]}, path)
+        assert_refused(response, "stop_regex", "'(a'", "not a valid regular expression")
+        assert response.json()["error"]["param"] == "stop_regex"
 
 
 def test_a_seed_is_a_signed_64_bit_integer(client, model, server):

@@ -7,11 +7,13 @@ import base64
 import gc
 import io
 import logging
+import re
 import weakref
 
 import pytest
 
 import vlm_serve
+from vlm_serve.detokenizer import STOP_REGEX_LOOKBACK, find_stop_regex
 from vlm_serve.testing.media import make_image
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a cat and a dog."}]
@@ -112,6 +114,59 @@ def test_streaming_never_shows_a_stop_string(engine):
     streamed = "".join(c.text for c in chunks)
     assert streamed == full_text[: full_text.index(stop)]
     assert chunks[-1].finish_reason == "stop"
+
+
+def _regex_stop(engine) -> tuple[list[int], int, str]:
+    """A greedy answer's ids, the token k whose text completes the only match of a regex built from the
+    answer (a match ending one character before that token's end), and the regex."""
+    ids = engine.chat(PROMPT, max_tokens=16, temperature=0, ignore_eos=True).token_ids
+    text = engine.tokenizer.decode(ids)
+    for k in range(2, len(ids)):
+        before, through = engine.tokenizer.decode(ids[:k]), engine.tokenizer.decode(ids[: k + 1])
+        tail = through[-4:-1]
+        if len(through) - len(before) >= 2 and tail.strip() and tail not in before and text.count(tail) == 1:
+            return ids, k, rf"zzz\d+|{re.escape(tail)}"
+    pytest.skip("no token to build a stop_regex match from")
+
+
+def test_a_stop_regex_ends_the_answer_at_the_token_completing_its_first_match(engine):
+    """As in SGLang: the match stays in the answer (with the rest of the token that completed it), and
+    the pattern is what matched."""
+    ids, k, pattern = _regex_stop(engine)
+    out = engine.chat(PROMPT, max_tokens=16, temperature=0, ignore_eos=True, stop_regex=[pattern])
+    assert out.token_ids == ids[: k + 1]
+    assert out.finish_reason == "stop" and out.choices[0].matched_stop == pattern
+    assert out.text == engine.tokenizer.decode(ids[: k + 1])
+    chunks = list(engine.stream(PROMPT, max_tokens=16, temperature=0, ignore_eos=True, stop_regex=pattern))
+    assert "".join(c.text for c in chunks) == out.text and chunks[-1].finish_reason == "stop"
+
+
+def test_a_stop_regex_match_before_min_tokens_does_not_end_the_answer_later(engine):
+    ids, k, pattern = _regex_stop(engine)
+    out = engine.chat(PROMPT, max_tokens=16, temperature=0, ignore_eos=True, stop_regex=pattern, min_tokens=k + 2)
+    assert out.token_ids == ids and out.finish_reason == "length"
+
+
+def test_an_invalid_stop_regex_is_refused_naming_it(engine):
+    with pytest.raises(ValueError, match=r"stop_regex '\(a' is not a valid regular expression"):
+        engine.chat(PROMPT, max_tokens=4, stop_regex=["ok", "(a"])
+
+
+def test_a_stop_regex_matches_what_the_new_text_makes():
+    """A match counts once: when the text a token adds ends it or completes its look-ahead; matches
+    the text had before (during min_tokens) do not count again, and look-behinds see the whole text."""
+    assert find_stop_regex("Hello.", [r"[.!?]\s*$"], 1) == r"[.!?]\s*$"
+    assert find_stop_regex("Hello. W", [r"[.!?]\s*$"], 2) is None
+    assert find_stop_regex("one\ntwo", [r"\n"], 3) is None
+    assert find_stop_regex("one\ntwo\n", [r"\n"], 1) == r"\n"
+    assert find_stop_regex("the cat dog", [r"cat(?= dog)"], 4) == r"cat(?= dog)"
+    assert find_stop_regex("foo bar baz", [r"\w+ \w+"], 4) == r"\w+ \w+"  # overlapping an old match
+    assert find_stop_regex("a cat", ["dog", r"\bc\w+"], 2) == r"\bc\w+"
+    assert find_stop_regex("x" * 5000 + "ab", [r"(?<=x)ab"], 1) == r"(?<=x)ab"
+    # a match starting more than STOP_REGEX_LOOKBACK characters before the new text is not seen
+    long = "<a>" + "x" * (STOP_REGEX_LOOKBACK + 10) + "</a>"
+    assert find_stop_regex(long, [r"<a>x*</a>"], 1) is None
+    assert find_stop_regex("<a>" + "x" * 100 + "</a>", [r"<a>x*</a>"], 1) == r"<a>x*</a>"
 
 
 def test_stop_token_id_ends_the_answer_without_its_text(engine):

@@ -119,7 +119,6 @@ REFUSED = [
     ({"allowed_token_ids": [1, 2]}, ["allowed_token_ids"]),
     ({"bad_words": ["cat"]}, ["bad_words"]),
     ({"truncate_prompt_tokens": 10}, ["truncate_prompt_tokens"]),
-    ({"echo": True}, ["echo"]),
     ({"modalities": ["text", "audio"]}, ["modalities"]),
     ({"audio": {"voice": "alloy", "format": "wav"}}, ["audio"]),
     ({"functions": [WEATHER["function"]]}, ["functions", "tools"]),

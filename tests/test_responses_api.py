@@ -222,10 +222,12 @@ def test_a_background_response_is_polled_and_can_be_cancelled(client, model):
         ({"tool_choice": "required"}, "needs `tools`", "tool_choice"),
         ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
         ({"text": {"verbosity": "low"}}, "verbosity", None),
+        ({"stop_regex": "a+"}, "chat and text completions", "stop_regex"),  # SGLang's responses take neither
+        ({"echo": True}, "chat and text completions", "echo"),
     ],
     ids=[
         "hosted tool", "file input", "conversation", "truncation auto", "background unstored", "choice without tools",
-        "beam search", "verbosity",
+        "beam search", "verbosity", "stop regex", "echo",
     ],
 )
 def test_what_the_server_cannot_honour_is_refused_by_name(server, model, options, fragment, param):

@@ -269,6 +269,9 @@ def test_logprobs_are_log_softmax_before_temperature_and_filters():
         ({"stop": [""]}, "stop"),
         ({"stop": ""}, "stop"),
         ({"stop": ["ok", 3]}, "stop"),
+        ({"stop_regex": ["ok", ""]}, "stop_regex"),
+        ({"stop_regex": "a(b"}, "stop_regex"),
+        ({"stop_regex": "(" * 5000 + ")" * 5000}, "stop_regex"),  # nested too deep to compile
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
@@ -286,6 +289,8 @@ def test_sampling_params_edges_and_defaults():
     SamplingParams(min_new_tokens=10, max_new_tokens=10, logprobs=True, top_logprobs=20)
     assert SamplingParams(stop="END").stop == ["END"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_regex=r"\d+").stop_regex == [r"\d+"]
+    assert SamplingParams(stop_regex=None).stop_regex == []
     assert not SamplingParams().has_penalties
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(presence_penalty=-0.5).has_penalties

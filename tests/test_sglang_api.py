@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -109,6 +110,17 @@ def test_generate_answers_text_as_a_completion_does(server: ServerProcess) -> No
     assert {"cached_tokens", "e2e_latency"} <= meta.keys()
 
 
+def test_generate_stops_at_a_stop_regex_and_reports_the_pattern(server: ServerProcess, ours: Tokenizer) -> None:
+    """As SGLang answers: the text keeps the match, and `finish_reason.matched` is the pattern."""
+    whole = generate(server, text="A red circle", sampling_params=GREEDY)["output_ids"]
+    pieces = [ours.decode([token]) for token in whole]
+    j = next(j for j in range(2, len(pieces)) if pieces[j].strip() and pieces[j] not in "".join(pieces[:j]))
+    pattern = rf"^\d|{re.escape(pieces[j])}"
+    out = generate(server, text="A red circle", sampling_params={**GREEDY, "stop_regex": [pattern]})
+    assert out["output_ids"] == whole[: j + 1] and out["text"] == "".join(pieces[: j + 1])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+
+
 def test_generate_takes_token_ids(server: ServerProcess, ours: Tokenizer) -> None:
     by_text = generate(server, text="A red circle", sampling_params=GREEDY)
     by_ids = generate(server, input_ids=ours.encode("A red circle"), sampling_params=GREEDY)
@@ -196,6 +208,7 @@ def test_generate_returns_sglang_logprobs(server: ServerProcess, ours: Tokenizer
         ({"text": "x", "sampling_params": {"skip_special_tokens": False}}, "sampling_params", "skip_special_tokens"),
         ({"text": "x", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", "valid number"),
         ({"text": "x", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens", "greater than"),
+        ({"text": "x", "sampling_params": {"stop_regex": "a[b"}}, "sampling_params.stop_regex", "'a[b' is not a valid"),
         ({"text": "x", "image_data": image_url()}, "image_data", "<|vision_start|><|image_pad|><|vision_end|>"),
         ({"text": ["x", "y"], "image_data": image_url()}, "image_data", "one entry per prompt"),
         ({"input_ids": [1, 2], "image_data": image_url()}, None, "image_data and video_data go with `text`"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import httpx
 import pytest
@@ -220,13 +221,14 @@ def feature_answers(engine: Engine, features: dict[str, dict], max_tokens: int) 
 def test_every_sampling_feature_answers_with_drafts_as_without(tiny_dense_dir):
     """Grammars (walked through the drafts, a refused draft ends the acceptance), penalties and
     min_tokens (counting the drafts before each position), logit bias, log-probs of the kept tokens,
-    seeded sampling (n = 2), and a stop string and a stop token that drafts run past."""
+    seeded sampling (n = 2), and a stop string, a stop regex and a stop token that drafts run past."""
     features = dict(FEATURES)
     with Engine(tiny_dense_dir, vit_dp=0) as plain:
         longer = feature_answers(plain, features, max_tokens=30)
         greedy = longer["log-probs"][0][0]
         text = plain.tokenizer.decode(greedy)
         features["stop string"] = dict(temperature=0, stop=[text[len(text) // 2 : len(text) // 2 + 3]])
+        features["stop regex"] = dict(temperature=0, stop_regex=[re.escape(text[len(text) // 3 :][:2]) + r"[\s\S]"])
         # the stop token at the answer's 6th token, allowed from the 5th: a verify batch from before the
         # 5th holds positions on both sides
         features["min tokens"] = dict(temperature=0, min_tokens=4, stop_token_ids=[greedy[5]])
@@ -242,6 +244,7 @@ def test_every_sampling_feature_answers_with_drafts_as_without(tiny_dense_dir):
             assert (ids, reason) == (want_ids, want_reason), name
             assert logprobs == pytest.approx(want_logprobs, abs=1e-4), name
     assert want["stop string"][0][1] == "stop" and len(want["stop string"][0][0]) < 20
+    assert want["stop regex"][0][1] == "stop" and len(want["stop regex"][0][0]) < 20
     assert want["min tokens"][0][0] == greedy[:6]
     assert 0 < metrics.spec.accepted_tokens < metrics.spec.draft_tokens
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import deque
 
 from vlm_serve.tokenizer import Tokenizer
@@ -45,6 +46,28 @@ def find_stop(text: str, stops: list[str], new_chars: int) -> tuple[int, str] | 
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, stop)
     return best
+
+
+# how far before an answer's new text a stop_regex match may start: a longer match is not seen
+STOP_REGEX_LOOKBACK = 1024
+
+
+def find_stop_regex(text: str, patterns: list[str], new_chars: int) -> str | None:
+    """The first of `patterns` (regular expressions) that the last `new_chars` characters of `text`
+    give a match it did not have without them: a match ending in them, or one whose look-ahead needed
+    them. A match may start up to STOP_REGEX_LOOKBACK characters before them; look-behinds, `^` and `\\b`
+    still see the whole text."""
+    old_end = len(text) - new_chars
+    start = max(0, old_end - STOP_REGEX_LOOKBACK)
+    for pattern in patterns:
+        compiled = re.compile(pattern)  # (from `re`'s cache after the first time)
+        pos = start
+        while (found := compiled.search(text, pos)) is not None:
+            before = compiled.match(text, found.start(), old_end)  # the text as it was without the new part
+            if before is None or before.end() != found.end():
+                return pattern
+            pos = found.start() + 1
+    return None
 
 
 def final_text(tokenizer: Tokenizer, ids: list[int], matched: int | str | None, output_text: str | None) -> str:

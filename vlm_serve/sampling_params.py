@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)  # a single str (or None) is accepted too
+    stop_regex: list[str] = field(default_factory=list)  # SGLang's: regular expressions; a str (or None) too
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
@@ -44,6 +46,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        self.stop_regex = check_stop_regex(self.stop_regex)
         if self.max_new_tokens < 1:  # a request always gets the token its prefill samples
             raise ValueError(f"max_new_tokens (max_tokens) must be >= 1, not {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -122,6 +125,7 @@ OPENAI_SAMPLING_KEYS = {
     "seed": "seed",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
+    "stop_regex": "stop_regex",
     "ignore_eos": "ignore_eos",
     "n": "n",
     "logprobs": "logprobs",
@@ -133,6 +137,20 @@ OPENAI_SAMPLING_KEYS = {
     "ebnf": "ebnf",
     "reasoning": "reasoning",
 }
+
+
+def check_stop_regex(patterns: str | list[str] | None) -> list[str]:
+    """SGLang's `stop_regex` (a pattern, a list of them or None) as a list of patterns; ValueError names a
+    pattern that is empty or not a regular expression."""
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns or [])
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"stop_regex patterns must be non-empty str, not {pattern!r}")
+        try:
+            re.compile(pattern)
+        except (re.error, OverflowError, RecursionError) as exc:  # (the last two: a size or nesting too deep)
+            raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
+    return patterns
 
 
 def _check_logit_bias(bias: dict) -> dict[int, float]:

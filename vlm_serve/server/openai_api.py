@@ -125,11 +125,14 @@ class OpenAIServing:
             return errors_as_events(self._chat_stream(request, x, choices, parsers))
         per_choice = await self.collect(choices)
         choices = []
+        echoed = request.echoed()  # (no log-probs: the answer's come from its own tokens, as in vLLM)
         for i, outs in enumerate(per_choice):
             logprobs = [t for out in outs for t in self._token_logprobs(out)] if params.logprobs else None
             answer = parsers[i].parse("".join(out.text for out in outs))
+            content = echoed + answer.content
             message = ChatMessageOut(
-                content=answer.content if answer.content or not (answer.reasoning or answer.tool_calls) else None,
+                role=request.answer_role,
+                content=content if content or not (answer.reasoning or answer.tool_calls) else None,
                 reasoning_content=answer.reasoning or None,
                 tool_calls=[_tool_call(call) for call in answer.tool_calls] or None,
             )  # fmt: skip
@@ -163,12 +166,15 @@ class OpenAIServing:
         def usage_so_far(i: int) -> Usage | None:
             return self._usage([x], [per_choice[i]]) if continuous_usage else None
 
+        echoed = request.echoed()
         async with contextlib.aclosing(self.tm.generate(choices)) as outputs:
             async for i, out in outputs:
                 if not started[i]:
                     started[i] = True
-                    delta = DeltaMessage(role="assistant", content="")
+                    delta = DeltaMessage(role=request.answer_role, content="")
                     yield chunk([ChatStreamChoice(index=i, delta=delta)], usage_so_far(i))
+                    if echoed:  # a chunk of its own, as vLLM sends it
+                        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echoed))], usage_so_far(i))
                 per_choice[i].append(out)
                 # a token's logprobs come with its text (the detokenizer holds both back together, and
                 # here they wait while a parser holds the text back)

@@ -29,7 +29,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from vlm_serve.errors import ApiError, BadRequest
 from vlm_serve.messages.backend import BootstrapInfo
-from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, OPENAI_SAMPLING_KEYS, SEED_MAX, SEED_MIN
+from vlm_serve.sampling_params import (
+    MAX_N, MAX_TOP_LOGPROBS, OPENAI_SAMPLING_KEYS, SEED_MAX, SEED_MIN, check_stop_regex,
+)  # fmt: skip
 
 
 class _Strict(BaseModel):
@@ -223,6 +225,12 @@ class ChatPrompt(BaseModel):
         if reserved:
             raise ValueError(f"`chat_template_kwargs` cannot set {reserved[0]!r}: it is a request field of its own")
         return self
+
+    @property
+    def answer_role(self) -> str:
+        """The role of the answer, as vLLM names it: the assistant's after a generation prompt, else that of
+        the last message (which the answer goes on from)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     def media_options(self) -> dict[str, dict[str, Any]]:
         """The request-wide options of each modality ("image", "video"): `mm_processor_kwargs`, then
@@ -473,7 +481,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[str, A
     # sampling
     "allowed_token_ids": ((None, []), "restricting the vocabulary is not implemented (logit_bias biases tokens)"),
     "bad_words": ((None, []), "banned words are not implemented"),
-    "stop_regex": ((None, "", []), "regex stop conditions are not implemented (stop strings are)"),
+    "stop_regex": ((None, []), "responses take no regex stop conditions (chat and text completions and /generate do)"),
     "thinking_token_budget": (_UNSET, "a reasoning budget is not implemented"),
     "repetition_detection": (_UNSET, "repetition detection is not implemented"),
     "watermarking": (_OFF, "watermarking is not implemented"),
@@ -488,7 +496,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...] | Callable[[Any, dict[str, A
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported"),
     "input_ids": (_UNSET, "token-id prompts go in the `prompt` of /v1/completions"),
     "suffix": ((None, ""), "text after the insertion point is not supported"),
-    "echo": (_OFF, "chat completions do not echo the last message (text completions take `echo`)"),
+    "echo": (_OFF, "responses do not echo their input (chat and text completions take `echo`)"),
     # the answer's text
     "skip_special_tokens": ((None, True), "special tokens are always left out of the answer's text"),
     "spaces_between_special_tokens": ((None, True), "special tokens are always left out of the answer's text"),
@@ -532,6 +540,12 @@ def refuse_unsupported(body: dict[str, Any], declared: Collection[str]) -> None:
             raise BadRequest(f"`{name}` is not supported: {reason} (given {given})", param=name)
 
 
+def valid_stop_regex(patterns: str | list[str] | None) -> str | list[str] | None:
+    """A request's `stop_regex` as given, once each pattern is known to be a regular expression."""
+    check_stop_regex(patterns)
+    return patterns
+
+
 class SamplingSettings(BaseModel):
     """The sampling settings every generating endpoint takes (OpenAI's, with vLLM's and SGLang's extras)."""
 
@@ -552,6 +566,7 @@ class _SamplingRequest(BootstrapFields, SamplingSettings):
     max_tokens: int | None = Field(None, ge=1)  # 0 is refused, as by OpenAI and vLLM
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's: the answer ends with the first match of one
     n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
@@ -577,6 +592,8 @@ class _SamplingRequest(BootstrapFields, SamplingSettings):
         if isinstance(body, dict):
             refuse_unsupported(body, cls.model_fields)
         return body
+
+    _valid_stop_regex = field_validator("stop_regex")(valid_stop_regex)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> _SamplingRequest:
@@ -634,6 +651,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
     # a chat template variable, as vLLM passes it; "none" also turns thinking off, as SGLang does
     # (`enable_thinking: false`, unless chat_template_kwargs say otherwise)
     reasoning_effort: str | None = None
+    echo: bool = False  # vLLM's: the answer starts with the last message's text when that has its role
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -642,6 +660,16 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
             if isinstance(tool, dict) and tool.get("type", "function") != "function":
                 raise ValueError(f"tool {i} is a {tool.get('type')!r} tool: only function tools are supported")
         return tools
+
+    def echoed(self) -> str:
+        """What `echo` puts before the answer (as vLLM does): the last message's text (its text parts one
+        per line) when that message has the answer's role, else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.answer_role or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.text for part in last.content if isinstance(part, TextPart))
 
     @model_validator(mode="after")
     def _reasoning_effort_to_template(self) -> ChatCompletionRequest:
@@ -736,7 +764,7 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # (the last message's, where there is no generation prompt: `answer_role`)
     content: str | None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
@@ -773,7 +801,7 @@ class ToolCallDelta(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None

@@ -24,7 +24,7 @@ from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.multimodal import ProcessedInput
 from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 from vlm_serve.server.openai_api import OpenAIServing, check_media_count, errors_as_events, sse
-from vlm_serve.server.protocol import BootstrapFields
+from vlm_serve.server.protocol import BootstrapFields, valid_stop_regex
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.vision.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
@@ -58,6 +58,7 @@ class SGLangSamplingParams(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # the answer ends with the first match of one (kept in it)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     json_schema: str | None = None  # a JSON schema, as a string
@@ -65,6 +66,8 @@ class SGLangSamplingParams(BaseModel):
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+
+    _valid_stop_regex = field_validator("stop_regex")(valid_stop_regex)
 
     @model_validator(mode="before")
     @classmethod
@@ -269,7 +272,7 @@ class _Answer:
         return {"text": "".join(out.text for out in outs), "output_ids": output_ids, "meta_info": meta_info}
 
     def _finish_reason(self, i: int, out: StrOut) -> dict[str, Any] | None:
-        """SGLang's finish reason: `{"type": "stop", "matched": <token id or stop string>}`, `{"type":
+        """SGLang's finish reason: `{"type": "stop", "matched": <token id, stop string or stop_regex>}`, `{"type":
         "length", "length": <max_new_tokens>}` or `{"type": "abort", "message": ...}`."""
         if out.finish_reason is None:
             return None

@@ -86,7 +86,7 @@ class Req:
     prompt_ids: list[int] = field(init=False)  # the prompt as sent (placeholders not padded): what they score
     prompt_logprob_start: int = 0
     prompt_logprobs: PromptLogprobs = field(default_factory=PromptLogprobs)
-    detokenizer: IncrementalDetokenizer | None = None  # only for requests with stop strings
+    detokenizer: IncrementalDetokenizer | None = None  # only for requests with stop strings or stop_regex
     grammar: Grammar | None = None  # structured output; set when its grammar is compiled
     output_text: str | None = None  # the text cut before the stop string that ended the request
     first_token_time: float | None = None

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop, find_stop_regex, stop_holdback
 from vlm_serve.llm.constrained.grammar_backend import GrammarBackend, GrammarError, grammar_key
 from vlm_serve.llm.disaggregation.common import META_SLOT_BYTES
 from vlm_serve.llm.disaggregation.decode import DecodeDisaggregation
@@ -373,7 +373,7 @@ class Scheduler:
         self.limits.check_fits(prompt_len, max_new)
         req.origin_input_ids = pad_input_ids(req.origin_input_ids, req.mm_items, self.vocab_size)
         req.init_positions(self.runner.model_config.vision.spatial_merge_size)
-        if req.sampling_params.stop:
+        if req.sampling_params.stop or req.sampling_params.stop_regex:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.reqs[req.rid] = req
         self._idle_checked = False
@@ -884,14 +884,17 @@ class Scheduler:
         ignore_eos = params.ignore_eos and req.grammar is None
         if token in params.stop_token_ids or (not ignore_eos and token in self.eos_token_ids):
             return FinishReason("stop", matched=token)
-        if params.stop:
+        if params.stop or params.stop_regex:
             new_text = req.detokenizer.update(req.output_ids)
-            hit = None
             if new_text and len(req.output_ids) >= params.min_new_tokens:
                 hit = find_stop(req.detokenizer.text, params.stop, len(new_text))
-            if hit is not None:
-                req.output_text = req.detokenizer.text[: hit[0]]
-                return FinishReason("stop", matched=hit[1])
+                if hit is not None:
+                    req.output_text = req.detokenizer.text[: hit[0]]
+                    return FinishReason("stop", matched=hit[1])
+                # a stop_regex match stays in the answer, as in SGLang (which reports the pattern)
+                pattern = find_stop_regex(req.detokenizer.text, params.stop_regex, len(new_text))
+                if pattern is not None:
+                    return FinishReason("stop", matched=pattern)
         if len(req.output_ids) >= params.max_new_tokens:
             return FinishReason("length")
         return None
