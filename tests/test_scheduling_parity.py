@@ -80,24 +80,27 @@ def reference(long_reference) -> list[list[int]]:
     return [tokens[:MAX_TOKENS] for tokens in long_reference]
 
 
+NORMAL = {"disable_overlap_schedule": True}
 LOOPS = {
-    "normal": {"disable_overlap_schedule": True},
+    "normal": NORMAL,
     "overlap": {"disable_overlap_schedule": False},
     "ngram": {"speculative_algorithm": "ngram"},  # (the random model rarely copies: drafts mostly fail)
     "drafts": {"speculative_algorithm": "ngram"},  # drafts replayed from the answers: most are kept
+    "drafts, normal loop": {"speculative_algorithm": "ngram", **NORMAL},
     "eagle3": {"speculative_algorithm": "eagle3"},  # a random EAGLE-3 draft: every step's drafts fail
+    "eagle3, normal loop": {"speculative_algorithm": "eagle3", **NORMAL},
 }
 
 
 @pytest.fixture(params=list(LOOPS))
 def loop(request, monkeypatch, inputs, long_reference, eagle3_drafts) -> dict:
     """The event loop an engine runs: keyword arguments for `Engine`."""
-    if request.param == "drafts":
+    if request.param.startswith("drafts"):
         sequences = [x.input_ids + answer for x, answer in zip(inputs, long_reference)]
         drafts = ReplayDrafts(sequences, num_draft_tokens=3)
         monkeypatch.setattr(scheduler_module, "NgramProposer", lambda *settings: drafts)
-    if request.param == "eagle3":
-        return {**LOOPS["eagle3"], "speculative_draft_model_path": str(eagle3_drafts["moe"])}
+    if request.param.startswith("eagle3"):
+        return {**LOOPS[request.param], "speculative_draft_model_path": str(eagle3_drafts["moe"])}
     return LOOPS[request.param]
 
 

@@ -29,8 +29,8 @@ from vlm_serve.engine import Engine
 from vlm_serve.llm.forward_batch import ForwardMode
 from vlm_serve.llm.speculative.ngram import NgramProposer
 from vlm_serve.llm.layers.sampler import SampleRow, Sampler
-from vlm_serve.llm.scheduler.scheduler import Scheduler
 from vlm_serve.llm.speculative.eagle3 import Eagle3Draft
+from vlm_serve.llm.speculative.eagle3_worker import Eagle3Worker
 from vlm_serve.llm.speculative.verify import verify_drafts
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.testing.media import make_image
@@ -443,27 +443,28 @@ def test_the_draft_follows_each_request_through_verify_steps_as_its_definition_s
         prompt = plain.processor.process_messages(conversation).input_ids
         answer = plain.chat(conversation, max_tokens=24, temperature=0, ignore_eos=True).token_ids
     sequence = prompt + answer
-    chains, states, chained_hidden = [], {}, []
-    chain, extend, draft_forward = Scheduler._chain_drafts, Scheduler._extend_drafts, Eagle3Draft.forward
+    chains, states, chained_hidden = [], [], []
+    chain, extend, draft_forward = Eagle3Worker.chain, Eagle3Worker.extend, Eagle3Draft.forward
     replay = ReplayDrafts([sequence], num_draft_tokens=4)
 
-    def replayed(self, reqs, starts, counts):
+    def replayed(self, reqs):
         chained_hidden.clear()
-        drafts = chain(self, reqs, starts, counts)[0]  # (its KV written at the drafts' slots)
-        chains.append((starts[0], drafts, list(chained_hidden)))
-        return [(replay.propose(r.fill_ids) + [0] * count)[:count] for r, count in zip(reqs, counts)]
+        drafts = chain(self, reqs)[0]  # (its KV written at the drafts' slots)
+        chains.append((reqs[0].start, drafts, list(chained_hidden)))
+        # (the request's tokens so far: the answer's, up to its last token at position `start`)
+        return [(replay.propose(sequence[: r.start + 1]) + [0] * r.count)[: r.count] for r in reqs]
 
     def forward(self, input_ids, hidden, positions, batch):
         normed, prenorm = draft_forward(self, input_ids, hidden, positions, batch)
         chained_hidden.append(prenorm[0].clone())
         return normed, prenorm
 
-    def recording(self, batch, aux_hidden):
-        extend(self, batch, aux_hidden)
-        states.update((req.rid, req.draft_state) for req in batch.reqs)
+    def recording(self, batch, next_ids, aux_hidden, last_rows):
+        states.extend(extend(self, batch, next_ids, aux_hidden, last_rows))
+        return states[-len(last_rows) :]
 
-    monkeypatch.setattr(Scheduler, "_chain_drafts", replayed)
-    monkeypatch.setattr(Scheduler, "_extend_drafts", recording)
+    monkeypatch.setattr(Eagle3Worker, "chain", replayed)
+    monkeypatch.setattr(Eagle3Worker, "extend", recording)
     monkeypatch.setattr(Eagle3Draft, "forward", forward)
     with Engine(tiny_dense_dir, vit_dp=0, **eagle3(eagle3_drafts, "dense")) as speculative:
         assert speculative.chat(conversation, max_tokens=24, temperature=0, ignore_eos=True).token_ids == answer
@@ -496,7 +497,7 @@ def test_the_draft_follows_each_request_through_verify_steps_as_its_definition_s
         tokens, want = reference(start, drafts[:-1])
         assert tokens == drafts
         torch.testing.assert_close(torch.stack(hidden), want[1:], rtol=1e-4, atol=1e-4)
-    final = next(iter(states.values()))
+    final = states[-1]
     tokens, hidden = reference(len(sequence) - 1, [])
     assert final.first == tokens[0]
     torch.testing.assert_close(final.hidden, hidden[0], rtol=1e-4, atol=1e-4)

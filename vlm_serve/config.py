@@ -124,7 +124,7 @@ class ServerArgs:
     disaggregation_timeout: float = 300.0  # seconds a PD request waits for its other side in each queue
     # speculative decoding: draft tokens verified in one forward, answers the same token for token (greedy, seeded)
     # ngram: drafts from the request's own prompt and output
-    # eagle3: drafts from an EAGLE-3 draft head (speculative_draft_model_path); either runs the normal loop
+    # eagle3: drafts from an EAGLE-3 draft head (speculative_draft_model_path); either runs in both loops
     # (under PD both servers load the draft: the prefill server computes the draft's KV of the prompt too)
     # none: off; unset: the built-in model drafts with its own head in decode steps of at most 4 requests
     speculative_algorithm: str | None = None

@@ -9,8 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+SAMPLED = -1  # in `ForwardBatch.draft_next_ids`
+
 if TYPE_CHECKING:
     from vlm_serve.llm.layers.attention.base import AttentionBackend
+    from vlm_serve.llm.speculative.eagle3_worker import ChainRequest, DraftState
     from vlm_serve.llm.layers.sampler import SampleOutput, SampleRow
     from vlm_serve.llm.prompt_logprobs import PromptLogprobs, PromptLogprobSpan
 
@@ -62,14 +65,20 @@ class ForwardBatch:
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = None  # the backend's index tensors for this batch (`init_forward_metadata`)
     draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each request's draft tokens (after its last token)
+    # TARGET_VERIFY with an EAGLE-3 draft: what it drafts from, at forward time (until then `draft_ids` and
+    # the input ids hold placeholders, as many as each request gets)
+    chain: list[ChainRequest] | None = None
     keep_aux: bool = True  # whether the target keeps the states an EAGLE-3 draft reads (its extend runs after)
+    # with keep_aux, but for a verify batch: the token after each row's position, which the EAGLE-3 draft's
+    # extend reads there (SAMPLED: the one this batch samples for the row's request)
+    draft_next_ids: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
     def sample_groups(self) -> list[range]:
-        return sample_groups(self.batch_size, self.draft_ids)
+        return sample_groups(self.batch_size, None if self.draft_ids is None else [len(d) for d in self.draft_ids])
 
     def last_token_indices(self) -> torch.Tensor:
         """Row of each request's last new token: the rows whose logits are sampled."""
@@ -85,13 +94,15 @@ class ForwardOutput:
     sample: SampleOutput
     prompt_logprobs: list[PromptLogprobs | None]
     aux_hidden: torch.Tensor | None = None  # every new token's states an EAGLE-3 draft reads (when it runs)
+    accepted: list[list[int]] | None = None  # a verify batch: each request's kept tokens (`verify_drafts`)
+    draft_states: list[DraftState] | None = None  # with an EAGLE-3 draft: each request's, after this batch
 
     def to_host(self) -> None:
         self.sample.to_host()
 
 
-def sample_groups(batch_size: int, draft_ids: list[list[int]] | None) -> list[range]:
+def sample_groups(batch_size: int, num_drafts: list[int] | None) -> list[range]:
     """Each request's rows of a batch's sampling: one, or in a verify batch one per position (1 + its drafts)."""
-    sizes = [1] * batch_size if draft_ids is None else [1 + len(d) for d in draft_ids]
+    sizes = [1] * batch_size if num_drafts is None else [1 + n for n in num_drafts]
     starts = list(itertools.accumulate(sizes, initial=0))
     return [range(a, b) for a, b in zip(starts, starts[1:])]

@@ -77,8 +77,11 @@ class ForwardThread:
     `busy_seconds` adds up the time the thread spends running work: the rest of a run's wall time the
     model waits for the scheduler."""
 
-    def __init__(self, runner) -> None:  # runner: ModelRunner (not imported: it imports this module)
+    def __init__(self, runner, forward: Callable[[ForwardBatch], ForwardOutput] | None = None) -> None:
+        """`forward` runs a launched batch (by default the runner's `forward_batch_generation`; runner:
+        ModelRunner, not imported: it imports this module)."""
         self.runner = runner
+        self.forward = forward or runner.forward_batch_generation
         self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
         self.busy_seconds = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -128,7 +131,7 @@ class ForwardThread:
     def _forward(self, batch: ForwardBatch, inputs_ready: torch.cuda.Event | None) -> ForwardOutput:
         if inputs_ready is not None:
             self.stream.wait_event(inputs_ready)
-        out = self.runner.forward_batch_generation(batch)
+        out = self.forward(batch)
         out.to_host()
         return out
 

@@ -44,6 +44,15 @@ class SampleRow:
     draft: int | None = None
 
 
+def set_drafts(rows: Sequence[SampleRow], drafts: list[int]) -> None:
+    """A verify batch's rows of one request (1 + its drafts), once its drafts are known: row j is compared
+    with draft j (the last with none), and its penalties count the drafts before it."""
+    for j, row in enumerate(rows):
+        row.draft = drafts[j] if j < len(drafts) else None
+        if row.sampling_params.has_penalties:
+            row.output_ids = row.output_ids + drafts[:j]
+
+
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # (batch,) int64, on the model's device (or the host, after `to_host`)

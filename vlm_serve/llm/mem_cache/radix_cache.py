@@ -165,12 +165,15 @@ class RadixCache:
 
     def cache_finished_req(self, req: Req, keep: bool = True) -> None:
         """A request is done (finished, aborted or retracted): its computed KV goes into the tree (or
-        back to the allocator when the tree is disabled or not to `keep`) and its request row is freed."""
+        back to the allocator when the tree is disabled or not to `keep`) and its request row is freed.
+        Only its own tokens' KV can be cached: the slots of drafts whose verification is still in flight
+        go back to the allocator."""
         row = req.req_pool_idx
         slots = self.req_to_token_pool.req_to_token[row, : req.kv_len].long()
         own_from = len(req.prefix_indices)
         if keep and not self.disable:
-            aligned = req.kv_len - req.kv_len % self.page_size
+            known = min(req.kv_len, len(req.fill_ids))
+            aligned = known - known % self.page_size
             cached = self.insert(req.fill_ids[:aligned], slots[:aligned])
             self.allocator.free(slots[own_from:cached])
             own_from = aligned  # the tree took [cached, aligned)

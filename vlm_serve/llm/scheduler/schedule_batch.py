@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from vlm_serve.detokenizer import IncrementalDetokenizer
-from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode
+from vlm_serve.llm.forward_batch import SAMPLED, ForwardBatch, ForwardMode
 from vlm_serve.llm.layers.rotary import mrope_positions
-from vlm_serve.llm.layers.sampler import SampleRow
+from vlm_serve.llm.layers.sampler import SampleRow, set_drafts
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.llm.mem_cache.radix_cache import RadixCache, TreeNode
 from vlm_serve.llm.prompt_logprobs import PromptLogprobs, PromptLogprobSpan
+from vlm_serve.llm.speculative.eagle3_worker import ChainRequest
 from vlm_serve.messages.backend import SpeculativeCounts
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.multimodal import MultimodalItem
@@ -102,6 +102,7 @@ class Req:
     spec: SpeculativeCounts = field(default_factory=SpeculativeCounts)  # its drafts, verified and kept
     draft_state: DraftState | None = None  # an EAGLE-3 draft's, after the last forward that computed its tokens
     draft_gap: bool = False  # a decode step ran without the EAGLE-3 draft: its KV misses a position, no more drafts
+    verifying: bool = False  # a verify forward of its drafts is in flight (its result says how many it kept)
     # overlap scheduling and streaming
     future_token: int = 0  # the FutureMap id (< 0) of the token a launched batch is sampling for it; 0: none
     send_token_offset: int = 0  # output_ids before this were already reported
@@ -141,8 +142,14 @@ class Req:
 
     @property
     def needs_decode(self) -> bool:
-        """Whether another decode step can add to its answer (the token in flight may be its last)."""
-        return self.num_outputs < self.sampling_params.max_new_tokens
+        """Whether another decode step can add to its answer (the token in flight may be its last; how many
+        a verify in flight adds is not known yet)."""
+        return not self.verifying and self.num_outputs < self.sampling_params.max_new_tokens
+
+    @property
+    def settled(self) -> bool:
+        """Whether every token it has asked for is known (none in flight): what a step with drafts needs."""
+        return self.future_token == 0 and not self.verifying
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Ids of positions start..end-1 of `fill_ids`; position `seq_len` is the token in flight."""
@@ -162,17 +169,16 @@ class Req:
             outputs = self.output_ids + [self.future_token] if self.future_token else list(self.output_ids)
         return SampleRow(params, self.generator, self.origin_input_ids, outputs, self.num_outputs, self.grammar)
 
-    def verify_rows(self, drafts: list[int]) -> list[SampleRow]:
-        """The sampler's rows for a verify forward: the position after its last token, then after each
-        draft, each as if the drafts before it were kept (penalties count them, min_new_tokens too; its
-        grammar is walked through them by the sampler)."""
+    def verify_rows(self, count: int) -> list[SampleRow]:
+        """The sampler's rows for a verify forward with `count` drafts: the position after its last token,
+        then after each draft, each as if the drafts before it were kept (`set_drafts` tells them the
+        drafts: penalties count them, min_new_tokens too; its grammar is walked through them by the
+        sampler)."""
         params = self.sampling_params
+        outputs = list(self.output_ids) if params.has_penalties else []
         return [
-            SampleRow(
-                params, self.generator, self.origin_input_ids, self.output_ids + drafts[:j] if params.has_penalties else [],
-                self.num_outputs + j, self.grammar, drafts[j] if j < len(drafts) else None,
-            )  # fmt: skip
-            for j in range(len(drafts) + 1)
+            SampleRow(params, self.generator, self.origin_input_ids, outputs, self.num_outputs + j, self.grammar)
+            for j in range(count + 1)
         ]
 
     @property
@@ -330,29 +336,42 @@ class ScheduleBatch:
         positions = (prefix_t + deltas).expand(3, -1)
         return self._forward_batch(ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx)
 
-    def prepare_for_verify(
-        self, chain: Callable[[list[Req], list[int], list[int]], list[list[int]]] | None = None
-    ) -> ForwardBatch:
+    def prepare_for_verify(self, draft_model: bool = False) -> ForwardBatch:
         """Each running request's last token and its draft tokens (`draft_ids`), in one forward whose
         logits verify the drafts. Their KV slots are taken like a prefill's; the scheduler releases those
-        of the drafts not kept (`Scheduler.append_verified`). With `chain` (a draft model's), `draft_ids`
-        only say how many drafts each request gets until `chain(reqs, last token positions, counts)`
-        drafts them, once the slots are taken: the draft model writes its KV there."""
+        of the drafts not kept (`Scheduler.append_verified`). With a `draft_model` (EAGLE-3), `draft_ids`
+        only say how many drafts each request gets: the forward drafts them first (`ForwardBatch.chain`),
+        writing the draft's KV to the slots taken here."""
         prefix_lens = [r.kv_len for r in self.reqs]
         seq_lens = [n + 1 + len(d) for n, d in zip(prefix_lens, self.draft_ids)]
         out_cache_loc = self._alloc_slots(prefix_lens, seq_lens, "drafts are proposed only where the pool holds them")
-        if chain is not None:
-            self.draft_ids = chain(self.reqs, prefix_lens, [len(d) for d in self.draft_ids])
-        ids, positions = [], []
+        ids, positions, rows = [], [], []
         for req, start, end, drafts in zip(self.reqs, prefix_lens, seq_lens, self.draft_ids):
             ids += [req.output_ids[-1], *drafts]
             positions.append(_positions(req, start, end))
+            req_rows = req.verify_rows(len(drafts))
+            if not draft_model:
+                set_drafts(req_rows, drafts)
+            rows += req_rows
             req.kv_len = end
         self.samples = [True] * len(self.reqs)
-        rows = [row for req, drafts in zip(self.reqs, self.draft_ids) for row in req.verify_rows(drafts)]
         batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens, sampling=rows)
         batch.draft_ids = self.draft_ids
+        if draft_model:
+            batch.chain = [
+                ChainRequest(r.draft_state, r.req_pool_idx, start, r.mrope_delta, len(d))
+                for r, start, d in zip(self.reqs, prefix_lens, self.draft_ids)
+            ]  # fmt: skip
         return batch
+
+    def draft_next_ids(self, batch: ForwardBatch) -> list[int]:
+        """The token after each row's position of an extend or decode batch (`ForwardBatch.draft_next_ids`):
+        the next of the request's tokens, or the one this batch samples for it."""
+        ids = []
+        for req, start, n in zip(self.reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu):
+            following = req.fill_ids[start + 1 : start + 1 + n]
+            ids += following + [SAMPLED] * (n - len(following))
+        return ids
 
     def _forward_batch(
         self, ids, positions, out_cache_loc, prefix_lens, seq_lens, pool_idx=None, sampling=None

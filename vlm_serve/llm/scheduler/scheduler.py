@@ -44,8 +44,8 @@ from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
 from vlm_serve.llm.scheduler.metrics import SchedulerMetrics
 from vlm_serve.llm.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from vlm_serve.llm.speculative.ngram import NgramProposer
-from vlm_serve.llm.speculative.eagle3_worker import ChainRequest, Eagle3Worker
-from vlm_serve.llm.speculative.verify import verify_drafts
+from vlm_serve.llm.speculative.eagle3_worker import Eagle3Worker
+from vlm_serve.llm.speculative.worker import SpeculativeWorker
 from vlm_serve.llm.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
     IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
@@ -111,8 +111,8 @@ class LaunchedBatch:
     kv_ends: list[int]  # per row: its tokens with KV once the batch has run
     future_start: int  # FutureMap slot of row 0's token
     result: Future[ForwardOutput]
-    draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each row's draft tokens
-    forward_batch: ForwardBatch | None = None  # (kept for an EAGLE-3 draft's extend over the same positions)
+    num_drafts: list[int] | None = None  # TARGET_VERIFY: each row's draft tokens
+    keep_aux: bool = False  # whether the EAGLE-3 draft ran after it (else its requests draft no more)
 
 
 class Scheduler:
@@ -167,8 +167,7 @@ class Scheduler:
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
 
-        # speculative decoding runs the normal loop: a verify batch's accepted tokens are the next batch's inputs
-        self.enable_overlap = not server_args.disable_overlap_schedule and not server_args.speculating
+        self.enable_overlap = not server_args.disable_overlap_schedule
         self.drafter: NgramProposer | None = None
         self.eagle: Eagle3Worker | None = None
         if server_args.speculative_algorithm == "ngram":
@@ -178,7 +177,12 @@ class Scheduler:
             )  # fmt: skip
         elif server_args.speculative_algorithm == "eagle3":
             self.eagle = Eagle3Worker(runner)
-        self.forward_thread = ForwardThread(runner) if self.enable_overlap else None
+        # what runs a launched batch: the runner's forward, or around it the drafts' verification and draft
+        self.forward: Callable[[ForwardBatch], ForwardOutput] = (
+            SpeculativeWorker(runner, self.eagle).forward_batch_generation
+            if server_args.speculating else runner.forward_batch_generation
+        )  # fmt: skip
+        self.forward_thread = ForwardThread(runner, self.forward) if self.enable_overlap else None
         if self.forward_thread is not None:
             if encoder is not None:
                 encoder.run_on(self.forward_thread)  # an inline vision tower runs in order with the forwards
@@ -646,7 +650,7 @@ class Scheduler:
         KV cache cannot hold one more token each, else let `new_token_ratio` decay back towards its
         minimum."""
         batch = self.running_batch
-        if not batch.reqs:
+        if not batch.reqs or any(r.verifying for r in batch.reqs):  # (its result comes first: one at a time)
             return None
         if not batch.check_decode_mem():
             retracted = batch.retract_decode(RETRACT_DECODE_STEPS)
@@ -664,11 +668,13 @@ class Scheduler:
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         decoding = [r for r in batch.reqs if r.needs_decode]  # the others' last token is in flight
+        drafting = self.server_args.speculating and self._drafting(len(decoding))
+        if drafting:  # drafts follow the tokens kept: those with tokens in flight wait for them
+            decoding = [r for r in decoding if r.settled]
         if not decoding:
             return None
         decode = self.new_batch(decoding)
         drafts = None
-        drafting = self._drafting(len(decoding))
         if drafting and self.drafter is not None:
             drafts = [self._drafts(r) for r in decoding]
         elif drafting and self.eagle is not None:  # (how many: the draft model drafts them once their slots are taken)
@@ -709,59 +715,43 @@ class Scheduler:
             room = min(room, req.draft_limit)
         return self.drafter.propose(req.fill_ids)[:room]
 
-    def _chain_drafts(self, reqs: list[Req], starts: list[int], counts: list[int]) -> list[list[int]]:
-        """The EAGLE-3 draft's tokens for a verify batch whose slots are taken."""
-        return self.eagle.chain([
-            ChainRequest(r.draft_state, r.req_pool_idx, start, r.mrope_delta, count)
-            for r, start, count in zip(reqs, starts, counts)
-        ])  # fmt: skip
-
-    def _extend_drafts(self, batch: LaunchedBatch, aux_hidden: torch.Tensor) -> None:
-        """The EAGLE-3 draft over the positions a forward computed: each reads the token after it (the
-        prompt's next, or what the forward produced), up to each request's last kept position, where
-        its drafting resumes."""
-        forward_batch = batch.forward_batch
-        next_ids, last_rows, row = [], [], 0
-        for req, start, n in zip(batch.reqs, forward_batch.prefix_lens_cpu, forward_batch.extend_lens_cpu):
-            following = req.fill_ids[start + 1 : start + 1 + n]
-            next_ids += following + [0] * (n - len(following))  # (past the kept positions: dropped)
-            last_rows.append(row + min(max(req.kv_len - start, 1), n) - 1)
-            row += n
-        for req, state in zip(batch.reqs, self.eagle.extend(forward_batch, next_ids, aux_hidden, last_rows)):
-            req.draft_state = None if req.draft_gap else state
-
     # ---- running a batch ---------------------------------------------------------------------------
 
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
         """Builds the batch's tensors and launches its forward: on the forward thread with overlap (the
         result arrives later), else here and now. Requests whose token it samples get a future id."""
         t0 = time.perf_counter()
+        verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
         if batch.forward_mode.is_decode():
             forward_batch = batch.prepare_for_decode()
-        elif batch.forward_mode == ForwardMode.TARGET_VERIFY:
-            forward_batch = batch.prepare_for_verify(self._chain_drafts if self.eagle is not None else None)
+        elif verify:
+            forward_batch = batch.prepare_for_verify(draft_model=self.eagle is not None)
         else:
             forward_batch = batch.prepare_for_extend()
         forward_batch.future_start = self.future_map.alloc(len(batch.reqs))
         forward_batch.keep_aux = self.eagle is not None and not self._skips_draft(batch)
+        if forward_batch.keep_aux and not verify:
+            forward_batch.draft_next_ids = batch.draft_next_ids(forward_batch)
         self.runner.init_forward_metadata(forward_batch)
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
-            if samples and forward_batch.draft_ids is None:  # (a verify batch's tokens are waited for)
+            if verify:
+                req.verifying = True  # (how many tokens it keeps is waited for)
+            elif samples:
                 req.future_token = FutureMap.future_id(forward_batch.future_start + i)
         for req in batch.reqs[: batch.num_prefill_reqs]:
             # share the prompt (or chunk) at once: every forward that could read its KV runs after this one
             self.tree_cache.cache_unfinished_req(req)
         launched = LaunchedBatch(
             list(batch.reqs), batch.forward_mode, batch.num_prefill_reqs, list(batch.samples),
-            list(forward_batch.seq_lens_cpu), forward_batch.future_start, Future(), forward_batch.draft_ids,
-            forward_batch if self.eagle is not None else None,
+            list(forward_batch.seq_lens_cpu), forward_batch.future_start, Future(),
+            [len(d) for d in forward_batch.draft_ids] if verify else None, forward_batch.keep_aux,
         )  # fmt: skip
         t1 = time.perf_counter()
         self.metrics.time_schedule += t1 - t0
         if self.forward_thread is not None:
             launched.result = self.forward_thread.launch(forward_batch)
         else:
-            launched.result.set_result(self.runner.forward_batch_generation(forward_batch))
+            launched.result.set_result(self.forward(forward_batch))
             self.metrics.time_forward += time.perf_counter() - t1
         self.forward_ct += 1
         if self.forward_ct % self.server_args.log_interval == 0:
@@ -784,7 +774,8 @@ class Scheduler:
             self.metrics.num_mixed_batches += 1
         else:
             self.metrics.num_prefill_batches += 1
-        for i, (req, rows) in enumerate(zip(batch.reqs, sample_groups(len(batch.reqs), batch.draft_ids))):
+        for i, (req, rows) in enumerate(zip(batch.reqs, sample_groups(len(batch.reqs), batch.num_drafts))):
+            req.verifying = False
             if req.finished or req.to_finish is not None:
                 continue
             failure = next((out.failures[row] for row in rows if row in out.failures), None)
@@ -795,11 +786,12 @@ class Scheduler:
                 self._process_result_row(batch, i, req, result, next_token_ids, rows)
             except Exception as exc:  # noqa: BLE001 - its own failure: it ends, the others go on
                 self.fail_request(req, "while its output was processed", exc)
-        if self.eagle is not None and not batch.forward_batch.keep_aux:
+        if self.eagle is not None and not batch.keep_aux:
             for req in batch.reqs:  # (a step without drafts costs no draft forward either)
                 req.draft_state, req.draft_gap = None, True
         elif self.eagle is not None:
-            self._extend_drafts(batch, result.aux_hidden)
+            for req, state in zip(batch.reqs, result.draft_states):
+                req.draft_state = None if req.draft_gap else state
         if isinstance(self.disagg, PrefillDisaggregation):
             self.disagg.send_computed()  # (after the draft's extend: its KV goes too)
         self.metrics.time_process += time.perf_counter() - t0
@@ -825,8 +817,8 @@ class Scheduler:
         if pd_prefill:
             self.disagg.prompt_done(req, next_token_ids[i], out, i)
             return
-        if batch.draft_ids is not None:
-            self.append_verified(req, batch.draft_ids[i], out, rows)
+        if batch.num_drafts is not None:
+            self.append_verified(req, batch.num_drafts[i], result.accepted[i], out, rows)
         else:
             logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
             top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
@@ -853,12 +845,11 @@ class Scheduler:
         if reason is not None:
             self.finish(req, reason)
 
-    def append_verified(self, req: Req, drafts: list[int], out: SampleOutput, rows: range) -> None:
-        """The tokens a verify forward keeps (`verify_drafts` of the tokens sampled at its `rows` of
-        `out`), with their log-probs, until one ends the answer; then the KV of the positions not kept
-        is released (RadixCache only ever holds kept tokens)."""
+    def append_verified(self, req: Req, num_drafts: int, tokens: list[int], out: SampleOutput, rows: range) -> None:
+        """The tokens a verify forward kept (`tokens`, sampled at its `rows` of `out`), with their log-probs,
+        until one ends the answer; then the KV of the positions not kept is released (RadixCache only ever
+        holds kept tokens)."""
         computed_end = req.kv_len  # the last token and every draft were computed
-        tokens = verify_drafts(out.next_token_ids[rows.start : rows.stop].tolist(), drafts)
         # drafts that all fail cost a wider forward for nothing: pause this request's drafting, longer
         # each time it happens again (1, 2, 4 ... MAX_DRAFT_PAUSE steps), until one is kept
         req.draft_backoff = 0 if len(tokens) > 1 else min(max(2 * req.draft_backoff, 1), MAX_DRAFT_PAUSE)
@@ -866,13 +857,15 @@ class Scheduler:
         # and drafts that fail in part: the next ones are one longer than those kept
         req.draft_limit = len(tokens)  # (the kept drafts and the step's own token)
         for counts in (self.metrics.spec, req.spec):
-            counts.add(len(drafts), len(tokens) - 1)
+            counts.add(num_drafts, len(tokens) - 1)
         for token, row in zip(tokens, rows):
             self.append_token(req, token, out.logprobs[row], out.top_logprobs[row])
             if req.finished:
                 break
+        if req.req_pool_idx is None:  # preempted while it was verified: it is prefilled again, with these
+            return
         # computed and kept: the tokens before the last appended one (whose KV the next step computes)
-        req.kv_len = min(computed_end - len(drafts) + len(tokens) - 1, len(req.fill_ids) - 1)
+        req.kv_len = min(computed_end - num_drafts + len(tokens) - 1, len(req.fill_ids) - 1)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         slots = row[req.kv_len : computed_end].long()
         kept_page = int(row[req.kv_len - 1]) // self.page_size  # (the next tokens fill its tail)
