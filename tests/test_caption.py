@@ -13,7 +13,7 @@ import pytest
 
 from vlm_serve.caption import collect_images
 from vlm_serve.cli import main
-from vlm_serve.testing.media import make_image
+from vlm_serve.testing.media import jpeg_stating, make_image
 
 
 @pytest.fixture
@@ -56,6 +56,21 @@ def test_a_folder_with_two_corrupt_images_gives_50_lines_and_resumes(folder, tin
     assert len(resumed) == 50 and {r["path"] for r in resumed} == {r["path"] for r in records}
     by_path = {r["path"]: r for r in records}
     assert all(r.get("caption") == by_path[r["path"]].get("caption") for r in resumed)  # greedy: same captions
+
+
+def test_a_picture_over_max_image_pixels_is_reported_in_its_line_with_its_size_and_limit(tiny_moe_dir, tmp_path):
+    make_image(100, 100).save(tmp_path / "at_limit.png")
+    make_image(101, 100).save(tmp_path / "over.png")
+    (tmp_path / "huge.jpg").write_bytes(jpeg_stating(20000, 20000))
+    output = tmp_path / "captions.jsonl"
+    args = ["caption", str(tmp_path), "--output", str(output), "--model", str(tiny_moe_dir), "--dtype", "float32",
+            "--max-tokens", "2", "--max-image-pixels", "10000"]
+    assert main(args) == 0
+    records = {r["path"].rsplit("/", 1)[-1]: r for r in _lines(output)}
+    assert records["at_limit.png"]["caption"] is not None and "error" not in records["at_limit.png"]
+    over = "image is 101 x 100 = 10100 pixels, more than the limit of 10000 (--max-image-pixels)"
+    assert records["over.png"]["error"] == over
+    assert records["huge.jpg"]["error"].startswith("image is 20000 x 20000 = 400000000 pixels, more than the limit")
 
 
 def _lines_skipping_partial(path) -> list[dict]:

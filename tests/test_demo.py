@@ -26,6 +26,7 @@ from PIL import Image, ImageDraw
 
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import Scene, Shape, render
+from vlm_serve.testing.media import png_stating
 from vlm_serve.demo import (
     SINGLE_TURN_NOTE, build_demo, latest_question, single_turn_only, to_openai_messages, user_turn,
 )  # fmt: skip
@@ -126,6 +127,19 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, image, tmp
     history = [*updates[-1], user_turn({"text": "And this one?", "files": [str(broken)]})]
     with pytest.warns(UserWarning, match="The message was not sent"):  # gr.Warning outside a page
         assert list(respond(history, *CONTROLS)) == [updates[-1]]  # the rejected turn is taken back
+    engine.scheduler.check_memory()
+
+
+def test_an_oversized_picture_is_refused_with_its_size_the_limit_and_the_flag(engine, tmp_path):
+    pytest.importorskip("gradio")
+    from vlm_serve.demo import _responder
+
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(png_stating(20000, 20000))
+    respond = _responder(engine, threading.Lock(), single_turn=True)
+    message = r"image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485 \(--max-image-pixels\)"
+    with pytest.warns(UserWarning, match=message):
+        assert list(respond([user_turn({"text": PROMPT, "files": [str(huge)]})], *CONTROLS)) == [[]]
     engine.scheduler.check_memory()
 
 

@@ -13,6 +13,8 @@ before it."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 from pathlib import Path
@@ -22,6 +24,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from helpers import ServerProcess, descendants, openai_client, start_server
+from PIL import Image
 
 from vlm_serve.caption import caption_images
 from vlm_serve.cli import main
@@ -31,20 +34,21 @@ from vlm_serve.errors import ERROR_TYPES, ApiError
 from vlm_serve.messages.frontend import StrOut
 from vlm_serve.server.http_server import ServerState, create_app  # (it loads every module defining errors)
 from vlm_serve.server.openai_api import OpenAIServing
-from vlm_serve.testing.media import make_image
+from vlm_serve.testing.media import jpeg_stating, make_image, png_stating, write_video
 
 API_KEY = "sk-shapes-4f1c9b27e0d3"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {"Content-Type": "application/json"}
 HI = [{"role": "user", "content": "Hi"}]
 SEED_MAX = 2**63 - 1
+MAX_IMAGE_PIXELS = 100 * 100  # the server's --max-image-pixels
 
 
 @pytest.fixture(scope="module")
 def server(tiny_moe_dir: Path):
     with pytest.MonkeyPatch.context() as env:  # the server process takes its environment when it starts
         env.setenv(API_KEY_ENV, API_KEY)
-        srv = start_server(tiny_moe_dir, "--context-length", "2048")
+        srv = start_server(tiny_moe_dir, "--context-length", "2048", "--max-image-pixels", str(MAX_IMAGE_PIXELS))
     try:
         yield srv
     finally:
@@ -70,6 +74,35 @@ def baseline(client: openai.OpenAI) -> str:
 def chat(**fields) -> bytes:
     """A chat completion body; surrogates are written as JSON escapes (`json.dumps` keeps ASCII)."""
     return json.dumps({"messages": HI, "max_tokens": 4, **fields}).encode()
+
+
+def media_url(data: bytes | Image.Image, media_type: str = "image/png") -> str:
+    """A data URL of encoded media, or of a picture as a PNG."""
+    if isinstance(data, Image.Image):
+        buffer = io.BytesIO()
+        data.save(buffer, "PNG")
+        data = buffer.getvalue()
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
+
+
+def asking(*parts: dict, earlier: list[dict] = ()) -> list[dict]:
+    """Messages: `earlier` ones, then a user message of `parts` and a question."""
+    return [*earlier, {"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video(width: int, height: int) -> dict:
+    buffer = io.BytesIO()
+    write_video(buffer, [make_image(width, height, seed=i) for i in range(4)], fps=2)
+    return {"type": "video_url", "video_url": {"url": media_url(buffer.getvalue(), "video/mp4")}}
+
+
+JUNK_IMAGE = image(media_url(b"hello"))
+HUGE_PNG = image(media_url(png_stating(20000, 20000)))
+TEXT_PART = {"type": "text", "text": "Look."}
 
 
 def assert_openai_error(response: httpx.Response, status: int, kind: str, fragment: str, param=None, code=None):
@@ -208,15 +241,50 @@ BAD = {  # name: (method, path, body, status, type, fragment in the message, par
     ),
     "image that does not decode": (
         "POST", C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]),
-        400, B, "cannot decode image", None,
+        400, B, "cannot decode image", "messages[0].content[0]",
     ),
     "local file without an allowed folder": (
         "POST", C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]),
-        400, B, "local image files are not allowed", None,
+        400, B, "local image files are not allowed", "messages[0].content[0]",
     ),
     "remote URL without allowed domains": (
         "POST", C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]),
-        400, B, "remote image URLs are disabled", None,
+        400, B, "remote image URLs are disabled", "messages[0].content[0]",
+    ),
+    "bad image in the second message's third part": (
+        "POST", C, chat(messages=asking(TEXT_PART, image(media_url(make_image(32, 32))), JUNK_IMAGE, earlier=HI)),
+        400, B, "cannot decode image", "messages[1].content[2]",
+    ),
+    "data URL not in base64, after a video": (
+        "POST", C, chat(messages=asking(video(64, 48), image("data:image/png,raw"))),
+        400, B, "only base64-encoded data URLs are supported", "messages[0].content[1]",
+    ),
+    "video that does not decode": (
+        "POST", C, chat(messages=asking({"type": "video_url", "video_url": {"url": media_url(b"hi", "video/mp4")}})),
+        400, B, "cannot decode video", "messages[0].content[0]",
+    ),
+    "PNG over --max-image-pixels": (
+        "POST", C, chat(messages=asking(TEXT_PART, image(media_url(make_image(101, 100))))), 400, B,
+        "image is 101 x 100 = 10100 pixels, more than the limit of 10000 (--max-image-pixels)",
+        "messages[0].content[1]",
+    ),
+    "20000 x 20000 JPEG": (
+        "POST", C, chat(messages=asking(image(media_url(jpeg_stating(20000, 20000), "image/jpeg")))), 400, B,
+        "image is 20000 x 20000 = 400000000 pixels, more than the limit of 10000 (--max-image-pixels)",
+        "messages[0].content[0]",
+    ),
+    "20000 x 20000 PNG, streamed": (
+        "POST", C, chat(messages=asking(TEXT_PART, TEXT_PART, HUGE_PNG), stream=True),
+        400, B, "image is 20000 x 20000 = 400000000 pixels, more than the limit of 10000", "messages[0].content[2]",
+    ),
+    "video frames over --max-image-pixels": (
+        "POST", C, chat(messages=asking(TEXT_PART, video(128, 96))), 400, B,
+        "each video frame is 128 x 96 = 12288 pixels, more than the limit of 10000 (--max-image-pixels)",
+        "messages[0].content[1]",
+    ),
+    "bad image to tokenize": (
+        "POST", "/tokenize", json.dumps({"messages": asking(TEXT_PART, JUNK_IMAGE)}).encode(), 400, B,
+        "cannot decode image", "messages[0].content[1]",
     ),
     "max_pixels above the server's cap": (
         "POST", C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}, "max_pixels": 10**12}]}]),
@@ -305,6 +373,25 @@ def test_every_error_the_server_can_raise_has_an_openai_type_and_a_string_or_nul
         error = StrOut.failed("r", status, "encoder_error", "why").failure()
         assert error.kind in ERROR_TYPES and error.code == "encoder_error" and error.status == status
     assert StrOut.failed("r", 400, "", "why").failure().code is None
+
+
+def test_pictures_and_video_frames_up_to_the_pixel_limit_are_served(client, baseline):
+    at_limit = [image(media_url(make_image(100, 100))), image(media_url(make_image(125, 80))), video(96, 96)]
+    jpeg = io.BytesIO()
+    make_image(100, 100, seed=1).save(jpeg, "JPEG")
+    for part in [*at_limit, image(media_url(jpeg.getvalue(), "image/jpeg"))]:
+        reply = client.chat.completions.create(model="default", messages=asking(part), max_tokens=2, temperature=0)
+        assert reply.model_dump()["usage"]["prompt_tokens_details"]["media"][0]["tokens"] > 0
+    assert greedy_answer(client) == baseline
+
+
+def test_the_openai_client_sees_the_failing_part_streamed_or_not(client, baseline):
+    messages = asking(TEXT_PART, HUGE_PNG, earlier=HI)
+    for stream in (False, True):  # a refused stream is an error status, not a stream
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="default", messages=messages, max_tokens=2, stream=stream)
+        assert caught.value.param == "messages[1].content[1]" and "(--max-image-pixels)" in caught.value.message
+    assert greedy_answer(client) == baseline
 
 
 def test_a_paired_surrogate_escape_is_a_character_not_an_error(server, client, baseline):

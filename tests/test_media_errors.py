@@ -1,11 +1,13 @@
-"""Bad media gives a `MediaError` (a ValueError) whose message names the problem, never a decoder error."""
+"""Bad media gives a `MediaError` (a 400, a ValueError) whose message names the problem, never a decoder
+error, and whose `param` names the part of the request that holds the media. A picture over the pixel limit
+is refused from its header, in words that give its size, the limit and the flag that sets it (never in
+Pillow's), before a pixel is decoded."""
 
 from __future__ import annotations
 
 import base64
 import io
 import struct
-import zlib
 from pathlib import Path
 
 import av
@@ -13,10 +15,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vlm_serve.errors import BadRequest
+from vlm_serve.testing.media import jpeg_stating, png_stating
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor, ImageProcessorConfig
-from vlm_serve.vision.media import MediaAccess, MediaError, load_image, read_media
-from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.vision.media import MediaAccess, MediaError, load_image, probe_image, read_media
+from vlm_serve.vision.processor import MediaInput, MultimodalProcessor
 from vlm_serve.vision.video import VideoProcessor, VideoProcessorConfig
 
 
@@ -26,14 +30,8 @@ def png_bytes(width: int = 8, height: int = 8) -> bytes:
     return buffer.getvalue()
 
 
-def png_chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header claims `width` x `height` but which holds almost no pixel data."""
-    header = png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-    return b"\x89PNG\r\n\x1a\n" + header + png_chunk(b"IDAT", zlib.compress(b"\0" * 64)) + png_chunk(b"IEND", b"")
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
 def mp4_bytes(frames: int = 10, width: int = 64, height: int = 48) -> bytes:
@@ -71,8 +69,8 @@ def video_processor() -> VideoProcessor:
 # -- sources -----------------------------------------------------------------------------------------
 
 
-def test_media_error_is_a_value_error():
-    assert issubclass(MediaError, ValueError)
+def test_media_error_is_a_400_value_error():
+    assert issubclass(MediaError, BadRequest) and issubclass(MediaError, ValueError) and MediaError.status == 400
 
 
 @pytest.mark.parametrize(
@@ -135,30 +133,47 @@ def test_truncated_image():
         load_image(buffer.getvalue()[: len(buffer.getvalue()) // 2])
 
 
-def test_decompression_bomb_is_refused_from_the_header():
+def test_a_picture_over_the_limit_is_refused_from_its_header_with_its_size_the_limit_and_the_flag():
     # The header claims 9000 x 9000 but almost no data follows: refused before decoding is attempted.
-    message = r"image is too large: 9000x9000 = 81000000 pixels exceeds the limit of 50000000"
+    message = r"^image is 9000 x 9000 = 81000000 pixels, more than the limit of 50000000 \(--max-image-pixels\)$"
     with pytest.raises(MediaError, match=message):
-        load_image(png_header_only(9000, 9000), max_pixels=50_000_000)
+        load_image(png_stating(9000, 9000), max_pixels=50_000_000)
+    with pytest.raises(MediaError, match=message):
+        load_image(jpeg_stating(9000, 9000), max_pixels=50_000_000)
 
 
-@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
-def test_default_pixel_limit():
-    message = r"image is too large: 10000x10000 = 100000000 pixels exceeds the limit of 89478485"
+@pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")  # Pillow does not warn first either
+@pytest.mark.parametrize("make", [png_stating, jpeg_stating], ids=["png", "jpeg"])
+def test_a_20000_x_20000_picture_is_refused_in_our_words_not_pillows(make):
+    message = r"^image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485 \(--max-image-pixels\)$"
     with pytest.raises(MediaError, match=message):
-        load_image(png_header_only(10000, 10000))
+        load_image(make(20000, 20000))
+    with pytest.raises(MediaError, match=message):
+        probe_image(make(20000, 20000))
+
+
+def test_a_limit_above_pillows_lets_pillow_refuse_nothing_it_allows(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # (raised here, restored after)
+    assert probe_image(png_stating(20000, 20000), max_pixels=10**9) == (20000, 20000)  # over 2x Pillow's
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow checks a TIFF's tiles again as it decodes
+    tiff = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(tiff, "TIFF")
+    assert load_image(tiff.getvalue(), max_pixels=64 * 64).size == (64, 64)
 
 
 def test_configurable_pixel_limit():
-    with pytest.raises(MediaError, match=r"image is too large: 40x40 = 1600 pixels exceeds the limit of 1000 pixels"):
+    message = r"image is 40 x 40 = 1600 pixels, more than the limit of 1000 \(--max-image-pixels\)"
+    with pytest.raises(MediaError, match=message):
         load_image(png_bytes(40, 40), max_pixels=1000)
     assert load_image(png_bytes(40, 40), max_pixels=1600).size == (40, 40)
 
 
-def test_pillow_decompression_bomb_error_is_converted():
-    # Our own limit is lifted, so Pillow's (2 x MAX_IMAGE_PIXELS) is the one that fires.
-    with pytest.raises(MediaError, match="image is too large to decode safely \\(decompression bomb\\)"):
-        load_image(png_header_only(20000, 20000), max_pixels=10**12)
+def test_a_picture_holding_more_than_its_header_states_is_refused_as_a_bomb(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow's check, at twice the limit, finds 64 x 64
+    embedded = png_bytes(64, 64)  # in an ICO whose directory says 8 x 8
+    ico = struct.pack("<3H", 0, 1, 1) + struct.pack("<4B2H2I", 8, 8, 0, 0, 1, 32, len(embedded), 22) + embedded
+    with pytest.raises(MediaError, match="^image holds more pixels than its header states: refused as a decompression"):
+        load_image(ico, max_pixels=100)
 
 
 def test_extreme_aspect_ratio():
@@ -221,8 +236,12 @@ def test_empty_and_missing_video(video_processor, tmp_path):
 
 def test_video_frames_over_the_pixel_limit():
     processor = VideoProcessor(VideoProcessorConfig(), max_frame_pixels=1000)
-    with pytest.raises(MediaError, match=r"video frames are too large: 64x48 exceeds the limit of 1000 pixels"):
+    message = r"^each video frame is 64 x 48 = 3072 pixels, more than the limit of 1000 \(--max-image-pixels\)$"
+    with pytest.raises(MediaError, match=message):
         processor.preprocess(mp4_bytes())
+    frames = "data:video/jpeg;base64," + ",".join(base64.b64encode(jpeg_stating(64, 48)).decode() for _ in range(2))
+    with pytest.raises(MediaError, match=r"^video frame 0 \(counting from 0, of 2\): image is 64 x 48 = 3072 pixels"):
+        processor.preprocess(frames)
 
 
 def test_video_data_url_works(video_processor):
@@ -233,8 +252,12 @@ def test_video_data_url_works(video_processor):
 # -- through the prompt processor --------------------------------------------------------------------
 
 
-def test_processor_reports_media_errors(tiny_dense_dir: Path):
-    processor = MultimodalProcessor.from_pretrained(tiny_dense_dir, Tokenizer.from_pretrained(tiny_dense_dir))
+@pytest.fixture(scope="module")
+def processor(tiny_dense_dir: Path) -> MultimodalProcessor:
+    return MultimodalProcessor.from_pretrained(tiny_dense_dir, Tokenizer.from_pretrained(tiny_dense_dir))
+
+
+def test_processor_reports_media_errors(processor):
     broken_png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     messages = [{"role": "user", "content": [broken_png]}]
     with pytest.raises(MediaError, match="cannot decode image"):
@@ -244,3 +267,53 @@ def test_processor_reports_media_errors(tiny_dense_dir: Path):
         processor.process_messages(messages)
     with pytest.raises(MediaError, match="unsupported video source of type Image"):
         processor.process("<|video_pad|>", videos=[Image.new("RGB", (32, 32))])
+
+
+GOOD_IMAGE = {"type": "image_url", "image_url": {"url": data_url(png_bytes(32, 32))}}
+TEXT = {"type": "text", "text": "What is it?"}
+BAD_VIDEO = data_url(b"x", "video/mp4")
+NO_URL = {"type": "image_url", "image_url": {}}
+
+
+def image_part(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+@pytest.mark.parametrize(
+    "messages, param, words",
+    [
+        ([{"role": "user", "content": [image_part(b"junk"), TEXT]}], "messages[0].content[0]", "cannot decode image"),
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "user", "content": [TEXT, GOOD_IMAGE, image_part(b"junk")]}],
+            "messages[1].content[2]", "cannot decode image",
+        ),
+        (
+            [{"role": "user", "content": [GOOD_IMAGE, {"type": "video_url", "video_url": {"url": BAD_VIDEO}}]}],
+            "messages[0].content[1]", "cannot decode video",
+        ),
+        (
+            [{"role": "user", "content": [TEXT, image_part(png_stating(20000, 20000))]}],
+            "messages[0].content[1]", "image is 20000 x 20000 = 400000000 pixels",
+        ),
+        ([{"role": "user", "content": [TEXT, NO_URL]}], "messages[0].content[1]", "has no"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}],
+            "messages[0].content[0]", "cannot decode image",  # (the in-process processor reads any local path)
+        ),
+    ],
+    ids=["first part", "second message's third part", "a video", "oversized", "no url", "not an image file"],
+)
+def test_a_media_error_names_the_failing_part_as_the_client_wrote_it(processor, messages, param, words):
+    with pytest.raises(MediaError) as caught:
+        processor.process_messages(messages)
+    assert caught.value.param == param and words in caught.value.message, caught.value
+
+
+def test_media_given_with_its_place_is_named_by_it(processor):
+    images = [MediaInput(data_url(png_bytes(32, 32)), param="image_data[0]"), MediaInput(b"x", param="image_data[1]")]
+    with pytest.raises(MediaError, match="cannot decode image") as caught:
+        processor.process("<|image_pad|><|image_pad|>", images=images)
+    assert caught.value.param == "image_data[1]"
+    with pytest.raises(MediaError) as caught:
+        processor.process("<|image_pad|>", images=[b"junk"])  # an in-process caller's: no place to name
+    assert caught.value.param is None

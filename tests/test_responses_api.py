@@ -9,6 +9,7 @@ background) cancelled; what the server cannot honour is refused by name.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from typing import Literal
@@ -22,6 +23,7 @@ from pydantic import BaseModel
 from vlm_serve.server.chat_output import ChatDelta
 from vlm_serve.server.responses_api import OutputBuilder, assistant_message
 from vlm_serve.server.tool_parser import ToolCall
+from vlm_serve.testing.media import png_stating
 
 MAX = 8
 WEATHER = {
@@ -215,7 +217,10 @@ def test_a_background_response_is_polled_and_can_be_cancelled(client, model):
     "options, fragment, param",
     [
         ({"tools": [{"type": "web_search"}]}, "only function tools", "tools"),
-        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "Files API", "input.0.content.0"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "Files API",
+            "input[0].content[0]",
+        ),
         ({"conversation": "conv_1"}, "conversation", None),
         ({"truncation": "auto"}, "truncation", "truncation"),
         ({"background": True, "store": False}, "store", None),
@@ -238,6 +243,48 @@ def test_what_the_server_cannot_honour_is_refused_by_name(server, model, options
     assert error["type"] == "invalid_request_error" and fragment in error["message"], error
     if param is not None:
         assert error["param"] == param or error["param"].startswith(param), error
+
+
+JUNK = "data:image/png;base64," + base64.b64encode(b"not a picture").decode()
+HUGE = "data:image/png;base64," + base64.b64encode(png_stating(20000, 20000)).decode()
+LOOK = {"type": "input_text", "text": "Look."}
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+@pytest.mark.parametrize(
+    "options, param, fragment",
+    [
+        ({"input": [{"role": "user", "content": [LOOK, {"type": "input_image", "image_url": JUNK}]}]},
+         "input[0].content[1]", "cannot decode image"),
+        ({"instructions": "Be brief.", "input": [
+            {"role": "user", "content": "Weather?"}, CALL,
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+            {"role": "user", "content": [LOOK, LOOK, {"type": "input_image", "image_url": HUGE}]},
+        ]}, "input[3].content[2]", "image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485"),
+        ({"input": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": JUNK}}]}]},
+         "input[0].content[0]", "media type 'image/png' is not video/*"),
+        ({"stream": True, "input": [{"role": "user", "content": [LOOK, {"type": "input_image", "image_url": JUNK}]}]},
+         "input[0].content[1]", "cannot decode image"),
+    ],
+    ids=["second part", "after instructions and a tool call", "a video", "streamed"],
+)  # fmt: skip
+def test_a_media_error_names_the_input_part_that_failed(server, client, model, options, param, fragment):
+    body = {"model": model, "max_output_tokens": 2, **options}
+    response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+    assert client.responses.create(model=model, input="Hi", max_output_tokens=2).status in ("completed", "incomplete")
+
+
+def test_a_media_error_after_a_previous_response_names_the_new_input_part(client, model):
+    first = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model=model, previous_response_id=first.id, instructions="Be brief.", max_output_tokens=2,
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": JUNK}, LOOK]}],
+        )  # fmt: skip
+    assert caught.value.param == "input[0].content[0]" and "cannot decode image" in caught.value.message
 
 
 def test_a_too_long_input_raises_context_length_exceeded(client, model):

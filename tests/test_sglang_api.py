@@ -16,7 +16,7 @@ import httpx
 import pytest
 from helpers import ServerProcess
 
-from vlm_serve.testing.media import make_image, make_video
+from vlm_serve.testing.media import make_image, make_video, png_stating
 from vlm_serve.tokenizer import Tokenizer
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
@@ -228,6 +228,33 @@ def test_generate_refuses_what_it_cannot_do_by_name(
     assert response.status_code == 400
     error = response.json()["error"]
     assert words in error["message"] and error["param"] == param
+
+
+JUNK = "data:image/png;base64," + base64.b64encode(b"not a picture").decode()
+HUGE = "data:image/png;base64," + base64.b64encode(png_stating(20000, 20000)).decode()
+
+
+def test_a_media_error_names_the_item_of_image_data_or_video_data_that_failed(
+    server: ServerProcess, ours: Tokenizer
+) -> None:  # fmt: skip
+    one, two, video = templated(ours, "image"), templated(ours, "image", "image"), templated(ours, "image", "video")
+    cases = [
+        ({"text": two, "image_data": [image_url(), JUNK]}, "image_data[1]", "cannot decode image"),
+        ({"text": one, "image_data": JUNK}, "image_data", "cannot decode image"),
+        ({"text": video, "image_data": image_url(), "video_data": [JUNK]}, "video_data[0]", "is not video/*"),
+        ({"text": [one, two], "image_data": [image_url(), [image_url(), JUNK]]}, "image_data[1][1]", "cannot decode"),
+        ({"text": [two, one], "image_data": [[image_url(), image_url()], JUNK]}, "image_data[1]", "cannot decode"),
+        (
+            {"text": one, "image_data": [HUGE], "stream": True}, "image_data[0]",
+            "image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485 (--max-image-pixels)",
+        ),
+    ]
+    for body, param, words in cases:
+        response = post(server, "/generate", {**body, "sampling_params": GREEDY})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and words in error["message"], (body, error)
+    assert generate(server, text=one, image_data=image_url(), sampling_params=GREEDY)["text"]
 
 
 def test_generate_without_sampling_params_writes_at_most_128_tokens_as_sglang_does(server: ServerProcess) -> None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 BUILTIN_DRAFT_MAX_BATCH = 4  # the built-in model's default speculative_disable_by_batch_size
 API_KEY_ENV = "VLM_SERVE_API_KEY"  # the API key when neither api_key nor api_key_file is set
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's own threshold (`PIL.Image.MAX_IMAGE_PIXELS`)
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few names
     "dtype": ("auto", *DTYPES),
@@ -51,7 +52,7 @@ ENGINE_SETTINGS = (
     "model", "revision", "download_dir", "dtype", "load_format", "device", "attention_backend", "page_size",
     "max_total_tokens", "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "enable_mixed_chunk",
     "disable_overlap_schedule", "disable_cuda_graph", "cuda_graph_max_bs", "schedule_policy",
-    "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb",
+    "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb", "max_image_pixels",
     "context_length", "vit_max_patches_per_pass", "vit_dp", "vit_threads", "log_interval", "log_level", "seed",
     "speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
     "speculative_ngram_max_match_window_size", "speculative_draft_model_path", "speculative_disable_by_batch_size",
@@ -107,6 +108,9 @@ class ServerArgs:
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from; none = off
     media_fetch_timeout: float = 10.0  # seconds for a whole remote download
     max_media_mb: int = 64  # largest image or video file a request may send, fetch or name
+    # largest picture (width x height as stored) an image or a video frame may be: refused from its header, undecoded
+    # default Pillow's own threshold, about 9459 x 9459: above ordinary photos (48 megapixels), yet 268 MB as RGB
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # (--mm-max-image-pixels instead caps what images are resized to)
     limit_mm_per_prompt: int = 16  # images + videos in one request
     mm_max_image_pixels: int = 16_777_216  # the most a request's per-image min/max_pixels may ask
     mm_max_video_pixels: int = 33_554_432  # the same for a whole video clip
@@ -146,10 +150,10 @@ class ServerArgs:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
         positive = (
             "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
-            "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "limit_mm_per_prompt", "mm_max_image_pixels",
-            "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers", "speculative_num_draft_tokens",
-            "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
-            "speculative_disable_by_batch_size", "cuda_graph_max_bs",
+            "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "max_image_pixels", "limit_mm_per_prompt",
+            "mm_max_image_pixels", "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers",
+            "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+            "speculative_ngram_max_match_window_size", "speculative_disable_by_batch_size", "cuda_graph_max_bs",
         )
         for name in positive:
             value = getattr(self, name)

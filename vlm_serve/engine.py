@@ -167,7 +167,10 @@ class Engine:
         path = Path(self.server_args.model)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
-        self.processor = MultimodalProcessor.from_pretrained(path, self.tokenizer, cache_mb=self.server_args.mm_cache_mb)
+        self.processor = MultimodalProcessor.from_pretrained(
+            path, self.tokenizer, max_image_pixels=self.server_args.max_image_pixels,
+            cache_mb=self.server_args.mm_cache_mb,
+        )
         runner = ModelRunner(self.server_args, self.model_config)
         self._io = _QueueIO()
         encoder = create_encoder(self.server_args, self.model_config, runner.device)

@@ -55,6 +55,7 @@ from vlm_serve.errors import ApiError, InternalError, ModelNotFoundError
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.server.tool_parser import ToolCall
 from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.vision.processor import PartParam, chat_part_param
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,13 @@ class OpenAIServing:
 
     # ---- chat --------------------------------------------------------------------------------------
 
-    async def chat_prompt(self, request: ChatPrompt, tools: list[dict] | None = None) -> ProcessedInput:
+    async def chat_prompt(
+        self, request: ChatPrompt, tools: list[dict] | None = None, part_param: PartParam = chat_part_param
+    ) -> ProcessedInput:
         """The model input of a chat request: its messages (and tools) rendered with its template
         options, and its media processed with its media options (a part's own options win over
-        request-wide ones)."""
+        request-wide ones). A part whose media cannot be used is a 400 whose `param` is `part_param(i, j)`
+        for message i's part j (`messages[i].content[j]`)."""
         check_media_parts(request, self.server_args)
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         media = request.media_options()
@@ -97,15 +101,15 @@ class OpenAIServing:
         return await self.tm.process_messages(
             messages, add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, chat_template_kwargs=template_kwargs,
-            **media["image"], **video,
+            part_param=part_param, **media["image"], **video,
         )  # fmt: skip
 
-    async def start_chat(self, request: ChatCompletionRequest) -> ChatRun:
+    async def start_chat(self, request: ChatCompletionRequest, part_param: PartParam = chat_part_param) -> ChatRun:
         """A chat request as model input and scheduler messages (the chat completions and responses
-        endpoints both start here)."""
+        endpoints both start here; `part_param` as in `chat_prompt`)."""
         self.check_model(request.model)
         tools = tool_use(request)
-        x = await self.chat_prompt(request, tools.tools)
+        x = await self.chat_prompt(request, tools.tools, part_param)
         thinking = (request.chat_template_kwargs or {}).get("enable_thinking") is not False
         sampling = request.sampling()
         # a thinking model's grammar (response_format, tool_choice...) starts after its reasoning

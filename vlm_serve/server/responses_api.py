@@ -53,6 +53,7 @@ from vlm_serve.server.responses_protocol import (
     ResponseUsage,
     DeletedResponse,
 )
+from vlm_serve.vision.processor import PartParam
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,21 @@ LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for t
 # ---- input items -> chat messages -----------------------------------------------------------------------
 
 
-def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
-    """Chat messages of a request's input: a string is one user message; a function call joins the
-    assistant message before it (or starts one), a call's output is a tool message, and replayed
-    reasoning goes with the assistant message after it."""
+def input_messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Chat messages of a request's input, and the index of the input item each one starts with: a
+    string is one user message; a function call joins the assistant message before it (or starts one),
+    a call's output is a tool message, and replayed reasoning goes with the assistant message after it."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], [0]
     messages: list[dict[str, Any]] = []
+    origins: list[int] = []
     reasoning = None
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            content = item.content if isinstance(item.content, str) else [_chat_part(p, f"input.{i}.content.{j}") for j, p in enumerate(item.content)]
+            content = item.content
+            if not isinstance(content, str):
+                content = [_chat_part(part, f"input[{i}].content[{j}]") for j, part in enumerate(content)]
             message: dict[str, Any] = {"role": role, "content": content}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
@@ -89,7 +93,21 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
         elif isinstance(item, ReasoningInputItem):
             texts = [part.get("text", "") for part in (item.content or item.summary)]
             reasoning = "\n".join(texts)
-    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+        origins += [i] * (len(messages) - len(origins))
+    return [{k: v for k, v in m.items() if v is not None} for m in messages], origins
+
+
+def part_param(first: int, origins: list[int]) -> PartParam:
+    """Where a part of the chat request's messages is in the Responses request: `input[i].content[j]`
+    for part j of input item i, whose message is the chat request's `first` + k (`origins[k]` is i);
+    `previous_response_id` for one of the messages before (the conversation that response continues)."""
+
+    def param(message: int, part: int) -> str:
+        if message < first:
+            return "previous_response_id"
+        return f"input[{origins[message - first]}].content[{part}]"
+
+    return param
 
 
 def _chat_part(part: Any, where: str) -> dict[str, Any]:
@@ -343,8 +361,10 @@ class ResponsesServing:
                     param="previous_response_id",
                 )
             history = previous.messages
-        messages = history + input_messages(request.input)
-        run = await self.serving.start_chat(chat_request(request, messages))
+        new, origins = input_messages(request.input)
+        messages = history + new
+        first = len(history) + (request.instructions is not None)  # (the instructions are a system message)
+        run = await self.serving.start_chat(chat_request(request, messages), part_param(first, origins))
         response = self._new_response(request)
         items = [] if isinstance(request.input, str) else [item.model_dump(exclude_none=True) for item in request.input]
         stored = StoredResponse(response, messages, items or [{"type": "message", "role": "user", "content": request.input}])

@@ -26,7 +26,7 @@ from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MI
 from vlm_serve.server.openai_api import OpenAIServing, check_media_count, errors_as_events, sse
 from vlm_serve.server.protocol import BootstrapFields, valid_stop_regex
 from vlm_serve.server.tokenizer_manager import TokenizerManager
-from vlm_serve.vision.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+from vlm_serve.vision.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaInput
 
 # SGLang's sampling parameter -> the OpenAI-named setting of `GenerateReqInput.sampling` (same name if absent)
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -140,19 +140,25 @@ class GenerateRequest(BootstrapFields):
         prompt = self.text if self.text is not None else self.input_ids
         return list(prompt) if self.is_batch else [prompt]
 
-    def media(self, field: str) -> list[list[str]]:
-        """Each prompt's items of `image_data` or `video_data`."""
+    def media(self, field: str) -> list[list[MediaInput]]:
+        """Each prompt's items of `image_data` or `video_data`, each with its place in the request
+        (`image_data[1]`; in a batch, `image_data[p]` or `image_data[p][1]`)."""
         data, count = getattr(self, field), len(self.prompts())
         if data is None:
             return [[] for _ in range(count)]
         if not self.is_batch:
-            items = [data] if isinstance(data, str) else data
-            if not all(isinstance(item, str) for item in items):
+            if isinstance(data, str):
+                return [[MediaInput(data, param=field)]]
+            if not all(isinstance(item, str) for item in data):
                 raise BadRequest(f"{field} of one prompt must be a string or a list of strings", field)
-            return [items]
+            return [[MediaInput(item, param=f"{field}[{k}]") for k, item in enumerate(data)]]
         if not isinstance(data, list) or len(data) != count:
             raise BadRequest(f"{field} of a batch of {count} prompts must be a list with one entry per prompt", field)
-        return [[] if item is None else [item] if isinstance(item, str) else item for item in data]
+        return [
+            [] if entry is None else [MediaInput(entry, param=f"{field}[{p}]")] if isinstance(entry, str)
+            else [MediaInput(item, param=f"{field}[{p}][{k}]") for k, item in enumerate(entry)]
+            for p, entry in enumerate(data)
+        ]  # fmt: skip
 
     def rids(self) -> list[str]:
         """Each prompt's request id, as `meta_info.id` reports it (a new one where none is given)."""

@@ -35,7 +35,7 @@ from vlm_serve.server.ports import PortArgs
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.multimodal import ProcessedInput
 from vlm_serve.vision.media import MediaAccess
-from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.vision.processor import MediaInput, MultimodalProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class TokenizerManager:
             fetch_timeout=server_args.media_fetch_timeout,
         )
         self.processor = MultimodalProcessor.from_pretrained(
-            path, self.tokenizer, access=access, cache_mb=server_args.mm_cache_mb,
+            path, self.tokenizer, max_image_pixels=server_args.max_image_pixels, access=access,
+            cache_mb=server_args.mm_cache_mb,
             pixels=server_args.disaggregation_mode != "decode",  # a PD decode server never runs the vision tower
         )  # fmt: skip
         self.default_sampling = generation_defaults(path)
@@ -125,7 +126,7 @@ class TokenizerManager:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(self._process_messages, messages, **options))
 
-    async def process_prompt(self, prompt: str, images: list[str], videos: list[str]) -> ProcessedInput:
+    async def process_prompt(self, prompt: str, images: list[MediaInput], videos: list[MediaInput]) -> ProcessedInput:
         """A rendered prompt holding one `<|image_pad|>` / `<|video_pad|>` per image / video (as the chat
         template writes them) with its media, processed on the thread pool; a count that does not match
         is a ValueError."""

@@ -1,8 +1,15 @@
 """Loading images and videos from what a request carries: bytes, local paths, `data:` URLs, PIL images.
 
 Every problem with the media itself (empty or undecodable data, a missing file, an unsupported URL,
-a decompression bomb, ...) is raised as `MediaError`, a `ValueError` whose message names the problem;
-decoder exceptions never escape.
+a picture over the pixel limit, ...) is raised as `MediaError`, a 400 (`BadRequest`, a `ValueError`)
+whose message names the problem and whose `param` names the part of the request that holds the media
+(`media_part` sets it); decoder exceptions never escape.
+
+A picture's pixel count is read from its header and checked against the caller's limit (by default
+Pillow's own threshold) before any pixel is decoded. Images are opened without Pillow's check of the
+size their header states (`Image.MAX_IMAGE_PIXELS`), which would refuse first in its own words and at
+its own limit; its checks of what decoding finds beyond the header (an ICO's embedded image, a TIFF's
+tiles) stay, at no less than the caller's limit.
 """
 
 from __future__ import annotations
@@ -14,14 +21,18 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-# Same as Pillow's own warning threshold (about 89.5 megapixels, a 9500x9500 image).
-DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+from vlm_serve.config import DEFAULT_MAX_IMAGE_PIXELS
+from vlm_serve.errors import BadRequest
+
+MAX_IMAGE_PIXELS_FLAG = "--max-image-pixels"
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # turned or mirrored about a diagonal: width and height swap
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -31,14 +42,30 @@ _DATA_URL_MEDIA_TYPES = {"image": ("image/",), "video": ("video/",)}
 _GENERIC_MEDIA_TYPE = "application/octet-stream"
 _URL_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 DEFAULT_MAX_FETCH_BYTES = 64 << 20
+# Pillow's own check fires (at twice a limit no lower than the caller's) only for what its header does not state
+_LARGER_THAN_STATED = "image holds more pixels than its header states: refused as a decompression bomb"
 FRAME_LIST_MEDIA_TYPE = "video/jpeg"  # vLLM's video as still frames: data:video/jpeg;base64,<frame>,<frame>,...
 
 ImageSource = str | os.PathLike | bytes | bytearray | memoryview | Image.Image
 VideoSource = str | os.PathLike | bytes | bytearray | memoryview
 
 
-class MediaError(ValueError):
-    """An image or video that cannot be used: unreadable, undecodable, too large or malformed."""
+class MediaError(BadRequest):
+    """An image or video that cannot be used: unreadable, undecodable, too large or malformed (a 400;
+    `param`, where set, names the request's part that holds it)."""
+
+
+@contextmanager
+def media_part(param: str | None) -> Iterator[None]:
+    """A `MediaError` raised inside names `param` (where the media is in the request, e.g.
+    `messages[0].content[1]`), unless it names a part already. A new error is raised: the one caught
+    may be shared by requests waiting for the same media (`MultimodalCache.get_or_compute`)."""
+    try:
+        yield
+    except MediaError as exc:
+        if param is None or exc.param is not None:
+            raise
+        raise MediaError(exc.message, param=param) from exc
 
 
 class FrameList(tuple):
@@ -182,10 +209,12 @@ def load_image(
 def open_image(data: bytes | Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
     """The image in `data`, opened lazily: its header is read and its pixel count checked against
     `max_pixels`; no pixel is decoded."""
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels  # Pillow's checks while decoding: never below this limit
     try:
-        image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
-    except Image.DecompressionBombError as exc:
-        raise MediaError(f"image is too large to decode safely (decompression bomb): {exc}") from exc
+        image = _open_unchecked(io.BytesIO(data if isinstance(data, bytes) else data.read_bytes()))
+    except Image.DecompressionBombError as exc:  # an ICO's embedded picture, read as it opens
+        raise MediaError(_LARGER_THAN_STATED) from exc
     except UnidentifiedImageError as exc:
         raise MediaError("cannot decode image: the data is not in a recognized image format") from exc
     except Exception as exc:  # noqa: BLE001 - any decoder failure is a property of the data
@@ -198,13 +227,33 @@ def open_image(data: bytes | Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -
     return image
 
 
+def _open_unchecked(stream: IO[bytes]) -> Image.Image:
+    """The image in `stream` opened as `Image.open` opens it (its header read, no pixel decoded), by the
+    first format plugin that accepts its first bytes and can read its header, but without Pillow's check
+    of the pixel count the header states: the callers check it against their own limit."""
+    prefix = stream.read(16)
+    for register in (Image.preinit, Image.init):  # the common formats first, as `Image.open` tries them
+        register()
+        for name in list(Image.ID):
+            factory, accept = Image.OPEN[name]
+            verdict = accept(prefix) if accept is not None else True
+            if not verdict or isinstance(verdict, (str, bytes)):  # (a string: why the plugin declines it)
+                continue
+            stream.seek(0)
+            try:
+                return factory(stream, "")
+            except (SyntaxError, IndexError, TypeError, struct.error):  # not this format after all
+                continue
+    raise UnidentifiedImageError("cannot identify image file")
+
+
 def decode_image(image: Image.Image) -> Image.Image:
     """An image from `open_image` with its pixels decoded and its EXIF orientation applied."""
     try:
         image.load()
     except Image.DecompressionBombError as exc:
         image.close()
-        raise MediaError(f"image is too large to decode safely (decompression bomb): {exc}") from exc
+        raise MediaError(_LARGER_THAN_STATED) from exc
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt data
         image.close()
         raise MediaError(f"cannot decode image: {exc}") from exc
@@ -249,7 +298,7 @@ def _png_exif(data: bytes, animated: bool) -> Image.Exif:
         if kind in _PNG_EXIF_CHUNKS:
             chunks.append(_png_chunk(kind, body))  # a fresh CRC: decoding does not check those after the data
         after_image_data = after_image_data or kind in _PNG_IMAGE_DATA
-    metadata = Image.open(io.BytesIO(_PNG_SIGNATURE + b"".join(chunks) + _png_chunk(b"IEND", b"")))
+    metadata = _open_unchecked(io.BytesIO(_PNG_SIGNATURE + b"".join(chunks) + _png_chunk(b"IEND", b"")))
     return Image.Image.getexif(metadata)  # not PngImageFile's, which would look for pixels to decode
 
 
@@ -261,10 +310,16 @@ def check_image_size(width: int, height: int, max_pixels: int | None = None) -> 
     """Raise `MediaError` for an empty image or one with more than `max_pixels` pixels."""
     if width <= 0 or height <= 0:
         raise MediaError(f"image is empty ({width}x{height} pixels)")
+    check_pixel_count("image is", width, height, max_pixels)
+
+
+def check_pixel_count(what: str, width: int, height: int, max_pixels: int | None) -> None:
+    """Raise `MediaError` when a picture (`what` names it: "image is", "each video frame is") has more
+    than `max_pixels` pixels, saying its size, the limit and the flag that sets it."""
     if max_pixels is not None and width * height > max_pixels:
         raise MediaError(
-            f"image is too large: {width}x{height} = {width * height} pixels exceeds the limit of "
-            f"{max_pixels} pixels (possible decompression bomb)"
+            f"{what} {width} x {height} = {width * height} pixels, more than the limit of {max_pixels} "
+            f"({MAX_IMAGE_PIXELS_FLAG})"
         )
 
 

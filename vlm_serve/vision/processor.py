@@ -9,6 +9,9 @@ Every item carries its content hash (`mm_cache.hashing.media_hash`). A processed
 it lets a repeated image or video (same bytes, same settings) skip decoding, resizing and normalising;
 concurrent first requests for one (on the HTTP server's preprocessing threads) process it once.
 
+A media item that cannot be used is a `MediaError` whose `param` names where the item is in the request
+(`messages[0].content[1]` for a chat message's part, or the `MediaInput`'s own `param`).
+
 A media item may carry a client's `uuid` (vLLM's multimodal UUIDs): the processor remembers which
 content hash that uuid named, so a later item with the uuid and no source is the cached item itself,
 without its bytes (see `MultimodalProcessor`).
@@ -39,8 +42,8 @@ from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.image_processor import ImageProcessor
 from vlm_serve.multimodal import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.vision.media import (
-    DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaAccess, MediaError, VideoSource, decode_image, load_image, open_image,
-    probe_image, read_media,
+    DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaAccess, MediaError, VideoSource, decode_image, load_image, media_part,
+    open_image, probe_image, read_media,
 )
 from vlm_serve.vision.video import VideoProcessor
 
@@ -52,16 +55,24 @@ _PLACEHOLDER = re.compile(f"{re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)}")
 _IMAGE_OPTIONS = ("min_pixels", "max_pixels")
 _VIDEO_OPTIONS = ("min_pixels", "max_pixels", "fps", "max_frames")
 MAX_MEDIA_UUIDS = 1 << 16  # uuids remembered (the least recently used are forgotten first)
+PartParam = Callable[[int, int], str | None]  # (message i, its part j) -> the part's place in the request
 
 
 @dataclass
 class MediaInput:
     """One image or video of a request with its own preprocessing overrides (keys of `_*_OPTIONS`) and
-    the client's `uuid` for it, if any; `source` None refers to media sent before with that uuid."""
+    the client's `uuid` for it, if any; `source` None refers to media sent before with that uuid.
+    `param` is where the item is in the request (`image_data[1]`): a `MediaError` about it names it."""
 
     source: Any
     options: dict[str, Any] = field(default_factory=dict)
     uuid: str | None = None
+    param: str | None = None
+
+
+def chat_part_param(message: int, part: int) -> str:
+    """Where a chat request's content part is, as an error's `param` names it (as OpenAI does)."""
+    return f"messages[{message}].content[{part}]"
 
 
 class MultimodalProcessor:
@@ -159,6 +170,7 @@ class MultimodalProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        part_param: PartParam = chat_part_param,
         **overrides: Any,
     ) -> ProcessedInput:
         """Render OpenAI-style `messages` with the chat template and process their media.
@@ -169,29 +181,28 @@ class MultimodalProcessor:
         part may carry its own `min_pixels`, `max_pixels` (and for videos `fps`, `max_frames`), and a
         `uuid`: with it, the source may be left out (None or an empty url) to use media sent before.
         `chat_template_kwargs` are more variables for the chat template; `overrides` are `process`'s
-        keyword arguments (a part's own options win over them).
+        keyword arguments (a part's own options win over them). `part_param(i, j)` names the place of
+        message i's part j in the request, for the `param` of a `MediaError` about its media.
         """
-        images: list[MediaInput] = []
-        videos: list[MediaInput] = []
-        for message in messages:
+        media: dict[str, list[MediaInput]] = {"image": [], "video": []}
+        for i, message in enumerate(messages):
             content = message.get("content")
             if isinstance(content, str) or content is None:
                 continue
-            for part in content:
+            for j, part in enumerate(content):
                 modality = _part_modality(part)
-                if modality == "image":
-                    images.append(MediaInput(
-                        _part_source(part, "image"), _part_options(part, _IMAGE_OPTIONS), _part_uuid(part)
-                    ))  # fmt: skip
-                elif modality == "video":
-                    videos.append(MediaInput(
-                        _part_source(part, "video"), _part_options(part, _VIDEO_OPTIONS), _part_uuid(part)
-                    ))  # fmt: skip
+                if modality is None:
+                    continue
+                param = part_param(i, j)
+                with media_part(param):
+                    source = _part_source(part, modality)
+                options = _part_options(part, _IMAGE_OPTIONS if modality == "image" else _VIDEO_OPTIONS)
+                media[modality].append(MediaInput(source, options, _part_uuid(part), param))
         prompt = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {}),
         )  # fmt: skip
-        return self.process(prompt, images, videos, **overrides)
+        return self.process(prompt, media["image"], media["video"], **overrides)
 
     # -- internals -----------------------------------------------------------------------------------
 
@@ -201,14 +212,20 @@ class MultimodalProcessor:
                 raise ValueError(
                     f"the prompt has {prompt.count(token)} {token} placeholder(s) but {len(items)} {kind}(s) were given"
                 )
-        image_items = [self._image_item(item) for item in images]
-        video_items = [self._video_item(item) for item in videos]
+        image_items = [self._named(self._image_item, item) for item in images]
+        video_items = [self._named(self._video_item, item) for item in videos]
         text = self._expand(prompt, image_items, video_items)
         input_ids = self.tokenizer.encode(text)
         self._set_spans(input_ids, self.image_token_id, image_items, self.image_processor.config.merge_size)
         self._set_spans(input_ids, self.video_token_id, video_items, self.video_processor.config.merge_size)
         mm_items = sorted(image_items + video_items, key=lambda item: item.spans[0][0])
         return ProcessedInput(input_ids=input_ids, mm_items=mm_items)
+
+    @staticmethod
+    def _named(make: Callable[[MediaInput], MultimodalItem], item: MediaInput) -> MultimodalItem:
+        """`make(item)`; a `MediaError` it raises names the item's place in the request."""
+        with media_part(item.param):
+            return make(item)
 
     def _image_item(self, item: MediaInput) -> MultimodalItem:
         settings = self.image_processor.config.with_overrides(**item.options)
@@ -389,7 +406,7 @@ def _with_defaults(item: Any, defaults: dict[str, Any], allowed: tuple[str, ...]
     unknown = set(item.options) - set(allowed)
     if unknown:
         raise ValueError(f"unknown {kind} option(s): {', '.join(sorted(unknown))}")
-    return MediaInput(item.source, {**defaults, **item.options}, item.uuid)
+    return replace(item, options={**defaults, **item.options})
 
 
 def _part_modality(part: Any) -> str | None:
@@ -415,7 +432,7 @@ def _part_source(part: Mapping[str, Any], kind: str) -> Any:
     if _part_uuid(part) is not None and (url is None or url == ""):
         return None
     if url is None:
-        raise ValueError(f"{kind} content part has no {kind!r} or {kind + '_url'!r} value")
+        raise MediaError(f"{kind} content part has no {kind!r} or {kind + '_url'!r} value")
     return url
 
 

@@ -45,8 +45,8 @@ from vlm_serve.vision.image_processor import (
 )
 from vlm_serve.multimodal import MultimodalItem
 from vlm_serve.vision.media import (
-    DEFAULT_MAX_IMAGE_PIXELS, FrameList, MediaAccess, MediaError, VideoSource, decode_image, frame_name, open_image,
-    probe_image, read_media, to_rgb,
+    DEFAULT_MAX_IMAGE_PIXELS, FrameList, MediaAccess, MediaError, VideoSource, check_pixel_count, decode_image,
+    frame_name, open_image, probe_image, read_media, to_rgb,
 )
 
 DEFAULT_VIDEO_FPS = 24.0  # assumed when a stream states no frame rate, as transformers does
@@ -254,10 +254,7 @@ def probe_video(data: bytes | Path | FrameList, max_frame_pixels: int = DEFAULT_
         width, height = stream.codec_context.width, stream.codec_context.height
         if width <= 0 or height <= 0:
             raise MediaError("video has no decodable frames: its stream states no frame size")
-        if width * height > max_frame_pixels:
-            raise MediaError(
-                f"video frames are too large: {width}x{height} exceeds the limit of {max_frame_pixels} pixels"
-            )
+        check_pixel_count("each video frame is", width, height, max_frame_pixels)
         rate = stream.average_rate or stream.guessed_rate
         stated = stream.frames
         demuxed = 0
