@@ -3,6 +3,7 @@ that a test leaves no process running."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
@@ -35,21 +36,26 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     return result
 
 
-@pytest.fixture(scope="session", autouse=True)
-def nothing_left_running() -> Iterator[None]:
-    """Once the last test and every fixture have ended, no process the tests started runs on: one that
-    does fails the session, named, and is stopped. The processes that end with pytest are left alone:
-    multiprocessing's fork server and resource tracker (the pipes they read close) and the aarch64
-    kernels' drivers (`cpu_targets.DRIVERS`: their stdin closes). (Set up before any fixture that can
-    start a process, this is torn down after them all.)"""
-    yield
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Once every test and fixture has ended, no process the tests started runs on: one that does is an
+    error of the session, named, and is stopped. An object dropped without being closed (an Engine that
+    a fixture returned) stops its processes once collected, so that comes first; the processes that end
+    with pytest are left alone: multiprocessing's fork server and resource tracker (the pipes they read
+    close) and the aarch64 kernels' drivers (`cpu_targets.DRIVERS`: their stdin closes)."""
+    gc.collect()
     ending_with_pytest = {
         multiprocessing.forkserver._forkserver._forkserver_pid,
         multiprocessing.resource_tracker._resource_tracker._pid,
         *(driver.pid for driver in DRIVERS),
     }
     if left := stop_processes([pid for pid in descendants(os.getpid()) if pid not in ending_with_pytest]):
-        pytest.fail("processes left running by the tests (now stopped): " + "; ".join(left), pytrace=False)
+        message = "\n".join(["processes left running by the tests (now stopped):", *left])
+        name = "processes left running"
+        report = pytest.TestReport(name, ("", None, name), {}, "failed", message, "teardown")
+        session.config.hook.pytest_runtest_logreport(report=report)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)

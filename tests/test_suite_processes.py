@@ -68,7 +68,7 @@ def test_a_failed_test_leaves_no_server_running_and_a_process_left_running_fails
         assert summary.startswith("1 failed, 2 passed, 1 error"), session.stdout
         assert "AssertionError: failed with its server up" in session.stdout
         sleeper = (tmp_path / "sleeper").read_text()
-        assert f"processes left running by the tests (now stopped): {sleeper} sleep: sleep 300" in session.stdout
+        assert f"processes left running by the tests (now stopped):\n{sleeper} sleep: sleep 300\n" in session.stdout
         assert survivors(started, timeout=0) == []
     finally:
         stop_processes(started)
