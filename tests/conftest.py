@@ -1,18 +1,61 @@
-"""Session-wide tiny Qwen3-VL checkpoints, tokenizers and a server shared by the test files."""
+"""Session-wide tiny Qwen3-VL checkpoints, tokenizers and a server shared by the test files; and the rule
+that a test leaves no process running."""
 
 from __future__ import annotations
 
+import gc
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cpu_targets import LIBRARIES, require_kernels, targets
-from helpers import ServerProcess, openai_client, running_server
+from cpu_targets import DRIVERS, LIBRARIES, require_kernels, targets
+from helpers import STARTED, ServerProcess, descendants, openai_client, running_server, stop_processes, stop_started
 
 from vlm_serve.llm.kernels import Target
 from vlm_serve.testing.eagle3_draft import create_eagle3_draft
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """What a test started (`helpers.start_process`) and left running, after a failed assertion say, is
+    stopped as the test ends, with every process below it; a test that passed fails for it. (What its
+    fixtures started is theirs to stop.)"""
+    STARTED.clear()  # (what its fixtures started)
+    try:
+        result = yield
+    except BaseException:
+        stop_started()
+        raise
+    if left := stop_started():
+        pytest.fail("the test left running: " + "; ".join(left), pytrace=False)
+    return result
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Once every test and fixture has ended, no process the tests started runs on: one that does is an
+    error of the session, named, and is stopped. An object dropped without being closed (an Engine that
+    a fixture returned) stops its processes once collected, so that comes first; the processes that end
+    with pytest are left alone: multiprocessing's fork server and resource tracker (the pipes they read
+    close) and the aarch64 kernels' drivers (`cpu_targets.DRIVERS`: their stdin closes)."""
+    gc.collect()
+    ending_with_pytest = {
+        multiprocessing.forkserver._forkserver._forkserver_pid,
+        multiprocessing.resource_tracker._resource_tracker._pid,
+        *(driver.pid for driver in DRIVERS),
+    }
+    if left := stop_processes([pid for pid in descendants(os.getpid()) if pid not in ending_with_pytest]):
+        message = "\n".join(["processes left running by the tests (now stopped):", *left])
+        name = "processes left running"
+        report = pytest.TestReport(name, ("", None, name), {}, "failed", message, "teardown")
+        session.config.hook.pytest_runtest_logreport(report=report)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import as_test_child, run_process
 
 from vlm_serve.llm.kernels import COMMON, F32, I32, I64, PTR, STR, CpuKernel, KernelLibrary, Target, Unavailable
 from vlm_serve.llm.kernels import attention_cpu, linear_cpu, moe_cpu, rowwise_cpu
@@ -26,6 +27,7 @@ from vlm_serve.llm.kernels import attention_cpu, linear_cpu, moe_cpu, rowwise_cp
 LIBRARIES = [linear_cpu.LIBRARY, moe_cpu.LIBRARY, attention_cpu.LIBRARY, rowwise_cpu.LIBRARY]
 CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"  # the cross compiler's libc and libgomp, for qemu to load
+DRIVERS: list[subprocess.Popen] = []  # the running drivers of the loaded libraries: they end with pytest
 
 
 class EmulatedTarget(Target):
@@ -46,9 +48,12 @@ class EmulatedKernel(CpuKernel):
         if not driver.exists():
             source = driver.with_suffix(".c")
             source.write_text(text)
-            subprocess.run([CROSS[0], "-O1", str(source), "-o", str(driver), "-ldl"], check=True, capture_output=True)
+            run_process([CROSS[0], "-O1", str(source), "-o", str(driver), "-ldl"], check=True, capture_output=True)
         command = [CROSS[1], "-L", SYSROOT, str(driver), str(path)]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=as_test_child
+        )  # (not `start_process`: the loaded library keeps it, and it ends with its stdin, as pytest exits)
+        DRIVERS.append(self.process)
         self.describe()
 
     def __getattr__(self, function: str):  # (the library's functions: relayed to the driver)

@@ -28,24 +28,19 @@ from vlm_serve.testing.media import write_video
 from vlm_serve.tokenizer import Tokenizer
 
 
-# ---- a real `vlm-serve serve` subprocess ------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- every process a test starts ---------------------------------------------------------------------
 
 
 def descendants(pid: int) -> list[int]:
-    """Every living process below `pid` (children, grandchildren, ...)."""
+    """Every living process below `pid` (children, grandchildren, ...), whichever thread started each."""
     found = []
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return found
-    for child in map(int, children):
-        found += [child, *descendants(child)]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:  # (the thread has ended)
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
     return found
 
 
@@ -59,12 +54,26 @@ def process_name(pid: int) -> str:
 
 def survivors(pids: list[int], timeout: float = 15) -> list[str]:
     """The names and states of those of `pids` still running after `timeout` seconds."""
+    return [f"{pid} {process_name(pid)} ({state(pid)})" for pid in still_running(pids, timeout)]
+
+
+def still_running(pids: list[int], timeout: float = 0) -> list[int]:
+    """Those of `pids` still running after `timeout` seconds (at once, as soon as none is)."""
     deadline = time.monotonic() + timeout
     while True:
         running = [pid for pid in pids if "Z" not in state(pid)]
         if not running or time.monotonic() > deadline:
-            return [f"{pid} {process_name(pid)} ({state(pid)})" for pid in running]
+            return running
         time.sleep(0.2)
+
+
+def command_line(pid: int) -> str:
+    """A process's name and command line, for a message."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        words = []
+    return f"{process_name(pid)}: {' '.join(words).strip()[:200]}"
 
 
 def state(pid: int) -> str:
@@ -73,6 +82,75 @@ def state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
     except (OSError, IndexError):
         return "Z"
+
+
+STARTED: list[subprocess.Popen] = []  # what `start_process` started since conftest.py's hook last stopped them
+
+
+def as_test_child() -> None:
+    """Runs in every process a test starts, before exec. Ctrl-C gets its default handling back: a suite
+    started with SIGINT ignored (`nohup ... &`, a background job of a script) would pass that on through
+    exec, and a Python child would not even install its KeyboardInterrupt handler. And the process gets
+    SIGTERM when the test process dies (the thread that started it, in fact: tests start processes from
+    their own thread): a killed pytest must not leave servers behind."""
+    PR_SET_PDEATHSIG = 1
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_process(command: list[str], **options) -> subprocess.Popen:
+    """`subprocess.Popen` for a test: `as_test_child` runs in the process, and one still running when the
+    test ends (an assertion failed first, say) is stopped then, with everything below it (conftest.py)."""
+    process = subprocess.Popen(command, preexec_fn=as_test_child, **options)
+    STARTED.append(process)
+    return process
+
+
+def run_process(command: list[str], **options) -> subprocess.CompletedProcess:
+    """`subprocess.run` for a test: `as_test_child` runs in the process."""
+    return subprocess.run(command, preexec_fn=as_test_child, **options)
+
+
+def stop_processes(pids: list[int], timeout: float = 30) -> list[str]:
+    """Stops those of `pids` still running: SIGTERM (on which a server's children end cleanly), then
+    SIGKILL to any still there `timeout` seconds later. Returns the ones that were running, named."""
+
+    def send(sig: signal.Signals, targets: list[int]) -> None:
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    running = still_running(pids)
+    named = [f"{pid} {command_line(pid)}" for pid in running]
+    send(signal.SIGTERM, running)
+    send(signal.SIGKILL, still_running(running, timeout))
+    return named
+
+
+def stop_tree(process: subprocess.Popen, timeout: float = 30) -> list[str]:
+    """`stop_processes` for `process`, if it still runs, and every process below it; it is waited for."""
+    if process.poll() is not None:
+        return []
+    named = stop_processes([process.pid, *descendants(process.pid)], timeout)
+    process.wait()
+    return named
+
+
+def stop_started() -> list[str]:
+    """Stops what `start_process` started since the last call (with every process below each), and
+    names those that were still running."""
+    named = [name for process in STARTED for name in stop_tree(process)]
+    STARTED.clear()
+    return named
+
+
+# ---- a real `vlm-serve serve` subprocess ------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -89,14 +167,20 @@ class ServerProcess:
     def stop(self, sig: signal.Signals = signal.SIGTERM, group: bool = False, timeout: float = 30) -> int:
         """Sends `sig` to the server, or with `group` to its whole process group (as a terminal sends
         Ctrl-C, or a service manager SIGTERM), and returns its exit code once every process that shares
-        its output has closed it (multiprocessing's resource tracker prints after the server's exit)."""
+        its output has closed it (multiprocessing's resource tracker prints after the server's exit).
+        A server still running `timeout` seconds later is stopped with its children (`stop_tree`), and
+        subprocess.TimeoutExpired raised."""
         said = len(self.output)
         if self.process.poll() is None:
             if group:
                 os.killpg(self.process.pid, sig)
             else:
                 self.process.send_signal(sig)
-        code = self.process.wait(timeout)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop_tree(self.process)
+            raise
         self.reader.join(timeout)
         self.after_stop = self.output[said:]
         return code
@@ -120,13 +204,6 @@ class ReplayDrafts:
         return following
 
 
-def stop_with_parent() -> None:
-    """In the server's process before exec: SIGTERM it when the test process dies (a killed pytest
-    must not leave servers behind)."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def spawn_serve(
     model_dir: Path, *flags: str, port: int | None = None, env: dict[str, str] | None = None
 ) -> ServerProcess:
@@ -134,10 +211,9 @@ def spawn_serve(
     once; its output lines collect in `.output`."""
     port = port or free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model_dir), "--port", str(port), *flags]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        preexec_fn=stop_with_parent, env=env,
-    )  # fmt: skip
+    process = start_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+    )
     output: list[str] = []
 
     def read() -> None:
@@ -157,7 +233,7 @@ def start_server(
     deadline = time.monotonic() + timeout
     while not any("serving" in line and server.url.rsplit(":", 1)[1] in line for line in server.output):
         if server.process.poll() is not None or time.monotonic() > deadline:
-            server.process.kill()
+            stop_tree(server.process)
             raise RuntimeError("the server did not start:\n" + "".join(server.output))
         time.sleep(0.2)
     return server
@@ -213,9 +289,7 @@ def running_router(*args: str, workers: int = 2, timeout: float = 60) -> Iterato
         sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-port", str(free_port()), "--log-level", "warn", *args,
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=stop_with_parent
-    )  # fmt: skip
+    process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

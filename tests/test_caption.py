@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from helpers import start_process
 
 from vlm_serve.caption import collect_images
 from vlm_serve.cli import main
@@ -125,7 +126,7 @@ def test_ctrl_c_stops_quietly_leaving_whole_lines(folder, tiny_moe_dir, tmp_path
     output = tmp_path / "captions.jsonl"
     command = [sys.executable, "-m", "vlm_serve.cli", "caption", str(folder), "--output", str(output), "--model",
                str(tiny_moe_dir), "--dtype", "float32", "--max-tokens", "48", "--batch-size", "2"]  # fmt: skip
-    process = subprocess.Popen(
+    process = start_process(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     deadline = time.monotonic() + 120

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import descendants, process_name
+from helpers import descendants, process_name, run_process, start_process
 
 from vlm_serve.cli import build_parser, main, parse_args, server_args_of
 from vlm_serve.config import ServerArgs, setting_docs
@@ -24,7 +24,7 @@ from vlm_serve.testing.media import make_image
 
 
 def _vlm_serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlm_serve.cli", *args], capture_output=True, text=True, timeout=300)
+    return run_process([sys.executable, "-m", "vlm_serve.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_create_tiny_model_writes_a_hugging_face_checkpoint(tmp_path):
@@ -60,7 +60,7 @@ def test_ctrl_c_stops_generate_silently(tmp_path, tiny_moe_dir):
     make_image(64, 64).save(image)
     command = [sys.executable, "-m", "vlm_serve.cli", "generate", "--model", str(tiny_moe_dir), "--image", str(image),
                "--prompt", "Describe.", "--max-tokens", "4000"]  # fmt: skip
-    process = subprocess.Popen(
+    process = start_process(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     deadline = time.monotonic() + 120

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import free_port
+from helpers import free_port, start_process
 from packaging.requirements import Requirement
 from PIL import Image, ImageDraw
 
@@ -304,7 +304,7 @@ def test_vlm_serve_demo_prints_its_address_and_nothing_else_until_stopped(tiny_m
     port = free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "demo", "--model", str(tiny_moe_dir), "--port", str(port),
                "--vit-dp", "0"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         first = process.stdout.readline()
         assert first == f"vlm-serve: demo of {tiny_moe_dir.name} on http://127.0.0.1:{port}\n"

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from helpers import run_process
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.engine import Engine
@@ -207,6 +207,6 @@ def test_a_script_without_a_main_guard_can_start_the_pool(tiny_moe_dir, tmp_path
         "out = engine.chat([{'role': 'user', 'content': parts}], max_tokens=2, ignore_eos=True)\n"
         "print('finish:', out.finish_reason, out.media_timings[0].embedding_source)\n"
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    done = run_process([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("finish:") == 1 and "finish: length encoder" in done.stdout

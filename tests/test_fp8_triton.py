@@ -6,11 +6,11 @@ run in a subprocess, since Triton reads TRITON_INTERPRET when a kernel is define
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import run_process
 
 pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
 
@@ -39,7 +39,7 @@ def run_kernel_script(script: str) -> None:
     else:
         env, prefix = {**os.environ, "TRITON_INTERPRET": "1"}, "TOL = dict(rtol=1e-4, atol=1e-4)\n"
     command = [sys.executable, "-c", prefix + SHARD + script]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = run_process(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

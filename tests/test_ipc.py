@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 import zmq
+from helpers import run_process
 
 from vlm_serve.ipc import recv_pyobj, send_pyobj
 
@@ -45,20 +45,24 @@ def channel() -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
 
 
 @pytest.fixture
-def sigterm_exits() -> Iterator[None]:
-    """SIGTERM raises SystemExit, as in the server's child processes (`init_child_process`)."""
+def stop_signals_raise() -> Iterator[None]:
+    """SIGTERM raises SystemExit, as in the server's child processes (`init_child_process`), and SIGINT
+    KeyboardInterrupt, as in a Python process that did not start with it ignored (pytest may have:
+    `nohup pytest &`)."""
     def exit_(signum: int, frame: object) -> None:
         raise SystemExit(0)
 
-    previous = signal.signal(signal.SIGTERM, exit_)
+    sigterm = signal.signal(signal.SIGTERM, exit_)
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
-    signal.signal(signal.SIGTERM, previous)
+    signal.signal(signal.SIGTERM, sigterm)
+    signal.signal(signal.SIGINT, sigint)
 
 
 @pytest.mark.parametrize(
     "sig, stop", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)], ids=["ctrl-c", "sigterm"]
 )
-def test_a_stop_signal_during_a_read_is_handled_once_the_message_is_whole(channel, sigterm_exits, sig, stop):
+def test_a_stop_signal_during_a_read_is_handled_once_the_message_is_whole(channel, stop_signals_raise, sig, stop):
     push, pull = channel
     _unpickled.clear()
     handler = signal.getsignal(sig)
@@ -69,7 +73,7 @@ def test_a_stop_signal_during_a_read_is_handled_once_the_message_is_whole(channe
     assert signal.getsignal(sig) is handler
 
 
-def test_a_stop_wins_over_the_failed_read_it_came_with(channel, sigterm_exits):
+def test_a_stop_wins_over_the_failed_read_it_came_with(channel, stop_signals_raise):
     """Stopped together with the sender of a message it was reading: the receiver stops, quietly, rather
     than failing on the sender's absence."""
     push, pull = channel
@@ -93,4 +97,4 @@ def send_to_nobody():
 
 send_to_nobody()
 """
-    subprocess.run([sys.executable, "-c", program], check=True, timeout=60)
+    run_process([sys.executable, "-c", program], check=True, timeout=60)

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import start_process
 
 from vlm_serve.llm.kernels import SOURCES, CpuKernel, KernelLibrary, Target, Unavailable, build
 from vlm_serve.llm.kernels import linear_cpu
@@ -40,8 +41,8 @@ def test_every_kernel_builds_for_every_isa_without_a_warning(compiler, march, tm
     warnings are bugs waiting for another ISA."""
     target = Target(compiler, march, str(tmp_path))
     running = {
-        name: subprocess.Popen(target.command(SOURCES / f"{name}.c", str(tmp_path / f"{name}.so")),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        name: start_process(target.command(SOURCES / f"{name}.c", str(tmp_path / f"{name}.so")),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for name in KERNELS
     }  # fmt: skip
     for name, process in running.items():
@@ -117,6 +118,6 @@ def test_processes_starting_together_build_the_kernels_once(tmp_path, compiler_l
         from vlm_serve.llm.kernels import Target, linear_cpu
         assert not isinstance(linear_cpu.LIBRARY.load(Target({counting!r}, "native", {str(tmp_path / "cache")!r})), Exception)
     """)
-    processes = [subprocess.Popen([sys.executable, "-c", start]) for _ in range(3)]
+    processes = [start_process([sys.executable, "-c", start]) for _ in range(3)]
     assert [p.wait(timeout=300) for p in processes] == [0, 0, 0]
     assert compiler_log.read_text().count("\n") == len(KERNELS)

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,7 @@ import httpx
 import pytest
 from helpers import (
     README_URL, ServerProcess, block_command, circle_image, deployment_answers, free_port, metric,
-    readme_blocks, running_router, running_server, start_server,
+    readme_blocks, run_process, running_router, running_server, start_process, start_server,
 )  # fmt: skip
 
 from vlm_serve.builtin import BUILTIN_MODEL
@@ -88,7 +87,7 @@ def readme_pd_commands(folder: Path) -> Iterator[tuple[str, str, str]]:
     command, env = block_command(PD_COMMANDS, ports)
     log = folder / "pd-commands.txt"
     with log.open("w") as out:
-        trio = subprocess.Popen(command, cwd=folder, env=env, stdout=out, stderr=out, start_new_session=True)
+        trio = start_process(command, cwd=folder, env=env, stdout=out, stderr=out, start_new_session=True)
     router, prefill, decode = (f"http://127.0.0.1:{ports[port]}" for port in ("30000", "30001", "30002"))
     try:
         deadline = time.monotonic() + 180
@@ -120,7 +119,7 @@ def answers_chat(router: str) -> bool:
 def curl_example(folder: Path, url: str) -> str:
     """The answer to the README's curl example (about `circle.png`) from the server at `url`."""
     command, env = block_command(CURL, {README_URL: url})
-    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, check=True)
+    result = run_process(command, cwd=folder, env=env, capture_output=True, text=True, check=True)
     return json.loads(result.stdout)["choices"][0]["message"]["content"]
 
 

@@ -8,24 +8,28 @@ import signal
 import subprocess
 import sys
 
+from helpers import run_process
+
 from vlm_serve.process import starting_children
 
 
 def test_children_started_in_the_block_ignore_ctrl_c_and_a_sigterm_waits_for_its_end():
     terminated: list[int] = []
-    sigint, sigterm = signal.getsignal(signal.SIGINT), signal.signal(signal.SIGTERM, lambda s, f: terminated.append(s))
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # (pytest may run with SIGINT ignored)
+    sigterm = signal.signal(signal.SIGTERM, lambda s, f: terminated.append(s))
     try:
         with starting_children():
-            child = subprocess.run(
+            child = subprocess.run(  # (not `run_process`, which gives the child Ctrl-C back)
                 [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
                 capture_output=True, text=True,
             )  # fmt: skip
             os.kill(os.getpid(), signal.SIGTERM)
             assert terminated == []
         assert terminated == [signal.SIGTERM]
-        assert signal.getsignal(signal.SIGINT) is sigint  # this process takes Ctrl-C again
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process takes Ctrl-C again
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+        signal.signal(signal.SIGINT, sigint)
     assert child.stdout == "True\n"
 
 
@@ -40,5 +44,5 @@ flush = logging.shutdown
 logging.shutdown = lambda: (os.kill(os.getpid(), signal.SIGTERM), flush())
 exit_now(3)
 """
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    child = run_process([sys.executable, "-c", script], capture_output=True, text=True)
     assert (child.returncode, child.stderr) == (3, "")

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import README, README_URL, Block, block_command, ServerProcess, readme_blocks, running_server
+from helpers import README, README_URL, Block, block_command, ServerProcess, readme_blocks, run_process, running_server
 
 from vlm_serve.builtin import BUILTIN_MODEL
 
@@ -60,7 +60,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_block(block: Block, folder: Path, server: ServerProcess) -> subprocess.CompletedProcess:
     """Runs `block` in `folder` against `server`."""
     command, env = block_command(block, {README_URL: server.url})
-    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    return run_process(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_the_readme_has_python_and_bash_blocks_only_and_every_skip_rule_is_used():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -15,7 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import uvicorn
-from helpers import descendants, process_name, spawn_serve, start_server, survivors
+from helpers import descendants, process_name, run_process, spawn_serve, start_server, survivors
 
 from vlm_serve.server.http_server import ServerState, _Server
 
@@ -102,7 +101,7 @@ def test_a_child_that_dies_makes_the_server_unhealthy_then_stops_it(tiny_moe_dir
 def test_an_unknown_setting_in_the_config_file_is_refused_before_anything_starts(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("max_running_requests: 8\nno_such_setting: 1\n")
-    result = subprocess.run(
+    result = run_process(
         [sys.executable, "-m", "vlm_serve.cli", "serve", "--config", str(config)], capture_output=True, text=True
     )
     assert result.returncode == 2 and "no_such_setting" in result.stderr

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import run_process
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.vision.vision_tower import load_vision_model
@@ -77,7 +77,7 @@ def test_a_long_video_in_frame_groups_takes_less_peak_memory(tiny_moe_dir, tmp_p
     """All 300 groups at once vs passes of 8 groups: equal embeddings, and the peak grows far less."""
     grew = {}
     for name, max_patches in (("whole", 10**9), ("groups", 8 * 16 * 16)):
-        out = subprocess.run(
+        out = run_process(
             [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(tiny_moe_dir), str(max_patches), str(tmp_path / name)],
             capture_output=True, text=True, check=True,
         )
