@@ -107,27 +107,32 @@ def run_steps(sampler: Sampler, logits: torch.Tensor, reqs: list[FakeReq], steps
             r.output_ids.append(t)
 
 
-def test_a_seed_gives_the_same_tokens_alone_or_in_any_batch():
+NEIGHBOURS = {  # rows beside a seeded one: some without top_k (the batch samples over the vocabulary) or all with
+    "mixed": lambda: [
+        make_req(), make_req(seed=7, top_k=50), make_req(temperature=0), make_req(frequency_penalty=1.0, logprobs=True),
+    ],
+    "top-k": lambda: [make_req(top_k=5), make_req(seed=7, top_k=50), make_req(top_k=900, min_p=0.1)],
+}
+
+
+@pytest.mark.parametrize("neighbours", list(NEIGHBOURS))
+@pytest.mark.parametrize("settings", [dict(top_p=0.95), dict(top_k=20), dict(top_k=40, top_p=0.8, min_p=0.01)])
+def test_a_seed_gives_the_same_tokens_alone_or_in_any_batch(settings, neighbours):
     g = torch.Generator().manual_seed(0)
     row = torch.randn(1, 1000, generator=g) * 0.1
     others = torch.randn(4, 1000, generator=g)
     sampler = Sampler([EOS])
 
-    alone = make_req(seed=42, top_p=0.95)
+    alone = make_req(seed=42, **settings)
     run_steps(sampler, row, [alone], steps=6)
 
-    batched = make_req(seed=42, top_p=0.95)
-    neighbours = [
-        make_req(),
-        make_req(seed=7, top_k=50),
-        make_req(temperature=0),
-        make_req(frequency_penalty=1.0, logprobs=True),
-    ]
-    batch = neighbours[:3] + [batched] + neighbours[3:]
-    run_steps(sampler, torch.cat([others[:3], row, others[3:]]), batch, steps=6)
+    batched = make_req(seed=42, **settings)
+    around = NEIGHBOURS[neighbours]()
+    batch = around[:2] + [batched] + around[2:]
+    run_steps(sampler, torch.cat([others[:2], row, others[2 : len(around)]]), batch, steps=6)
     assert batched.output_ids == alone.output_ids
 
-    other_seed = make_req(seed=43, top_p=0.95)
+    other_seed = make_req(seed=43, **settings)
     run_steps(sampler, row, [other_seed], steps=6)
     assert other_seed.output_ids != alone.output_ids
 

@@ -228,7 +228,23 @@ TOPK_CANDIDATES_MAX = 1024
 
 
 def _sample(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
-    """One draw per row after temperature, top-k, top-p and min-p; seeded rows on their generators."""
+    """One draw per row after temperature, top-k, top-p and min-p: the unseeded rows together, each seeded
+    one alone on its generator (so that the rest of the batch cannot change its draws)."""
+    next_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+    seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
+    unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+    if unseeded:
+        probs, candidates = _filtered_probs(logits[unseeded], [reqs[i] for i in unseeded])
+        draws = torch.multinomial(probs, 1)
+        next_ids[unseeded] = (draws if candidates is None else candidates.gather(1, draws)).squeeze(1)
+    if seeded:
+        next_ids[seeded] = _seeded_draws(logits[seeded].cpu(), [reqs[i] for i in seeded]).to(logits.device)
+    return next_ids
+
+
+def _filtered_probs(logits: torch.Tensor, reqs: list[SamplingRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows' probabilities after temperature, top-k, top-p and min-p (not renormalised); when every row
+    has a top-k of at most TOPK_CANDIDATES_MAX, over their top candidates only, whose ids come second."""
     params = [r.sampling_params for r in reqs]
     device = logits.device
     top_k = [p.top_k for p in params]
@@ -243,31 +259,22 @@ def _sample(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
             torch.tensor([p.top_p for p in params], device=device),
             torch.tensor([p.min_p for p in params], device=device),
         )
-    next_ids = torch.empty(len(reqs), dtype=torch.long, device=device)
-    seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
-    unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
-    if unseeded:
-        draws = torch.multinomial(probs[unseeded], 1)
-        next_ids[unseeded] = (draws if candidates is None else candidates[unseeded].gather(1, draws)).squeeze(1)
-    if seeded:
-        seeded_candidates = None if candidates is None else candidates[seeded].cpu()
-        next_ids[seeded] = _seeded_draws(probs[seeded].cpu(), seeded_candidates, [reqs[i] for i in seeded]).to(device)
-    return next_ids
+    return probs, candidates
 
 
-def _seeded_draws(probs: torch.Tensor, candidates: torch.Tensor | None, reqs: list[SamplingRequest]) -> torch.Tensor:
-    """Each row's draw on its own generator, over its own top_k candidates only (so that the batch cannot
-    change it). A row after a draft that its draw did not keep is not drawn: its token, thrown away, is
-    its most likely one (a real id: log-probs are still read at it)."""
+def _seeded_draws(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+    """Each row's draw on its own generator, from its own logits alone. A row after a draft that its draw
+    did not keep is not drawn: its token, thrown away, is its most likely one (a real id: log-probs are
+    still read at it)."""
     tokens: list[int] = []
     rejected = False  # whether a draft in the request's rows so far was not kept
     for j, req in enumerate(reqs):
         if rejected:
-            tokens.append(int(candidates[j, 0]) if candidates is not None else int(probs[j].argmax()))
+            tokens.append(int(logits[j].argmax()))
         else:
-            k = req.sampling_params.top_k
-            draw = int(torch.multinomial(probs[j, :k] if candidates is not None else probs[j], 1, generator=req.generator))
-            tokens.append(int(candidates[j, draw]) if candidates is not None else draw)
+            probs, candidates = _filtered_probs(logits[j : j + 1], [req])
+            draw = int(torch.multinomial(probs[0], 1, generator=req.generator))
+            tokens.append(draw if candidates is None else int(candidates[0, draw]))
         rejected = req.draft is not None and (rejected or tokens[-1] != req.draft)
     return torch.tensor(tokens, dtype=torch.long)
 
