@@ -127,6 +127,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     shares = {name: DEFAULT_SHARES if name == "default" else 1 for name in names}
     total = sum(shares.values())
+    counts = {name: args.requests * share // total for name, share in shares.items()}
+    counts[names[0]] += args.requests - sum(counts.values())  # (the rest of the division)
     tallies, durations = [], []
     with deployed(REFERENCE, args.out) as reference:
         for name in names:
@@ -135,8 +137,8 @@ def main() -> int:
             start = time.monotonic()
             with ExitStack() as stack:
                 deployment = reference if name == REFERENCE else stack.enter_context(deployed(name, args.out))
-                soak(deployment, reference, tally, max(1, round(args.requests * share)), args.seconds * share,
-                     args.concurrency, args.seed)  # fmt: skip
+                seconds = args.seconds * share
+                soak(deployment, reference, tally, max(1, counts[name]), seconds, args.concurrency, args.seed)
             tallies.append(tally)
             durations.append(time.monotonic() - start)
             print(f"{name}: {tally.sent} requests, {tally.failures} failed {dict(tally.kinds)} "
