@@ -9,8 +9,7 @@ not), and a greedy one as the overlap loop without drafts does; no process dies;
 is idle and healthy, failed no request, and stops cleanly.
 
 The draws are derandomized (the same examples every run); a failing one is shrunk by hypothesis (a set-up
-that a request took down is started again for the next example) and saved whole, as JSON, next to the
-set-up's logs. benchmarks/fuzz_soak.py runs the same draws for as long as asked."""
+that a request took down is started again) and saved whole, as JSON, next to the set-up's logs. benchmarks/fuzz_soak.py runs the same draws for as long as asked."""
 
 from __future__ import annotations
 
@@ -71,11 +70,11 @@ def test_valid_requests_combining_features_are_answered_well_and_alike(deploymen
     )  # fmt: skip
     @given(call=calls(router=deployment.routed))
     def answered_well(call: Call) -> None:
-        for setup in (deployment, reference):
-            if setup.failure():  # (an earlier example took it down: that example failed)
-                setup.restart()
         found = judge(client, deployment.url, call, reference.url)
-        found += [failure for setup in (deployment, reference) if (failure := setup.failure())]
+        for setup in (deployment, reference):
+            if failure := setup.failure():
+                found.append(failure)
+                setup.restart()  # (the next example, and the next test, find it serving)
         if found:
             saved = logs / f"failed-{deployment.name}.json"
             saved.write_text(json.dumps({**call.as_json(), "setup": deployment.name, "problems": found}, indent=1))
