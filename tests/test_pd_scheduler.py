@@ -116,10 +116,12 @@ def test_choices_logprobs_and_stop_strings(engines):
     pair, colocated = engines
     sampling = {"max_tokens": 10, "temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2}
     want = colocated.chat(TEXT, **sampling)
-    _, got = answer(pair, TEXT, **sampling)
+    prefill, got = answer(pair, TEXT, **sampling)
     for a, b in zip(got.choices, want.choices, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    for a, b in zip(prefill.choices, want.choices, strict=True):  # (the prefill side's one token has its own)
+        assert a.logprobs == pytest.approx(b.logprobs[:1], abs=1e-4) and len(a.top_logprobs) == 1
     stop = colocated.tokenizer.decode(want.choices[0].token_ids[3:5])
     want = colocated.chat(TEXT, max_tokens=10, temperature=0, stop=[stop])
     _, got = answer(pair, TEXT, max_tokens=10, temperature=0, stop=[stop])

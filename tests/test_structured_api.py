@@ -331,3 +331,23 @@ def test_a_forced_tool_call_comes_after_the_reasoning(reasoning_client, tiny_moe
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
         _validate_call(call)
+
+
+def test_log_probs_of_tokens_a_grammar_rules_out_are_a_finite_floor_whole_and_streamed(server):
+    """A grammar leaves fewer tokens than the 20 alternatives asked for: the others' log-prob, -inf, is
+    reported as -9999.0, since JSON has no -Infinity (nor may it become null)."""
+    greedy = {"temperature": 0, "regex": "(yes|no)"}
+    bodies = {
+        "/v1/chat/completions": {"messages": ASK, "max_tokens": 2, "logprobs": True, "top_logprobs": 20, **greedy},
+        "/v1/completions": {"prompt": "Say it:", "max_tokens": 2, "logprobs": 20, **greedy},
+        "/generate": {"text": "Say it:", "sampling_params": {"max_new_tokens": 2, **greedy}, "return_logprob": True,
+                      "top_logprobs_num": 20},
+    }  # fmt: skip
+    for path, body in bodies.items():
+        for stream in (False, True):
+            with httpx.stream("POST", server.url + path, json={**body, "stream": stream}, timeout=60) as response:
+                lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+            texts = [text for text in lines if text != "[DONE]"] if stream else ["".join(lines)]
+            for text in texts:
+                json.loads(text, parse_constant=lambda constant: pytest.fail(f"{path}: {constant} in {text}"))
+            assert "-9999.0" in "".join(texts), (path, stream)  # (not null either)

@@ -325,10 +325,13 @@ class OpenAIServing:
             text = self._token_text(token_id)
             top = out.top_logprobs[j] if j < len(out.top_logprobs) else []
             alternatives = [
-                TopLogprob(token=(t := self._token_text(tid)), logprob=lp, bytes=list(t.encode())) for tid, lp in top
+                TopLogprob(token=(t := self._token_text(tid)), logprob=json_logprob(lp), bytes=list(t.encode()))
+                for tid, lp in top
             ]
             result.append(
-                TokenLogprob(token=text, logprob=out.logprobs[j], bytes=list(text.encode()), top_logprobs=alternatives)
+                TokenLogprob(
+                    token=text, logprob=json_logprob(out.logprobs[j]), bytes=list(text.encode()), top_logprobs=alternatives
+                )
             )
         return result
 
@@ -354,10 +357,11 @@ class OpenAIServing:
         for token_id, token_logprob, top in zip(token_ids, token_logprobs, tops):
             text = self._token_text(token_id)
             logprobs.tokens.append(text)
+            token_logprob = json_logprob(token_logprob)
             logprobs.token_logprobs.append(token_logprob)
             # the token's own entry first, then its top alternatives: up to `logprobs` + 1 entries (with
             # `logprobs: 0`, the token's alone), as OpenAI's legacy API and vLLM give them
-            alternatives = {self._token_text(tid): lp for tid, lp in top} if top is not None else None
+            alternatives = {self._token_text(tid): json_logprob(lp) for tid, lp in top} if top is not None else None
             logprobs.top_logprobs.append(None if alternatives is None else {text: token_logprob, **alternatives})
             logprobs.text_offset.append(offset)
             offset += len(text)
@@ -377,6 +381,15 @@ class OpenAIServing:
                 position.setdefault(alt_id, entry(alt_id, alt_logprob, alt_rank))
             body.append(position)
         return body
+
+
+LOGPROB_FLOOR = -9999.0  # what a log-prob of -inf is reported as (JSON has no -Infinity), as vLLM reports it
+
+
+def json_logprob(logprob: float | None) -> float | None:
+    """A log-prob as JSON can carry it: a token that a grammar or `min_tokens` ruled out has a log-prob of
+    -inf, and an answer lists such tokens among its top alternatives when fewer tokens are left."""
+    return LOGPROB_FLOOR if logprob == float("-inf") else logprob
 
 
 def _finish_reason(reason: str | None, tool_calls: Any) -> str | None:

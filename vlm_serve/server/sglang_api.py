@@ -23,7 +23,7 @@ from vlm_serve.messages.backend import TokenizedGenerateReq
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.multimodal import ProcessedInput
 from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
-from vlm_serve.server.openai_api import OpenAIServing, check_media_count, errors_as_events, sse
+from vlm_serve.server.openai_api import OpenAIServing, check_media_count, errors_as_events, json_logprob, sse
 from vlm_serve.server.protocol import BootstrapFields, valid_stop_regex
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.vision.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaInput
@@ -312,11 +312,11 @@ class _Answer:
         return result
 
     def _entries(self, pairs: Any) -> list[list[Any]]:
-        return [[logprob, token_id, self._text(token_id)] for logprob, token_id in pairs]
+        return [[json_logprob(logprob), token_id, self._text(token_id)] for logprob, token_id in pairs]
 
     def _top(self, alternatives: list[tuple[int, float]]) -> list[list[Any]]:
         best = alternatives[: self.request.top_logprobs_num]
-        return [[logprob, token_id, self._text(token_id)] for token_id, logprob in best]
+        return [[json_logprob(logprob), token_id, self._text(token_id)] for token_id, logprob in best]
 
     def _text(self, token_id: int) -> str | None:
         return self.serving.token_text(token_id) if self.request.return_text_in_logprobs else None

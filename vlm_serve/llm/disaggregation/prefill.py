@@ -104,6 +104,10 @@ class PrefillDisaggregation(Disaggregation):
             cached_tokens=req.cached_tokens, media_tokens=[it.num_tokens(s.merge_size) for it in req.mm_items],
             mrope_delta=req.mrope_delta,
         )  # fmt: skip
+        if params.logprobs:  # (the token's answer here, which the router drops, still has its log-probs)
+            req.output_logprobs.append(record.logprob)
+            if params.top_logprobs:
+                req.output_top_logprobs.append(record.top_logprobs)
         self.computed.append((req, len(req.origin_input_ids), record.to_bytes()))
         self.inflight_queue.append(req)
         self.enter(req)
