@@ -57,6 +57,7 @@ def test_top_p_keeps_a_token_while_the_mass_before_it_is_strictly_below_top_p():
     assert filtered([P], [-1], [0.751], [0.0]) == [[0.15625, 0.5, 0.0, 0.25]]
     assert filtered([P], [-1], [0.5], [0.0]) == [[0.0, 0.5, 0.0, 0.0]]
     assert filtered([P], [-1], [0.01], [0.0]) == [[0.0, 0.5, 0.0, 0.0]]  # the top token always stays
+    assert filtered([P], [-1], [5e-324], [0.0]) == [[0.0, 0.5, 0.0, 0.0]]  # (0 as a float32)
 
 
 def test_top_p_applies_to_what_top_k_left_like_transformers():
@@ -185,6 +186,20 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert got == pytest.approx(expected([1.0, 1.5, -2.0, -1.2]))
     out = sampler(torch.tensor([logits]), [make_req(prompt=[0], temperature=0, repetition_penalty=2.0)])
     assert out.tolist() == [1]
+
+
+@pytest.mark.parametrize("penalty", [2.0**-149, 1e-30, 1e30])
+def test_a_repetition_penalty_that_overflows_the_logits_still_samples_from_finite_ones(penalty):
+    """Dividing by a penalty near 0 (or multiplying by a huge one) overflows: the penalized logits stay
+    finite, so draws and log-probs are still numbers, and the order of the tokens is kept."""
+    logits = torch.tensor([[2.0, 1.5, -1.0, -1.2]])
+    for params in (dict(temperature=0), dict(seed=1), dict()):
+        req = make_req(prompt=[0, 2], output=[1], repetition_penalty=penalty, logprobs=True, top_logprobs=4, **params)
+        out = Sampler([])(logits.clone(), [req])
+        assert 0 <= out.tolist()[0] < 4
+        assert math.isfinite(out.logprobs[0]) and all(math.isfinite(v) for _, v in out.top_logprobs[0])
+    if penalty < 1:  # the seen tokens with positive logits now lead
+        assert Sampler([])(logits.clone(), [make_req(prompt=[0], temperature=0, repetition_penalty=penalty)]).tolist() == [0]
 
 
 def test_frequency_and_presence_penalties_count_output_tokens_only():

@@ -167,7 +167,8 @@ class Sampler:
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub -= _column([p.frequency_penalty for p in params], device) * counts
         sub -= _column([p.presence_penalty for p in params], device) * (counts > 0)
-        logits[rows] = sub
+        biggest = torch.finfo(sub.dtype).max  # (a penalty near 0 or huge overflows: kept finite, it still ranks)
+        logits[rows] = sub.clamp(-biggest, biggest)
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> None:
@@ -283,13 +284,13 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     """Zeroes what top-k, top-p and min-p exclude (not renormalised). probs: (batch, n); top_k,
     top_p, min_p: (batch,), with -1, 1 and 0 for off. As in transformers and vLLM, top-p applies to
     what top-k left (renormalised): it keeps a token while the mass strictly before it is below
-    top_p. Min-p keeps p >= min_p * p_max; the top token always stays."""
+    top_p. Min-p keeps p >= min_p * p_max. The top token always stays (a top_p that rounds to 0 too)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[1], device=probs.device)
     keep = (ranks < top_k[:, None]) | (top_k[:, None] < 0)
     top_k_probs = sorted_probs * keep
     top_k_probs = top_k_probs / top_k_probs.sum(dim=-1, keepdim=True)
     # top_p == 1 is off outright: rounding in the cumsum could otherwise drop tail tokens
-    keep &= (top_k_probs.cumsum(dim=-1) - top_k_probs < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep &= (top_k_probs.cumsum(dim=-1) - top_k_probs < top_p[:, None]) | (top_p[:, None] >= 1) | (ranks == 0)
     keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
