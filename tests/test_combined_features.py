@@ -1,7 +1,8 @@
 """Features combined as users combine them: hypothesis draws valid requests to every generating endpoint
 (`vlm_serve.testing.requests.calls`: images, a video, streaming, n, seeds, sampling filters, penalties,
 logit bias, stops, min_tokens, log-probs, structured output, tools) and sends them to each set-up of the
-built-in model (`vlm_serve.testing.deployments.SETUPS`: the default with EAGLE-3 drafts, n-gram drafts,
+built-in model (`vlm_serve.testing.deployments.SETUPS`: the default with EAGLE-3 drafts in the overlap loop,
+the same in the normal loop, n-gram drafts,
 the overlap and normal loops, small prefill chunks on pages of 4, TP 2 / EP 2 with an encoder pool of 2,
 a PD pair behind sglang-router). Every request is answered with a 200 and a well-formed answer
 (`vlm_serve.testing.answers.problems`); a deterministic one answers the same a second time (streamed or
@@ -28,16 +29,17 @@ from vlm_serve.testing.requests import CHAT, COMPLETIONS, Call, calls
 
 EXAMPLES = {"default": 200}  # per set-up; the default is what most users run, so it gets the most
 OTHER_EXAMPLES = 50
-# Valid requests the draws found that are not answered yet; each runs first, on every set-up, until fixed:
-# values that float32, the sampler's dtype, rounds to 0 or whose quotients overflow it. (The smallest float32,
-# 2**-149, passes sglang-router, which reads floats in 32 bits: a smaller top_p is 0 to it, which it refuses.)
+# Valid requests the draws found that took the scheduler down (or gave NaN log-probs); each runs first, on
+# every set-up: values that float32, the sampler's dtype, rounds to 0 or whose quotients overflow it. (The
+# smallest float32, 2**-149, passes sglang-router, which reads floats in 32 bits: a smaller top_p is 0 to it,
+# which it refuses.)
 TINY = 2**-149
 FOUND = [
-    {"temperature": TINY},  # the scheduler dies (probabilities inf/nan)
-    {"temperature": 1, "repetition_penalty": TINY},  # the scheduler dies (probabilities inf/nan)
-    {"repetition_penalty": TINY, "logprobs": 1},  # a log-prob of NaN, which the answer gives as null
+    {"temperature": TINY},  # probabilities inf/nan
+    {"temperature": 1, "repetition_penalty": TINY},  # probabilities inf/nan
+    {"repetition_penalty": TINY, "logprobs": 1},  # a log-prob of NaN, which the answer gave as null
 ]
-FOUND_UNROUTED = [{"temperature": 1, "top_p": 5e-324}]  # the scheduler dies (sum of probabilities <= 0)
+FOUND_UNROUTED = [{"temperature": 1, "top_p": 5e-324}]  # the sum of probabilities was 0
 
 
 @pytest.fixture(scope="module")

@@ -212,8 +212,9 @@ def _choice_problems(call: Call, reading: Reading) -> list[str]:
     found = []
     body = call.body
     sampling = call.sampling
-    stopped_early = sampling.get("stop") or sampling.get("stop_token_ids")  # (they may end it mid-grammar)
-    check = _constraint(call)
+    # (stops may end it mid-grammar; an echo puts the last message's text before it)
+    stopped_early = sampling.get("stop") or sampling.get("stop_token_ids") or sampling.get("stop_regex")
+    check = None if body.get("echo") else _constraint(call)
     names = _callable(call)
     for i, c in enumerate(reading.choices):
         if check is not None and c.finish_reason == "stop" and not stopped_early and not body.get("tools"):

@@ -3,8 +3,8 @@ benchmarks/fuzz_soak.py send requests to, each started as real processes: `vlm-s
 and a decode server behind sglang-router in PD mode (`pd`, which needs the pd extra). Each server's output
 goes to a log file.
 
-The matrix covers the scheduler's paths: the default (the built-in model drafts with its EAGLE-3 head),
-n-gram drafts, the overlap loop and the normal loop without drafts, small prefill chunks on pages of 4
+The matrix covers the scheduler's paths: the default (the built-in model drafts with its EAGLE-3 head, in
+the overlap loop), the same in the normal loop, n-gram drafts, the overlap loop and the normal loop without drafts, small prefill chunks on pages of 4
 tokens, TP 2 with EP 2 and an encoder pool of 2, and PD. The overlap loop without drafts is the reference
 that other set-ups' greedy answers must equal.
 """
@@ -30,6 +30,7 @@ from vlm_serve.builtin import BUILTIN_MODEL
 NO_DRAFTS = ("--speculative-algorithm", "none")
 SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags (None: a PD pair, default flags)
     "default": (),
+    "eagle3-normal": ("--disable-overlap-schedule",),
     "ngram": ("--speculative-algorithm", "ngram"),
     "overlap": NO_DRAFTS,
     "normal": (*NO_DRAFTS, "--disable-overlap-schedule"),

@@ -42,6 +42,7 @@ QUESTIONS = (
 )  # fmt: skip
 PICTURE_SIZES = ((96, 96), (160, 128), (192, 192), (120, 200))
 STOP_STRINGS = ("the", ".", " is", "circle", "\n", "e", "There are", "!")
+STOP_REGEXES = (r"\.", r"[0-9]+", r"(circle|square)s?", r"\s{2}", r"(?i)the\b", r"e")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 
@@ -203,12 +204,17 @@ def token_ids() -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(SPECIAL_IDS), st.integers(0, VOCAB_SIZE - 1))
 
 
-def stops() -> st.SearchStrategy[dict[str, Any]]:
-    """Stop strings (one, or a list of up to 4) and stop token ids, each given or not."""
+def stops(router: bool = False) -> st.SearchStrategy[dict[str, Any]]:
+    """Stop strings (one, or a list of up to 4), stop token ids and SGLang's stop regular expressions (but
+    behind sglang-router), each given or not."""
     stop_string = st.one_of(st.sampled_from(STOP_STRINGS), st.text(min_size=1, max_size=3))
+    regexes = {} if router else {"stop_regex": st.one_of(
+        st.sampled_from(STOP_REGEXES), st.lists(st.sampled_from(STOP_REGEXES), max_size=3)
+    )}  # fmt: skip
     return _optional(
         stop=st.one_of(stop_string, st.lists(stop_string, max_size=4)),
         stop_token_ids=st.lists(token_ids(), max_size=3),
+        **regexes,
     )
 
 
@@ -317,12 +323,18 @@ def chat_calls(draw: st.DrawFn, router: bool = False) -> Call:
     body: dict[str, Any] = {"messages": messages, **draw(st.sampled_from([{}, {"model": "default"}]))}
     # (sglang-router refuses a chat's min_tokens of 0)
     body |= draw(lengths(draw(st.sampled_from(["max_tokens", "max_completion_tokens"])), lowest=int(router)))
-    body |= draw(sampling_settings(router)) | draw(stops()) | draw(extras(router)) | draw(stream_fields(router))
+    body |= draw(sampling_settings(router)) | draw(stops(router)) | draw(extras(router)) | draw(stream_fields(router))
     body |= draw(constraints(router)) | draw(_optional(n=st.integers(1, MAX_N)))
     if draw(st.booleans()):
         body["logprobs"] = True
         body |= draw(_optional(top_logprobs=st.integers(0, MAX_TOP_LOGPROBS)))
-    return Call(CHAT, body | draw(chat_tools(has_constraint(body), router)))
+    body |= draw(chat_tools(has_constraint(body), router))
+    if not router:  # vLLM's echo, and continuing a last assistant message (sglang-router's take is unknown)
+        body |= draw(_optional(echo=st.booleans()))
+        if "tools" not in body and draw(st.booleans()):
+            messages.append({"role": "assistant", "content": draw(st.sampled_from(["There", "The image shows"]))})
+            body |= {"continue_final_message": True, "add_generation_prompt": False}
+    return Call(CHAT, body)
 
 
 @st.composite
@@ -332,7 +344,7 @@ def completion_calls(draw: st.DrawFn, router: bool = False) -> Call:
     prompt = draw(st.one_of(texts(), st.lists(texts(), min_size=1, max_size=2), *([] if router else [ids()])))
     body: dict[str, Any] = {"prompt": prompt, **draw(lengths())}
     body |= {"model": "default"} if router else draw(st.sampled_from([{}, {"model": "default"}]))
-    body |= draw(sampling_settings(router)) | draw(stops()) | draw(extras(router)) | draw(stream_fields(router))
+    body |= draw(sampling_settings(router)) | draw(stops(router)) | draw(extras(router)) | draw(stream_fields(router))
     body |= draw(constraints())
     body |= draw(_optional(n=st.integers(1, MAX_N), logprobs=st.integers(0, 5)))
     return Call(COMPLETIONS, body)
@@ -402,7 +414,7 @@ def generate_calls(draw: st.DrawFn, router: bool = False) -> Call:
         body = {"text": draw(st.lists(texts(), min_size=2, max_size=2))}
     params = draw(lengths("max_new_tokens", "min_new_tokens"))
     params |= draw(sampling_settings(router, "sampling_seed"))
-    params |= draw(stops()) | draw(extras(router, bias=not router)) | draw(_optional(n=st.integers(1, MAX_N)))
+    params |= draw(stops(router)) | draw(extras(router, bias=not router)) | draw(_optional(n=st.integers(1, MAX_N)))
     constraint = draw(st.sampled_from([
         {}, {"json_schema": json.dumps(SCHEMA)}, *({"regex": r} for r in REGEXES), *({"ebnf": g} for g in GRAMMARS),
     ]))  # fmt: skip
