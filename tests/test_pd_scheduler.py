@@ -112,9 +112,14 @@ def test_a_repeated_prompt_is_served_from_the_prefill_sides_prefix_cache(engines
     assert again.token_ids == first.token_ids and again.cached_tokens > 0
 
 
-def test_choices_logprobs_and_stop_strings(engines):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_choices_and_logprobs(engines, sampled):
+    """`n`, log-probs and top log-probs, greedy and seeded (a seeded request with log-probs, drafts verified
+    on the decode side: what took a speculating server down)."""
     pair, colocated = engines
     sampling = {"max_tokens": 10, "temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2}
+    if sampled:
+        sampling |= {"temperature": 0.8, "seed": 42}
     want = colocated.chat(TEXT, **sampling)
     prefill, got = answer(pair, TEXT, **sampling)
     for a, b in zip(got.choices, want.choices, strict=True):
@@ -122,6 +127,11 @@ def test_choices_logprobs_and_stop_strings(engines):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     for a, b in zip(prefill.choices, want.choices, strict=True):  # (the prefill side's one token has its own)
         assert a.logprobs == pytest.approx(b.logprobs[:1], abs=1e-4) and len(a.top_logprobs) == 1
+
+
+def test_stop_strings(engines):
+    pair, colocated = engines
+    want = colocated.chat(TEXT, max_tokens=10, temperature=0)
     stop = colocated.tokenizer.decode(want.choices[0].token_ids[3:5])
     want = colocated.chat(TEXT, max_tokens=10, temperature=0, stop=[stop])
     _, got = answer(pair, TEXT, max_tokens=10, temperature=0, stop=[stop])

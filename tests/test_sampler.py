@@ -19,7 +19,6 @@ EOS = 3
 @dataclass
 class FakeReq:
     sampling_params: SamplingParams
-    generator: torch.Generator | None = None
     origin_input_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     grammar: None = None
@@ -31,9 +30,7 @@ class FakeReq:
 
 
 def make_req(prompt: Sequence[int] = (), output: Sequence[int] = (), **params) -> FakeReq:
-    p = SamplingParams(**params)
-    gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-    return FakeReq(p, gen, list(prompt), list(output))
+    return FakeReq(SamplingParams(**params), list(prompt), list(output))
 
 
 def filtered(probs: list[list[float]], top_k: list[int], top_p: list[float], min_p: list[float]) -> list[list[float]]:
@@ -133,9 +130,10 @@ def test_a_seed_gives_the_same_tokens_alone_or_in_any_batch(settings, neighbours
     run_steps(sampler, torch.cat([others[:2], row, others[2 : len(around)]]), batch, steps=6)
     assert batched.output_ids == alone.output_ids
 
-    other_seed = make_req(seed=43, **settings)
-    run_steps(sampler, row, [other_seed], steps=6)
-    assert other_seed.output_ids != alone.output_ids
+    for seed in (43, 42 + 2**32):  # (torch's generators read only a seed's low 32 bits)
+        other_seed = make_req(seed=seed, **settings)
+        run_steps(sampler, row, [other_seed], steps=6)
+        assert other_seed.output_ids != alone.output_ids
 
 
 def test_unseeded_draws_follow_the_distribution_and_the_temperature():
@@ -188,12 +186,13 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert out.tolist() == [1]
 
 
-@pytest.mark.parametrize("penalty", [2.0**-149, 1e-30, 1e30])
+@pytest.mark.parametrize("penalty", [1e-244, 2.0**-149, 1e-30, 1e30, 1e300])
 def test_a_repetition_penalty_that_overflows_the_logits_still_samples_from_finite_ones(penalty):
-    """Dividing by a penalty near 0 (or multiplying by a huge one) overflows: the penalized logits stay
-    finite, so draws and log-probs are still numbers, and the order of the tokens is kept."""
+    """Dividing by a penalty near 0, or 0 as a float32 (or multiplying by a huge one) overflows: the
+    penalized logits stay finite, divided by any temperature too, so draws and log-probs are still numbers,
+    and the order of the tokens is kept."""
     logits = torch.tensor([[2.0, 1.5, -1.0, -1.2]])
-    for params in (dict(temperature=0), dict(seed=1), dict()):
+    for params in (dict(temperature=0), dict(seed=1), dict(), dict(temperature=1e-5, top_p=1e-300)):
         req = make_req(prompt=[0, 2], output=[1], repetition_penalty=penalty, logprobs=True, top_logprobs=4, **params)
         out = Sampler([])(logits.clone(), [req])
         assert 0 <= out.tolist()[0] < 4

@@ -86,11 +86,13 @@ def target_logits(seed: int) -> torch.Tensor:
 
 def verified(keep, logits: torch.Tensor, seeded: bool) -> list[list[int]]:
     """`TRIALS` requests verifying `DRAFT` at temperature 1, in one batch through the sampler (each with
-    a generator of its own, or all on the global one), and the tokens `keep` emits for each."""
+    a seed of its own, or all on the global generator), and the tokens `keep` emits for each."""
     torch.manual_seed(0)
-    params = SamplingParams(temperature=1.0, seed=0 if seeded else None)
-    generators = [torch.Generator().manual_seed(t) if seeded else None for t in range(TRIALS)]
-    rows = [SampleRow(params, g, [], [], j, None, draft) for g in generators for j, draft in enumerate([*DRAFT, None])]
+    seeds = range(TRIALS) if seeded else [None] * TRIALS
+    rows = [
+        SampleRow(SamplingParams(temperature=1.0, seed=seed), [], [], j, None, draft)
+        for seed in seeds for j, draft in enumerate([*DRAFT, None])
+    ]  # fmt: skip
     sampled = Sampler([])(logits.repeat(TRIALS, 1), rows).next_token_ids.view(TRIALS, -1).tolist()
     return [keep(tokens, DRAFT) for tokens in sampled]
 
@@ -136,30 +138,26 @@ def test_the_bound_fails_a_verifier_that_keeps_drafts_without_checking_them():
 def test_a_seeded_verify_batch_keeps_the_tokens_and_log_probs_of_plain_steps(seed, choices, logprobs, top_k):
     """Whatever the drafts (a row's most likely token, its second, any token; after a draft that was not
     kept too), a seeded request's kept tokens and their log-probs are those of one plain step per
-    position, its generator has drawn as often as those steps (the next step draws the same), and every
-    row holds a real token id (a row's log-prob is read at it)."""
+    position, and every row holds a real token id (a row's log-prob is read at it)."""
     vocab = 64
     logits = 3 * torch.randn(len(choices) + 1, vocab, generator=torch.Generator().manual_seed(seed))
     ranked = logits.argsort(dim=-1, descending=True)
     pick = {"best": 0, "second": 1}
     drafts = [int(ranked[j, pick[c]]) if c in pick else (seed + 7 * j) % vocab for j, c in enumerate(choices)]
     params = SamplingParams(temperature=0.8, top_k=top_k, seed=seed, logprobs=logprobs, top_logprobs=2 * logprobs)
-    generator = torch.Generator().manual_seed(seed)  # (one request: one generator for its rows)
-    rows = [SampleRow(params, generator, [], [], j, None, d) for j, d in enumerate([*drafts, None])]
+    rows = [SampleRow(params, [], [], j, None, d) for j, d in enumerate([*drafts, None])]
     out = Sampler([])(logits.clone(), rows)
     sampled = out.next_token_ids.tolist()
     assert all(0 <= t < vocab for t in sampled)
     kept = verify_drafts(sampled, drafts)
 
-    plain_generator = torch.Generator().manual_seed(seed)
     want, want_logprobs = [], []
     for j in range(len(kept)):
-        plain = Sampler([])(logits[j : j + 1].clone(), [SampleRow(params, plain_generator, [], [], j)])
+        plain = Sampler([])(logits[j : j + 1].clone(), [SampleRow(params, [], [], j)])
         want.append(int(plain.next_token_ids[0]))
         want_logprobs.append((plain.logprobs[0], plain.top_logprobs[0]))
     assert kept == want
     assert [(out.logprobs[j], out.top_logprobs[j]) for j in range(len(kept))] == want_logprobs
-    assert torch.equal(rows[0].generator.get_state(), plain_generator.get_state())
 
 
 # ---- in the scheduler -----------------------------------------------------------------------------

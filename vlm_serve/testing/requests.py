@@ -161,8 +161,10 @@ def media(draw: st.DrawFn) -> tuple[list[str], bool]:
 
 
 def texts() -> st.SearchStrategy[str]:
-    """A question the built-in model knows, or any short text (non-ASCII characters included)."""
-    return st.one_of(st.sampled_from(QUESTIONS), st.text(st.characters(codec="utf-8"), min_size=1, max_size=30))
+    """A question the built-in model knows, or any short text (non-ASCII characters included; no media
+    placeholder: in a raw prompt, one without its picture is the request's mistake)."""
+    text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=30).filter(lambda t: "_pad|>" not in t)
+    return st.one_of(st.sampled_from(QUESTIONS), text)
 
 
 # ---- sampling settings ------------------------------------------------------------------------------------

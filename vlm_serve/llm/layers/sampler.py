@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
@@ -19,10 +20,9 @@ class SamplingRequest(Protocol):
     """What the sampler reads of a request."""
 
     sampling_params: SamplingParams
-    generator: torch.Generator | None  # set when sampling_params.seed is not None
     origin_input_ids: list[int]  # prompt ids; ids >= vocab size (image pads) are ignored
     output_ids: list[int]  # read for penalties only
-    num_outputs: int  # tokens generated before the one being sampled
+    num_outputs: int  # tokens generated before the one being sampled (its index; a seeded draw's position)
     grammar: Grammar | None  # structured output: masks the logits, advanced by each sampled token
     # a verify batch's row: the draft token its draw is compared with (None: a plain row, or the
     # position after a request's last draft)
@@ -36,7 +36,6 @@ class SampleRow:
     slot (negative), for the token the batch before is still producing."""
 
     sampling_params: SamplingParams
-    generator: torch.Generator | None
     origin_input_ids: list[int]
     output_ids: list[int]
     num_outputs: int
@@ -79,12 +78,12 @@ class Sampler:
     """Per step, in this order: repetition/frequency/presence penalties (vLLM's definitions), logit
     bias, the min_new_tokens mask on EOS and stop ids, the grammar mask of structured-output rows,
     log-probs if asked, then argmax for greedy rows and, for the others, temperature, top-k, top-p
-    and min-p and a draw — a seeded row draws on the CPU with its own generator, so its tokens do not
-    depend on the rest of the batch. Last, each grammar accepts its row's token.
+    and min-p and a draw — a seeded row draws on the CPU, from its own logits, on a generator of its seed
+    and the token's index (`draw_generator`), so its tokens depend on neither the rest of the batch, nor
+    drafts, nor the server of a PD pair that samples them. Last, each grammar accepts its row's token.
 
-    A verify batch has a row per position of each request (`draft`): a seeded request draws its rows
-    in order and stops after the first whose token differs from the draft there, so its generator is
-    spent on the tokens kept only, as without drafts.
+    A verify batch has a row per position of each request (`draft`); the rows after the first whose token
+    differs from the draft there are thrown away (a seeded one is not drawn).
 
     Log-probs are log_softmax of the logits after penalties, bias and masks but before temperature
     and the top-k/top-p/min-p filters. `logits` is modified in place by the penalties, the bias and
@@ -132,8 +131,7 @@ class Sampler:
     ) -> SampleOutput:
         """After sampling a whole batch raised: each request's rows (`groups`, consecutive) sampled alone,
         from fresh logits (`logits_of(start, stop)`: the failed try changed the batch's in place). The rows
-        of a request that fails alone too get token 0 and the error in `failures`. (A seeded request whose
-        generator the failed try drew from draws on from there.)"""
+        of a request that fails alone too get token 0 and the error in `failures`."""
         tokens: list[torch.Tensor] = []
         out = SampleOutput(torch.empty(0), [], [])
         for group in groups:
@@ -162,13 +160,13 @@ class Sampler:
         counts = _token_counts([reqs[i].output_ids for i in rows], vocab, device)
         seen |= counts > 0
 
-        rep = _column([p.repetition_penalty for p in params], device)
+        # (a penalty that is 0 as a float32 divides as the smallest one does)
+        rep = _column([max(p.repetition_penalty, SMALLEST_PENALTY) for p in params], device)
         sub = logits[rows]
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub -= _column([p.frequency_penalty for p in params], device) * counts
         sub -= _column([p.presence_penalty for p in params], device) * (counts > 0)
-        biggest = torch.finfo(sub.dtype).max  # (a penalty near 0 or huge overflows: kept finite, it still ranks)
-        logits[rows] = sub.clamp(-biggest, biggest)
+        logits[rows] = sub.clamp(-LOGIT_BOUND, LOGIT_BOUND)
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> None:
@@ -223,6 +221,11 @@ def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -
     return counts.put_(flat, torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
 
 
+# Penalized logits are kept within +-LOGIT_BOUND: a repetition penalty near 0 (or huge) overflows them, and
+# they must stay finite divided by any temperature that is sampled (>= GREEDY_BELOW).
+LOGIT_BOUND = 1e30
+SMALLEST_PENALTY = torch.finfo(torch.float32).tiny
+
 # When every sampled row has a top-k at most this, only the top-k candidates are sorted and drawn
 # from, instead of the whole vocabulary (the published checkpoints default to top_k 20).
 TOPK_CANDIDATES_MAX = 1024
@@ -230,10 +233,10 @@ TOPK_CANDIDATES_MAX = 1024
 
 def _sample(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
     """One draw per row after temperature, top-k, top-p and min-p: the unseeded rows together, each seeded
-    one alone on its generator (so that the rest of the batch cannot change its draws)."""
+    one alone (so that the rest of the batch cannot change its draws)."""
     next_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
-    seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
-    unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+    seeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is not None]
+    unseeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
     if unseeded:
         probs, candidates = _filtered_probs(logits[unseeded], [reqs[i] for i in unseeded])
         draws = torch.multinomial(probs, 1)
@@ -264,9 +267,9 @@ def _filtered_probs(logits: torch.Tensor, reqs: list[SamplingRequest]) -> tuple[
 
 
 def _seeded_draws(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
-    """Each row's draw on its own generator, from its own logits alone. A row after a draft that its draw
-    did not keep is not drawn: its token, thrown away, is its most likely one (a real id: log-probs are
-    still read at it)."""
+    """Each row's draw from its own logits alone, on the generator of its seed and position. A row after a
+    draft that a draw did not keep is not drawn: its token, thrown away, is its most likely one (a real id:
+    log-probs are still read at it)."""
     tokens: list[int] = []
     rejected = False  # whether a draft in the request's rows so far was not kept
     for j, req in enumerate(reqs):
@@ -274,10 +277,18 @@ def _seeded_draws(logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Te
             tokens.append(int(logits[j].argmax()))
         else:
             probs, candidates = _filtered_probs(logits[j : j + 1], [req])
-            draw = int(torch.multinomial(probs[0], 1, generator=req.generator))
+            generator = draw_generator(req.sampling_params.seed, req.num_outputs)
+            draw = int(torch.multinomial(probs[0], 1, generator=generator))
             tokens.append(draw if candidates is None else int(candidates[0, draw]))
         rejected = req.draft is not None and (rejected or tokens[-1] != req.draft)
     return torch.tensor(tokens, dtype=torch.long)
+
+
+def draw_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of a seeded request's token `index`: a hash of both, as torch's CPU generator reads
+    only a seed's low 32 bits (seeds 1 and 2**32 + 1 would draw alike)."""
+    digest = hashlib.blake2b(b"%d:%d" % (seed, index), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

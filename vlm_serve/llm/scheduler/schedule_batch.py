@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from vlm_serve.messages.backend import BootstrapInfo
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-_DISCARDED_ROW = SampleRow(SamplingParams(temperature=0), None, [], [], 0)  # greedy, and thrown away
+_DISCARDED_ROW = SampleRow(SamplingParams(temperature=0), [], [], 0)  # greedy, and thrown away
 
 
 @dataclass
@@ -78,7 +78,6 @@ class Req:
     mm_embeds: list[VisionOutput | None] = field(default_factory=list)  # per item, held until prefill is done
     mm_pins: list[int] = field(default_factory=list)  # embedding cache entries pinned for this request
     # sampling and output
-    generator: torch.Generator | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # prompt log-probs, when asked: those of positions before `prompt_logprob_start` are being computed
@@ -120,8 +119,6 @@ class Req:
             for start, end in item.spans:
                 self.mm_runs.append((start, end, i, row))
                 row += end - start
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -160,14 +157,14 @@ class Req:
 
     def sample_row(self, samples: bool) -> SampleRow:
         """What the sampler needs of it for the batch being built; a chunk before the prompt's end
-        samples nothing that is kept, so it draws nothing from the request's generator either."""
+        samples nothing that is kept (and draws nothing)."""
         params = self.sampling_params
         if not samples:
             return _DISCARDED_ROW
         outputs = []
         if params.has_penalties:
             outputs = self.output_ids + [self.future_token] if self.future_token else list(self.output_ids)
-        return SampleRow(params, self.generator, self.origin_input_ids, outputs, self.num_outputs, self.grammar)
+        return SampleRow(params, self.origin_input_ids, outputs, self.num_outputs, self.grammar)
 
     def verify_rows(self, count: int) -> list[SampleRow]:
         """The sampler's rows for a verify forward with `count` drafts: the position after its last token,
@@ -177,7 +174,7 @@ class Req:
         params = self.sampling_params
         outputs = list(self.output_ids) if params.has_penalties else []
         return [
-            SampleRow(params, self.generator, self.origin_input_ids, outputs, self.num_outputs + j, self.grammar)
+            SampleRow(params, self.origin_input_ids, outputs, self.num_outputs + j, self.grammar)
             for j in range(count + 1)
         ]
 

@@ -2,16 +2,15 @@
 
 A verify forward computes the logits after the request's last token and after each of its k drafts; the
 sampler then samples each of these k + 1 positions as a plain decode step would, as if the drafts before
-it were kept (the same penalties, min_new_tokens, grammar mask, temperature, filters and generator). The
+it were kept (the same penalties, min_new_tokens, grammar mask, temperature, filters and seeded draw). The
 drafts are kept while each equals the token sampled at its position; the first that differs is replaced
 by that token, and when all are kept the token sampled after the last one comes on top.
 
 Greedy, that is the target's own choice at every position. Sampled, it is rejection sampling for a
 deterministic draft (n-gram; a draft model's argmax): draft x is kept with probability p(x), and a
 rejected one is replaced by a draw from p given that it is not x, so every emitted token is distributed
-as the target's (Leviathan et al. 2023). A seeded request draws its positions in order and stops at the
-first that differs (`Sampler`), so its generator is spent as without drafts and its answer is the same,
-token for token.
+as the target's (Leviathan et al. 2023). A seeded request draws each position on the generator of its seed
+and that position (`sampler.draw_generator`), so its answer is the one without drafts, token for token.
 """
 
 from __future__ import annotations
