@@ -39,7 +39,10 @@ FOUND = [
     {"temperature": 1, "repetition_penalty": TINY},  # probabilities inf/nan
     {"repetition_penalty": TINY, "logprobs": 1},  # a log-prob of NaN, which the answer gave as null
 ]
-FOUND_UNROUTED = [{"temperature": 1, "top_p": 5e-324}]  # the sum of probabilities was 0
+FOUND_UNROUTED = [
+    {"temperature": 1, "top_p": 5e-324},  # the sum of probabilities was 0
+    {"temperature": 0.5, "repetition_penalty": 1e-105},  # 0 as a float32: penalized logits inf over the temperature
+]
 
 
 @pytest.fixture(scope="module")
