@@ -22,9 +22,9 @@ import torch
 from helpers import as_test_child, run_process
 
 from vlm_serve.llm.kernels import COMMON, F32, I32, I64, PTR, STR, CpuKernel, KernelLibrary, Target, Unavailable
-from vlm_serve.llm.kernels import attention_cpu, linear_cpu, moe_cpu, rowwise_cpu
+from vlm_serve.llm.kernels import attention_cpu, decoder_cpu, linear_cpu, moe_cpu, rowwise_cpu
 
-LIBRARIES = [linear_cpu.LIBRARY, moe_cpu.LIBRARY, attention_cpu.LIBRARY, rowwise_cpu.LIBRARY]
+LIBRARIES = [linear_cpu.LIBRARY, moe_cpu.LIBRARY, attention_cpu.LIBRARY, rowwise_cpu.LIBRARY, decoder_cpu.LIBRARY]
 CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"  # the cross compiler's libc and libgomp, for qemu to load
 DRIVERS: list[subprocess.Popen] = []  # the running drivers of the loaded libraries: they end with pytest

@@ -170,9 +170,9 @@ def build(name: str, target: Target) -> Path:
 def _outputs(file: str, texts: dict[str, bytes], target: Target, compiler: str, folder: Path) -> tuple[Path, Path]:
     """Where the library of source `file` is kept, and where the compiler's output goes if its build
     fails: named by a hash of what the build depends on."""
-    headers = [text for name, text in texts.items() if name.endswith(".h")]
+    others = [text for name, text in texts.items() if name != file]  # (headers, and sources another includes)
     command = " ".join(target.command(Path(file), "")).encode()
-    key = hashlib.sha256(b"\0".join([texts[file], *headers, command, _compiler_version(compiler), _cpu_flags()]))
+    key = hashlib.sha256(b"\0".join([texts[file], *others, command, _compiler_version(compiler), _cpu_flags()]))
     stem = Path(file).stem
     return folder / f"{stem}-{key.hexdigest()[:16]}.so", folder / f"{stem}-{key.hexdigest()[:16]}.log"
 

@@ -109,91 +109,114 @@ typedef struct {
     int64_t b, h, first, count; /* request, KV head, first new token and how many */
 } task_t;
 
-/* The new tokens' K/V go into the pool first: token i's (Hkv, D) rows of k_new and v_new, k_stride and
- * v_stride floats apart (v a view inside the qkv output), to slot new_slots[i]. */
+/* The batch's tasks, written to `tasks` (where not NULL); returns how many there are. */
+static int64_t attention_plan(task_t *tasks, int64_t B, const int64_t *ext_lens, int64_t Hq, int64_t Hkv) {
+    const int64_t G = Hq / Hkv, per_task = MAX_ROWS / G > 0 ? MAX_ROWS / G : 1;
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t first = 0; first < ext_lens[b]; first += per_task)
+            for (int64_t h = 0; h < Hkv; h++, n++) {
+                const int64_t left = ext_lens[b] - first;
+                if (tasks != NULL) tasks[n] = (task_t){b, h, first, left < per_task ? left : per_task};
+            }
+    return n;
+}
+
+/* The new tokens' K/V into the pool: token i's (Hkv, D) rows of k_new and v_new, k_stride and v_stride
+ * floats apart (v a view inside the qkv output), to slot new_slots[i]. Shared out over the threads of the
+ * parallel region it is called in. */
+static void store_kv(float *k_cache, float *v_cache, int64_t Hkv, int64_t D, const float *k_new, int64_t k_stride,
+                     const float *v_new, int64_t v_stride, const int64_t *new_slots, int64_t new_tokens) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < new_tokens; i++) {
+        memcpy(k_cache + new_slots[i] * Hkv * D, k_new + i * k_stride, Hkv * D * sizeof(float));
+        memcpy(v_cache + new_slots[i] * Hkv * D, v_new + i * v_stride, Hkv * D * sizeof(float));
+    }
+}
+
+/* The tasks (attention_plan's), shared out over the threads of the parallel region it is called in,
+ * each thread with its attention_scratch_floats(D) of `scratch`. */
+static void attention_tasks(const task_t *tasks, int64_t n, const float *q, const float *k_cache,
+                            const float *v_cache, const int32_t *kv_slots, int64_t stride, const int64_t *seq_lens,
+                            const int64_t *ext_lens, const int64_t *q_starts, int64_t Hq, int64_t Hkv, int64_t D,
+                            float scale, float *out, float *scratch) {
+    const int64_t G = Hq / Hkv;
+    const int width = D % PANEL == 0 ? PANEL : LANES; /* V panels */
+    float *kt = scratch + (int64_t)omp_get_thread_num() * attention_scratch_floats(D);
+    float *vp = kt + KEYS * D, *s = vp + KEYS * D, *pv = s + MAX_ROWS * KEYS, *o = pv + MAX_ROWS * D;
+    float *row_max = o + MAX_ROWS * D, *row_sum = row_max + MAX_ROWS;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n; t++) {
+        const task_t task = tasks[t];
+        const int64_t rows = task.count * G, prefix = seq_lens[task.b] - ext_lens[task.b];
+        const int tiled = rows >= TILED_ROWS;
+        const int32_t *slots = kv_slots + task.b * stride;
+        const float *qrow[MAX_ROWS], *krow[KEYS], *vrow[KEYS];
+        float *srow[MAX_ROWS], *pvrow[MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) {
+            qrow[r] = q + ((q_starts[task.b] + task.first + r / G) * Hq + task.h * G + r % G) * D;
+            srow[r] = s + r * KEYS, pvrow[r] = pv + r * D;
+            row_max[r] = -INFINITY, row_sum[r] = 0;
+        }
+        memset(o, 0, rows * D * sizeof(float));
+        const int64_t keys = prefix + task.first + task.count; /* what the block's last token sees */
+        prefetch_block(k_cache, v_cache, slots, 0, keys, Hkv, task.h, D);
+        for (int64_t j0 = 0; j0 < keys; j0 += KEYS) {
+            const int64_t nk = keys - j0 < KEYS ? keys - j0 : KEYS;
+            prefetch_block(k_cache, v_cache, slots, j0 + KEYS, keys, Hkv, task.h, D);
+            for (int64_t j = 0; j < nk; j++) {
+                krow[j] = k_cache + (slots[j0 + j] * Hkv + task.h) * D;
+                vrow[j] = v_cache + (slots[j0 + j] * Hkv + task.h) * D;
+            }
+            if (tiled) { /* K^T as (D, KEYS) and V as (KEYS, D) in panels; keys past nk are 0 */
+                for (int64_t j = 0; j < KEYS; j++) {
+                    float *col = kt + j / PANEL * D * PANEL + j % PANEL;
+                    for (int64_t d = 0; d < D; d++) col[d * PANEL] = j < nk ? krow[j][d] : 0.0f;
+                    for (int64_t c = 0; c < D; c += width) {
+                        float *dst = vp + c * KEYS + j * width;
+                        if (j < nk)
+                            memcpy(dst, vrow[j] + c, width * sizeof(float));
+                        else
+                            memset(dst, 0, width * sizeof(float));
+                    }
+                }
+                matmul_rows(qrow, rows, kt, D, KEYS, PANEL, srow);
+            } else {
+                scores_direct(qrow, rows, krow, nk, D, srow);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t seen = prefix + task.first + r / G + 1 - j0; /* keys of this block it sees */
+                softmax_block(srow[r], seen < nk ? seen : nk, scale, row_max + r, row_sum + r, o + r * D, D);
+            }
+            if (tiled) {
+                matmul_rows((const float *const *)srow, rows, vp, KEYS, D, width, pvrow);
+                for (int64_t i = 0; i < rows * D; i++) o[i] += pv[i];
+            } else {
+                weighted_sum_direct((const float *const *)srow, rows, vrow, nk, D, o);
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            float *dst = out + (qrow[r] - q);
+            const float inv = 1.0f / row_sum[r];
+            for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+        }
+    }
+}
+
+/* store_kv, then attention_tasks, on `threads` threads */
 void paged_attention_f32(const float *q, float *k_cache, float *v_cache, const int32_t *kv_slots, int64_t stride,
                          const int64_t *seq_lens, const int64_t *ext_lens, const int64_t *q_starts, int64_t B,
                          int64_t Hq, int64_t Hkv, int64_t D, float scale, const float *k_new, int64_t k_stride,
                          const float *v_new, int64_t v_stride, const int64_t *new_slots, int64_t new_tokens,
                          float *out, float *scratch, int threads) {
-    for (int64_t i = 0; i < new_tokens; i++) {
-        memcpy(k_cache + new_slots[i] * Hkv * D, k_new + i * k_stride, Hkv * D * sizeof(float));
-        memcpy(v_cache + new_slots[i] * Hkv * D, v_new + i * v_stride, Hkv * D * sizeof(float));
-    }
-    const int64_t G = Hq / Hkv, per_task = MAX_ROWS / G > 0 ? MAX_ROWS / G : 1;
-    const int width = D % PANEL == 0 ? PANEL : LANES; /* V panels */
-    int64_t ntasks = 0;
-    for (int64_t b = 0; b < B; b++) ntasks += Hkv * ((ext_lens[b] + per_task - 1) / per_task);
-    task_t *tasks = malloc((ntasks > 0 ? ntasks : 1) * sizeof *tasks);
-    int64_t n = 0;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t first = 0; first < ext_lens[b]; first += per_task)
-            for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t left = ext_lens[b] - first;
-                tasks[n++] = (task_t){b, h, first, left < per_task ? left : per_task};
-            }
-
+    const int64_t n = attention_plan(NULL, B, ext_lens, Hq, Hkv);
+    task_t *tasks = malloc((n > 0 ? n : 1) * sizeof *tasks);
+    attention_plan(tasks, B, ext_lens, Hq, Hkv);
 #pragma omp parallel num_threads(threads)
     {
-        float *kt = scratch + (int64_t)omp_get_thread_num() * attention_scratch_floats(D);
-        float *vp = kt + KEYS * D, *s = vp + KEYS * D, *pv = s + MAX_ROWS * KEYS, *o = pv + MAX_ROWS * D;
-        float *row_max = o + MAX_ROWS * D, *row_sum = row_max + MAX_ROWS;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < n; t++) {
-            const task_t task = tasks[t];
-            const int64_t rows = task.count * G, prefix = seq_lens[task.b] - ext_lens[task.b];
-            const int tiled = rows >= TILED_ROWS;
-            const int32_t *slots = kv_slots + task.b * stride;
-            const float *qrow[MAX_ROWS], *krow[KEYS], *vrow[KEYS];
-            float *srow[MAX_ROWS], *pvrow[MAX_ROWS];
-            for (int64_t r = 0; r < rows; r++) {
-                qrow[r] = q + ((q_starts[task.b] + task.first + r / G) * Hq + task.h * G + r % G) * D;
-                srow[r] = s + r * KEYS, pvrow[r] = pv + r * D;
-                row_max[r] = -INFINITY, row_sum[r] = 0;
-            }
-            memset(o, 0, rows * D * sizeof(float));
-            const int64_t keys = prefix + task.first + task.count; /* what the block's last token sees */
-            prefetch_block(k_cache, v_cache, slots, 0, keys, Hkv, task.h, D);
-            for (int64_t j0 = 0; j0 < keys; j0 += KEYS) {
-                const int64_t nk = keys - j0 < KEYS ? keys - j0 : KEYS;
-                prefetch_block(k_cache, v_cache, slots, j0 + KEYS, keys, Hkv, task.h, D);
-                for (int64_t j = 0; j < nk; j++) {
-                    krow[j] = k_cache + (slots[j0 + j] * Hkv + task.h) * D;
-                    vrow[j] = v_cache + (slots[j0 + j] * Hkv + task.h) * D;
-                }
-                if (tiled) { /* K^T as (D, KEYS) and V as (KEYS, D) in panels; keys past nk are 0 */
-                    for (int64_t j = 0; j < KEYS; j++) {
-                        float *col = kt + j / PANEL * D * PANEL + j % PANEL;
-                        for (int64_t d = 0; d < D; d++) col[d * PANEL] = j < nk ? krow[j][d] : 0.0f;
-                        for (int64_t c = 0; c < D; c += width) {
-                            float *dst = vp + c * KEYS + j * width;
-                            if (j < nk)
-                                memcpy(dst, vrow[j] + c, width * sizeof(float));
-                            else
-                                memset(dst, 0, width * sizeof(float));
-                        }
-                    }
-                    matmul_rows(qrow, rows, kt, D, KEYS, PANEL, srow);
-                } else {
-                    scores_direct(qrow, rows, krow, nk, D, srow);
-                }
-                for (int64_t r = 0; r < rows; r++) {
-                    const int64_t seen = prefix + task.first + r / G + 1 - j0; /* keys of this block it sees */
-                    softmax_block(srow[r], seen < nk ? seen : nk, scale, row_max + r, row_sum + r, o + r * D, D);
-                }
-                if (tiled) {
-                    matmul_rows((const float *const *)srow, rows, vp, KEYS, D, width, pvrow);
-                    for (int64_t i = 0; i < rows * D; i++) o[i] += pv[i];
-                } else {
-                    weighted_sum_direct((const float *const *)srow, rows, vrow, nk, D, o);
-                }
-            }
-            for (int64_t r = 0; r < rows; r++) {
-                float *dst = out + (qrow[r] - q);
-                const float inv = 1.0f / row_sum[r];
-                for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
-            }
-        }
+        store_kv(k_cache, v_cache, Hkv, D, k_new, k_stride, v_new, v_stride, new_slots, new_tokens);
+        attention_tasks(tasks, n, q, k_cache, v_cache, kv_slots, stride, seq_lens, ext_lens, q_starts, Hq, Hkv, D,
+                        scale, out, scratch);
     }
     free(tasks);
 }

@@ -15,14 +15,13 @@
 
 #define ROWS 64 /* rows per task: a task's rows of x stay in cache while its panel streams */
 
-/* x: (M, K) rows `x_stride` floats apart; w: (N, K) packed as N / width panels (tiles.h's Weights:
- * data w, scale, first, block, lead) in `format` (W_*); bias: (N) or NULL; y: (M, N). */
-void linear_forward(const float *x, int64_t M, int64_t K, int64_t x_stride, const void *w, int format,
-                    const float *scale, int64_t first, int64_t block, int64_t lead, int64_t N, int width,
-                    const float *bias, float *y, int threads) {
-    const Weights weights = {w, scale, first, block, lead};
+/* The product's tasks, shared out over the threads of the parallel region it is called in (every thread
+ * calls it; they meet at its end). x: (M, K) rows `x_stride` floats apart; w: (N, K) in N / width panels
+ * in `format` (W_*); bias: (N) or NULL; y: (M, N). */
+static void linear_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int format,
+                         int64_t N, int width, const float *bias, float *y) {
     const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
-#pragma omp parallel for num_threads(threads) schedule(guided)
+#pragma omp for schedule(guided)
     for (int64_t t = 0; t < panels * blocks; t++) {
         const int64_t p = t % panels, r0 = t / panels * ROWS, rows = M - r0 < ROWS ? M - r0 : ROWS;
         const float *a[ROWS];
@@ -35,4 +34,12 @@ void linear_forward(const float *x, int64_t M, int64_t K, int64_t x_stride, cons
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < width; j++) c[r][j] += bias[p * width + j];
     }
+}
+
+/* linear_tasks on `threads` threads; w packed as tiles.h's Weights (data w, scale, first, block, lead) */
+void linear_forward(const float *x, int64_t M, int64_t K, int64_t x_stride, const void *w, int format,
+                    const float *scale, int64_t first, int64_t block, int64_t lead, int64_t N, int width,
+                    const float *bias, float *y, int threads) {
+#pragma omp parallel num_threads(threads)
+    linear_tasks(x, M, K, x_stride, (Weights){w, scale, first, block, lead}, format, N, width, bias, y);
 }

@@ -133,8 +133,8 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def prepack_weights(model: nn.Module) -> None:
     """Once a model's weights are loaded: every layer that can keeps its weights in the layout its
-    matmuls run fastest with (`prepack`)."""
-    for module in model.modules():
+    matmuls run fastest with (`prepack`), its parts before it."""
+    for module in reversed(list(model.modules())):
         if hasattr(module, "prepack"):
             module.prepack()
 

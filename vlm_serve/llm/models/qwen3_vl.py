@@ -8,14 +8,18 @@ whichever prefill chunk those positions fall into.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from vlm_serve.config import ModelConfig, TextConfig
+from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch
+from vlm_serve.llm.kernels import CpuKernel, decoder_cpu
+from vlm_serve.llm.kernels.attention_cpu import PagedBatch
 from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_serve.llm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -70,12 +74,54 @@ class Qwen3VLDecoderLayer(nn.Module):
             self.mlp = Qwen3VLMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the layer as two decoder_cpu.c calls, where every part of it runs on the C kernels (`prepack`)
+        self.fused: tuple[CpuKernel, decoder_cpu.AttentionWeights, Callable[[torch.Tensor], torch.Tensor]] | None = None
+
+    def prepack(self) -> None:
+        """Once its parts are packed: the layer's attention and MLP halves as decoder_cpu.c runs them, where
+        every part is on the C kernels (float32 activations on CPU, its linears and experts in panels, one
+        rank: the halves leave out TP's all-reduces). A MoE router too narrow for panels runs as it is."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = [self.input_layernorm, attn.q_norm, attn.k_norm, self.post_attention_layernorm]
+        moe = isinstance(mlp, SparseMoeBlock)
+        linears = [attn.qkv_proj, attn.o_proj, *([] if moe else [mlp.gate_up_proj, mlp.down_proj])]
+        kernel = decoder_cpu.LIBRARY.get()
+        if (
+            kernel is None
+            or get_parallel_state().tp_size > 1
+            or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)
+            or len({n.eps for n in norms}) > 1
+            or any(linear.panels is None for linear in linears)
+            or (moe and mlp.packed is None)
+        ):
+            return
+        args = [decoder_cpu.linear_args(linear.panels, linear.bias) for linear in linears]
+        attention = decoder_cpu.AttentionWeights(
+            *(n.weight for n in norms), norms[0].eps, args[0], args[1], attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, attn.scaling,
+        )  # fmt: skip
+        if moe:
+            router = mlp.gate if mlp.gate.panels is None else decoder_cpu.linear_args(mlp.gate.panels, mlp.gate.bias)
+            mlp_half = functools.partial(
+                decoder_cpu.moe_block, kernel, router=router, top_k=mlp.top_k, renormalize=mlp.norm_topk_prob,
+                expert_start=mlp.expert_start, experts=mlp.packed,
+            )  # fmt: skip
+        else:
+            mlp_half = functools.partial(decoder_cpu.mlp_block, kernel, gate_up=args[2], down=args[3])
+        self.fused = kernel, attention, mlp_half
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on the residual stream `residual + x` (x alone where residual is None); returns the
         stream after it the same way, (MLP output, residual): the next norm adds them as it reads them."""
+        if self.fused is not None and isinstance(batch.attn_metadata, PagedBatch):
+            kernel, attention, mlp = self.fused
+            k_cache, v_cache = batch.attn_backend.token_to_kv_pool.get_kv(self.self_attn.layer_id)
+            residual, h = decoder_cpu.attention_block(
+                kernel, x, residual, attention, cos, sin, k_cache, v_cache, batch.attn_metadata
+            )
+            return mlp(h), residual
         residual, h = self.input_layernorm.add_and_norm(residual, x)
         residual, h = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(h, cos, sin, batch))
         return self.mlp(h), residual

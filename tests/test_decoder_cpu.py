@@ -1,0 +1,113 @@
+"""A decoder layer on CPU as two decoder_cpu.c calls (its attention half and its MLP or MoE half) computes
+what its modules compute one kernel call at a time, bit for bit: the layer's output, its residual stream
+and the K/V it writes to the pool, for decode, prefill on a cached prefix and both in one batch, dense and
+MoE layers, weights in float32, bfloat16 and FP8, on every ISA the kernels are built for
+(cpu_targets.py). Where a part is not on the kernels, the layer runs its modules."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vlm_serve.config import ModelConfig
+from vlm_serve.llm.kernels import attention_cpu
+from vlm_serve.llm.layers.attention import CpuAttnBackend
+from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from vlm_serve.llm.models.loader import load_model
+from vlm_serve.testing.tiny_model import create_tiny_model
+
+FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "fp8": {"quantize": "fp8"}}
+BATCHES = {  # (tokens per request, new ones)
+    "decode": ([9, 1, 40], [1, 1, 1]),
+    "prefill on a prefix": ([30, 12], [18, 12]),
+    "mixed": ([25, 7, 70], [25, 1, 1]),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """(arch, format) -> a tiny checkpoint's folder, made on first use."""
+    made = {}
+
+    def get(arch: str, form: str):
+        if (arch, form) not in made:
+            folder = tmp_path_factory.mktemp(f"{arch}-{form}")
+            made[arch, form] = create_tiny_model(folder, arch=arch, seed=3, **FORMATS[form])
+        return made[arch, form]
+
+    return get
+
+
+def layers_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: int = 0):
+    """The model's decoder layers (weights packed for the current target), and a batch over a KV pool
+    whose prefixes hold random K/V, its new tokens' slots scattered."""
+    config = ModelConfig.from_pretrained(path)
+    weight_dtype = getattr(torch, config.torch_dtype) if config.quantization is None else torch.bfloat16
+    model = load_model(config, torch.device("cpu"), torch.float32, weight_dtype)
+    text = config.text
+    g = torch.Generator().manual_seed(seed)
+    slots = 4 * sum(seq_lens) + 16
+    pool = TokenToKVPool(slots, 1, text.num_hidden_layers, text.num_key_value_heads, text.head_dim, torch.float32,
+                         torch.device("cpu"))  # fmt: skip
+    for buffer in (*pool.k_buffer, *pool.v_buffer):
+        buffer.copy_(torch.randn(buffer.shape, generator=g))
+    rows = (torch.randperm(slots - 1, generator=g)[: len(seq_lens) * max(seq_lens)] + 1).view(len(seq_lens), -1).int()
+    new = torch.cat([row[n - e : n] for row, n, e in zip(rows, seq_lens, ext_lens)]).long()
+    backend = CpuAttnBackend(ReqToTokenPool(len(seq_lens), max(seq_lens), torch.device("cpu")), pool)
+    paged = attention_cpu.paged_batch(rows, seq_lens, ext_lens, new, text.head_dim)
+    batch = SimpleNamespace(attn_backend=backend, attn_metadata=paged)
+    tokens = sum(ext_lens)
+    x = torch.randn(tokens, text.hidden_size, generator=g)
+    residual = torch.randn(tokens, text.hidden_size, generator=g)
+    cos, sin = model.model.language_model.rotary_emb(torch.randint(0, 100, (3, tokens), generator=g), torch.float32)
+    return model.model.language_model.layers, batch, pool, (x, residual, cos, sin)
+
+
+def run_layer(layer, inputs, batch, fused: bool, with_residual: bool):
+    x, residual, cos, sin = inputs
+    halves = layer.fused
+    if not fused:
+        layer.fused = None
+    try:
+        out, stream = layer(x.clone(), residual.clone() if with_residual else None, cos, sin, batch)
+    finally:
+        layer.fused = halves
+    return out.clone(), stream.clone()
+
+
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+@pytest.mark.parametrize("form", list(FORMATS))
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_the_two_calls_compute_what_the_modules_do_bit_for_bit(arch, form, batch_name, checkpoints, kernel_target):
+    seq_lens, ext_lens = BATCHES[batch_name]
+    layers, batch, pool, inputs = layers_and_batch(checkpoints(arch, form), seq_lens, ext_lens)
+    assert all(layer.fused is not None for layer in layers)
+    buffers = (*pool.k_buffer, *pool.v_buffer)
+    before = [c.clone() for c in buffers]
+
+    def run(layer, fused: bool, with_residual: bool):
+        for cache, start in zip(buffers, before):
+            cache.copy_(start)
+        return run_layer(layer, inputs, batch, fused, with_residual), [c.clone() for c in buffers]
+
+    for layer in layers:
+        for with_residual in (True, False):
+            (want, want_stream), want_caches = run(layer, False, with_residual)
+            (got, got_stream), got_caches = run(layer, True, with_residual)
+            assert torch.equal(got, want) and torch.equal(got_stream, want_stream)
+            assert all(torch.equal(c, w) for c, w in zip(got_caches, want_caches))
+            assert not all(torch.equal(c, b) for c, b in zip(got_caches, before))  # (the new K/V were written)
+
+
+def test_a_layer_with_a_part_off_the_kernels_runs_its_modules(checkpoints, native_kernels):
+    """(Here the torch attention backend: its metadata is not the kernel's paged batch.)"""
+    layers, batch, _, inputs = layers_and_batch(checkpoints("dense", "float32"), [5], [5])
+    x, residual, cos, sin = inputs
+    torch_batch = SimpleNamespace(attn_backend=batch.attn_backend, attn_metadata=None)
+    layer = layers[0]
+    layer.self_attn.forward = lambda *args: torch.zeros(x.shape)  # (what a torch backend's attention gives back)
+    out, stream = layer(x, residual, cos, sin, torch_batch)
+    torch.testing.assert_close(stream, residual + x)
+    assert layer.fused is not None  # (the halves are there; the batch is not theirs)
