@@ -10,6 +10,7 @@ unchanged, on either kind of library.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 import shutil
@@ -55,6 +56,12 @@ class EmulatedKernel(CpuKernel):
         )  # (not `start_process`: the loaded library keeps it, and it ends with its stdin, as pytest exits)
         DRIVERS.append(self.process)
         self.describe()
+
+    def bind(self, function: str, *first):
+        return functools.partial(getattr(self, function), *first)  # (tensors, sent at every call)
+
+    def c_values(self, function: str, start: int, args: tuple) -> tuple:
+        return args
 
     def __getattr__(self, function: str):  # (the library's functions: relayed to the driver)
         if function not in self.__dict__.get("signatures", {}):

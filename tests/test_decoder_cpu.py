@@ -13,6 +13,7 @@ import torch
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.kernels import attention_cpu
+from vlm_serve.llm.kernels.decoder_cpu import DecoderStep
 from vlm_serve.llm.layers.attention import CpuAttnBackend
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
@@ -67,13 +68,13 @@ def layers_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: int =
 
 def run_layer(layer, inputs, batch, fused: bool, with_residual: bool):
     x, residual, cos, sin = inputs
-    halves = layer.fused
+    residual = residual.clone() if with_residual else None
     if not fused:
-        layer.fused = None
-    try:
-        out, stream = layer(x.clone(), residual.clone() if with_residual else None, cos, sin, batch)
-    finally:
-        layer.fused = halves
+        out, stream = layer(x.clone(), residual, cos, sin, batch)
+    else:
+        step = DecoderStep(layer.fused.kernel, x.shape[0], cos, sin, batch.attn_metadata)
+        k_cache, v_cache = batch.attn_backend.token_to_kv_pool.get_kv(layer.self_attn.layer_id)
+        out, stream = step.layer(layer.fused, x.clone(), residual, k_cache, v_cache)
     return out.clone(), stream.clone()
 
 
@@ -101,13 +102,14 @@ def test_the_two_calls_compute_what_the_modules_do_bit_for_bit(arch, form, batch
             assert not all(torch.equal(c, b) for c, b in zip(got_caches, before))  # (the new K/V were written)
 
 
-def test_a_layer_with_a_part_off_the_kernels_runs_its_modules(checkpoints, native_kernels):
-    """(Here the torch attention backend: its metadata is not the kernel's paged batch.)"""
-    layers, batch, _, inputs = layers_and_batch(checkpoints("dense", "float32"), [5], [5])
-    x, residual, cos, sin = inputs
-    torch_batch = SimpleNamespace(attn_backend=batch.attn_backend, attn_metadata=None)
-    layer = layers[0]
-    layer.self_attn.forward = lambda *args: torch.zeros(x.shape)  # (what a torch backend's attention gives back)
-    out, stream = layer(x, residual, cos, sin, torch_batch)
-    torch.testing.assert_close(stream, residual + x)
-    assert layer.fused is not None  # (the halves are there; the batch is not theirs)
+def test_the_layers_run_their_modules_where_the_batch_is_not_the_kernels(checkpoints, native_kernels):
+    """(A batch of the torch attention backend: its metadata is not the kernel's paged batch.)"""
+    path = checkpoints("dense", "float32")
+    layers, batch, _, (x, _, cos, sin) = layers_and_batch(path, [5], [5])
+    text = layers_and_batch.__globals__["load_model"]  # (the same loader, for the text model itself)
+    model = text(ModelConfig.from_pretrained(path), torch.device("cpu"), torch.float32, torch.float32)
+    text_model = model.model.language_model
+    assert text_model.fused_step(x, cos, sin, batch) is not None
+    assert text_model.fused_step(x, cos, sin, SimpleNamespace(attn_metadata=None)) is None
+    text_model.layers[1].fused = None
+    assert text_model.fused_step(x, cos, sin, batch) is None

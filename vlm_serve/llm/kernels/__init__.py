@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -69,7 +70,8 @@ class CpuKernel:
 
     def __init__(self, lib: ctypes.CDLL, signatures: dict[str, tuple]) -> None:
         self.lib = lib
-        for function, (restype, *argtypes) in {**COMMON, **signatures}.items():
+        self.signatures = {**COMMON, **signatures}
+        for function, (restype, *argtypes) in self.signatures.items():
             c_function = getattr(lib, function)
             c_function.restype, c_function.argtypes = restype, argtypes
             # bound once: a decode step makes some 200 calls, each of which would otherwise look it up
@@ -79,6 +81,21 @@ class CpuKernel:
     def describe(self) -> None:
         self.runs_here = bool(self.kernel_runs_here())
         self.isa, self.lanes, self.panel = self.kernel_isa().decode(), self.kernel_lanes(), self.kernel_panel()
+
+    def bind(self, function: str, *first) -> Callable:
+        """`function` with its first arguments fixed, made C values once (a layer's weights, which every
+        step passes): a call converts only the rest."""
+        call = functools.partial(getattr(self, function), *self.c_values(function, 0, first))
+        call.held = first  # (the tensors whose pointers it holds)
+        return call
+
+    def c_values(self, function: str, start: int, args: tuple) -> tuple:
+        """`function`'s arguments from position `start` on as C values (tensors as their pointers): passed
+        as they are, at no cost per call. The tensors must outlive them."""
+        argtypes = self.signatures[function][1 + start :]
+        if len(args) > len(argtypes):
+            raise TypeError(f"{function} takes {start + len(argtypes)} arguments, not {start + len(args)}")
+        return tuple(kind(a.data_ptr() if isinstance(a, torch.Tensor) else a) for a, kind in zip(args, argtypes))
 
     def panels(self, weight: torch.Tensor, width: int | None = None, lead: int = 0) -> torch.Tensor:
         """Weights (..., out, in) as tiles.h's column panels in their own dtype, (..., out / width, groups,

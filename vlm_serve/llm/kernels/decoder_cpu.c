@@ -22,6 +22,9 @@
         int64_t p##_lead, int64_t p##_n, int p##_width, const float *p##_bias
 #define WEIGHTS(p) (Weights){p##_w, p##_scale, p##_first, p##_block, p##_lead}, p##_format, p##_n, p##_width, p##_bias
 
+/* Each half takes the layer's weights first (bound once, `CpuKernel.bind`), then the call's own tensors,
+ * then the step's (the same for every layer of a forward: made C values once). */
+
 /* The attention half of a layer over T tokens (hidden size H) of a batch of B requests.
  * In: x (T, H), the last sublayer's output, and residual (T, H), the stream before it (has_residual 0:
  * none yet, x is the stream). Out: residual = the stream after attention, h (T, H) = its
@@ -29,13 +32,13 @@
  * k are normed and rotated by cos and sin (T, D) as in qk_norm_rope_f32; the paged batch (k_cache ...
  * new_slots) as paged_attention_f32 takes it, with scratch `work`. qkv (T, (Hq + 2 Hkv) D), q (T, Hq D),
  * k (T, Hkv D), attn (T, Hq D) and o (T, H) are scratch. */
-void attention_block_f32(const float *x, float *residual, int has_residual, int64_t T, int64_t H,
-                         const float *input_norm, const float *q_norm, const float *k_norm, const float *post_norm,
-                         float eps, LINEAR(qkv), LINEAR(o), int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
-                         const float *sin, float *k_cache, float *v_cache, const int32_t *kv_slots, int64_t stride,
+void attention_block_f32(const float *input_norm, const float *q_norm, const float *k_norm, const float *post_norm,
+                         float eps, LINEAR(qkv), LINEAR(o), int64_t H, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                         float *k_cache, float *v_cache, const float *x, float *residual, int has_residual, int64_t T,
+                         const float *cos, const float *sin, const int32_t *kv_slots, int64_t stride,
                          const int64_t *seq_lens, const int64_t *ext_lens, const int64_t *q_starts, int64_t B,
-                         const int64_t *new_slots, float scale, float *h, float *qkv, float *q, float *k, float *attn,
-                         float *o, float *work, int threads) {
+                         const int64_t *new_slots, float *h, float *qkv, float *q, float *k, float *attn, float *o,
+                         float *work, int threads) {
     const int64_t n = attention_plan(NULL, B, ext_lens, Hq, Hkv);
     task_t *tasks = malloc((n > 0 ? n : 1) * sizeof *tasks);
     attention_plan(tasks, B, ext_lens, Hq, Hkv);
@@ -55,7 +58,7 @@ void attention_block_f32(const float *x, float *residual, int has_residual, int6
 
 /* The gated MLP half: out (T, H) = down(silu(gate) * up) of h (T, H), with gate and up stacked in one
  * linear (gate_up_n = 2I outputs); gu (T, 2I) and act (T, I) are scratch. */
-void mlp_block_f32(const float *h, int64_t T, int64_t H, LINEAR(gate_up), LINEAR(down), float *gu, float *act,
+void mlp_block_f32(LINEAR(gate_up), LINEAR(down), int64_t H, int64_t T, const float *h, float *gu, float *act,
                    float *out, int threads) {
     const int64_t I = gate_up_n / 2;
 #pragma omp parallel num_threads(threads)
@@ -67,16 +70,16 @@ void mlp_block_f32(const float *h, int64_t T, int64_t H, LINEAR(gate_up), LINEAR
 }
 
 /* The MoE half: out (T, H) = the experts' weighted sum for h (T, H) as moe_route_f32 and moe_forward
- * compute it, the router's logits (T, router_n) from its linear (router_w NULL: logits holds them). The experts (this rank's E from
- * expert_start, intermediate size I) in `format`, packed as moe_forward takes them. Scratch: logits
- * (T, router_n); weights, expert, order, pos (T K); starts (E + 2); task_expert and task_row (T K + E);
- * ys (T K, H); gate_up (threads, 32 (moe_cpu.c's CHUNK), 2I). */
-void moe_block_f32(const float *h, int64_t T, int64_t H, LINEAR(router), int64_t K, int renormalize,
-                   int64_t expert_start, int64_t E, int format, const void *w13, const float *scale13,
-                   int64_t first13, int64_t block13, int64_t lead13, int width13, const void *w2, const float *scale2,
-                   int64_t first2, int64_t block2, int64_t lead2, int width2, int64_t I, float *logits,
-                   float *weights, int64_t *expert, int64_t *order, int64_t *starts, int64_t *task_expert,
-                   int64_t *task_row, int64_t *pos, float *ys, float *gate_up, float *out, int threads) {
+ * compute it, the router's logits (T, router_n) from its linear (router_w NULL: logits holds them).
+ * The experts (this rank's E from expert_start, intermediate size I) in `format`, packed as moe_forward
+ * takes them. Scratch: logits (T, router_n); weights, expert, order, pos (T K); starts (E + 2);
+ * task_expert and task_row (T K + E); ys (T K, H); gate_up (threads, 32 (moe_cpu.c's CHUNK), 2I). */
+void moe_block_f32(LINEAR(router), int64_t K, int renormalize, int64_t expert_start, int64_t E, int format,
+                   const void *w13, const float *scale13, int64_t first13, int64_t block13, int64_t lead13,
+                   int width13, const void *w2, const float *scale2, int64_t first2, int64_t block2, int64_t lead2,
+                   int width2, int64_t H, int64_t I, int64_t T, const float *h, float *logits, float *weights,
+                   int64_t *expert, int64_t *order, int64_t *starts, int64_t *task_expert, int64_t *task_row,
+                   int64_t *pos, float *ys, float *gate_up, float *out, int threads) {
     const Weights p13 = {w13, scale13, first13, block13, lead13}, p2 = {w2, scale2, first2, block2, lead2};
     int64_t ntasks = 0;
 #pragma omp parallel num_threads(threads)

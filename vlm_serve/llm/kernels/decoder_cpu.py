@@ -1,12 +1,16 @@
 """A Qwen3 decoder layer through decoder_cpu.c in two calls: its attention half and its MLP (or MoE) half,
 each one parallel region running the separate kernels' loops back to back, with results equal to theirs
 bit for bit. Float32 activations and KV cache on CPU, weights in their kernel layouts (`linear_cpu.pack`,
-`moe_cpu.pack_experts`)."""
+`moe_cpu.pack_experts`).
+
+What a call passes is made C values as early as it is known: a layer's weights once (`DecoderLayerCalls`),
+a forward's batch and scratch once for all its layers (`DecoderStep`); a layer's call converts only its
+own inputs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -16,18 +20,17 @@ from vlm_serve.llm.kernels.linear_cpu import Panels
 from vlm_serve.llm.kernels.moe_cpu import CHUNK, PackedExperts
 
 LINEAR = (PTR, I32, PTR, I64, I64, I64, I64, I32, PTR)  # decoder_cpu.c's LINEAR: panels' args, then a bias
+EXPERTS = (I32, PTR, PTR, I64, I64, I64, I32, PTR, PTR, I64, I64, I64, I32, I64, I64)  # PackedExperts.args
 LIBRARY = KernelLibrary(
     "decoder_cpu",
-    {
+    {  # (the layer's weights; the call's own tensors; the step's)
         "attention_block_f32": (
-            None, PTR, PTR, I32, I64, I64, PTR, PTR, PTR, PTR, F32, *LINEAR, *LINEAR, I64, I64, I64, PTR, PTR, PTR,
-            PTR, PTR, I64, PTR, PTR, PTR, I64, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32,
+            None, PTR, PTR, PTR, PTR, F32, *LINEAR, *LINEAR, I64, I64, I64, I64, F32,
+            PTR, PTR, PTR, PTR, I32,
+            I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, PTR, *[PTR] * 7, I32,
         ),  # fmt: skip
-        "mlp_block_f32": (None, PTR, I64, I64, *LINEAR, *LINEAR, PTR, PTR, PTR, I32),
-        "moe_block_f32": (
-            None, PTR, I64, I64, *LINEAR, I64, I32, I64, I64, I32, PTR, PTR, I64, I64, I64, I32, PTR, PTR, I64, I64,
-            I64, I32, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32,
-        ),  # fmt: skip
+        "mlp_block_f32": (None, *LINEAR, *LINEAR, I64, I64, PTR, PTR, PTR, PTR, I32),
+        "moe_block_f32": (None, *LINEAR, I64, I32, I64, I64, *EXPERTS, I64, *[PTR] * 12, I32),
     },
 )
 
@@ -37,101 +40,115 @@ def linear_args(panels: Panels, bias: torch.Tensor | None) -> tuple:
     return (*panels.args, None if bias is None else bias.float().contiguous())
 
 
-@dataclass
-class AttentionWeights:
-    """A layer's attention half: its norms (one eps), the qkv and output projections in panels, its heads."""
-
-    input_norm: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    post_norm: torch.Tensor
-    eps: float
-    qkv: tuple  # linear_args
-    o: tuple
+class AttentionShape(NamedTuple):
+    hidden: int
     heads: int
     kv_heads: int
     head_dim: int
-    scale: float
-
-    def __post_init__(self) -> None:
-        self.args = (self.input_norm, self.q_norm, self.k_norm, self.post_norm, self.eps, *self.qkv, *self.o,
-                     self.heads, self.kv_heads, self.head_dim)  # fmt: skip
 
 
-def attention_block(
-    kernel: CpuKernel,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weights: AttentionWeights,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: PagedBatch,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the residual stream after the layer's attention, its post-attention norm) for the stream
-    `residual + x` (x alone where residual is None), as the layer's modules compute them one by one. The
-    residual given is updated in place (a fresh one is made where None); the norm's tensor is scratch,
-    good until the next call."""
-    tokens, hidden = x.shape
-    width = (weights.heads + 2 * weights.kv_heads) * weights.head_dim
-    fresh = residual is None
-    if fresh:
-        residual = torch.empty_like(x)
-    h = _scratch(tokens * hidden, "h")[: tokens * hidden].view(tokens, hidden)
-    q_size = tokens * weights.heads * weights.head_dim
-    kernel.attention_block_f32(
-        x, residual, not fresh, tokens, hidden, *weights.args, cos, sin, k_cache, v_cache, batch.kv_slots,
-        batch.kv_slots.stride(0), batch.seq_lens, batch.ext_lens, batch.q_starts, batch.seq_lens.numel(),
-        batch.new_slots, weights.scale, h, _scratch(tokens * width, "qkv"), _scratch(q_size, "q"),
-        _scratch(tokens * weights.kv_heads * weights.head_dim, "k"), _scratch(q_size, "attn"),
-        _scratch(tokens * hidden, "o"), batch.work, batch.threads,
-    )  # fmt: skip
-    return residual, h
+class DecoderLayerCalls:
+    """A layer's two halves with its weights bound to them once: the attention half (the four norms' weights,
+    one eps; the qkv and output projections as linear_args; its shape; the softmax scale) and either the
+    gated MLP (`mlp`: gate_up and down as linear_args) or the MoE (`moe`: the router as linear_args, or a
+    module computing its logits where its weight is too narrow for panels; top_k, renormalize,
+    expert_start, the packed experts, and how many experts the router chooses from)."""
+
+    def __init__(
+        self,
+        kernel: CpuKernel,
+        norms: list[torch.Tensor],
+        eps: float,
+        qkv: tuple,
+        o: tuple,
+        shape: AttentionShape,
+        scale: float,
+        mlp: tuple[tuple, tuple] | None = None,
+        moe: tuple[tuple | Callable[[torch.Tensor], torch.Tensor], int, bool, int, PackedExperts, int] | None = None,
+    ) -> None:
+        self.kernel, self.shape = kernel, shape
+        self.attention_call = kernel.bind("attention_block_f32", *norms, eps, *qkv, *o, *shape, scale)
+        self.intermediate, self.experts, self.router = 0, None, None
+        if mlp is not None:
+            gate_up, down = mlp
+            self.intermediate = gate_up[6] // 2
+            self.mlp_call = kernel.bind("mlp_block_f32", *gate_up, *down, shape.hidden)
+            return
+        router, self.top_k, renormalize, expert_start, self.experts, self.num_experts = moe
+        if callable(router):
+            self.router, router = router, (None, 0, None, 0, 0, 0, self.num_experts, 0, None)  # (logits given)
+        self.mlp_call = kernel.bind(
+            "moe_block_f32", *router, self.top_k, renormalize, expert_start, self.experts.w13.shape[0],
+            *self.experts.args,
+        )  # fmt: skip
 
 
-def mlp_block(kernel: CpuKernel, h: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
-    """down(silu(gate) * up) of h, the gated MLP's linears as linear_args."""
-    tokens, intermediate = h.shape[0], gate_up[6] // 2
-    out = torch.empty(tokens, down[6])
-    kernel.mlp_block_f32(
-        h, tokens, h.shape[1], *gate_up, *down, _scratch(tokens * 2 * intermediate, "gate_up"),
-        _scratch(tokens * intermediate, "act"), out, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+class DecoderStep:
+    """One forward's batch and scratch as every layer's calls take them, made C values once: `layer` runs a
+    layer's two halves on them."""
+
+    def __init__(self, kernel: CpuKernel, tokens: int, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch) -> None:
+        self.kernel, self.tokens, self.cos, self.sin, self.batch = kernel, tokens, cos, sin, batch
+        self.attention_args: tuple | None = None
+        self.mlp_args: dict[int, tuple] = {}  # by the layers' kind (their intermediate size; 0: MoE)
+
+    def layer(
+        self,
+        calls: DecoderLayerCalls,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream `residual + x` (x alone where residual is None), as its modules
+        compute it one by one: (MLP output, residual stream after attention). Both are this step's scratch,
+        good until its next layer."""
+        if self.attention_args is None:
+            self._attention_args(calls.shape)
+        if residual is not None and residual is not self.residual:
+            self.residual.copy_(residual)
+        self._mlp_args(calls)
+        calls.attention_call(k_cache, v_cache, x, self.residual, residual is not None, *self.attention_args)
+        if calls.router is not None:
+            self.logits.copy_(calls.router(self.h))
+        calls.mlp_call(*self.mlp_args[calls.intermediate])
+        return self.out, self.residual
+
+    def _attention_args(self, shape: AttentionShape) -> None:
+        tokens, batch = self.tokens, self.batch
+        hidden, heads, kv_heads, head_dim = shape
+        self.h, self.out, self.residual = (_scratch(tokens * hidden, name, (tokens, hidden)) for name in ("h", "out", "residual"))
+        args = (
+            tokens, self.cos, self.sin, batch.kv_slots, batch.kv_slots.stride(0), batch.seq_lens, batch.ext_lens,
+            batch.q_starts, batch.seq_lens.numel(), batch.new_slots, self.h,
+            _scratch(tokens * (heads + 2 * kv_heads) * head_dim, "qkv"), _scratch(tokens * heads * head_dim, "q"),
+            _scratch(tokens * kv_heads * head_dim, "k"), _scratch(tokens * heads * head_dim, "attn"),
+            _scratch(tokens * hidden, "o"), batch.work, batch.threads,
+        )  # fmt: skip
+        self.attention_args = self.kernel.c_values("attention_block_f32", 33, args)
+
+    def _mlp_args(self, calls: DecoderLayerCalls) -> None:
+        if calls.intermediate in self.mlp_args:
+            return
+        tokens, threads = self.tokens, torch.get_num_threads()
+        if calls.experts is None:
+            gate_up, act = _scratch(tokens * 2 * calls.intermediate, "gate_up"), _scratch(tokens * calls.intermediate, "act")
+            args = self.kernel.c_values("mlp_block_f32", 19, (tokens, self.h, gate_up, act, self.out, threads))
+        else:
+            pairs, local, hidden = tokens * calls.top_k, calls.experts.w13.shape[0], calls.shape.hidden
+            self.logits = _scratch(tokens * calls.num_experts, "logits", (tokens, calls.num_experts))
+            args = self.kernel.c_values("moe_block_f32", 28, (
+                tokens, self.h, self.logits, _scratch(pairs, "weights"), _indices(pairs, "expert"),
+                _indices(pairs, "order"), _indices(local + 2, "starts"), _indices(pairs + local, "task_expert"),
+                _indices(pairs + local, "task_row"), _indices(pairs, "pos"), _scratch(pairs * hidden, "ys"),
+                _scratch(threads * CHUNK * 2 * calls.experts.intermediate, "experts"), self.out, threads,
+            ))  # fmt: skip
+        self.mlp_args[calls.intermediate] = args
 
 
-def moe_block(
-    kernel: CpuKernel,
-    h: torch.Tensor,
-    router: tuple | Callable[[torch.Tensor], torch.Tensor],
-    top_k: int,
-    renormalize: bool,
-    expert_start: int,
-    experts: PackedExperts,
-) -> torch.Tensor:
-    """The experts' weighted sum for h as `moe_cpu.moe_forward` computes it; the router a linear_args, or
-    a module computing its logits (one whose weight the kernels cannot take: fewer outputs than a vector)."""
-    tokens, threads = h.shape[0], torch.get_num_threads()
-    pairs, local = tokens * top_k, experts.w13.shape[0]
-    if callable(router):
-        logits = router(h).float().contiguous()
-        router = (None, 0, None, 0, 0, 0, logits.shape[1], 0, None)
-    else:
-        logits = _scratch(tokens * router[6], "logits")
-    out = torch.empty(tokens, experts.hidden)
-    kernel.moe_block_f32(
-        h, tokens, h.shape[1], *router, top_k, renormalize, expert_start, local, *experts.args[:-2], experts.intermediate,
-        logits, _scratch(pairs, "weights"), _indices(pairs, "expert"),
-        _indices(pairs, "order"), _indices(local + 2, "starts"), _indices(pairs + local, "task_expert"),
-        _indices(pairs + local, "task_row"), _indices(pairs, "pos"), _scratch(pairs * experts.hidden, "ys"),
-        _scratch(threads * CHUNK * 2 * experts.intermediate, "experts"), out, threads,
-    )  # fmt: skip
-    return out
-
-
-def _scratch(numel: int, name: str) -> torch.Tensor:
-    return scratch(numel, torch.float32, f"decoder_{name}")
+def _scratch(numel: int, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    buffer = scratch(numel, torch.float32, f"decoder_{name}")
+    return buffer if shape is None else buffer[:numel].view(shape)
 
 
 def _indices(numel: int, name: str) -> torch.Tensor:

@@ -8,9 +8,8 @@ whichever prefill chunk those positions fall into.
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from torch import nn
 from vlm_serve.config import ModelConfig, TextConfig
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch
-from vlm_serve.llm.kernels import CpuKernel, decoder_cpu
+from vlm_serve.llm.kernels import decoder_cpu
 from vlm_serve.llm.kernels.attention_cpu import PagedBatch
 from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -75,7 +74,7 @@ class Qwen3VLDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # the layer as two decoder_cpu.c calls, where every part of it runs on the C kernels (`prepack`)
-        self.fused: tuple[CpuKernel, decoder_cpu.AttentionWeights, Callable[[torch.Tensor], torch.Tensor]] | None = None
+        self.fused: decoder_cpu.DecoderLayerCalls | None = None
 
     def prepack(self) -> None:
         """Once its parts are packed: the layer's attention and MLP halves as decoder_cpu.c runs them, where
@@ -96,32 +95,20 @@ class Qwen3VLDecoderLayer(nn.Module):
         ):
             return
         args = [decoder_cpu.linear_args(linear.panels, linear.bias) for linear in linears]
-        attention = decoder_cpu.AttentionWeights(
-            *(n.weight for n in norms), norms[0].eps, args[0], args[1], attn.num_heads, attn.num_kv_heads,
-            attn.head_dim, attn.scaling,
-        )  # fmt: skip
+        shape = decoder_cpu.AttentionShape(self.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim)
         if moe:
             router = mlp.gate if mlp.gate.panels is None else decoder_cpu.linear_args(mlp.gate.panels, mlp.gate.bias)
-            mlp_half = functools.partial(
-                decoder_cpu.moe_block, kernel, router=router, top_k=mlp.top_k, renormalize=mlp.norm_topk_prob,
-                expert_start=mlp.expert_start, experts=mlp.packed,
-            )  # fmt: skip
-        else:
-            mlp_half = functools.partial(decoder_cpu.mlp_block, kernel, gate_up=args[2], down=args[3])
-        self.fused = kernel, attention, mlp_half
+            moe_args = (router, mlp.top_k, mlp.norm_topk_prob, mlp.expert_start, mlp.packed, mlp.num_experts)
+        self.fused = decoder_cpu.DecoderLayerCalls(
+            kernel, [n.weight for n in norms], norms[0].eps, args[0], args[1], shape, attn.scaling,
+            mlp=None if moe else (args[2], args[3]), moe=moe_args if moe else None,
+        )  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on the residual stream `residual + x` (x alone where residual is None); returns the
         stream after it the same way, (MLP output, residual): the next norm adds them as it reads them."""
-        if self.fused is not None and isinstance(batch.attn_metadata, PagedBatch):
-            kernel, attention, mlp = self.fused
-            k_cache, v_cache = batch.attn_backend.token_to_kv_pool.get_kv(self.self_attn.layer_id)
-            residual, h = decoder_cpu.attention_block(
-                kernel, x, residual, attention, cos, sin, k_cache, v_cache, batch.attn_metadata
-            )
-            return mlp(h), residual
         residual, h = self.input_layernorm.add_and_norm(residual, x)
         residual, h = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(h, cos, sin, batch))
         return self.mlp(h), residual
@@ -150,18 +137,31 @@ class Qwen3VLTextModel(nn.Module):
         if batch.mm_indices is not None:
             x[batch.mm_indices] = batch.mm_embeds.to(x.dtype)
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
+        step = self.fused_step(x, cos, sin, batch)
         residual = None
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers and batch.keep_aux:
                 aux[i] = x if residual is None else residual + x
-            x, residual = layer(x, residual, cos, sin, batch)
+            if step is None:
+                x, residual = layer(x, residual, cos, sin, batch)
+            else:
+                x, residual = step.layer(layer.fused, x, residual, *batch.attn_backend.token_to_kv_pool.get_kv(i))
             if i < len(batch.deepstack_embeds):
                 x, residual = residual + x, None
                 x[batch.mm_indices] += batch.deepstack_embeds[i].to(x.dtype)
         # (low to high, as SGLang and SpecForge order them; a layer named twice, twice)
         states = torch.cat([aux[i] for i in sorted(self.aux_layers)], dim=-1) if aux else None
         return self.norm.add_and_norm(residual, x)[1], states
+
+    def fused_step(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> decoder_cpu.DecoderStep | None:
+        """The forward's layers as decoder_cpu.c calls, where every layer has them (`prepack`) and the batch
+        is the C attention kernel's; else None: the layers run module by module."""
+        if not isinstance(batch.attn_metadata, PagedBatch) or any(layer.fused is None for layer in self.layers):
+            return None
+        return decoder_cpu.DecoderStep(self.layers[0].fused.kernel, x.shape[0], cos, sin, batch.attn_metadata)
 
 
 class Qwen3VLModel(nn.Module):
