@@ -66,6 +66,7 @@ def layers_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: int =
     return model.model.language_model.layers, batch, pool, (x, residual, cos, sin)
 
 
+@torch.inference_mode()  # (as the model runs)
 def run_layer(layer, inputs, batch, fused: bool, with_residual: bool):
     x, residual, cos, sin = inputs
     residual = residual.clone() if with_residual else None

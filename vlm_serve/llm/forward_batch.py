@@ -61,6 +61,7 @@ class ForwardBatch:
     deepstack_embeds: list[torch.Tensor] = field(default_factory=list)
     sampling: list[SampleRow] = field(default_factory=list)  # one per request (TARGET_VERIFY: per position)
     future_start: int = 0
+    has_futures: bool = True  # whether an input id or a sampling row's output is a future id (False: none is)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)  # rows giving prompt log-probs
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = None  # the backend's index tensors for this batch (`init_forward_metadata`)

@@ -137,8 +137,8 @@ class ModelRunner:
         FutureMap for the batch after it."""
         self.future_map.resolve(batch)
         hidden, aux = self.forward_with_aux(batch)
-        if batch.draft_ids is None:
-            out = self.sample(hidden[batch.last_token_indices()], batch)
+        if batch.draft_ids is None:  # (a decode batch's rows are its requests' last tokens already)
+            out = self.sample(hidden if batch.forward_mode.is_decode() else hidden[batch.last_token_indices()], batch)
             self.future_map.store(batch.future_start, out.next_token_ids)
         else:  # every position is sampled (a row each): the loop runs no batch ahead of this one's tokens
             out = self.sample(hidden, batch)

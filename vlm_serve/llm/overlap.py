@@ -54,6 +54,8 @@ class FutureMap:
     def resolve(self, batch: ForwardBatch) -> None:
         """Replaces the batch's future ids by the tokens now in their slots (input ids, and the outputs
         that penalties count)."""
+        if not batch.has_futures:
+            return
         ids = batch.input_ids  # (no branch on whether any is negative: that would sync a CUDA stream)
         batch.input_ids = torch.where(ids < 0, self.token_ids[(-ids - 1).clamp(min=0)], ids)
         for row in batch.sampling:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +51,16 @@ def paged_batch(
     """The PagedBatch of requests with `seq_lens` tokens each, the last `ext_lens` of them new (their K/V
     to be written at `new_slots`), their tokens' slots in the rows of kv_slots."""
     kernel, threads = LIBRARY.get(), torch.get_num_threads()
-    ext = torch.tensor(ext_lens, dtype=torch.int64)
+    lens = torch.tensor([seq_lens, ext_lens, list(itertools.accumulate(ext_lens[:-1], initial=0))], dtype=torch.int64)
+    work = scratch(threads * _scratch_floats(kernel, head_dim), torch.float32)
     return PagedBatch(
-        kernel, kv_slots.to(torch.int32), torch.tensor(seq_lens, dtype=torch.int64), ext, ext.cumsum(0) - ext,
-        new_slots.to(torch.int64).contiguous(), scratch(threads * kernel.attention_scratch_floats(head_dim), torch.float32),
-        threads,
-    )  # fmt: skip
+        kernel, kv_slots.to(torch.int32), lens[0], lens[1], lens[2], new_slots.to(torch.int64).contiguous(), work, threads
+    )
+
+
+@functools.cache
+def _scratch_floats(kernel: CpuKernel, head_dim: int) -> int:
+    return kernel.attention_scratch_floats(head_dim)
 
 
 def paged_attention(

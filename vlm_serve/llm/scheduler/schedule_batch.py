@@ -388,6 +388,7 @@ class ScheduleBatch:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=[s - p for s, p in zip(seq_lens, prefix_lens)],
+            has_futures=any(r.future_token for r in self.reqs),
         )
 
     # ---- decode memory -----------------------------------------------------------------------------
