@@ -38,7 +38,8 @@ SOURCES = Path(__file__).parent
 
 PTR, I64, I32, F32, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
 # what every library exports besides its kernels (simd.h, tiles.h)
-COMMON = {"kernel_isa": (STR,), "kernel_lanes": (I32,), "kernel_panel": (I32,), "kernel_runs_here": (I32,)}
+COMMON = {"kernel_isa": (STR,), "kernel_lanes": (I32,), "kernel_panel": (I32,), "kernel_runs_here": (I32,),
+          "kernel_bf16_dot": (I32,)}
 
 
 class Unavailable(Exception):
@@ -81,6 +82,8 @@ class CpuKernel:
     def describe(self) -> None:
         self.runs_here = bool(self.kernel_runs_here())
         self.isa, self.lanes, self.panel = self.kernel_isa().decode(), self.kernel_lanes(), self.kernel_panel()
+        # bfloat16 weights multiply x rounded to bfloat16 (AVX-512-BF16's dot products, tiles.h's BF16_DOT)
+        self.bf16_dot = bool(self.kernel_bf16_dot())
 
     def bind(self, function: str, *first) -> Callable:
         """`function` with its first arguments fixed, made C values once (a layer's weights, which every
