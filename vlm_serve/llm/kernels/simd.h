@@ -156,7 +156,7 @@ BASELINE int kernel_runs_here(void) {
 #if defined(__AVX512F__)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(VLM_SERVE_BF16_DOT)
            && __builtin_cpu_supports("avx512bf16")
 #endif
         ;

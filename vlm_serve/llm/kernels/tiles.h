@@ -38,7 +38,7 @@ BASELINE int kernel_panel(void) { return PANEL; }
  *   flushes denormals: torch and C leave that off). For W_E4M3 the multiplier is the block scale times
  *   2^120, one per panel and block of k. Infinities and NaNs are not decoded as such (e4m3fn's NaN
  *   becomes 480 * scale): checkpoints hold none.
- * Where the compiler targets AVX-512-BF16, W_BF16 panels are the exception: see BF16_DOT below. */
+ * Where the build asks for AVX-512-BF16's dot products, W_BF16 panels are the exception: see BF16_DOT. */
 #define W_F32 0
 #define W_BF16 1
 #define W_F16 2
@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) vec unpack(int format, uvec bits, i
 }
 
 /* Where the compiler targets AVX-512-BF16 (-march=native on Zen 4, Cooper Lake, Sapphire Rapids and
- * later), a W_BF16 tile multiplies bfloat16 weights by x rounded to bfloat16 (to nearest even) with
+ * later) and the build asks for it (VLM_SERVE_BF16_DOT: $VLM_SERVE_CPU_BF16_DOT=1), a W_BF16 tile multiplies bfloat16 weights by x rounded to bfloat16 (to nearest even) with
  * vdpbf16ps, summing in float32: bfloat16 compute for a bfloat16 model, as vLLM's and oneDNN's CPU paths
  * do. One instruction takes a lane's pair of weights (rows 2i and 2i + 1 of k, the group) and the
  * broadcast pair x[2i], x[2i + 1], so a group costs one instruction per weight vector where the
@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) vec unpack(int format, uvec bits, i
  * by bfloat16's rounding of x (~2^-9 relative), and the instruction reads subnormal inputs as zero.
  * This is the one ISA-specific path of the kernels (intrinsics); every other target builds the portable
  * one. AMX's bfloat16 tiles (Sapphire Rapids) are not used: the CPUs this is measured on have none. */
-#if defined(__AVX512BF16__) && LANES == 16
+#if defined(__AVX512BF16__) && LANES == 16 && defined(VLM_SERVE_BF16_DOT)
 #include <immintrin.h>
 #define BF16_DOT 1
 #define DOT_PAIRS 128 /* groups of k whose rows of x a tile rounds to bfloat16 at once (on the stack) */
