@@ -16,7 +16,9 @@ for and the CPU (`lscpu`) are printed with the figures.
   scales, quantized as the published checkpoints are) panels, on a 4096 x 4096 linear and on
   Qwen3-VL-235B-A22B's experts as a TP-8 rank holds them (hidden 4096, intermediate 1536 / 8), at 1, 16
   and 128 rows, with the speed-up over float32 (at batch 1 reading the weights is the bound: bfloat16
-  reads half of float32's bytes, FP8 a quarter).
+  reads half of float32's bytes, FP8 a quarter). bfloat16 panels multiply x rounded to bfloat16 with
+  AVX-512-BF16's dot products where the kernels are built for it (`VLM_SERVE_CPU_BF16_DOT=1` on a CPU
+  that has it, tiles.h's BF16_DOT), else widen the weights to float32; the header says which.
 
 Decode streams every layer's weights from memory: each timed call uses the next of enough copies of
 the weights to fill 256 MB (more than any last-level cache measured), so no call finds its weights in cache
@@ -59,7 +61,9 @@ def main() -> None:
         sys.exit("the CPU kernels did not build (see the warning above)")
     cpu, widest = describe_cpu()
     print(f"CPU: {cpu} ({widest}), {args.threads} threads; kernels built for -march={march}: {kernel.isa}, "
-          f"{kernel.lanes} floats per vector; torch/oneDNN/MKL: "
+          f"{kernel.lanes} floats per vector, bfloat16 weights "
+          f"{'times x in bfloat16 (AVX-512-BF16 dot products)' if kernel.bf16_dot else 'widened to float32'}; "
+          f"torch/oneDNN/MKL: "
           f"{'capped at AVX2' if args.isa == 'avx2' else 'their own choice'}")  # fmt: skip
     fma, bandwidth = roofs(torch, march, args.threads)
     print(f"roofs: FMA {fma:.0f} GFLOP/s, memory read {bandwidth:.1f} GB/s\n")

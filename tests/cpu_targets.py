@@ -1,6 +1,8 @@
 """The ISAs the CPU kernels are tested for: the widest this machine runs (`-march=native`), x86-64-v3
 (AVX2 + FMA) on any x86 machine, and aarch64 (NEON) under qemu-user where its cross compiler and qemu are
-installed. A kernel that does not build for one of them fails the test that needs it.
+installed; where the CPU has AVX-512-BF16, also native with bfloat16 weights multiplying x rounded to
+bfloat16 (the opt-in dot products, `$VLM_SERVE_CPU_BF16_DOT`). A kernel that does not build for one of them
+fails the test that needs it.
 
 An aarch64 library cannot be loaded into this x86 process, so it is driven from one: a small aarch64
 program (generated from the library's signatures) loads it under qemu-aarch64 and runs each call sent
@@ -22,7 +24,7 @@ import pytest
 import torch
 from helpers import as_test_child, run_process
 
-from vlm_serve.llm.kernels import COMMON, F32, I32, I64, PTR, STR, CpuKernel, KernelLibrary, Target, Unavailable
+from vlm_serve.llm.kernels import COMMON, F32, I32, I64, PTR, STR, CpuKernel, KernelLibrary, Target, Unavailable, _cpu_flags
 from vlm_serve.llm.kernels import attention_cpu, decoder_cpu, linear_cpu, moe_cpu, rowwise_cpu
 
 LIBRARIES = [linear_cpu.LIBRARY, moe_cpu.LIBRARY, attention_cpu.LIBRARY, rowwise_cpu.LIBRARY, decoder_cpu.LIBRARY]
@@ -173,6 +175,8 @@ CASES
 def targets() -> list:
     """pytest params: one per ISA the kernels are tested for here."""
     params = [pytest.param(Target.from_env(), id="native")]
+    if "avx512_bf16" in _cpu_flags().decode().split():  # (the opt-in bfloat16 dot products, tiles.h's BF16_DOT)
+        params.append(pytest.param(Target.from_env()._replace(bf16_dot=True), id="native-bf16-dot"))
     if platform.machine() == "x86_64":
         params.append(pytest.param(Target.from_env()._replace(march="x86-64-v3"), id="x86-64-v3"))
     if platform.machine() != "aarch64":

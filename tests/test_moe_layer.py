@@ -7,10 +7,12 @@ whole."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
-from weight_formats import E4M3, dequantize, quantize_fp8
+from weight_formats import E4M3, as_multiplied, dequantize, quantize_fp8
 
 from vlm_serve.llm.kernels import CACHE_ENV, moe_cpu
 from vlm_serve.llm.layers.moe import SparseMoeBlock
@@ -40,16 +42,18 @@ def reference(moe: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     return experts_reference(x, x @ moe.gate.weight.T, moe.w13, moe.w2)
 
 
-def experts_reference(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """(Equal logits, as bfloat16 ones often are: the lower-numbered expert first, as the kernel takes them.)"""
+def experts_reference(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      read: Callable = lambda t: t) -> torch.Tensor:  # fmt: skip
+    """(Equal logits, as bfloat16 ones often are: the lower-numbered expert first, as the kernel takes them.)
+    `read`: what the product's inputs (x, then silu(gate) * up) are as the weights multiply them."""
     probs = F.softmax(logits, dim=-1)
     weights, experts = (t[:, :TOP_K] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
     weights = weights / weights.sum(dim=-1, keepdim=True)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], experts[t].tolist()):
-            gate, up = (w13[e] @ x[t]).chunk(2)
-            out[t] += w * (w2[e] @ (F.silu(gate) * up))
+            gate, up = (w13[e] @ read(x[t])).chunk(2)
+            out[t] += w * (w2[e] @ read(F.silu(gate) * up))
     return out
 
 
@@ -134,8 +138,10 @@ def test_the_cpu_kernel_reads_experts_in_their_format(dtype, tokens, kernel_targ
     if dtype == E4M3:
         assert options["offset2"] == (0, kernel.panel % 128) and packed.layout2.first == 128 - kernel.panel % 128
     x, logits = torch.randn(tokens, HIDDEN, generator=generator), torch.randn(tokens, EXPERTS, generator=generator)
-    expected = experts_reference(x.double(), logits.double(), w13.double(), w2.double()).float()
-    torch.testing.assert_close(moe_cpu.moe_forward(x, logits, TOP_K, True, 0, packed), expected, rtol=1e-5, atol=1e-5)
+    y = moe_cpu.moe_forward(x, logits, TOP_K, True, 0, packed)
+    read = lambda t: as_multiplied(t, dtype, kernel)  # noqa: E731
+    expected = experts_reference(x.double(), logits.double(), w13.double(), w2.double(), read).float()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_bfloat16_block_reads_its_experts_as_stored(kernel_target):
@@ -146,7 +152,8 @@ def test_a_bfloat16_block_reads_its_experts_as_stored(kernel_target):
     assert moe.packed is not None and moe.packed.w13.dtype == torch.bfloat16
     y = moe(x)
     assert y.dtype == torch.bfloat16
-    expected = experts_reference(x.float(), moe.gate(x).float(), w13, w2)  # (the block's own routing)
+    read = lambda t: as_multiplied(t, torch.bfloat16, moe.packed.kernel)  # noqa: E731
+    expected = experts_reference(x.float(), moe.gate(x).float(), w13, w2, read)  # (the block's own routing)
     torch.testing.assert_close(y, expected.to(torch.bfloat16))
 
 

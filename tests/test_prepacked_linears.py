@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weight_formats import E4M3, dequantize, every_value, quantize_fp8
+from weight_formats import E4M3, as_multiplied, dequantize, every_value, quantize_fp8, within_bfloat16_rounding
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.kernels import CACHE_ENV, linear_cpu
@@ -104,7 +104,9 @@ def float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 @pytest.mark.parametrize("bias", [False, True])
 def test_low_precision_panels_compute_the_dequantized_product(dtype, rows, panels, bias, kernel_target):
     """(Rows up to a tile read the panels as stored, more widen them once; `in` odd, past the widening's
-    256-row chunks, FP8's last scale block partial.)"""
+    256-row chunks and the bfloat16 dot products' 256-row rounding of x, FP8's last scale block partial.)
+    bfloat16 panels on AVX-512-BF16 multiply x rounded to bfloat16 (`as_multiplied`), so their products
+    are also within that rounding of float32 x's, what the other ISAs compute."""
     kernel = linear_cpu.LIBRARY.get()
     out, inp = (3 * kernel.panel if panels == "whole panels" else kernel.panel + kernel.lanes), 301
     g = torch.Generator().manual_seed(rows)
@@ -112,15 +114,17 @@ def test_low_precision_panels_compute_the_dequantized_product(dtype, rows, panel
     packed = linear_cpu.pack(weight, scale)
     assert packed is not None and packed.weight.dtype == dtype
     x, b = torch.randn(rows, inp, generator=g), torch.randn(out, generator=g) if bias else None
-    expected = float32_product(x, dequantize(weight, scale), b)
-    torch.testing.assert_close(linear_cpu.linear(x, packed, b), expected, rtol=1e-5, atol=1e-4)
+    y = linear_cpu.linear(x, packed, b)
+    expected = float32_product(as_multiplied(x, dtype, kernel), dequantize(weight, scale), b)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+    within_bfloat16_rounding(y - (0 if b is None else b), x, dequantize(weight, scale))
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 def test_every_value_of_a_format_is_read_exactly(dtype, kernel_target):
     """Subnormals, both zeros and the extremes too: one-hot rows of x pick single weights, so the product
     is each weight (times its block scale) exactly, by a tile that reads the panel as stored (4 rows) and
-    by the widening one (all rows)."""
+    by the widening one (all rows). (AVX-512-BF16's dot products read bfloat16 subnormals as zero.)"""
     kernel = linear_cpu.LIBRARY.get()
     g = torch.Generator().manual_seed(0)
     weight = every_value(dtype, kernel.panel, 256, g)
@@ -128,6 +132,8 @@ def test_every_value_of_a_format_is_read_exactly(dtype, kernel_target):
     packed = linear_cpu.pack(weight, scale)
     one_hot = torch.eye(256)
     expected = dequantize(weight, scale).T
+    if dtype == torch.bfloat16 and kernel.bf16_dot:
+        expected = torch.where(expected.abs() < torch.finfo(torch.bfloat16).tiny, 0.0, expected)
     assert torch.equal(torch.cat([linear_cpu.linear(one_hot[r : r + 4], packed, None) for r in range(0, 256, 4)]),
                        expected)  # fmt: skip
     assert torch.equal(linear_cpu.linear(one_hot, packed, None), expected)

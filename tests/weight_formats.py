@@ -1,9 +1,11 @@
 """FP8 weights as the published block-quantized checkpoints hold them, and back to float32: the oracle for
-the kernels that read them."""
+the kernels that read them; and x as the kernels multiply it by bfloat16 weights."""
 
 from __future__ import annotations
 
 import torch
+
+from vlm_serve.llm.kernels import CpuKernel
 
 E4M3 = torch.float8_e4m3fn
 
@@ -55,3 +57,16 @@ def every_value(dtype: torch.dtype, rows: int, cols: int, generator: torch.Gener
     picks[:n] = codes[:n]
     store = torch.int16 if dtype.itemsize == 2 else torch.uint8
     return picks[torch.randperm(rows * cols, generator=generator)].to(store).view(dtype).reshape(rows, cols)
+
+
+def as_multiplied(x: torch.Tensor, dtype: torch.dtype, kernel: CpuKernel) -> torch.Tensor:
+    """x as `kernel` multiplies it by weights of `dtype`: rounded to bfloat16 (to nearest even) for
+    bfloat16 weights where the kernel has AVX-512-BF16's dot products (tiles.h's BF16_DOT), else as it is."""
+    return x.to(torch.bfloat16).to(x.dtype) if dtype == torch.bfloat16 and kernel.bf16_dot else x
+
+
+def within_bfloat16_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """y = x @ weight.T to within what rounding x to bfloat16 may change: each term by 2^-9 of its
+    magnitude, the sum by 2^-9 of |x| @ |weight|.T (here 2^-8, for float32's rounding on top)."""
+    exact = x.double() @ weight.double().T
+    assert ((y.double() - exact).abs() <= 2**-8 * (x.double().abs() @ weight.double().abs().T)).all()

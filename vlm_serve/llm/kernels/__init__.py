@@ -33,12 +33,17 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "VLM_SERVE_KERNEL_CACHE"  # where built kernels are kept (default ~/.cache/vlm_serve/kernels)
 MARCH_ENV = "VLM_SERVE_CPU_MARCH"  # the -march they are built for (default native: this machine's CPU)
+# 1: bfloat16 weights multiply x rounded to bfloat16 where the -march has AVX-512-BF16 (tiles.h's BF16_DOT).
+# Off by default: it changes results by bfloat16's rounding of x, past the float32-activation oracles
+# (transformers in float32: greedy tokens of the tiny checkpoints change), for no gain at batch 1
+BF16_DOT_ENV = "VLM_SERVE_CPU_BF16_DOT"
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 SOURCES = Path(__file__).parent
 
 PTR, I64, I32, F32, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
 # what every library exports besides its kernels (simd.h, tiles.h)
-COMMON = {"kernel_isa": (STR,), "kernel_lanes": (I32,), "kernel_panel": (I32,), "kernel_runs_here": (I32,)}
+COMMON = {"kernel_isa": (STR,), "kernel_lanes": (I32,), "kernel_panel": (I32,), "kernel_runs_here": (I32,),
+          "kernel_bf16_dot": (I32,)}
 
 
 class Unavailable(Exception):
@@ -47,18 +52,23 @@ class Unavailable(Exception):
 
 class Target(NamedTuple):
     """What the kernels are built with and for, and where they are kept: a C compiler (`$CC`, default
-    `cc`), its -march (`$VLM_SERVE_CPU_MARCH`, default native) and the cache folder."""
+    `cc`), its -march (`$VLM_SERVE_CPU_MARCH`, default native), the cache folder, and whether bfloat16
+    weights may use AVX-512-BF16's dot products (`$VLM_SERVE_CPU_BF16_DOT`)."""
 
     compiler: str
     march: str
     cache: str  # "" for the default folder (`cache_dir`)
+    bf16_dot: bool = False
 
     @classmethod
     def from_env(cls) -> Target:
-        return cls(os.environ.get("CC") or "cc", os.environ.get(MARCH_ENV) or "native", os.environ.get(CACHE_ENV, ""))
+        return cls(os.environ.get("CC") or "cc", os.environ.get(MARCH_ENV) or "native", os.environ.get(CACHE_ENV, ""),
+                   os.environ.get(BF16_DOT_ENV) == "1")  # fmt: skip
 
     def command(self, source: Path, output: str) -> list[str]:
-        return [self.compiler, f"-march={self.march}", *FLAGS, f"-I{source.parent}", str(source), "-o", output, "-lm"]
+        dot = ["-DVLM_SERVE_BF16_DOT"] if self.bf16_dot else []
+        return [self.compiler, f"-march={self.march}", *FLAGS, *dot, f"-I{source.parent}", str(source), "-o", output,
+                "-lm"]  # fmt: skip
 
     def open(self, path: Path, signatures: dict[str, tuple]) -> CpuKernel:
         return CpuKernel(ctypes.CDLL(str(path)), signatures)
@@ -81,6 +91,8 @@ class CpuKernel:
     def describe(self) -> None:
         self.runs_here = bool(self.kernel_runs_here())
         self.isa, self.lanes, self.panel = self.kernel_isa().decode(), self.kernel_lanes(), self.kernel_panel()
+        # bfloat16 weights multiply x rounded to bfloat16 (AVX-512-BF16's dot products, tiles.h's BF16_DOT)
+        self.bf16_dot = bool(self.kernel_bf16_dot())
 
     def bind(self, function: str, *first) -> Callable:
         """`function` with its first arguments fixed, made C values once (a layer's weights, which every

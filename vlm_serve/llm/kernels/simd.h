@@ -155,7 +155,11 @@ BASELINE int kernel_runs_here(void) {
     __builtin_cpu_init();
 #if defined(__AVX512F__)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
+#if defined(__AVX512BF16__) && defined(VLM_SERVE_BF16_DOT)
+           && __builtin_cpu_supports("avx512bf16")
+#endif
+        ;
 #elif defined(__AVX2__)
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
 #elif defined(__AVX__)

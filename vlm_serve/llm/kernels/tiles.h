@@ -38,8 +38,7 @@ BASELINE int kernel_panel(void) { return PANEL; }
  *   flushes denormals: torch and C leave that off). For W_E4M3 the multiplier is the block scale times
  *   2^120, one per panel and block of k. Infinities and NaNs are not decoded as such (e4m3fn's NaN
  *   becomes 480 * scale): checkpoints hold none.
- * AVX-512-BF16's dot products are not used: they take x in bfloat16 as well, which loses float32 x's
- * precision. */
+ * Where the build asks for AVX-512-BF16's dot products, W_BF16 panels are the exception: see BF16_DOT. */
 #define W_F32 0
 #define W_BF16 1
 #define W_F16 2
@@ -78,6 +77,25 @@ static inline __attribute__((always_inline)) vec unpack(int format, uvec bits, i
     return format == W_F16 || format == W_E4M3 ? v * m : v;
 }
 
+/* Where the compiler targets AVX-512-BF16 (-march=native on Zen 4, Cooper Lake, Sapphire Rapids and
+ * later) and the build asks for it (VLM_SERVE_BF16_DOT: $VLM_SERVE_CPU_BF16_DOT=1), a W_BF16 tile multiplies bfloat16 weights by x rounded to bfloat16 (to nearest even) with
+ * vdpbf16ps, summing in float32: bfloat16 compute for a bfloat16 model, as vLLM's and oneDNN's CPU paths
+ * do. One instruction takes a lane's pair of weights (rows 2i and 2i + 1 of k, the group) and the
+ * broadcast pair x[2i], x[2i + 1], so a group costs one instruction per weight vector where the
+ * portable path spends two multiply-adds and the unpacking shifts. The results differ from float32 x
+ * by bfloat16's rounding of x (~2^-9 relative), and the instruction reads subnormal inputs as zero.
+ * This is the one ISA-specific path of the kernels (intrinsics); every other target builds the portable
+ * one. AMX's bfloat16 tiles (Sapphire Rapids) are not used: the CPUs this is measured on have none. */
+#if defined(__AVX512BF16__) && LANES == 16 && defined(VLM_SERVE_BF16_DOT)
+#include <immintrin.h>
+#define BF16_DOT 1
+#define DOT_PAIRS 128 /* groups of k whose rows of x a tile rounds to bfloat16 at once (on the stack) */
+#else
+#define BF16_DOT 0
+#endif
+
+BASELINE int kernel_bf16_dot(void) { return BF16_DOT; }
+
 /* Bytes a tile reads its panel ahead of itself with software prefetches, where a group of k rows is one
  * cache line (AVX2 and NEON) or less; none where it is four (AVX-512: with float32 they cost a third).
  * Measured on an AMD EPYC, one thread, weights from memory. Float32: 1 KB from two rows on: with AVX2
@@ -107,6 +125,55 @@ group(int format, vec acc[MR][NV], const float *const *a, int nr, const char *w,
     }
 }
 
+#if BF16_DOT
+/* out[i] = x[p + 2i] and x[p + 2i + 1] rounded to bfloat16, in the low and high half, for i < n rounded
+ * up to 16; rows of x outside 0 ... k - 1 (the panel's zero rows) are 0. (Not inlined: its constants
+ * would take registers from the tile's accumulators.) */
+static __attribute__((noinline)) void round_pairs(const float *x, int64_t p, int64_t k, int64_t n, uint32_t *out) {
+    for (int64_t i = 0; i < n; i += 16, p += 32) {
+        __m512 lo, hi;
+        if (p >= 0 && p + 32 <= k) {
+            lo = _mm512_loadu_ps(x + p), hi = _mm512_loadu_ps(x + p + 16);
+        } else { /* the first or last pairs, in part */
+            float part[32];
+            for (int j = 0; j < 32; j++) part[j] = p + j >= 0 && p + j < k ? x[p + j] : 0.0f;
+            lo = _mm512_loadu_ps(part), hi = _mm512_loadu_ps(part + 16);
+        }
+        _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* tile() for W_BF16 panels with vdpbf16ps (BF16_DOT): each row's pairs of x rounded DOT_PAIRS groups at
+ * a time, then one dot instruction per weight vector and row; each row's sum in the same order
+ * whatever nr is */
+static inline __attribute__((always_inline)) void
+tile_bf16_dot(const float *const *a, int nr, const char *w, int64_t lead, int64_t k, int nv, float *const *c,
+              int accumulate) {
+    const int64_t groups = (lead + k + 1) / 2, row = nv * LANES * 4;
+    __m512 acc[MR][NV];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = accumulate ? _mm512_loadu_ps(c[r] + v * LANES) : _mm512_setzero_ps();
+    uint32_t pairs[MR][DOT_PAIRS] __attribute__((aligned(64)));
+    for (int64_t g0 = 0; g0 < groups; g0 += DOT_PAIRS) {
+        const int64_t n = groups - g0 < DOT_PAIRS ? groups - g0 : DOT_PAIRS;
+        for (int r = 0; r < nr; r++) round_pairs(a[r], 2 * g0 - lead, k, n, pairs[r]);
+        for (int64_t g = 0; g < n; g++) {
+            __m512bh b[NV];
+            for (int v = 0; v < nv; v++) {
+                b[v] = (__m512bh)_mm512_loadu_si512(w + (g0 + g) * row + v * LANES * 4);
+                IN_REGISTER(b[v]);
+            }
+            for (int r = 0; r < nr; r++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pairs[r][g]);
+                for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, b[v]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(c[r] + v * LANES, acc[r][v]);
+}
+#endif
+
 /* c[r][0 : nv * LANES] = a[r][0 : k] @ panel (k, nv * LANES) for r < nr (+ c[r] where `accumulate`),
  * the panel in `format`, `scale` its multipliers (W_E4M3). Each row's sum runs over k in order, whatever
  * nr is: a row's result does not depend on the rows batched with it. */
@@ -116,6 +183,12 @@ tile(int format, const float *const *a, int nr, const void *panel, const float *
     const int G = 4 / format_bytes(format);
     const int64_t groups = (lead + k + G - 1) / G, row = nv * LANES * 4; /* bytes per group */
     const int64_t whole0 = lead > 0, whole1 = (lead + k) / G;         /* the groups of G rows of k */
+#if BF16_DOT
+    if (format == W_BF16) {
+        tile_bf16_dot(a, nr, panel, lead, k, nv, c, accumulate);
+        return;
+    }
+#endif
     const char *w = panel;
     vec acc[MR][NV] = {{{0}}};
     if (accumulate)
