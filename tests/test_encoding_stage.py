@@ -18,7 +18,7 @@ from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.errors import InternalError
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.encoder import PASS_PATCHES, InlineEncoder
+from vlm_serve.vision.encoder import InlineEncoder
 from vlm_serve.multimodal import MEDIA_STAGES
 from vlm_serve.vision.processor import MultimodalProcessor
 
@@ -77,32 +77,6 @@ def test_a_tiny_cache_evicts_unpinned_entries_only(tiny_moe_dir, make_req):
         stage.poll()
         stage.release(req)
     assert held.mm_items[0].hash not in stage.cache
-
-
-def test_an_inline_encoder_runs_a_picture_a_pass_so_that_the_first_is_ready_before_the_next_is_encoded(tiny_moe_dir):
-    """(The forwards queued behind the tower wait for one picture, not for a burst of them.)"""
-    visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), torch.device("cpu"), torch.float32)
-    processor = MultimodalProcessor.from_pretrained(tiny_moe_dir, Tokenizer.from_pretrained(tiny_moe_dir))
-    stage = EncodingStage(InlineEncoder(visual, 10**9), 10**9)
-    reqs = []
-    for seed in range(3):  # 512 x 512: the tiny model's largest picture, PASS_PATCHES patches
-        x = processor.process_messages(_conv(make_image(512, 512, seed=40 + seed)))
-        assert x.mm_items[0].pixel_values.shape[0] == PASS_PATCHES
-        reqs.append(Req(f"big{seed}", x.input_ids, SamplingParams(), x.mm_items))
-        reqs[-1].init_positions(2)
-        assert stage.add(reqs[-1], 0)
-    small = [make_small(processor, seed) for seed in range(3)]  # 64 x 64: all three in one pass
-    for req in small:
-        assert stage.add(req, 0)
-    assert [stage.poll()[0] for _ in range(4)] == [[reqs[0]], [reqs[1]], [reqs[2]], small]
-    assert stage.poll() == ([], []) and len(stage) == 0
-
-
-def make_small(processor: MultimodalProcessor, seed: int) -> Req:
-    x = processor.process_messages(_conv(make_image(64, 64, seed=50 + seed)))
-    req = Req(f"small{seed}", x.input_ids, SamplingParams(), x.mm_items)
-    req.init_positions(2)
-    return req
 
 
 def test_an_item_the_encoder_rejects_fails_only_its_request(tiny_moe_dir, monkeypatch):

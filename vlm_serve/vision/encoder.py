@@ -80,11 +80,6 @@ def _forward(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: i
     return outputs, time.perf_counter() - start
 
 
-# patches per pass of an encoder in the scheduler's process: a 448 x 448 picture, or several smaller ones (on
-# 2 CPU cores the small benchmark tower takes about 0.2 s for it)
-PASS_PATCHES = 1024
-
-
 class VisionEncoder(ABC):
     """Accepts tasks with `submit`; `poll` returns the results that are done. `num_items` counts the
     items encoded (results with embeddings)."""
@@ -114,12 +109,8 @@ class VisionEncoder(ABC):
 
 
 class InlineEncoder(VisionEncoder):
-    """Encodes submitted tasks in this process when polled, a pass of about PASS_PATCHES patches at a
-    time: on the polling thread, or queued on an executor (under overlap scheduling, the forward thread,
-    in order with the forwards). The LLM's forwards wait for one pass, not for a burst of media: a decode
-    step's latency is bounded by one picture's tower, and the first of several videos is prefilled (and
-    answers) while the next is encoded. A pass that ends is followed by the next at the next poll, after
-    what the scheduler launched for the requests it made ready."""
+    """Encodes submitted tasks in this process, all together, when polled: on the polling thread, or
+    queued on an executor (under overlap scheduling, the forward thread, in order with the forwards)."""
 
     def __init__(self, visual: Qwen3VLVisionModel, max_patches: int) -> None:
         super().__init__()
@@ -139,27 +130,16 @@ class InlineEncoder(VisionEncoder):
         self.pending.extend(tasks)
 
     def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
-        if self.running:
-            done, _ = wait(self.running, timeout, FIRST_COMPLETED)
-            self.running = [f for f in self.running if f not in done]
-            return self._count([r for f in done for r in f.result()])
-        if not self.pending:
+        if self.pending:
+            tasks, self.pending = self.pending, []
+            if self.executor is None:
+                return self._count(encode_tasks(self.visual, tasks, self.max_patches))
+            self.running.append(self.executor.submit(encode_tasks, self.visual, tasks, self.max_patches))
+        if not self.running:
             return []
-        tasks = self._next_pass()
-        if self.executor is None:
-            return self._count(encode_tasks(self.visual, tasks, self.max_patches))
-        self.running.append(self.executor.submit(encode_tasks, self.visual, tasks, self.max_patches))
-        return self.poll(timeout)
-
-    def _next_pass(self) -> list[EncodeTask]:
-        """The pending tasks of the next pass, in order: up to PASS_PATCHES patches, at least one task."""
-        patches, count = 0, 0
-        for task in self.pending:
-            if count and patches + task.num_patches > PASS_PATCHES:
-                break
-            patches, count = patches + task.num_patches, count + 1
-        tasks, self.pending = self.pending[:count], self.pending[count:]
-        return tasks
+        done, _ = wait(self.running, timeout, FIRST_COMPLETED)
+        self.running = [f for f in self.running if f not in done]
+        return self._count([r for f in done for r in f.result()])
 
     def _count(self, results: list[EncodeResult]) -> list[EncodeResult]:
         self.num_items += sum(r.output is not None for r in results)
