@@ -1,6 +1,7 @@
 """The decoder layer's row-by-row ops compute what their torch formulas compute, through the C kernel on
 float32 CPU tensors (RMSNorm reads q and k in place, as head-by-head views inside the qkv output), on
-every ISA the kernel is built for (cpu_targets.py), and through torch elsewhere: RMSNorm, RMSNorm followed by the rotary embedding, SiLU-and-multiply."""
+every ISA the kernel is built for (cpu_targets.py), and through torch elsewhere: RMSNorm, RMSNorm
+followed by the rotary embedding, SiLU-and-multiply, and the vision tower's rotary embedding."""
 
 from __future__ import annotations
 
@@ -85,3 +86,19 @@ def test_q_and_k_heads_are_normed_and_rotated_in_one_call_as_one_by_one(kernel_t
     torch.testing.assert_close(q, apply_rotary(formula(want_q, q_norm.weight, 1e-6), cos, sin))
     torch.testing.assert_close(k, apply_rotary(formula(want_k, k_norm.weight, 1e-6), cos, sin))
     assert torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 6, 64), (300, 16, 80), (37, 2, 16)])
+def test_the_vision_towers_q_and_k_are_turned_in_one_pass_as_its_formula_does(tokens, heads, dim, kernel_target):
+    """(Both halves of each head: dimension j with j + dim / 2, by (tokens, dim / 2) angles, read in place
+    from the tower's qkv output, (tokens, 3, heads, dim).)"""
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 3 * heads * dim, generator=g)
+    angles = 50 * torch.rand(tokens, dim // 2, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    got = rowwise_cpu.rotate_halves(rowwise_cpu.LIBRARY.get(), qkv, 2 * heads, dim, cos, sin)
+    q, k, _ = qkv.view(tokens, 3, heads, dim).unbind(1)
+    for part, x in zip((got[:, :heads], got[:, heads:]), (q, k)):
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        torch.testing.assert_close(part, torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1), rtol=1e-6, atol=1e-6)

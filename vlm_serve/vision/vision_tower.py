@@ -16,6 +16,7 @@ from torch import nn
 
 from vlm_serve.checkpoint import WeightFormat, build_module, checkpoint_files, iter_weights, randomize
 from vlm_serve.config import ModelConfig, VisionConfig
+from vlm_serve.llm.kernels import rowwise_cpu
 from vlm_serve.llm.layers.linear import ReplicatedLinear, prepack_weights
 from vlm_serve.llm.layers.sdpa import sdpa
 
@@ -96,10 +97,15 @@ class VisionAttention(nn.Module):
         self.proj = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[tuple[int, int, int]]):
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        n, heads = x.shape[0], self.num_heads
+        qkv = self.qkv(x)
+        kernel = rowwise_cpu.kernel_for(qkv)
+        if kernel is not None:  # q and k (side by side in each row) turned in one pass
+            qk = rowwise_cpu.rotate_halves(kernel, qkv, 2 * heads, self.head_dim, cos, sin)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv.view(n, 3, heads, self.head_dim)[:, 2]
+        else:
+            q, k, v = qkv.view(n, 3, heads, self.head_dim).unbind(1)
+            q, k = _rotate(q, cos.unsqueeze(1), sin.unsqueeze(1)), _rotate(k, cos.unsqueeze(1), sin.unsqueeze(1))
         out = torch.empty_like(q)
         # segments: (start, length, count) runs of `count` equal-length frames stored back to back
         for start, length, count in segments:

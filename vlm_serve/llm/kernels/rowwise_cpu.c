@@ -110,3 +110,27 @@ void silu_and_mul_f32(const float *x, int64_t rows, int64_t n, float *y, int thr
 #pragma omp parallel num_threads(threads) if (rows * n >= PARALLEL_FROM)
     silu_and_mul_rows(x, rows, n, y);
 }
+
+/* The vision tower's rotary embedding of heads stored side by side: token t's row of x (`stride` floats
+ * apart) holds `heads` heads of n floats from its start; each is turned by its token's angles, cos and
+ * sin (tokens, n / 2), dimension j with dimension j + n / 2, into y (tokens, heads, n), contiguous. */
+static void rotate_halves_rows(const float *x, int64_t tokens, int64_t stride, int64_t heads, int64_t n,
+                               const float *cos, const float *sin, float *y) {
+    const int64_t half = n / 2;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < tokens * heads; i++) {
+        const int64_t t = i / heads;
+        const float *xi = x + t * stride + (i % heads) * n, *c = cos + t * half, *s = sin + t * half;
+        float *yi = y + i * n;
+        for (int64_t j = 0; j < half; j++) {
+            yi[j] = xi[j] * c[j] - xi[j + half] * s[j];
+            yi[j + half] = xi[j + half] * c[j] + xi[j] * s[j];
+        }
+    }
+}
+
+void rotate_halves_f32(const float *x, int64_t tokens, int64_t stride, int64_t heads, int64_t n, const float *cos,
+                       const float *sin, float *y, int threads) {
+#pragma omp parallel num_threads(threads) if (tokens * heads * n >= PARALLEL_FROM)
+    rotate_halves_rows(x, tokens, stride, heads, n, cos, sin, y);
+}

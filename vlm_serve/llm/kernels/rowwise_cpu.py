@@ -13,6 +13,7 @@ LIBRARY = KernelLibrary(
         "add_rms_norm_f32": (None, PTR, PTR, I64, I64, PTR, F32, PTR, PTR, I32),
         "qk_norm_rope_f32": (None, PTR, I64, I64, I64, I64, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, I32),
         "silu_and_mul_f32": (None, PTR, I64, I64, PTR, I32),
+        "rotate_halves_f32": (None, PTR, I64, I64, I64, I64, PTR, PTR, PTR, I32),
     },
 )
 
@@ -91,4 +92,18 @@ def silu_and_mul(kernel: CpuKernel, x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     kernel.silu_and_mul_f32(x, x.numel() // (2 * n), n, y, torch.get_num_threads())
+    return y
+
+
+def rotate_halves(
+    kernel: CpuKernel, x: torch.Tensor, heads: int, n: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The first `heads` heads of n floats of each row of x (tokens, >= heads * n), read in place, each
+    turned by its token's angles (cos and sin: (tokens, n / 2)), dimension j with dimension j + n / 2:
+    (tokens, heads, n)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tokens = x.shape[0]
+    y = torch.empty(tokens, heads, n)
+    kernel.rotate_halves_f32(x, tokens, x.stride(0), heads, n, cos.contiguous(), sin.contiguous(), y, torch.get_num_threads())
     return y
