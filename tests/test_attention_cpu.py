@@ -44,7 +44,7 @@ def attend(heads, kv_heads, head_dim, seq_lens, ext_lens, seed=0):
 def run(q, k_cache, v_cache, kv_slots, seq_lens, ext_lens, scale):
     """The kernel, with the new tokens' K/V (written first) the values their slots already hold."""
     new_slots = torch.cat([row[n - e : n] for row, n, e in zip(kv_slots, seq_lens, ext_lens)]).long()
-    batch = attention_cpu.paged_batch(kv_slots, seq_lens, ext_lens, new_slots, q.shape[-1])
+    batch = attention_cpu.paged_batch(kv_slots, seq_lens, ext_lens, new_slots)
     return attention_cpu.paged_attention(q, k_cache[new_slots], v_cache[new_slots], k_cache, v_cache, batch, scale)
 
 
@@ -114,7 +114,7 @@ def test_the_new_tokens_kv_is_written_to_the_pool_in_the_same_call(kernel_target
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want_k[new_slots], want_v[new_slots] = k, v
     want = reference(q, want_k, want_v, kv_slots, seq, ext, d**-0.5)
-    batch = attention_cpu.paged_batch(kv_slots, [8], [tokens], new_slots, d)
+    batch = attention_cpu.paged_batch(kv_slots, [8], [tokens], new_slots)
     got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, batch, d**-0.5)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from vlm_serve.config import ModelConfig
-from vlm_serve.llm.kernels import attention_cpu
+from vlm_serve.engine import Engine
+from vlm_serve.llm.kernels import attention_cpu, decoder_cpu
 from vlm_serve.llm.kernels.decoder_cpu import DecoderStep
 from vlm_serve.llm.layers.attention import CpuAttnBackend
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -57,7 +58,7 @@ def layers_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: int =
     rows = (torch.randperm(slots - 1, generator=g)[: len(seq_lens) * max(seq_lens)] + 1).view(len(seq_lens), -1).int()
     new = torch.cat([row[n - e : n] for row, n, e in zip(rows, seq_lens, ext_lens)]).long()
     backend = CpuAttnBackend(ReqToTokenPool(len(seq_lens), max(seq_lens), torch.device("cpu")), pool)
-    paged = attention_cpu.paged_batch(rows, seq_lens, ext_lens, new, text.head_dim)
+    paged = attention_cpu.paged_batch(rows, seq_lens, ext_lens, new)
     batch = SimpleNamespace(attn_backend=backend, attn_metadata=paged)
     tokens = sum(ext_lens)
     x = torch.randn(tokens, text.hidden_size, generator=g)
@@ -114,3 +115,16 @@ def test_the_layers_run_their_modules_where_the_batch_is_not_the_kernels(checkpo
     assert text_model.fused_step(x, cos, sin, SimpleNamespace(attn_metadata=None)) is None
     text_model.layers[1].fused = None
     assert text_model.fused_step(x, cos, sin, batch) is None
+
+
+def test_under_overlap_a_layer_runs_on_the_forward_threads_team(tiny_dense_dir, native_kernels, monkeypatch):
+    """The batch is made on the scheduler's thread, which runs with one OpenMP thread while the forward
+    thread computes: the layer takes the thread count where it runs (torch's, here), not where its batch
+    was made. (On a one-core machine both are one.)"""
+    kernel, threads = decoder_cpu.LIBRARY.get(), []
+    call = kernel.attention_block_f32
+    monkeypatch.setattr(kernel, "attention_block_f32", lambda *args: (threads.append(getattr(args[-1], "value", args[-1])), call(*args))[1])
+    with Engine(tiny_dense_dir, vit_dp=0) as engine:  # (the overlap loop: the default)
+        assert engine.scheduler.forward_thread is not None
+        engine.chat([{"role": "user", "content": "Count to three."}], max_tokens=3, temperature=0)
+    assert threads and set(threads) == {torch.get_num_threads()}

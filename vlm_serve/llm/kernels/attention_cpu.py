@@ -41,21 +41,20 @@ class PagedBatch:
     ext_lens: torch.Tensor  # (batch,) int64: new tokens per request (its last ones)
     q_starts: torch.Tensor  # (batch,) int64: each request's first row of q
     new_slots: torch.Tensor  # (new tokens,) int64: where their K/V go
-    work: torch.Tensor  # the threads' scratch
-    threads: int
+
+    def work(self, head_dim: int) -> tuple[torch.Tensor, int]:
+        """Scratch for the calling thread's OpenMP threads, and how many there are: torch's setting where
+        the forward runs, not where the batch was made (under overlap the scheduler's thread runs with one)."""
+        threads = torch.get_num_threads()
+        return scratch(threads * _scratch_floats(self.kernel, head_dim), torch.float32), threads
 
 
-def paged_batch(
-    kv_slots: torch.Tensor, seq_lens: list[int], ext_lens: list[int], new_slots: torch.Tensor, head_dim: int
-) -> PagedBatch:
+def paged_batch(kv_slots: torch.Tensor, seq_lens: list[int], ext_lens: list[int], new_slots: torch.Tensor) -> PagedBatch:
     """The PagedBatch of requests with `seq_lens` tokens each, the last `ext_lens` of them new (their K/V
     to be written at `new_slots`), their tokens' slots in the rows of kv_slots."""
-    kernel, threads = LIBRARY.get(), torch.get_num_threads()
     lens = torch.tensor([seq_lens, ext_lens, list(itertools.accumulate(ext_lens[:-1], initial=0))], dtype=torch.int64)
-    work = scratch(threads * _scratch_floats(kernel, head_dim), torch.float32)
-    return PagedBatch(
-        kernel, kv_slots.to(torch.int32), lens[0], lens[1], lens[2], new_slots.to(torch.int64).contiguous(), work, threads
-    )
+    slots = new_slots.to(torch.int64).contiguous()
+    return PagedBatch(LIBRARY.get(), kv_slots.to(torch.int32), lens[0], lens[1], lens[2], slots)
 
 
 @functools.cache
@@ -83,7 +82,7 @@ def paged_attention(
     batch.kernel.paged_attention_f32(
         q, k_cache, v_cache, batch.kv_slots, batch.kv_slots.stride(0), batch.seq_lens, batch.ext_lens,
         batch.q_starts, batch.seq_lens.numel(), heads, k_cache.shape[1], head_dim, scale, k_new, k_new.stride(0),
-        v_new, v_new.stride(0), batch.new_slots, tokens, out, batch.work, batch.threads,
+        v_new, v_new.stride(0), batch.new_slots, tokens, out, *batch.work(head_dim),
     )  # fmt: skip
     return out
 

@@ -123,7 +123,7 @@ class DecoderStep:
             batch.q_starts, batch.seq_lens.numel(), batch.new_slots, self.h,
             _scratch(tokens * (heads + 2 * kv_heads) * head_dim, "qkv"), _scratch(tokens * heads * head_dim, "q"),
             _scratch(tokens * kv_heads * head_dim, "k"), _scratch(tokens * heads * head_dim, "attn"),
-            _scratch(tokens * hidden, "o"), batch.work, batch.threads,
+            _scratch(tokens * hidden, "o"), *batch.work(head_dim),
         )  # fmt: skip
         self.attention_args = self.kernel.c_values("attention_block_f32", 33, args)
 

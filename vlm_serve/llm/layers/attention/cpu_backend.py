@@ -15,8 +15,7 @@ class CpuAttnBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> PagedBatch:
         # a copy: the scheduler may hand a finished request's row to a new one while this batch runs
         kv_slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices, : max(batch.seq_lens_cpu)]
-        head_dim = self.token_to_kv_pool.k_buffer[0].shape[-1]
-        return paged_batch(kv_slots, batch.seq_lens_cpu, batch.extend_lens_cpu, batch.out_cache_loc, head_dim)
+        return paged_batch(kv_slots, batch.seq_lens_cpu, batch.extend_lens_cpu, batch.out_cache_loc)
 
     def forward(self, q, k, v, layer_id, scaling, batch):
         k_cache, v_cache = self.token_to_kv_pool.get_kv(layer_id)
