@@ -24,7 +24,9 @@ import pytest
 import torch
 from helpers import as_test_child, run_process
 
-from vlm_serve.llm.kernels import COMMON, F32, I32, I64, PTR, STR, CpuKernel, KernelLibrary, Target, Unavailable, _cpu_flags
+from vlm_serve.llm.kernels import (
+    COMMON, F32, I32, I64, PTR, STR, CpuKernel, KernelLibrary, Target, Unavailable, _cpu_flags,
+)
 from vlm_serve.llm.kernels import attention_cpu, decoder_cpu, linear_cpu, moe_cpu, rowwise_cpu
 
 LIBRARIES = [linear_cpu.LIBRARY, moe_cpu.LIBRARY, attention_cpu.LIBRARY, rowwise_cpu.LIBRARY, decoder_cpu.LIBRARY]

@@ -123,7 +123,12 @@ def test_under_overlap_a_layer_runs_on_the_forward_threads_team(tiny_dense_dir, 
     was made. (On a one-core machine both are one.)"""
     kernel, threads = decoder_cpu.LIBRARY.get(), []
     call = kernel.attention_block_f32
-    monkeypatch.setattr(kernel, "attention_block_f32", lambda *args: (threads.append(getattr(args[-1], "value", args[-1])), call(*args))[1])
+
+    def recording(*args):
+        threads.append(getattr(args[-1], "value", args[-1]))  # (its last argument: a C int, bound once a step)
+        return call(*args)
+
+    monkeypatch.setattr(kernel, "attention_block_f32", recording)  # (before the layers bind it)
     with Engine(tiny_dense_dir, vit_dp=0) as engine:  # (the overlap loop: the default)
         assert engine.scheduler.forward_thread is not None
         engine.chat([{"role": "user", "content": "Count to three."}], max_tokens=3, temperature=0)

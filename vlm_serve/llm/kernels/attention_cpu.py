@@ -49,7 +49,9 @@ class PagedBatch:
         return scratch(threads * _scratch_floats(self.kernel, head_dim), torch.float32), threads
 
 
-def paged_batch(kv_slots: torch.Tensor, seq_lens: list[int], ext_lens: list[int], new_slots: torch.Tensor) -> PagedBatch:
+def paged_batch(
+    kv_slots: torch.Tensor, seq_lens: list[int], ext_lens: list[int], new_slots: torch.Tensor
+) -> PagedBatch:
     """The PagedBatch of requests with `seq_lens` tokens each, the last `ext_lens` of them new (their K/V
     to be written at `new_slots`), their tokens' slots in the rows of kv_slots."""
     lens = torch.tensor([seq_lens, ext_lens, list(itertools.accumulate(ext_lens[:-1], initial=0))], dtype=torch.int64)

@@ -117,7 +117,9 @@ class DecoderStep:
     def _attention_args(self, shape: AttentionShape) -> None:
         tokens, batch = self.tokens, self.batch
         hidden, heads, kv_heads, head_dim = shape
-        self.h, self.out, self.residual = (_scratch(tokens * hidden, name, (tokens, hidden)) for name in ("h", "out", "residual"))
+        self.h, self.out, self.residual = (
+            _scratch(tokens * hidden, name, (tokens, hidden)) for name in ("h", "out", "residual")
+        )
         args = (
             tokens, self.cos, self.sin, batch.kv_slots, batch.kv_slots.stride(0), batch.seq_lens, batch.ext_lens,
             batch.q_starts, batch.seq_lens.numel(), batch.new_slots, self.h,
@@ -132,7 +134,8 @@ class DecoderStep:
             return
         tokens, threads = self.tokens, torch.get_num_threads()
         if calls.experts is None:
-            gate_up, act = _scratch(tokens * 2 * calls.intermediate, "gate_up"), _scratch(tokens * calls.intermediate, "act")
+            gate_up = _scratch(tokens * 2 * calls.intermediate, "gate_up")
+            act = _scratch(tokens * calls.intermediate, "act")
             args = self.kernel.c_values("mlp_block_f32", 19, (tokens, self.h, gate_up, act, self.out, threads))
         else:
             pairs, local, hidden = tokens * calls.top_k, calls.experts.w13.shape[0], calls.shape.hidden

@@ -105,5 +105,6 @@ def rotate_halves(
         x = x.contiguous()
     tokens = x.shape[0]
     y = torch.empty(tokens, heads, n)
-    kernel.rotate_halves_f32(x, tokens, x.stride(0), heads, n, cos.contiguous(), sin.contiguous(), y, torch.get_num_threads())
+    cos, sin = cos.contiguous(), sin.contiguous()
+    kernel.rotate_halves_f32(x, tokens, x.stride(0), heads, n, cos, sin, y, torch.get_num_threads())
     return y

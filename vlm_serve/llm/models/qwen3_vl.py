@@ -95,7 +95,8 @@ class Qwen3VLDecoderLayer(nn.Module):
         ):
             return
         args = [decoder_cpu.linear_args(linear.panels, linear.bias) for linear in linears]
-        shape = decoder_cpu.AttentionShape(self.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        hidden = self.input_layernorm.weight.shape[0]
+        shape = decoder_cpu.AttentionShape(hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         if moe:
             router = mlp.gate if mlp.gate.panels is None else decoder_cpu.linear_args(mlp.gate.panels, mlp.gate.bias)
             moe_args = (router, mlp.top_k, mlp.norm_topk_prob, mlp.expert_start, mlp.packed, mlp.num_experts)
