@@ -9,7 +9,10 @@
  * every query head sharing that KV head (grouped-query attention), at most MAX_ROWS. It walks the keys in
  * blocks of KEYS, as flash attention does: gathers the block's K transposed and its V into panels, takes
  * scores and the weighted sum of V as register-tiled products (tiles.h), and keeps each row's running
- * maximum and sum (online softmax), so that no score matrix longer than a block is ever held.
+ * maximum and sum (online softmax), so that no score matrix longer than a block is ever held. Every task
+ * takes this one path, whatever its number of rows: a row's result does not depend on how many new tokens
+ * its request has (a seeded answer is the same with and without a prefix-cache hit; a path of its own for
+ * a few rows summed in another order and flipped a draw on a knife's edge).
  */
 #include <math.h>
 #include <omp.h>
@@ -19,7 +22,6 @@
 
 #define KEYS 64      /* keys per block: the width of one score panel */
 #define MAX_ROWS 64  /* query rows per task */
-#define TILED_ROWS 8 /* from this many rows on, blocks go through panels and tiles */
 
 /* floats of scratch one thread needs for head_dim d (the caller provides threads times this) */
 int64_t attention_scratch_floats(int64_t d) { return KEYS * d * 2 + MAX_ROWS * (KEYS + 2 * d + 2); }
@@ -52,41 +54,6 @@ static inline void softmax_block(float *s, int64_t visible, float scale, float *
     *row_max = new_max;
     if (alpha != 1.0f)
         for (int64_t i = 0; i < d; i++) o[i] *= alpha;
-}
-
-/* s[r][0 : nk] = q[r] . k[j] for a few rows, straight from the pool's rows */
-static inline void scores_direct(const float *const *q, int64_t rows, const float *const *k, int64_t nk, int64_t d,
-                                 float *const *s) {
-    for (int64_t j = 0; j < nk; j++)
-        for (int64_t r = 0; r < rows; r++) {
-            vec acc = splat(0.0f);
-            for (int64_t i = 0; i < d; i += LANES) acc += load(q[r] + i) * load(k[j] + i);
-            s[r][j] = hsum(acc);
-        }
-}
-
-/* o[i0 : i0 + nv * LANES] += sum over j < nk of p[j] v[j][same columns], the sum held in registers */
-static inline __attribute__((always_inline)) void
-weighted_columns(const float *p, const float *const *v, int64_t nk, int64_t i0, int nv, float *o) {
-    vec acc[4];
-    for (int x = 0; x < nv; x++) acc[x] = load(o + i0 + x * LANES);
-    for (int64_t j = 0; j < nk; j++) {
-        const vec w = splat(p[j]);
-        for (int x = 0; x < nv; x++) acc[x] += w * load(v[j] + i0 + x * LANES);
-    }
-    for (int x = 0; x < nv; x++) store(o + i0 + x * LANES, acc[x]);
-}
-
-/* o[r] += sum over j < nk of p[r][j] v[j], for a few rows */
-static inline void weighted_sum_direct(const float *const *p, int64_t rows, const float *const *v, int64_t nk,
-                                       int64_t d, float *o) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i0 = 0; i0 < d;) {
-            if (d - i0 >= 4 * LANES)
-                weighted_columns(p[r], v, nk, i0, 4, o + r * d), i0 += 4 * LANES;
-            else
-                weighted_columns(p[r], v, nk, i0, 1, o + r * d), i0 += LANES;
-        }
 }
 
 /* Asks for the K and V rows of keys j0 ... j0 + KEYS (fewer at the end) into L2 ahead of their use. In a
@@ -149,7 +116,6 @@ static void attention_tasks(const task_t *tasks, int64_t n, const float *q, cons
     for (int64_t t = 0; t < n; t++) {
         const task_t task = tasks[t];
         const int64_t rows = task.count * G, prefix = seq_lens[task.b] - ext_lens[task.b];
-        const int tiled = rows >= TILED_ROWS;
         const int32_t *slots = kv_slots + task.b * stride;
         const float *qrow[MAX_ROWS], *krow[KEYS], *vrow[KEYS];
         float *srow[MAX_ROWS], *pvrow[MAX_ROWS];
@@ -168,32 +134,25 @@ static void attention_tasks(const task_t *tasks, int64_t n, const float *q, cons
                 krow[j] = k_cache + (slots[j0 + j] * Hkv + task.h) * D;
                 vrow[j] = v_cache + (slots[j0 + j] * Hkv + task.h) * D;
             }
-            if (tiled) { /* K^T as (D, KEYS) and V as (KEYS, D) in panels; keys past nk are 0 */
-                for (int64_t j = 0; j < KEYS; j++) {
-                    float *col = kt + j / PANEL * D * PANEL + j % PANEL;
-                    for (int64_t d = 0; d < D; d++) col[d * PANEL] = j < nk ? krow[j][d] : 0.0f;
-                    for (int64_t c = 0; c < D; c += width) {
-                        float *dst = vp + c * KEYS + j * width;
-                        if (j < nk)
-                            memcpy(dst, vrow[j] + c, width * sizeof(float));
-                        else
-                            memset(dst, 0, width * sizeof(float));
-                    }
+            /* K^T as (D, KEYS) and V as (KEYS, D) in panels; keys past nk are 0 */
+            for (int64_t j = 0; j < KEYS; j++) {
+                float *col = kt + j / PANEL * D * PANEL + j % PANEL;
+                for (int64_t d = 0; d < D; d++) col[d * PANEL] = j < nk ? krow[j][d] : 0.0f;
+                for (int64_t c = 0; c < D; c += width) {
+                    float *dst = vp + c * KEYS + j * width;
+                    if (j < nk)
+                        memcpy(dst, vrow[j] + c, width * sizeof(float));
+                    else
+                        memset(dst, 0, width * sizeof(float));
                 }
-                matmul_rows(qrow, rows, kt, D, KEYS, PANEL, srow);
-            } else {
-                scores_direct(qrow, rows, krow, nk, D, srow);
             }
+            matmul_rows(qrow, rows, kt, D, KEYS, PANEL, srow);
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t seen = prefix + task.first + r / G + 1 - j0; /* keys of this block it sees */
                 softmax_block(srow[r], seen < nk ? seen : nk, scale, row_max + r, row_sum + r, o + r * D, D);
             }
-            if (tiled) {
-                matmul_rows((const float *const *)srow, rows, vp, KEYS, D, width, pvrow);
-                for (int64_t i = 0; i < rows * D; i++) o[i] += pv[i];
-            } else {
-                weighted_sum_direct((const float *const *)srow, rows, vrow, nk, D, o);
-            }
+            matmul_rows((const float *const *)srow, rows, vp, KEYS, D, width, pvrow);
+            for (int64_t i = 0; i < rows * D; i++) o[i] += pv[i];
         }
         for (int64_t r = 0; r < rows; r++) {
             float *dst = out + (qrow[r] - q);

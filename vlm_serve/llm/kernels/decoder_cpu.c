@@ -70,11 +70,13 @@ void mlp_block_f32(LINEAR(gate_up), LINEAR(down), int64_t H, int64_t T, const fl
 }
 
 /* The MoE half: out (T, H) = the experts' weighted sum for h (T, H) as moe_route_f32 and moe_forward
- * compute it, the router's logits (T, router_n) from its linear (router_w NULL: logits holds them).
- * The experts (this rank's E from expert_start, intermediate size I) in `format`, packed as moe_forward
- * takes them. Scratch: logits (T, router_n); weights, expert, order, pos (T K); starts (E + 2);
- * task_expert and task_row (T K + E); ys (T K, H); gate_up (threads, 32 (moe_cpu.c's CHUNK), 2I). */
-void moe_block_f32(LINEAR(router), int64_t K, int renormalize, int64_t expert_start, int64_t E, int format,
+ * compute it, the router's logits for the E_all experts from its linear (router_n outputs: E_all and the
+ * zero rows that make whole vectors). The experts (this rank's E from expert_start, intermediate size I)
+ * in `format`, packed as moe_forward takes them. Scratch: logits (T, router_n); weights, expert, order,
+ * pos (T K); starts (E + 2); task_expert and task_row (T K + E); ys (T K, H); gate_up (threads, 32
+ * (moe_cpu.c's CHUNK), 2I). */
+void moe_block_f32(LINEAR(router), int64_t E_all, int64_t K, int renormalize, int64_t expert_start, int64_t E,
+                   int format,
                    const void *w13, const float *scale13, int64_t first13, int64_t block13, int64_t lead13,
                    int width13, const void *w2, const float *scale2, int64_t first2, int64_t block2, int64_t lead2,
                    int width2, int64_t H, int64_t I, int64_t T, const float *h, float *logits, float *weights,
@@ -84,8 +86,8 @@ void moe_block_f32(LINEAR(router), int64_t K, int renormalize, int64_t expert_st
     int64_t ntasks = 0;
 #pragma omp parallel num_threads(threads)
     {
-        if (router_w != NULL) linear_tasks(h, T, H, H, WEIGHTS(router), logits);
-        route_rows(logits, T, router_n, K, renormalize, weights, expert);
+        linear_tasks(h, T, H, H, WEIGHTS(router), logits);
+        route_rows(logits, router_n, T, E_all, K, renormalize, weights, expert);
 #pragma omp single
         {
             group_pairs(expert, T * K, expert_start, E, order, starts);

@@ -9,14 +9,13 @@ own inputs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from vlm_serve.llm.kernels import F32, I32, I64, PTR, CpuKernel, KernelLibrary, scratch
 from vlm_serve.llm.kernels.attention_cpu import PagedBatch
-from vlm_serve.llm.kernels.linear_cpu import Panels
+from vlm_serve.llm.kernels.linear_cpu import Panels, padded_bias
 from vlm_serve.llm.kernels.moe_cpu import CHUNK, PackedExperts
 
 LINEAR = (PTR, I32, PTR, I64, I64, I64, I64, I32, PTR)  # decoder_cpu.c's LINEAR: panels' args, then a bias
@@ -30,14 +29,14 @@ LIBRARY = KernelLibrary(
             I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, PTR, *[PTR] * 7, I32,
         ),  # fmt: skip
         "mlp_block_f32": (None, *LINEAR, *LINEAR, I64, I64, PTR, PTR, PTR, PTR, I32),
-        "moe_block_f32": (None, *LINEAR, I64, I32, I64, I64, *EXPERTS, I64, *[PTR] * 12, I32),
+        "moe_block_f32": (None, *LINEAR, I64, I64, I32, I64, I64, *EXPERTS, I64, *[PTR] * 12, I32),
     },
 )
 
 
 def linear_args(panels: Panels, bias: torch.Tensor | None) -> tuple:
     """A linear layer as decoder_cpu.c's LINEAR takes it."""
-    return (*panels.args, None if bias is None else bias.float().contiguous())
+    return (*panels.args, None if bias is None else padded_bias(bias, panels).contiguous())
 
 
 class AttentionShape(NamedTuple):
@@ -50,9 +49,8 @@ class AttentionShape(NamedTuple):
 class DecoderLayerCalls:
     """A layer's two halves with its weights bound to them once: the attention half (the four norms' weights,
     one eps; the qkv and output projections as linear_args; its shape; the softmax scale) and either the
-    gated MLP (`mlp`: gate_up and down as linear_args) or the MoE (`moe`: the router as linear_args, or a
-    module computing its logits where its weight is too narrow for panels; top_k, renormalize,
-    expert_start, the packed experts, and how many experts the router chooses from)."""
+    gated MLP (`mlp`: gate_up and down as linear_args) or the MoE (`moe`: the router as linear_args, how
+    many experts it chooses from, top_k, renormalize, expert_start and the packed experts)."""
 
     def __init__(
         self,
@@ -64,21 +62,20 @@ class DecoderLayerCalls:
         shape: AttentionShape,
         scale: float,
         mlp: tuple[tuple, tuple] | None = None,
-        moe: tuple[tuple | Callable[[torch.Tensor], torch.Tensor], int, bool, int, PackedExperts, int] | None = None,
+        moe: tuple[tuple, int, int, bool, int, PackedExperts] | None = None,
     ) -> None:
         self.kernel, self.shape = kernel, shape
         self.attention_call = kernel.bind("attention_block_f32", *norms, eps, *qkv, *o, *shape, scale)
-        self.intermediate, self.experts, self.router = 0, None, None
+        self.intermediate, self.experts = 0, None
         if mlp is not None:
             gate_up, down = mlp
             self.intermediate = gate_up[6] // 2
             self.mlp_call = kernel.bind("mlp_block_f32", *gate_up, *down, shape.hidden)
             return
-        router, self.top_k, renormalize, expert_start, self.experts, self.num_experts = moe
-        if callable(router):
-            self.router, router = router, (None, 0, None, 0, 0, 0, self.num_experts, 0, None)  # (logits given)
+        router, num_experts, self.top_k, renormalize, expert_start, self.experts = moe
+        self.router_n = router[6]  # (its outputs: the experts, and zero rows up to whole vectors)
         self.mlp_call = kernel.bind(
-            "moe_block_f32", *router, self.top_k, renormalize, expert_start, self.experts.w13.shape[0],
+            "moe_block_f32", *router, num_experts, self.top_k, renormalize, expert_start, self.experts.w13.shape[0],
             *self.experts.args,
         )  # fmt: skip
 
@@ -109,8 +106,6 @@ class DecoderStep:
             self.residual.copy_(residual)
         self._mlp_args(calls)
         calls.attention_call(k_cache, v_cache, x, self.residual, residual is not None, *self.attention_args)
-        if calls.router is not None:
-            self.logits.copy_(calls.router(self.h))
         calls.mlp_call(*self.mlp_args[calls.intermediate])
         return self.out, self.residual
 
@@ -139,11 +134,11 @@ class DecoderStep:
             args = self.kernel.c_values("mlp_block_f32", 19, (tokens, self.h, gate_up, act, self.out, threads))
         else:
             pairs, local, hidden = tokens * calls.top_k, calls.experts.w13.shape[0], calls.shape.hidden
-            self.logits = _scratch(tokens * calls.num_experts, "logits", (tokens, calls.num_experts))
-            args = self.kernel.c_values("moe_block_f32", 28, (
-                tokens, self.h, self.logits, _scratch(pairs, "weights"), _indices(pairs, "expert"),
-                _indices(pairs, "order"), _indices(local + 2, "starts"), _indices(pairs + local, "task_expert"),
-                _indices(pairs + local, "task_row"), _indices(pairs, "pos"), _scratch(pairs * hidden, "ys"),
+            args = self.kernel.c_values("moe_block_f32", 29, (
+                tokens, self.h, _scratch(tokens * calls.router_n, "logits"), _scratch(pairs, "weights"),
+                _indices(pairs, "expert"), _indices(pairs, "order"), _indices(local + 2, "starts"),
+                _indices(pairs + local, "task_expert"), _indices(pairs + local, "task_row"), _indices(pairs, "pos"),
+                _scratch(pairs * hidden, "ys"),
                 _scratch(threads * CHUNK * 2 * calls.experts.intermediate, "experts"), self.out, threads,
             ))  # fmt: skip
         self.mlp_args[calls.intermediate] = args

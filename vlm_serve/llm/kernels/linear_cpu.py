@@ -52,6 +52,7 @@ class Panels:
     weight: torch.Tensor  # (out / width, groups of k, width, G), the weight's dtype (CpuKernel.panels)
     inp: int
     layout: Layout
+    features: int  # the weight's outputs: `out` less the zero rows that make it whole vectors
 
     def __post_init__(self) -> None:
         count, _, width, _ = self.weight.shape
@@ -67,8 +68,10 @@ def pack(
     offset: tuple[int, int] = (0, 0),
 ) -> Panels | None:
     """An (out, in) weight in column panels in its own dtype (float32, bfloat16, float16 or
-    float8_e4m3fn); None where the kernel cannot run it (another dtype or device, `out` not a multiple of
-    the vector width, FP8 panels that would straddle scale blocks, no kernel built).
+    float8_e4m3fn); None where the kernel cannot run it (another dtype or device, FP8 panels that would
+    straddle scale blocks or an FP8 `out` not a multiple of the vector width, no kernel built). Other
+    weights get zero rows up to whole vectors (a router of 8 experts): their products are the kernel's
+    too, each row's the same whatever the rows around it, where oneDNN's change with the batch's size.
 
     FP8: `scale` (the checkpoint's weight_scale_inv, float32) has one scale per block of `block` (rows,
     columns) weights, ceil((offset + out or in) / block) of them each way, and `offset` is where the
@@ -78,10 +81,15 @@ def pack(
     if weight.device.type != "cpu" or weight.dtype not in FORMATS or weight.dim() != 2:
         return None
     kernel = LIBRARY.get()
-    layout = None if kernel is None else panel_layout(kernel, weight, scale, block, offset)
+    if kernel is None:
+        return None
+    features = weight.shape[0]
+    if features % kernel.lanes and weight.dtype != torch.float8_e4m3fn:
+        weight = torch.cat([weight.detach(), weight.new_zeros(-features % kernel.lanes, weight.shape[1])])
+    layout = panel_layout(kernel, weight, scale, block, offset)
     if layout is None:
         return None
-    return Panels(kernel, kernel.panels(weight, layout.width, layout.lead), weight.shape[1], layout)
+    return Panels(kernel, kernel.panels(weight, layout.width, layout.lead), weight.shape[1], layout, features)
 
 
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
@@ -91,11 +99,19 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
     rows = x.reshape(-1, inp)
     if dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
+    if bias is not None:
+        bias = padded_bias(bias, panels)
     y = torch.empty(*x.shape[:-1], panels.out, dtype=torch.float32)
     panels.kernel.linear_forward(rows, rows.shape[0], inp, rows.stride(0), *panels.args, bias, y, torch.get_num_threads())
+    if panels.features != panels.out:
+        y = y[..., : panels.features]
     return y if dtype == torch.float32 else y.to(dtype)
+
+
+def padded_bias(bias: torch.Tensor, panels: Panels) -> torch.Tensor:
+    """A bias as the kernel reads it: float32, one value for each of the panels' outputs (0 past the weight's)."""
+    bias = bias.float()
+    return bias if panels.out == panels.features else torch.nn.functional.pad(bias, (0, panels.out - panels.features))
 
 
 def check_scale(

@@ -21,14 +21,14 @@
 
 #define CHUNK 32    /* rows per task: an expert's weights stay in cache across a task's tiles */
 
-/* The router's choices, from its logits (T, E_all): each token's top K experts, by logit, in expert[t * K ...],
- * weighted by their softmax probabilities (renormalized over the K where `renormalize`). Shared out over
- * the threads of the parallel region it is called in. */
-static void route_rows(const float *logits, int64_t T, int64_t E_all, int64_t K, int renormalize, float *weights,
-                       int64_t *expert) {
+/* The router's choices, from its logits (T, E_all), rows `stride` floats apart: each token's top K experts,
+ * by logit, in expert[t * K ...], weighted by their softmax probabilities (renormalized over the K where
+ * `renormalize`). Shared out over the threads of the parallel region it is called in. */
+static void route_rows(const float *logits, int64_t stride, int64_t T, int64_t E_all, int64_t K, int renormalize,
+                       float *weights, int64_t *expert) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        const float *l = logits + t * E_all;
+        const float *l = logits + t * stride;
         int64_t *top = expert + t * K, n = 0; /* the largest so far, in descending order (ties: lower index first) */
         for (int64_t e = 0; e < E_all; e++) {
             if (n == K && l[e] <= l[top[K - 1]]) continue;
@@ -66,7 +66,7 @@ static void group_pairs(const int64_t *expert, int64_t pairs, int64_t expert_sta
 void moe_route_f32(const float *logits, int64_t T, int64_t E_all, int64_t K, int renormalize, int64_t expert_start,
                    int64_t E, float *weights, int64_t *order, int64_t *starts, int64_t *expert, int threads) {
 #pragma omp parallel num_threads(threads) if (T >= 64)
-    route_rows(logits, T, E_all, K, renormalize, weights, expert);
+    route_rows(logits, E_all, T, E_all, K, renormalize, weights, expert);
     group_pairs(expert, T * K, expert_start, E, order, starts);
 }
 

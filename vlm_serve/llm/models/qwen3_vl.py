@@ -79,11 +79,11 @@ class Qwen3VLDecoderLayer(nn.Module):
     def prepack(self) -> None:
         """Once its parts are packed: the layer's attention and MLP halves as decoder_cpu.c runs them, where
         every part is on the C kernels (float32 activations on CPU, its linears and experts in panels, one
-        rank: the halves leave out TP's all-reduces). A MoE router too narrow for panels runs as it is."""
+        rank: the halves leave out TP's all-reduces)."""
         attn, mlp = self.self_attn, self.mlp
         norms = [self.input_layernorm, attn.q_norm, attn.k_norm, self.post_attention_layernorm]
         moe = isinstance(mlp, SparseMoeBlock)
-        linears = [attn.qkv_proj, attn.o_proj, *([] if moe else [mlp.gate_up_proj, mlp.down_proj])]
+        linears = [attn.qkv_proj, attn.o_proj, *([mlp.gate] if moe else [mlp.gate_up_proj, mlp.down_proj])]
         kernel = decoder_cpu.LIBRARY.get()
         if (
             kernel is None
@@ -98,8 +98,7 @@ class Qwen3VLDecoderLayer(nn.Module):
         hidden = self.input_layernorm.weight.shape[0]
         shape = decoder_cpu.AttentionShape(hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         if moe:
-            router = mlp.gate if mlp.gate.panels is None else decoder_cpu.linear_args(mlp.gate.panels, mlp.gate.bias)
-            moe_args = (router, mlp.top_k, mlp.norm_topk_prob, mlp.expert_start, mlp.packed, mlp.num_experts)
+            moe_args = (args[2], mlp.num_experts, mlp.top_k, mlp.norm_topk_prob, mlp.expert_start, mlp.packed)
         self.fused = decoder_cpu.DecoderLayerCalls(
             kernel, [n.weight for n in norms], norms[0].eps, args[0], args[1], shape, attn.scaling,
             mlp=None if moe else (args[2], args[3]), moe=moe_args if moe else None,
