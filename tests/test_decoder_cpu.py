@@ -42,8 +42,8 @@ def checkpoints(tmp_path_factory) -> dict:
     return get
 
 
-def layers_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: int = 0):
-    """The model's decoder layers (weights packed for the current target), and a batch over a KV pool
+def text_model_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: int = 0):
+    """The model's text model (its layers' weights packed for the current target), and a batch over a KV pool
     whose prefixes hold random K/V, its new tokens' slots scattered."""
     config = ModelConfig.from_pretrained(path)
     weight_dtype = getattr(torch, config.torch_dtype) if config.quantization is None else torch.bfloat16
@@ -64,7 +64,7 @@ def layers_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: int =
     x = torch.randn(tokens, text.hidden_size, generator=g)
     residual = torch.randn(tokens, text.hidden_size, generator=g)
     cos, sin = model.model.language_model.rotary_emb(torch.randint(0, 100, (3, tokens), generator=g), torch.float32)
-    return model.model.language_model.layers, batch, pool, (x, residual, cos, sin)
+    return model.model.language_model, batch, pool, (x, residual, cos, sin)
 
 
 @torch.inference_mode()  # (as the model runs)
@@ -85,7 +85,8 @@ def run_layer(layer, inputs, batch, fused: bool, with_residual: bool):
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_the_two_calls_compute_what_the_modules_do_bit_for_bit(arch, form, batch_name, checkpoints, kernel_target):
     seq_lens, ext_lens = BATCHES[batch_name]
-    layers, batch, pool, inputs = layers_and_batch(checkpoints(arch, form), seq_lens, ext_lens)
+    text_model, batch, pool, inputs = text_model_and_batch(checkpoints(arch, form), seq_lens, ext_lens)
+    layers = text_model.layers
     assert all(layer.fused is not None for layer in layers)
     buffers = (*pool.k_buffer, *pool.v_buffer)
     before = [c.clone() for c in buffers]
@@ -106,11 +107,7 @@ def test_the_two_calls_compute_what_the_modules_do_bit_for_bit(arch, form, batch
 
 def test_the_layers_run_their_modules_where_the_batch_is_not_the_kernels(checkpoints, native_kernels):
     """(A batch of the torch attention backend: its metadata is not the kernel's paged batch.)"""
-    path = checkpoints("dense", "float32")
-    layers, batch, _, (x, _, cos, sin) = layers_and_batch(path, [5], [5])
-    text = layers_and_batch.__globals__["load_model"]  # (the same loader, for the text model itself)
-    model = text(ModelConfig.from_pretrained(path), torch.device("cpu"), torch.float32, torch.float32)
-    text_model = model.model.language_model
+    text_model, batch, _, (x, _, cos, sin) = text_model_and_batch(checkpoints("dense", "float32"), [5], [5])
     assert text_model.fused_step(x, cos, sin, batch) is not None
     assert text_model.fused_step(x, cos, sin, SimpleNamespace(attn_metadata=None)) is None
     text_model.layers[1].fused = None
