@@ -36,9 +36,10 @@ implementation produces the same tokens).
   ours. vLLM runs with `VLLM_CPU_OMP_THREADS_BIND` over as many cores as torch has threads here; the
   end of its log is printed if it fails.
 
-The engine runs with its default options (`--vit-dp 1`: one encoder process, the LLM on the other
-cores) unless `--vit-dp` is given. It sets this process's torch thread count for its LLM, so
-transformers' runs set it back first: transformers always uses torch's threads (`--threads`).
+The engine runs with its default options (on CPU `--vit-dp 0`: the vision tower in its scheduler's loop,
+every core for both) unless `--vit-dp` is given; with encoder processes it sets this process's torch
+thread count for its LLM, so transformers' runs set it back first: transformers always uses torch's
+threads (`--threads`).
 
 Timing is noisy on small shared machines, so the implementations alternate in `--repeats` rounds
 (one engine run, one run of each transformers batch size, one vLLM run) and every setting counts

@@ -8,8 +8,9 @@ as stored, where its CPU build takes it); ours serves a checkpoint's weights as 
 Each round starts each server in turn (the order alternates round by round), sends one untimed warm-up
 run, then every workload through our client (`bench_serving.py`) and, where vLLM's own client has a
 dataset for it, through `vllm bench serve` too, and stops the server. Both servers get the machine's
-cores to themselves: ours with `--ours-args` (default `--vit-dp 0`: one process's threads, as vLLM's
-engine has), vLLM with `VLLM_CPU_OMP_THREADS_BIND` over the same cores. All requests stream, greedy,
+cores to themselves: ours with its defaults (on CPU the vision tower in the scheduler's process: one
+process's threads, as vLLM's engine has) and `--ours-args`, vLLM with `VLLM_CPU_OMP_THREADS_BIND` over
+the same cores. All requests stream, greedy,
 with `ignore_eos`, so both servers generate the same number of tokens.
 
 Workloads (`--workloads`, comma list; request counts scaled by `--prompts-scale`):
@@ -336,7 +337,7 @@ def main() -> int:
                         help="avx2: both servers run their AVX2 code on any x86 machine (cpu_isa.py)")  # fmt: skip
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--prompts-scale", type=float, default=1.0, help="scales every workload's request count")
-    parser.add_argument("--ours-args", default="--vit-dp 0", help="flags for `vlm-serve serve` (--vit-dp 0)")
+    parser.add_argument("--ours-args", default="", help="more flags for `vlm-serve serve`")
     parser.add_argument("--vllm-args", default="", help="more flags for `vllm serve`")
     parser.add_argument("--vllm-dtype", default="float32",
                         help="vLLM's --dtype (float32; bfloat16 for a bfloat16 checkpoint where its CPU build takes it: "

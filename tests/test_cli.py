@@ -54,12 +54,12 @@ def test_generate_reports_a_missing_image_clearly(tmp_path):
 
 
 def test_ctrl_c_stops_generate_silently(tmp_path, tiny_moe_dir):
-    """Ctrl-C (SIGINT to the process group, as a terminal sends it) once the encoder rank runs, while the
-    model loads or answers: exit code 130, and not a line from it or its encoder rank."""
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) once the encoder rank runs (one, as on a
+    GPU by default), while the model loads or answers: exit code 130, and not a line from it or its encoder rank."""
     image = tmp_path / "picture.png"
     make_image(64, 64).save(image)
     command = [sys.executable, "-m", "vlm_serve.cli", "generate", "--model", str(tiny_moe_dir), "--image", str(image),
-               "--prompt", "Describe.", "--max-tokens", "4000"]  # fmt: skip
+               "--prompt", "Describe.", "--max-tokens", "4000", "--vit-dp", "1"]  # fmt: skip
     process = start_process(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -35,6 +35,9 @@ def test_a_stop_ends_the_server_and_every_child_silently(tiny_moe_dir, stop, vit
     children = descendants(server.process.pid)
     names = {process_name(pid) for pid in children}
     assert {"vlm-scheduler-0", "vlm-detokenizer", *(f"vlm-encoder-{i}" for i in range(vit_dp))} <= names
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    loads = [line.split()[0] for line in lines if line.startswith("vlm_serve:encoder_load")]
+    assert loads == [f'vlm_serve:encoder_load_patches{{rank="{i}"}}' for i in range(vit_dp)]
     assert server.stop(*STOPS[stop]) == 0, "".join(server.output)
     assert server.after_stop == []
     assert survivors(children) == []

@@ -96,7 +96,9 @@ class ServerArgs:
     # longest prompt + answer in tokens
     context_length: int | None = None  # none = the model's max_position_embeddings, at most the KV pool's size
     vit_max_patches_per_pass: int = 32768  # vision tower passes stay under this; long videos are cut
-    vit_dp: int = 1  # encoder pool processes (GPU i each, or CPU threads); 0 = run the ViT in the scheduler loop
+    # encoder pool processes (GPU i each, or CPU threads); 0 = run the ViT in the scheduler loop; none = 1 on a GPU,
+    # 0 on CPU (the tower then takes every core while pictures are encoded, and leaves them all to the LLM after)
+    vit_dp: int | None = None
     vit_threads: int | None = None  # CPU threads per encoder rank; none = an equal share with the LLM
     host: str = "127.0.0.1"  # address the HTTP server listens on (0.0.0.0: every interface)
     port: int = 30000  # port the HTTP server listens on
@@ -192,10 +194,12 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"dist_init_addr must be HOST:PORT, not {self.dist_init_addr!r}")
-        if self.vit_dp < 0:
+        if self.vit_dp is not None and self.vit_dp < 0:
             raise ValueError(f"vit_dp must be >= 0 (0 runs the vision tower in the scheduler), not {self.vit_dp}")
         if self.disaggregation_mode == "decode":
             self.vit_dp = 0  # a decode server never encodes media (its KV comes from the prefill server)
+        if self.vit_dp is None:
+            self.vit_dp = 0 if self.resolved_device().type == "cpu" else 1
         if self.mm_cache_mb < 0:
             raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
         for name in ("port", "disaggregation_bootstrap_port"):

@@ -33,7 +33,7 @@ SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags
     "eagle3-normal": ("--disable-overlap-schedule",),
     "ngram": ("--speculative-algorithm", "ngram"),
     "overlap": NO_DRAFTS,
-    "normal": (*NO_DRAFTS, "--disable-overlap-schedule"),
+    "normal": (*NO_DRAFTS, "--disable-overlap-schedule", "--vit-dp", "1"),  # (a GPU's default encoder process)
     "chunked": ("--chunked-prefill-size", "16", "--page-size", "4"),
     "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2"),
     "pd": None,
