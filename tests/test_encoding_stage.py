@@ -4,6 +4,7 @@ pins, errors, and the per-item timings."""
 from __future__ import annotations
 
 import io
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.errors import InternalError
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
+import vlm_serve.vision.encoder as encoder_module
 from vlm_serve.vision.encoder import InlineEncoder
 from vlm_serve.multimodal import MEDIA_STAGES
 from vlm_serve.vision.processor import MultimodalProcessor
@@ -100,6 +102,60 @@ def test_an_item_the_encoder_rejects_fails_only_its_request(tiny_moe_dir, monkey
         assert raised.value.code == "encoder_error"
         assert raised.value.message == "image 0 of the request could not be encoded: " \
             "the vision encoder failed on this item: out of memory"
+        engine.scheduler.check_memory()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+def test_a_picture_arriving_while_requests_run_is_encoded_beside_them_on_its_share_of_the_cores(tiny_moe_dir, overlap):
+    """On CPU the tower of `--vit-dp 0` encodes a picture that arrives while requests decode on a thread
+    of its own, with half the threads, while the decoding goes on with the other half (here: while the
+    encode is held back, the running request gets tokens); the answer is the one an idle engine gives."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("sharing the cores needs at least 2 torch threads; this process has 1")
+    picture = _conv(make_image(96, 64, seed=9))
+    with Engine(tiny_moe_dir, dtype="float32", vit_dp=0, disable_overlap_schedule=not overlap) as engine:
+        alone = engine.chat(picture, max_tokens=6, temperature=0).token_ids  # encoded with the LLM idle
+        assert engine.scheduler.flush_cache().success  # (the picture is encoded again)
+        encoder = engine.scheduler.encoding.encoder
+        cores = encoder.cores
+        threads = torch.get_num_threads()
+        assert (cores.total, cores.aside) == (threads, threads // 2)
+        held, seen = threading.Event(), []
+        encode = encoder_module.encode_tasks
+
+        def held_encode(visual, tasks, max_patches):
+            seen.append((threading.current_thread().name, torch.get_num_threads(), cores.llm_threads()))
+            assert held.wait(60), "the running request got no tokens while the picture was encoded"
+            return encode(visual, tasks, max_patches)
+
+        text = engine.processor.process_messages([{"role": "user", "content": "Count to a hundred."}])
+        running = engine.submit(text, max_tokens=200, temperature=0, ignore_eos=True)
+        engine.step()
+        decoding = engine.scheduler.reqs[running.rids[0]]
+        while len(decoding.output_ids) < 2:
+            engine.step()
+        encoder_module.encode_tasks = held_encode
+        try:
+            late = engine.submit(engine.processor.process_messages(picture), max_tokens=6, temperature=0)
+            while not seen:
+                engine.step()
+            before = len(decoding.output_ids)
+            for _ in range(8):
+                engine.step()
+            grew = len(decoding.output_ids) - before
+            held.set()
+            while not late.done:
+                engine.step()
+        finally:
+            encoder_module.encode_tasks = encode
+            held.set()
+        assert grew > 0
+        assert seen[0][0].startswith("vit") and seen[0][1:] == (threads // 2, threads - threads // 2)
+        assert engine.result(late).token_ids == alone
+        assert cores.llm_threads() == threads
+        engine.abort(running)
+        while not engine.scheduler.is_idle():
+            engine.step()
         engine.scheduler.check_memory()
 
 

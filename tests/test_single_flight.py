@@ -154,8 +154,8 @@ def test_requests_arriving_while_their_image_is_encoded_wait_for_that_encode(eng
     held, release = [], []
     real_poll = encoder.poll
 
-    def poll(timeout: float = 0.0):  # results are kept back until `release`: the encode stays in flight
-        held.extend(real_poll(timeout))
+    def poll(timeout: float = 0.0, llm_busy: bool = False):  # results kept back until `release`: still in flight
+        held.extend(real_poll(timeout, llm_busy))
         if not release:
             return []
         results = list(held)

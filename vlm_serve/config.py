@@ -99,7 +99,8 @@ class ServerArgs:
     # encoder pool processes (GPU i each, or CPU threads); 0 = run the ViT in the scheduler loop; none = 1 on a GPU,
     # 0 on CPU (the tower then takes every core while pictures are encoded, and leaves them all to the LLM after)
     vit_dp: int | None = None
-    vit_threads: int | None = None  # CPU threads per encoder rank; none = an equal share with the LLM
+    # CPU threads per encoder rank (--vit-dp 0: of the tower beside running requests); none = an equal share with the LLM
+    vit_threads: int | None = None
     host: str = "127.0.0.1"  # address the HTTP server listens on (0.0.0.0: every interface)
     port: int = 30000  # port the HTTP server listens on
     # every endpoint but /health then needs "Authorization: Bearer <key>" (never logged)

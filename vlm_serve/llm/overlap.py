@@ -9,7 +9,6 @@ slot is always filled by the time batch N+1 reads it, right before its forward.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import queue
 import threading
 import time
@@ -20,12 +19,9 @@ from typing import Any, TypeVar
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
+from vlm_serve.llm.kernels import release_thread_team, set_thread_team
 
 T = TypeVar("T")
-
-# the OpenMP runtime torch uses (to set one thread's team size without touching MKL's process-wide one)
-_omp = ctypes.CDLL(None) if hasattr(ctypes.CDLL(None), "omp_pause_resource_all") else None
-OMP_PAUSE_SOFT = 1
 
 
 class FutureMap:
@@ -119,16 +115,16 @@ class ForwardThread:
         the process has more OpenMP threads than cores, and libgomp then stops spinning at barriers:
         every small op of the forward thread's team waits on a futex, and forwards run several times
         slower. Only this thread's OpenMP setting changes, and only meanwhile."""
-        if self.stream is not None or _omp is None:
+        if self.stream is not None:
             yield
             return
-        previous = _omp.omp_get_max_threads()
-        _omp.omp_set_num_threads(1)
-        _omp.omp_pause_resource_all(OMP_PAUSE_SOFT)  # this thread's idle team, if any (~0.4 us if none)
+        previous = torch.get_num_threads()
+        set_thread_team(1)
+        release_thread_team()  # this thread's idle team, if any
         try:
             yield
         finally:
-            _omp.omp_set_num_threads(previous)
+            set_thread_team(previous)
 
     def _forward(self, batch: ForwardBatch, inputs_ready: torch.cuda.Event | None) -> ForwardOutput:
         if inputs_ready is not None:

@@ -43,7 +43,7 @@ import zmq
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.process import exits_at_once, init_child_process, starting_children, stop_signals_deferred
-from vlm_serve.vision.encoder import EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
+from vlm_serve.vision.encoder import CoreShare, EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 from vlm_serve.vision.vision_tower import VisionOutput, load_vision_model
 
 logger = logging.getLogger(__name__)
@@ -374,7 +374,7 @@ class EncoderPool(VisionEncoder):
             rank.jobs[job_id] = job
             send_pyobj(rank.jobs_out, (job_id, job))  # pixels go as shared memory (moved there by the front end)
 
-    def poll(self, timeout: float = 0.0) -> list[EncodeResult]:
+    def poll(self, timeout: float = 0.0, llm_busy: bool = False) -> list[EncodeResult]:
         results: list[EncodeResult] = []
         if any(r.jobs or not (r.ready or r.down) for r in self.ranks) or self._orphans:
             poller = zmq.Poller()
@@ -524,7 +524,12 @@ def create_encoder(
     tower on `device` in this process."""
     if server_args.vit_dp > 0:
         return EncoderPool(server_args, device, pool) if pool is not None else EncoderPool.start(server_args, device)
-    return InlineEncoder(load_vision_tower(server_args, model_config, device), server_args.vit_max_patches_per_pass)
+    visual = load_vision_tower(server_args, model_config, device)
+    threads = torch.get_num_threads()
+    cores = None
+    if device.type == "cpu" and threads > 1:  # the tower beside running requests: half the cores, or vit_threads
+        cores = CoreShare(threads, min(server_args.vit_threads or threads // 2, threads - 1))
+    return InlineEncoder(visual, server_args.vit_max_patches_per_pass, cores)
 
 
 def load_vision_tower(server_args: ServerArgs, config: ModelConfig, device: torch.device):

@@ -76,8 +76,9 @@ class EncodingStage:
             self.ready_now.append(req)
         return True
 
-    def poll(self, timeout: float = 0.0) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
+    def poll(self, timeout: float = 0.0, llm_busy: bool = False) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
         """Rank 0: takes the encoder's finished results: (requests now ready, (request, why it failed)).
+        `llm_busy`: requests are running (an encoder in the scheduler's process then works beside them).
         An item no encoder could run (its ranks died) fails its requests with a 503, one the vision tower
         raised on with a 500: either way the server's failure, not the request's."""
         ready = [r for r in self.ready_now if self.outstanding.pop(r, None) is not None]
@@ -86,7 +87,7 @@ class EncodingStage:
         if self.to_submit:
             self.encoder.submit(self.to_submit)
             self.to_submit = []
-        for result in self.encoder.poll(timeout):
+        for result in self.encoder.poll(timeout, llm_busy):
             waiters = [(r, i) for r, i in self.inflight.pop(result.hash, []) if r in self.outstanding]
             if result.output is None:
                 status, code = (503, "encoder_unavailable") if result.unavailable else (500, "encoder_error")

@@ -182,6 +182,8 @@ class Scheduler:
             SpeculativeWorker(runner, self.eagle).forward_batch_generation
             if server_args.speculating else runner.forward_batch_generation
         )  # fmt: skip
+        if encoder is not None and encoder.cores is not None:
+            self.forward = encoder.cores.llm_side(self.forward)
         self.forward_thread = ForwardThread(runner, self.forward) if self.enable_overlap else None
         if self.forward_thread is not None:
             if encoder is not None:
@@ -455,7 +457,8 @@ class Scheduler:
     def process_encoding_results(self, timeout: float = 0.0) -> None:
         """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be (as
         the encoding stage says why). With TP, rank 0 tells the others which, with the embeddings."""
-        ready, failed = self.encoding.poll(timeout) if self.tp_rank == 0 else ([], [])
+        decoding = any(not r.finished for r in self.running_batch.reqs)
+        ready, failed = self.encoding.poll(timeout, decoding) if self.tp_rank == 0 else ([], [])
         if self.tp_size > 1:
             ready, failed = self.broadcast_encoding_results(ready, failed)
         for req in ready:
