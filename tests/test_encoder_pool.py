@@ -202,7 +202,7 @@ def test_a_script_without_a_main_guard_can_start_the_pool(tiny_moe_dir, tmp_path
     script.write_text(
         "from vlm_serve import Engine\n"
         "from vlm_serve.testing.media import make_image\n"
-        f"engine = Engine({str(tiny_moe_dir)!r}, dtype='float32')\n"
+        f"engine = Engine({str(tiny_moe_dir)!r}, dtype='float32', vit_dp=1)\n"
         "parts = [{'type': 'image', 'image': make_image(64, 64)}, {'type': 'text', 'text': 'Describe.'}]\n"
         "out = engine.chat([{'role': 'user', 'content': parts}], max_tokens=2, ignore_eos=True)\n"
         "print('finish:', out.finish_reason, out.media_timings[0].embedding_source)\n"

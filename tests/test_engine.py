@@ -8,9 +8,11 @@ import gc
 import io
 import logging
 import re
+import sys
 import weakref
 
 import pytest
+from helpers import run_process
 
 import vlm_serve
 from vlm_serve.detokenizer import STOP_REGEX_LOOKBACK, find_stop_regex
@@ -355,3 +357,21 @@ def test_an_engine_shut_down_leaves_its_model_runner_to_one_garbage_collection(t
     engine.shutdown()
     gc.collect()
     assert runner() is None
+
+
+def test_a_script_that_never_shuts_its_engine_down_exits_cleanly(tiny_moe_dir, tmp_path):
+    """As most scripts are written: the engine is left to the interpreter's exit. Its forward thread, which
+    has run the vision tower, must have ended before the exit tears down the C++ runtime (else, now and
+    then, "terminate called without an active exception" and SIGABRT). Eight runs, each must be clean."""
+    script = tmp_path / "describe.py"
+    script.write_text(
+        "from vlm_serve import Engine\n"
+        "from vlm_serve.testing.media import make_image\n"
+        f"engine = Engine({str(tiny_moe_dir)!r}, dtype='float32')\n"
+        "parts = [{'type': 'image', 'image': make_image(64, 64)}, {'type': 'text', 'text': 'Describe.'}]\n"
+        "out = engine.chat([{'role': 'user', 'content': parts}], max_tokens=2, ignore_eos=True)\n"
+        "print('finish:', out.finish_reason, out.media_timings[0].embedding_source)\n"
+    )
+    for _ in range(8):
+        done = run_process([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert (done.returncode, done.stderr) == (0, "")

@@ -105,8 +105,12 @@ class ForwardThread:
         self._queue.put(None)
 
     def shutdown(self) -> None:
+        """Stops the thread and waits for it to end (unless called on it). Also at the interpreter's exit
+        for a scheduler never shut down: a thread still ending while the process tears down its C++
+        runtime (torch's and OpenMP's thread-local state) aborts the process."""
         self.stop()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     @contextlib.contextmanager
     def scheduler_side(self) -> Iterator[None]:

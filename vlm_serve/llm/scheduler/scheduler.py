@@ -188,7 +188,7 @@ class Scheduler:
         if self.forward_thread is not None:
             if encoder is not None:
                 encoder.run_on(self.forward_thread)  # an inline vision tower runs in order with the forwards
-            weakref.finalize(self, self.forward_thread.stop)  # dropped without shutdown(): free the model
+            weakref.finalize(self, self.forward_thread.shutdown)  # dropped or left without shutdown()
         self.result_queue: deque[LaunchedBatch] = deque()  # launched, result not processed yet
         self.event_loop: Callable[[], None] = self.event_loop_overlap if self.enable_overlap else self.event_loop_normal
         self.run_iteration: Callable[[], None] = (
