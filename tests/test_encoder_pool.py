@@ -196,6 +196,15 @@ def test_two_concurrent_requests_with_one_new_image_encode_it_once(tiny_moe_dir)
         assert [o.media_timings[0].embedding_source for o in outs] == ["encoder", "encoder"]
 
 
+def test_an_engine_beside_an_encoder_pool_gives_the_process_its_threads_back_at_shutdown(tiny_moe_dir):
+    """Its LLM computes with the cores the pool's ranks leave; afterwards the process has them all again
+    (else every engine and torch op after it in the process ran on fewer cores)."""
+    before = torch.get_num_threads()
+    with Engine(tiny_moe_dir, dtype="float32", vit_dp=1) as engine:
+        assert torch.get_num_threads() == encoder_pool.llm_threads(engine.server_args)
+    assert torch.get_num_threads() == before
+
+
 def test_a_script_without_a_main_guard_can_start_the_pool(tiny_moe_dir, tmp_path):
     """Spawned ranks do not re-run the user's script (which would start engines recursively)."""
     script = tmp_path / "caption.py"

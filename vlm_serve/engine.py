@@ -171,6 +171,7 @@ class Engine:
             path, self.tokenizer, max_image_pixels=self.server_args.max_image_pixels,
             cache_mb=self.server_args.mm_cache_mb,
         )
+        self._threads = torch.get_num_threads()  # (beside an encoder pool the runner takes fewer until shutdown)
         runner = ModelRunner(self.server_args, self.model_config)
         self._io = _QueueIO()
         encoder = create_encoder(self.server_args, self.model_config, runner.device)
@@ -317,6 +318,7 @@ class Engine:
             on_cuda = self.scheduler.runner.device.type == "cuda"
             self.scheduler.shutdown()
             self.scheduler = None  # type: ignore[assignment]
+            torch.set_num_threads(self._threads)
             if on_cuda:  # torch keeps freed blocks for this process alone until they are emptied
                 gc.collect()
                 torch.cuda.empty_cache()
