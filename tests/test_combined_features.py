@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 from vlm_serve.testing.answers import DONE, Answer, judge, problems, server_problems, strict_json
 from vlm_serve.testing.deployments import CLIENT_TIMEOUT, REFERENCE, SETUPS, Deployment, deployed
-from vlm_serve.testing.requests import CHAT, COMPLETIONS, Call, calls
+from vlm_serve.testing.requests import CHAT, COMPLETIONS, Call, calls, pictures
 
 EXAMPLES = {"default": 200}  # per set-up; the default is what most users run, so it gets the most
 OTHER_EXAMPLES = 50
@@ -111,6 +111,34 @@ def test_a_seeded_answer_is_the_same_alone_and_among_other_requests(deployment):
         for answer in others:
             answer.result()
     assert among_others == alone
+
+
+def test_a_picture_arriving_while_others_decode_is_answered_as_when_it_comes_alone(deployment):
+    """On CPU a picture that arrives while requests decode is encoded beside them on part of the cores (in
+    an encoder process where the set-up has one): its greedy answer is the one it gets alone, and the
+    requests it joined are answered."""
+    client = httpx.Client(timeout=CLIENT_TIMEOUT)
+    picture = {"model": "default", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": pictures()[1]}}, {"type": "text", "text": "What is in it?"}]}]}
+    running = {"model": "default", "prompt": "Tell me a long story", "max_tokens": 24, "ignore_eos": True,
+               "stream": True}  # fmt: skip
+
+    def answer() -> str:
+        response = client.post(deployment.url + "/v1/chat/completions", json=picture)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    def flush() -> None:  # (else the picture comes from the caches, not the encoder)
+        for url in deployment.servers:
+            assert client.post(url + "/flush_cache").status_code == 200
+
+    alone = answer()
+    flush()
+    with client.stream("POST", deployment.url + "/v1/completions", json=running) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # it decodes now
+        assert answer() == alone
+        assert "data: [DONE]" in list(lines)
 
 
 def test_afterwards_every_server_is_idle_healthy_and_whole(deployment):
