@@ -17,8 +17,8 @@ for and the CPU (`lscpu`) are printed with the figures.
   Qwen3-VL-235B-A22B's experts as a TP-8 rank holds them (hidden 4096, intermediate 1536 / 8), at 1, 16
   and 128 rows, with the speed-up over float32 (at batch 1 reading the weights is the bound: bfloat16
   reads half of float32's bytes, FP8 a quarter). bfloat16 panels multiply x rounded to bfloat16 with
-  AVX-512-BF16's dot products where the kernels are built for it (`VLM_SERVE_CPU_BF16_DOT=1` on a CPU
-  that has it, tiles.h's BF16_DOT), else widen the weights to float32; the header says which.
+  AVX-512-BF16's dot products where the CPU has them (tiles.h's BF16_DOT; `VLM_SERVE_CPU_BF16_DOT=0`
+  turns them off), else widen the weights to float32; the header says which.
 
 Decode streams every layer's weights from memory: each timed call uses the next of enough copies of
 the weights to fill 256 MB (more than any last-level cache measured), so no call finds its weights in cache

@@ -1,7 +1,7 @@
 """The ISAs the CPU kernels are tested for: the widest this machine runs (`-march=native`), x86-64-v3
 (AVX2 + FMA) on any x86 machine, and aarch64 (NEON) under qemu-user where its cross compiler and qemu are
-installed; where the CPU has AVX-512-BF16, also native with bfloat16 weights multiplying x rounded to
-bfloat16 (the opt-in dot products, `$VLM_SERVE_CPU_BF16_DOT`). A kernel that does not build for one of them
+installed; where the CPU has AVX-512-BF16, native both ways for bfloat16 weights: multiplying x rounded to
+bfloat16 with its dot products (the default) and widened to float32 (`$VLM_SERVE_CPU_BF16_DOT=0`). A kernel that does not build for one of them
 fails the test that needs it.
 
 An aarch64 library cannot be loaded into this x86 process, so it is driven from one: a small aarch64
@@ -176,9 +176,11 @@ CASES
 
 def targets() -> list:
     """pytest params: one per ISA the kernels are tested for here."""
-    params = [pytest.param(Target.from_env(), id="native")]
-    if "avx512_bf16" in _cpu_flags().decode().split():  # (the opt-in bfloat16 dot products, tiles.h's BF16_DOT)
-        params.append(pytest.param(Target.from_env()._replace(bf16_dot=True), id="native-bf16-dot"))
+    native = Target.from_env()
+    params = [pytest.param(native, id="native")]
+    if "avx512_bf16" in _cpu_flags().decode().split():  # (bfloat16 weights the other way too, tiles.h's BF16_DOT)
+        other = "native-widened" if native.bf16_dot else "native-bf16-dot"
+        params.append(pytest.param(native._replace(bf16_dot=not native.bf16_dot), id=other))
     if platform.machine() == "x86_64":
         params.append(pytest.param(Target.from_env()._replace(march="x86-64-v3"), id="x86-64-v3"))
     if platform.machine() != "aarch64":

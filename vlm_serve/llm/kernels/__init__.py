@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "VLM_SERVE_KERNEL_CACHE"  # where built kernels are kept (default ~/.cache/vlm_serve/kernels)
 MARCH_ENV = "VLM_SERVE_CPU_MARCH"  # the -march they are built for (default native: this machine's CPU)
-# 1: bfloat16 weights multiply x rounded to bfloat16 where the -march has AVX-512-BF16 (tiles.h's BF16_DOT).
-# Off by default: it changes results by bfloat16's rounding of x, past the float32-activation oracles
-# (transformers in float32: greedy tokens of the tiny checkpoints change), for no gain at batch 1
+# bfloat16 weights multiply x rounded to bfloat16 where the -march has AVX-512-BF16 (tiles.h's BF16_DOT):
+# bfloat16 compute for a bfloat16 checkpoint, as vLLM's and oneDNN's CPU paths do. 0: widen the weights to
+# float32 instead (float32 compute on bfloat16 weights, what `--dtype float32` computes, at half its bytes)
 BF16_DOT_ENV = "VLM_SERVE_CPU_BF16_DOT"
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 SOURCES = Path(__file__).parent
@@ -63,7 +63,7 @@ class Target(NamedTuple):
     @classmethod
     def from_env(cls) -> Target:
         return cls(os.environ.get("CC") or "cc", os.environ.get(MARCH_ENV) or "native", os.environ.get(CACHE_ENV, ""),
-                   os.environ.get(BF16_DOT_ENV) == "1")  # fmt: skip
+                   os.environ.get(BF16_DOT_ENV, "1") != "0")  # fmt: skip
 
     def command(self, source: Path, output: str) -> list[str]:
         dot = ["-DVLM_SERVE_BF16_DOT"] if self.bf16_dot else []

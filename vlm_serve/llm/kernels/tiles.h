@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) vec unpack(int format, uvec bits, i
 }
 
 /* Where the compiler targets AVX-512-BF16 (-march=native on Zen 4, Cooper Lake, Sapphire Rapids and
- * later) and the build asks for it (VLM_SERVE_BF16_DOT: $VLM_SERVE_CPU_BF16_DOT=1), a W_BF16 tile
+ * later) and the build asks for it (VLM_SERVE_BF16_DOT: unless $VLM_SERVE_CPU_BF16_DOT=0), a W_BF16 tile
  * multiplies bfloat16 weights by x rounded to bfloat16 (to nearest even) with
  * vdpbf16ps, summing in float32: bfloat16 compute for a bfloat16 model, as vLLM's and oneDNN's CPU paths
  * do. One instruction takes a lane's pair of weights (rows 2i and 2i + 1 of k, the group) and the
