@@ -81,15 +81,15 @@ from torch import nn
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.engine import Engine, Submission
 from vlm_serve.llm.layers.linear import LinearBase
-from vlm_serve.vision.vision_tower import VISION_PREFIX, load_vision_model
+from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, load_vision_model
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.encoder import EncodeResult, EncodeTask, encode_tasks
-from vlm_serve.vision.encoder_pool import EncoderPool
-from vlm_serve.multimodal import MEDIA_STAGES, MediaTimings, MultimodalItem
-from vlm_serve.vision.processor import MultimodalProcessor
-from vlm_serve.vision.vision_tower import Qwen3VLVisionModel
+from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, encode_tasks
+from vlm_serve.encoder.pool import EncoderPool
+from vlm_serve.multimodal.items import MEDIA_STAGES, MediaTimings, MultimodalItem
+from vlm_serve.multimodal.processor import MultimodalProcessor
+from vlm_serve.llm.models.qwen3_vl_vision import Qwen3VLVisionModel
 
 # The benchmark checkpoint's vision tower (the text model is the tiny MoE one).
 VISION_HIDDEN = 256

@@ -28,9 +28,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from vlm_serve.llm.disaggregation.bootstrap import BootstrapServer
-from vlm_serve.llm.disaggregation.mooncake import MooncakeBackend
-from vlm_serve.llm.disaggregation.transfer import KVLayout, KVPoll
+from vlm_serve.disaggregation.bootstrap import BootstrapServer
+from vlm_serve.disaggregation.mooncake import MooncakeBackend
+from vlm_serve.disaggregation.transfer import KVLayout, KVPoll
 from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
 from vlm_serve.messages.backend import BootstrapInfo
 from vlm_serve.testing.tiny_model import SIZES

@@ -77,7 +77,7 @@ from compare_peer import vllm_env
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
-from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.multimodal.items import ProcessedInput
 
 HF_CLASSES = {
     "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,

@@ -36,12 +36,12 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlm_serve.builtin import BUILTIN_MODEL
-from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.testing.media import make_image, write_video
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.image_processor import ImageProcessor, ImageProcessorConfig
-from vlm_serve.vision.processor import MultimodalProcessor
-from vlm_serve.vision.video import VideoProcessor, VideoProcessorConfig
+from vlm_serve.multimodal.image_processor import ImageProcessor, ImageProcessorConfig
+from vlm_serve.multimodal.processor import MultimodalProcessor
+from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig
 
 BUDGETS = {"qwen3-vl": (65536, 16777216), "tiny checkpoint": (32 * 32, 512 * 512)}
 MODES = ["RGB"] * 13 + ["L"] * 2 + ["RGBA"] * 2 + ["P"] * 2 + ["CMYK"]

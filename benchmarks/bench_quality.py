@@ -3,7 +3,7 @@ exact match, through the real server and through transformers' `generate` on the
 
 Two held-out sets, each drawn from its own seed (training draws from seed 0, its probe from seed 1):
   * "old": the first model's distribution (shapes near the centres of a 3 x 3 grid, palette colours, a few
-    phrasings: `scenes.py`), as this benchmark has always drawn it;
+    phrasings: `builtin/scenes.py`), as this benchmark has always drawn it;
   * "wide": the distribution the model is trained on now (shapes anywhere, of any size, in any shade,
     with noise and JPEG artefacts; clips in eight directions; many phrasings, typed in any case; and
     questions outside its skills).
@@ -54,9 +54,9 @@ from vlm_serve.builtin.scenes import (
     scene_example,
     typed,
 )
-from vlm_serve.builtin.train import chat_content, greedy_answer
+from vlm_serve.tools.builtin_train import chat_content, greedy_answer
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.multimodal.processor import MultimodalProcessor
 
 SCENE_KINDS = {"old": ("caption", "count", "colour", "presence"),
                "wide": ("caption", "shape", "count", "colour", "presence", "place")}  # fmt: skip

@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_kit.sh OUT [SECONDS] [STEPS]
 #
-# It installs the wheels (FlashInfer into a folder of its own), then runs vlm_serve.testing.gpu_check's
+# It installs the wheels (FlashInfer into a folder of its own), then runs vlm_serve.tools.gpu_check's
 # STEPS (default torch,flashinfer,suite), each in a share of the SECONDS left (default 420); a step can name
 # its parts, joined by "+", for a rerun of some (e.g. flashinfer:figures+parity,suite):
 #   torch: parity and server without FlashInfer (the torch attention backend; its figures and profile,
@@ -41,7 +41,7 @@ left() { echo $((BUDGET - (SECONDS - START))); }
 kit() {  # kit NAME SHARE-OF-THE-TIME-LEFT(%) ARGS...: one run of the kit, its records under OUT/NAME
     local name=$1 share=$2
     shift 2
-    timeout $(( $(left) * share / 100 )) python3 -m vlm_serve.testing.gpu_check "$OUT/$name" "$@" 2>&1 \
+    timeout $(( $(left) * share / 100 )) python3 -m vlm_serve.tools.gpu_check "$OUT/$name" "$@" 2>&1 \
         | tee "$OUT/$name.log" | grep -E '^\[|^device|^FAIL'
 }
 for step in ${STEPS//,/ }; do

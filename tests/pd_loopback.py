@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from vlm_serve.engine import Engine, Submission
-from vlm_serve.llm.disaggregation.transfer import KVPoll, KVReceiver, KVSender, TransferBackend
-from vlm_serve.llm.scheduler import scheduler as scheduler_module
+from vlm_serve.disaggregation.transfer import KVPoll, KVReceiver, KVSender, TransferBackend
+from vlm_serve.scheduler import scheduler as scheduler_module
 from vlm_serve.messages.backend import BootstrapInfo
-from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.multimodal.items import ProcessedInput
 
 
 @dataclass

@@ -22,20 +22,20 @@ OUTPUT_AT = 3  # the token whose processing raises
 
 def install(setattr: Callable[[Any, str, Any], None] = setattr) -> None:
     from vlm_serve.llm.layers.sampler import Sampler
-    from vlm_serve.llm.scheduler.scheduler import Scheduler
+    from vlm_serve.scheduler.schedule_batch import Req
     from vlm_serve.server.detokenizer_manager import DetokenizerManager
 
-    sample, check_finished, detokenize_one = Sampler.__call__, Scheduler._check_finished, DetokenizerManager._one
+    sample, check_finished, detokenize_one = Sampler.__call__, Req.check_finished, DetokenizerManager._one
 
     def faulty_sample(self, logits, reqs):
         if any(SAMPLE in r.sampling_params.stop for r in reqs):
             raise RuntimeError("injected sampling fault")
         return sample(self, logits, reqs)
 
-    def faulty_check_finished(self, req, token):
+    def faulty_check_finished(req, token, eos_token_ids):
         if OUTPUT in req.sampling_params.stop and len(req.output_ids) == OUTPUT_AT:
             raise RuntimeError("injected output fault")
-        return check_finished(self, req, token)
+        return check_finished(req, token, eos_token_ids)
 
     def faulty_detokenize_one(self, out):
         if self.tokenizer.token_to_id(DETOKENIZE) in out.new_ids:
@@ -43,7 +43,7 @@ def install(setattr: Callable[[Any, str, Any], None] = setattr) -> None:
         return detokenize_one(self, out)
 
     setattr(Sampler, "__call__", faulty_sample)
-    setattr(Scheduler, "_check_finished", faulty_check_finished)
+    setattr(Req, "check_finished", faulty_check_finished)
     setattr(DetokenizerManager, "_one", faulty_detokenize_one)
 
 

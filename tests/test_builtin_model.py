@@ -16,8 +16,7 @@ from PIL import Image, ImageDraw
 from safetensors import safe_open
 
 from vlm_serve.builtin import BUILTIN_MODEL
-from vlm_serve.builtin.scenes import OTHER_ANSWER, Motion, Scene, Shape, render, render_motion
-from vlm_serve.builtin.train import VIDEO_FPS
+from vlm_serve.builtin.scenes import Motion, OTHER_ANSWER, Scene, Shape, VIDEO_FPS, render, render_motion
 from vlm_serve.testing.media import write_video
 
 RED_CIRCLE = Scene([Shape("circle", "red", "large", 1, 1)], background_seed=3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import argparse
 import dataclasses
 import json
@@ -171,6 +173,13 @@ def test_generate_caption_and_demo_take_only_the_settings_an_engine_reads(tmp_pa
     config.write_text("tp-size: 8\nchunked-prefill-size: 512\n")
     with pytest.raises(ValueError, match="only `vlm-serve serve` takes: tp_size"):
         parse_args(parser, ["generate", "--prompt", "hi", "--config", str(config)])
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vlm-serve {importlib.metadata.version('vlm_serve')}"
 
 
 def test_a_bad_choice_names_the_choices():

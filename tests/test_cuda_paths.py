@@ -1,4 +1,4 @@
-"""What the GPU kit (vlm_serve.testing.gpu_check) found on CUDA, kept as specifications. The CUDA tests run
+"""What the GPU kit (vlm_serve.tools.gpu_check) found on CUDA, kept as specifications. The CUDA tests run
 on a GPU (the kit's suite part runs this file first) and are skipped elsewhere; the choice of backend and
 its error are checked on any device."""
 

@@ -14,15 +14,16 @@ from helpers import run_process
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.engine import Engine
-from vlm_serve.vision.vision_tower import load_vision_model
-from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
-from vlm_serve.vision import encoder_pool
-from vlm_serve.vision.encoder_pool import EncoderPool
-from vlm_serve.multimodal import MultimodalItem
-from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
+from vlm_serve.encoder import pool as encoder_pool
+from vlm_serve.encoder.pool import EncoderPool
+from vlm_serve.process import llm_threads
+from vlm_serve.multimodal.items import MultimodalItem
+from vlm_serve.multimodal.processor import MultimodalProcessor
 
 CPU = torch.device("cpu")
 
@@ -201,7 +202,7 @@ def test_an_engine_beside_an_encoder_pool_gives_the_process_its_threads_back_at_
     (else every engine and torch op after it in the process ran on fewer cores)."""
     before = torch.get_num_threads()
     with Engine(tiny_moe_dir, dtype="float32", vit_dp=1) as engine:
-        assert torch.get_num_threads() == encoder_pool.llm_threads(engine.server_args)
+        assert torch.get_num_threads() == llm_threads(engine.server_args)
     assert torch.get_num_threads() == before
 
 

@@ -11,18 +11,18 @@ import torch
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.engine import Engine
-from vlm_serve.vision.vision_tower import load_vision_model
-from vlm_serve.llm.scheduler.encoding_stage import EncodingStage
-from vlm_serve.llm.scheduler.metrics import Histogram
-from vlm_serve.llm.scheduler.schedule_batch import Req
+from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.scheduler.encoding_stage import EncodingStage
+from vlm_serve.scheduler.metrics import Histogram
+from vlm_serve.scheduler.schedule_batch import Req
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.errors import InternalError
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-import vlm_serve.vision.encoder as encoder_module
-from vlm_serve.vision.encoder import InlineEncoder
-from vlm_serve.multimodal import MEDIA_STAGES
-from vlm_serve.vision.processor import MultimodalProcessor
+import vlm_serve.encoder.encoder as encoder_module
+from vlm_serve.encoder.encoder import InlineEncoder
+from vlm_serve.multimodal.items import MEDIA_STAGES
+from vlm_serve.multimodal.processor import MultimodalProcessor
 
 
 def _conv(image, text: str = "Describe.", text_first: bool = False) -> list[dict]:

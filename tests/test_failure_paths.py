@@ -21,8 +21,8 @@ from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.errors import BadRequest, InternalError, ServiceUnavailable
 from vlm_serve.testing.media import make_image
-from vlm_serve.vision.encoder import EncodeTask
-from vlm_serve.vision.encoder_pool import EncoderPool
+from vlm_serve.encoder.encoder import EncodeTask
+from vlm_serve.encoder.pool import EncoderPool
 
 MAX_TOKENS = 6
 TEXT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -105,8 +105,8 @@ def test_grammar_failures_say_whose_fault_they_are(engine, monkeypatch):
         engine.chat(TEXT, regex="(", max_tokens=MAX_TOKENS)
     assert raised.value.code == "invalid_grammar"
     with monkeypatch.context() as patch:  # a compilation that never ends
-        patch.setattr(engine.scheduler.grammar_backend, "compile", lambda key: Future())
-        patch.setattr(engine.server_args, "grammar_compile_timeout", 0.05)
+        patch.setattr(engine.scheduler.grammar_queue.backend, "compile", lambda key: Future())
+        patch.setattr(engine.scheduler.grammar_queue, "timeout", 0.05)  # (--grammar-compile-timeout)
         with pytest.raises(ServiceUnavailable, match="did not compile within 0.05 s") as raised:
             engine.chat(TEXT, regex="a+", max_tokens=MAX_TOKENS)
     assert raised.value.status == 503 and raised.value.code == "grammar_timeout"

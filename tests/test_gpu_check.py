@@ -1,4 +1,4 @@
-"""The GPU kit's CPU half (`python -m vlm_serve.testing.gpu_check OUT --device cpu`): every part it runs
+"""The GPU kit's CPU half (`python -m vlm_serve.tools.gpu_check OUT --device cpu`): every part it runs
 on CPU passes, and it leaves its records and figures where a lent GPU's run would."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from helpers import run_process
 
 
 def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
-    result = run_process([sys.executable, "-m", "vlm_serve.testing.gpu_check", str(tmp_path), "--device", "cpu"],
+    result = run_process([sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--device", "cpu"],
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[suite] skipped: on CPU the test suite itself runs these files" in result.stdout
@@ -32,14 +32,14 @@ def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
 
 
 def test_the_kit_refuses_an_unknown_part(tmp_path):
-    result = run_process([sys.executable, "-m", "vlm_serve.testing.gpu_check", str(tmp_path), "--parts", "speed"],
+    result = run_process([sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--parts", "speed"],
                          capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and "unknown part(s) speed" in result.stderr
 
 
 def test_the_kit_refuses_a_suite_file_it_does_not_have(tmp_path):
     """A misspelt name would otherwise leave that file unrun on a lent GPU, unsaid."""
-    command = [sys.executable, "-m", "vlm_serve.testing.gpu_check", str(tmp_path), "--parts", "suite",
+    command = [sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--parts", "suite",
                "--suite-files", "test_engine,test_engin"]  # fmt: skip
     result = run_process(command, capture_output=True, text=True)
     assert result.returncode == 2 and "--suite-files: not in the suite: tests/test_engin.py" in result.stderr

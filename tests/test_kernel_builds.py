@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import start_process
 
-from vlm_serve.llm.kernels import SOURCES, CpuKernel, KernelLibrary, Target, Unavailable, build
+from vlm_serve.llm.kernels import SOURCES, CpuKernel, KernelLibrary, Target, Unavailable
 from vlm_serve.llm.kernels import linear_cpu
 
 KERNELS = sorted(source.stem for source in SOURCES.glob("*.c"))

@@ -1,4 +1,4 @@
-"""The PD transfer layer (llm/disaggregation: bootstrap, control, mooncake, fake) between two processes on
+"""The PD transfer layer (disaggregation/: bootstrap, control, mooncake, fake) between two processes on
 loopback, each rank with a real TokenToKVPool: the prefill rank lives in a second process (`Peer`), the
 decode rank in the test's; the bootstrap server runs in the test's process, as in the prefill server's
 launcher."""
@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.llm.disaggregation.bootstrap import BootstrapServer, RankInfo, lookup_rank, register_rank
-from vlm_serve.llm.disaggregation.control import Timeouts
-from vlm_serve.llm.disaggregation.fake import FAILURE_ENV, FakeBackend
-from vlm_serve.llm.disaggregation.mooncake import MooncakeBackend, contiguous_runs, pieces, transfer_engine_class
-from vlm_serve.llm.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender, create_transfer_backend
+from vlm_serve.disaggregation.bootstrap import BootstrapServer, RankInfo, lookup_rank, register_rank
+from vlm_serve.disaggregation.control import Timeouts
+from vlm_serve.disaggregation.fake import FAILURE_ENV, FakeBackend
+from vlm_serve.disaggregation.mooncake import MooncakeBackend, contiguous_runs, pieces, transfer_engine_class
+from vlm_serve.disaggregation.factory import create_transfer_backend
+from vlm_serve.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender
 from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
 from vlm_serve.messages.backend import BootstrapInfo
 

@@ -1,5 +1,5 @@
 """Checkpoints served in their own precision on CPU (these tests pin the device: on CUDA `--dtype auto` computes
-in the checkpoint's dtype, which the GPU kit checks, vlm_serve.testing.gpu_check). On CPU under `--dtype auto`, a bfloat16 checkpoint's linear
+in the checkpoint's dtype, which the GPU kit checks, vlm_serve.tools.gpu_check). On CPU under `--dtype auto`, a bfloat16 checkpoint's linear
 weights, experts and embeddings stay bfloat16 in memory (half of float32's bytes), and an FP8 checkpoint's
 quantized weights stay FP8 with their block scales (a quarter), while activations, norms and the KV cache
 are float32; `--dtype float32` upcasts the unquantized weights.

@@ -18,10 +18,11 @@ from PIL import Image
 from vlm_serve.errors import BadRequest
 from vlm_serve.testing.media import jpeg_stating, png_stating
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.image_processor import ImageProcessor, ImageProcessorConfig
-from vlm_serve.vision.media import MediaAccess, MediaError, load_image, probe_image, read_media
-from vlm_serve.vision.processor import MediaInput, MultimodalProcessor
-from vlm_serve.vision.video import VideoProcessor, VideoProcessorConfig
+from vlm_serve.multimodal.image_processor import ImageProcessor, ImageProcessorConfig
+from vlm_serve.errors import MediaError
+from vlm_serve.multimodal.media import MediaAccess, load_image, probe_image, read_media
+from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
+from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig
 
 
 def png_bytes(width: int = 8, height: int = 8) -> bytes:

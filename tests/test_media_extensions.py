@@ -15,8 +15,8 @@ from PIL import Image, ImageDraw
 
 from tests.helpers import circle_url, clip_url
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.media import MediaError
-from vlm_serve.vision.processor import MediaInput, MultimodalProcessor
+from vlm_serve.errors import MediaError
+from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
 
 QUESTION = {"type": "text", "text": "What is it?"}
 ONE_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"

@@ -13,16 +13,16 @@ import pytest
 import torch
 from PIL import Image
 
-import vlm_serve.vision.processor as processor_module
+import vlm_serve.multimodal.processor as processor_module
 from vlm_serve.cli import build_parser
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
-from vlm_serve.mm_cache.cache import MultimodalCache
-from vlm_serve.mm_cache.hashing import media_hash
+from vlm_serve.multimodal.cache import MultimodalCache
+from vlm_serve.multimodal.hashing import media_hash
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.multimodal import MultimodalItem
-from vlm_serve.vision.processor import MediaInput, MultimodalProcessor
+from vlm_serve.multimodal.items import MultimodalItem
+from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
 
 ONE_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 ONE_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"

@@ -13,9 +13,9 @@ import transformers
 from vlm_serve.testing.logits import prefill_logits
 
 from vlm_serve.engine import Engine
-from vlm_serve.vision.vision_tower import load_vision_model
+from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
 from vlm_serve.testing.media import make_image, make_video
-from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.multimodal.items import ProcessedInput
 
 HF_CLASSES = {
     "moe": transformers.Qwen3VLMoeForConditionalGeneration,

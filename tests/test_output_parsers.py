@@ -10,6 +10,7 @@ import pytest
 import xgrammar as xgr
 
 from vlm_serve.server.chat_output import ChatOutput
+from vlm_serve.config import CHOICES
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS, Qwen3ReasoningParser
 from vlm_serve.server.tool_parser import ToolCallStream, parse_tool_calls, tool_call_grammar
 
@@ -46,8 +47,9 @@ NOT_THINKING_CASES = [  # the same with thinking=False (the prompt closed or ski
 REASONING_CASES = [(True, *case) for case in THINKING_CASES] + [(False, *case) for case in NOT_THINKING_CASES]
 
 
-def test_registry_offers_qwen3():
+def test_registry_offers_qwen3_and_the_flag_offers_the_registry():
     assert REASONING_PARSERS["qwen3"] is Qwen3ReasoningParser
+    assert CHOICES["reasoning_parser"] == tuple(REASONING_PARSERS)
 
 
 @pytest.mark.parametrize("thinking, text, reasoning, content", REASONING_CASES)

@@ -1,4 +1,4 @@
-"""The PD schedulers (llm/disaggregation/prefill.py, decode.py) as a prefill and a decode engine joined by a
+"""The PD schedulers (scheduler/pd_prefill.py, pd_decode.py) as a prefill and a decode engine joined by a
 loopback transfer (tests/pd_loopback.py): a request sent to both sides with one room is answered by the
 decode side exactly as one colocated engine answers it — text, images, chunked prefill, pages, both event
 loops, speculative decoding (n-gram, and EAGLE-3 with the draft's KV computed on the prefill side), `n`,
@@ -96,7 +96,7 @@ def test_the_decode_side_drafts_over_the_draft_kv_the_prefill_side_computed(monk
         colocated_length = colocated.scheduler.metrics.spec.mean_accepted_length
     pair = PDPair(BUILTIN_MODEL, monkeypatch, vit_dp=0)
     try:
-        assert pair.prefill.scheduler.eagle is not None and pair.decode.scheduler.eagle is not None
+        assert pair.prefill.scheduler.drafting.eagle is not None and pair.decode.scheduler.drafting.eagle is not None
         for messages, tokens in zip(conversations, want):
             _, got = answer(pair, messages, max_tokens=48, temperature=0)
             assert got.token_ids == tokens

@@ -26,23 +26,23 @@ from PIL import Image
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.messages.backend import SchedulerLimits
-from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.media import MediaError
-from vlm_serve.vision.processor import MediaInput, MultimodalProcessor
+from vlm_serve.errors import MediaError
+from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
 
 PIXEL_WORK = (  # every function that decodes, resizes or normalises pixels
     "PIL.ImageFile.ImageFile.load",
     "PIL.TiffImagePlugin.TiffImageFile.load",
     "PIL.WebPImagePlugin.WebPImageFile.load",
-    "vlm_serve.vision.processor.decode_image",
-    "vlm_serve.vision.image_processor.ImageProcessor.preprocess",
-    "vlm_serve.vision.video.VideoProcessor._decode",
-    "vlm_serve.vision.video.resize_frame",
-    "vlm_serve.vision.video.patchify_video",
+    "vlm_serve.multimodal.processor.decode_image",
+    "vlm_serve.multimodal.image_processor.ImageProcessor.preprocess",
+    "vlm_serve.multimodal.video.VideoProcessor._decode",
+    "vlm_serve.multimodal.video.resize_frame",
+    "vlm_serve.multimodal.video.patchify_video",
 )
 
 

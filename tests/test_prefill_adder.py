@@ -10,9 +10,9 @@ import torch
 
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
-from vlm_serve.llm.mem_cache.radix_cache import RadixCache
-from vlm_serve.llm.scheduler.schedule_batch import Req, ScheduleBatch
-from vlm_serve.llm.scheduler.schedule_policy import (
+from vlm_serve.scheduler.radix_cache import RadixCache
+from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
+from vlm_serve.scheduler.schedule_policy import (
     CLIP_MAX_NEW_TOKENS,
     LPM_FALLBACK_QUEUE_LEN,
     AddReqResult,

@@ -17,9 +17,9 @@ from vlm_serve.config import ModelConfig
 from vlm_serve.llm.kernels import CACHE_ENV, linear_cpu
 from vlm_serve.llm.layers.embedding import ParallelLMHead
 from vlm_serve.llm.layers.linear import LinearBase, ReplicatedLinear, packable
-from vlm_serve.vision import vision_tower
+from vlm_serve.llm.models import qwen3_vl_vision as vision_tower
 from vlm_serve.quantization import row_scales, shard_scale
-from vlm_serve.vision.vision_tower import load_vision_model
+from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
 
 CPU = torch.device("cpu")
 

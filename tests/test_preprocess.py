@@ -33,10 +33,10 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 from transformers.video_utils import VideoMetadata, read_video_pyav
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.image_processor import ImageProcessor, ImageProcessorConfig, smart_resize
-from vlm_serve.vision.media import load_image
-from vlm_serve.vision.processor import MediaInput, MultimodalProcessor
-from vlm_serve.vision.video import (
+from vlm_serve.multimodal.image_processor import ImageProcessor, ImageProcessorConfig, smart_resize
+from vlm_serve.multimodal.media import load_image
+from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
+from vlm_serve.multimodal.video import (
     VideoProcessor,
     VideoProcessorConfig,
     group_timestamps,

@@ -19,11 +19,11 @@ import torch
 import transformers
 
 from vlm_serve.engine import Engine
-from vlm_serve.llm.prompt_logprobs import PromptLogprobs
-from vlm_serve.multimodal import ProcessedInput
+from vlm_serve.messages.logprobs import PromptLogprobs
+from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.multimodal.processor import MultimodalProcessor
 
 TOP = 3
 RTOL = 1e-4  # of the largest logit, as in test_model_parity

@@ -20,7 +20,7 @@ from vlm_serve.builtin.scenes import (
     motion_caption, place_answer, presence_answer, random_example, random_motion, random_scene, random_shade, render,
     render_motion, scene_example, shape_answer,
 )  # fmt: skip
-from vlm_serve.builtin.train import (
+from vlm_serve.tools.builtin_train import (
     IGNORE, Batches, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, exact_match, messages,
     patches_as_matmul, published_layout, parameter_groups, train_tower, training_layout,
 )  # fmt: skip
@@ -203,7 +203,7 @@ def test_the_curriculum_can_keep_pictures_to_one_shape():
 
 
 def test_a_share_of_the_training_examples_come_from_the_first_models_distribution(tiny_moe_dir, monkeypatch):
-    import vlm_serve.builtin.train as train
+    import vlm_serve.tools.builtin_train as train
 
     drawn: list[tuple[bool, dict | None]] = []
 
@@ -243,7 +243,7 @@ def test_kind_weights_change_how_often_the_wide_examples_ask_each_kind():
 
 def test_the_trainers_probe_scores_answers_of_any_length_and_nothing_past_them(tiny_moe_dir):
     from vlm_serve.tokenizer import Tokenizer
-    from vlm_serve.vision.processor import MultimodalProcessor
+    from vlm_serve.multimodal.processor import MultimodalProcessor
 
     processor = MultimodalProcessor.from_pretrained(tiny_moe_dir, Tokenizer.from_pretrained(tiny_moe_dir), cache_mb=0)
     end = processor.tokenizer.token_to_id("<|im_end|>")
@@ -402,7 +402,7 @@ def test_the_whole_models_steps_can_train_the_vision_tower_at_a_lower_rate(tiny_
 
 def test_a_run_that_goes_on_from_another_records_the_runs_it_came_from(tmp_path):
     """A shipped model trained in parts (runs longer than a session) says every part's settings."""
-    from vlm_serve.builtin.train import train
+    from vlm_serve.tools.builtin_train import train
 
     first, second = tmp_path / "first", tmp_path / "second"
     train(first, TrainingArgs(steps=1, batch_size=2, eval_every=0))

@@ -18,7 +18,7 @@ import torch
 import transformers
 from helpers import ReplayDrafts
 
-import vlm_serve.llm.scheduler.scheduler as scheduler_module
+import vlm_serve.scheduler.scheduler as scheduler_module
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
 

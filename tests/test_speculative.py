@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 from vlm_serve.builtin.scenes import random_example, random_scene, render
-from vlm_serve.builtin.train import greedy_answer, messages
+from vlm_serve.tools.builtin_train import greedy_answer, messages
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.forward_batch import ForwardMode
@@ -234,7 +234,7 @@ def test_every_sampling_feature_answers_with_drafts_as_without(tiny_dense_dir):
         prompt = plain.processor.process_messages([{"role": "user", "content": COPY}]).input_ids
     with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram") as speculative:
         drafts = ReplayDrafts([prompt + ids for choices in longer.values() for ids, _, _ in choices])
-        speculative.scheduler.drafter = drafts
+        speculative.scheduler.drafting.ngram = drafts
         got = feature_answers(speculative, features, max_tokens=20)
         metrics = speculative.scheduler.metrics
     for name in features:
@@ -285,7 +285,7 @@ def test_a_request_whose_drafts_keep_failing_drafts_ever_less_often(tiny_dense_d
     with Engine(tiny_dense_dir, vit_dp=0) as plain:
         want = plain.chat(conversation, max_tokens=40, temperature=0, ignore_eos=True).token_ids
     with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram") as speculative:
-        speculative.scheduler.drafter = WrongDrafts(speculative.scheduler.vocab_size)
+        speculative.scheduler.drafting.ngram = WrongDrafts(speculative.scheduler.vocab_size)
         assert speculative.chat(conversation, max_tokens=40, temperature=0, ignore_eos=True).token_ids == want
         metrics = speculative.scheduler.metrics
         # drafts at decode steps 0, 2, 5, 10, 19, 36 of the 39 (after the prefill's token)
@@ -359,7 +359,7 @@ def test_decode_steps_above_the_batch_limit_run_without_ngram_drafts(tiny_dense_
         want = [out.token_ids for out in short_and_long(plain)]
         prompt = plain.processor.process_messages([{"role": "user", "content": COPY}]).input_ids
     with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram", speculative_disable_by_batch_size=1) as gated:
-        gated.scheduler.drafter = ReplayDrafts([prompt + want[1]], num_draft_tokens=3)
+        gated.scheduler.drafting.ngram = ReplayDrafts([prompt + want[1]], num_draft_tokens=3)
         short, long = short_and_long(gated)
         assert [short.token_ids, long.token_ids] == want
         assert short.choices[0].spec.draft_tokens == 0 and long.choices[0].spec.draft_tokens > 0
@@ -525,7 +525,7 @@ def test_the_built_in_model_drafts_with_its_own_head_by_default_in_small_decode_
 
 def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_drafts():
     """`--speculative-algorithm eagle3` without a draft path: the built-in model's shipped head
-    (`train_eagle3.py`), whose drafts the model keeps (mean accepted length above 3 of 5), answers
+    (`tools/builtin_train_eagle3.py`), whose drafts the model keeps (mean accepted length above 3 of 5), answers
     unchanged."""
     assert ServerArgs(speculative_algorithm="eagle3").speculative_draft_model_path == str(BUILTIN_DRAFT)
     rng = random.Random(7)

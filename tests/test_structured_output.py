@@ -73,7 +73,7 @@ def test_sampled_answers_follow_a_json_schema_with_an_image_in_the_prompt(engine
         json_schema=json.dumps(SCHEMA), temperature=1.0, n=8, seed=11, max_tokens=120,
     )  # fmt: skip
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
-    assert list(engine.scheduler.grammar_backend.cache) == [("json_schema", json.dumps(SCHEMA))]
+    assert list(engine.scheduler.grammar_queue.backend.cache) == [("json_schema", json.dumps(SCHEMA))]
 
 
 def test_greedy_and_penalised_answers_follow_a_regex(engine):
@@ -120,7 +120,7 @@ def test_a_grammar_that_cannot_compile_is_refused_with_the_reason(engine, kwargs
 def _never_compiling(engine, monkeypatch) -> Future:
     """Makes the grammar backend hand out a compilation that never finishes."""
     pending: Future = Future()
-    monkeypatch.setattr(engine.scheduler.grammar_backend, "compile", lambda key: pending)
+    monkeypatch.setattr(engine.scheduler.grammar_queue.backend, "compile", lambda key: pending)
     return pending
 
 
@@ -139,7 +139,7 @@ def test_a_request_waiting_for_its_grammar_can_be_aborted(engine, monkeypatch):
 def test_a_grammar_that_does_not_compile_in_time_fails_as_the_servers_fault(engine, monkeypatch):
     """A 503: the deadline includes waiting behind other grammars, and a retry finds it compiled."""
     _never_compiling(engine, monkeypatch)
-    monkeypatch.setattr(engine.server_args, "grammar_compile_timeout", 0.05)
+    monkeypatch.setattr(engine.scheduler.grammar_queue, "timeout", 0.05)  # (--grammar-compile-timeout)
     with pytest.raises(ServiceUnavailable, match="did not compile within 0.05 s"):
         engine.chat(_ask("Hello"), regex="a+", max_tokens=5)
 
@@ -173,7 +173,7 @@ def test_a_grammar_after_reasoning_rolls_back_across_the_end_of_thinking(engine)
     """What verifying speculative drafts needs of a grammar: accept them, then forget them again."""
     import xgrammar as xgr
 
-    backend = engine.scheduler.grammar_backend
+    backend = engine.scheduler.grammar_queue.backend
     grammar = backend.matcher(backend.compile(("regex", "(left|right)")).result(), after_reasoning=True)
     think_end = engine.tokenizer.token_to_id("</think>")
     vocab = engine.scheduler.vocab_size

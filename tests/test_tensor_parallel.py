@@ -16,11 +16,11 @@ from vlm_serve.testing.logits import prefill_logits
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
-from vlm_serve.llm.scheduler.scheduler import Scheduler
+from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.encoder_pool import create_encoder
+from vlm_serve.encoder.pool import create_encoder
 
 PROMPT = [5, 17, 300, 42, 7, 901, 66, 12, 450, 3, 88, 1000, 23]
 NEW_TOKENS = 8

@@ -224,7 +224,7 @@ def test_image_processor_and_vision_tower(tiny_moe_dir: Path, moe_model: torch.n
 
 def test_the_builtin_shape_sees_every_picture_at_about_256_pixels_square(tmp_path: Path):
     """Small pictures scaled up, large ones down, to 8 x 8 tokens or near (transformers' processor and ours)."""
-    from vlm_serve.vision.processor import MultimodalProcessor
+    from vlm_serve.multimodal.processor import MultimodalProcessor
 
     model_dir = create_tiny_model(tmp_path / "builtin", arch="moe", size="builtin", tie_word_embeddings=True)
     theirs = transformers.AutoImageProcessor.from_pretrained(model_dir)

@@ -11,7 +11,7 @@ import torch
 from eagle3_reference import CausalAttention
 
 from vlm_serve.builtin import BUILTIN_MODEL
-from vlm_serve.builtin.train_eagle3 import TrainableDraft, ttt_mask, write
+from vlm_serve.tools.builtin_train_eagle3 import TrainableDraft, ttt_mask, write
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.embedding import VocabParallelEmbedding
 from vlm_serve.llm.speculative.eagle3 import load_eagle3_draft

@@ -9,10 +9,10 @@ import torch
 from helpers import run_process
 
 from vlm_serve.config import ModelConfig
-from vlm_serve.vision.vision_tower import load_vision_model
+from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.multimodal.processor import MultimodalProcessor
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_passes_give_the_embeddings_of_one_pass(items, max_patches):
 _PEAK_RSS_SCRIPT = """
 import re, sys, torch
 from vlm_serve.config import ModelConfig
-from vlm_serve.vision.vision_tower import load_vision_model
+from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
 torch.set_num_threads(1)
 visual = load_vision_model(ModelConfig.from_pretrained(sys.argv[1]), torch.device("cpu"), torch.float32)
 t, h, w = 300, 16, 16

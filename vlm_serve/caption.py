@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from vlm_serve.engine import Engine, Submission
 from vlm_serve.errors import ApiError
-from vlm_serve.vision.media import MediaError
+from vlm_serve.errors import MediaError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 DEFAULT_PROMPT = "Describe this image in one sentence."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import dataclasses
 import logging
 import sys
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vlm-serve", description="Serve Qwen3-VL vision-language models.", formatter_class=_HelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('vlm_serve')}")
     sub = parser.add_subparsers(
         dest="command", required=True, parser_class=partial(argparse.ArgumentParser, formatter_class=_HelpFormatter)
     )

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
-from vlm_serve.server.reasoning_parser import REASONING_PARSERS
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +38,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "cpu", "torch", "flashinfer"),
     "schedule_policy": SCHEDULE_POLICIES,
-    "reasoning_parser": tuple(REASONING_PARSERS),
+    "reasoning_parser": ("qwen3",),  # (server/reasoning_parser.py's REASONING_PARSERS)
     "log_level": ("debug", "info", "warning", "error"),
     "disaggregation_mode": ("null", "prefill", "decode"),
     "disaggregation_transfer_backend": ("mooncake", "fake"),

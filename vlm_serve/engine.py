@@ -31,17 +31,17 @@ import torch
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.llm.model_runner import ModelRunner
-from vlm_serve.llm.prompt_logprobs import PromptLogprobs
-from vlm_serve.llm.scheduler.scheduler import Scheduler
+from vlm_serve.messages.logprobs import PromptLogprobs
+from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.model_source import with_local_model
-from vlm_serve.multimodal import MediaTimings, ProcessedInput
+from vlm_serve.multimodal.items import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
 from vlm_serve.server.detokenizer_manager import DetokenizerManager
 from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut, BootstrapInfo, SpeculativeCounts
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.encoder_pool import create_encoder
-from vlm_serve.vision.processor import MultimodalProcessor
+from vlm_serve.encoder.pool import create_encoder
+from vlm_serve.multimodal.processor import MultimodalProcessor
 
 
 @dataclass

@@ -37,6 +37,11 @@ class BadRequest(ApiError, ValueError):
     kind = "invalid_request_error"
 
 
+class MediaError(BadRequest):
+    """An image or video that cannot be used: unreadable, undecodable, too large or malformed (a 400;
+    `param`, where set, names the request's part that holds it)."""
+
+
 class ContextLengthExceeded(BadRequest):
     """A prompt and its answer cannot fit in the context: OpenAI's `context_length_exceeded`, worded as
     OpenAI and vLLM word it (LangChain and LiteLLM recognise it by the code and that wording)."""

@@ -16,7 +16,10 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from vlm_serve.config import ServerArgs
 
 _PR_SET_NAME = 15
 IDLE_POLL_MS = 500  # an idle process waits this long for a message before checking on its parent
@@ -99,3 +102,18 @@ def exit_now(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+# ---- CPU threads of the LLM process and the encoder ranks beside it ------------------------------------
+
+
+def rank_threads(server_args: ServerArgs) -> int:
+    """CPU threads of one rank: `vit_threads`, or an equal share of the cores with the LLM process."""
+    if server_args.vit_threads is not None:
+        return server_args.vit_threads
+    return max(1, len(os.sched_getaffinity(0)) // (server_args.vit_dp + 1))
+
+
+def llm_threads(server_args: ServerArgs) -> int:
+    """CPU threads left to the LLM process next to the pool's ranks (at least one)."""
+    return max(1, len(os.sched_getaffinity(0)) - server_args.vit_dp * rank_threads(server_args))

@@ -26,6 +26,7 @@ import numpy as np
 from PIL import Image, ImageColor, ImageDraw, ImageFilter
 
 KINDS = ("circle", "square", "triangle", "star", "diamond")
+VIDEO_FPS = 2  # the clips' rate, the processor's sampling rate: every frame is seen
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "orange": (245, 135, 20),

@@ -5,17 +5,19 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
 
 SAMPLED = -1  # in `ForwardBatch.draft_next_ids`
 
 if TYPE_CHECKING:
-    from vlm_serve.llm.layers.attention.base import AttentionBackend
-    from vlm_serve.llm.speculative.eagle3_worker import ChainRequest, DraftState
+    from vlm_serve.llm.speculative.draft_state import ChainRequest, DraftState
     from vlm_serve.llm.layers.sampler import SampleOutput, SampleRow
-    from vlm_serve.llm.prompt_logprobs import PromptLogprobs, PromptLogprobSpan
+    from vlm_serve.llm.prompt_logprobs import PromptLogprobSpan
+    from vlm_serve.messages.logprobs import PromptLogprobs
 
 
 class ForwardMode(IntEnum):
@@ -30,6 +32,16 @@ class ForwardMode(IntEnum):
     def extends_prompts(self) -> bool:
         """Whether the batch computes prompt tokens (its requests start decoding after it)."""
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+
+class Attention(Protocol):
+    """What the model's layers call on the batch's attention backend (layers/attention's AttentionBackend)."""
+
+    token_to_kv_pool: TokenToKVPool
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, batch: ForwardBatch
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -63,7 +75,7 @@ class ForwardBatch:
     future_start: int = 0
     has_futures: bool = True  # whether an input id or a sampling row's output is a future id (False: none is)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)  # rows giving prompt log-probs
-    attn_backend: AttentionBackend | None = None
+    attn_backend: Attention | None = None
     attn_metadata: Any = None  # the backend's index tensors for this batch (`init_forward_metadata`)
     draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each request's draft tokens (after its last token)
     # TARGET_VERIFY with an EAGLE-3 draft: what it drafts from, at forward time (until then `draft_ids` and

@@ -16,10 +16,11 @@ from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
 from vlm_serve.llm.overlap import FutureMap
-from vlm_serve.llm.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
+from vlm_serve.llm.prompt_logprobs import compute_prompt_logprobs
+from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.llm.speculative.eagle3 import Eagle3Draft, load_eagle3_draft
 from vlm_serve.model_source import resolve_model
-from vlm_serve.vision.encoder_pool import llm_threads
+from vlm_serve.process import llm_threads
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 class ModelRunner:
     """Owns the language model, its KV pools and its attention backend: batch in, next tokens out.
 
-    The vision tower is not here: the encoders (`vision/`) run it and hand the scheduler embeddings."""
+    The vision tower is not here: the encoders (`encoder/`) run it and hand the scheduler embeddings."""
 
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
         self.server_args = server_args

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vlm_serve.errors import ContextLengthExceeded
-from vlm_serve.multimodal import MediaTimings, MultimodalItem
+from vlm_serve.multimodal.items import MediaTimings, MultimodalItem
 from vlm_serve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from vlm_serve.llm.prompt_logprobs import PromptLogprobs
+    from vlm_serve.messages.logprobs import PromptLogprobs
 
 
 @dataclass

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from vlm_serve.errors import ApiError, BadRequest, InternalError, ServiceUnavailable
 from vlm_serve.messages.backend import BootstrapInfo, SchedulerLimits, SpeculativeCounts, TokenizedGenerateReq
-from vlm_serve.multimodal import MediaTimings, ProcessedInput
+from vlm_serve.multimodal.items import MediaTimings, ProcessedInput
 from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
 
 if TYPE_CHECKING:
-    from vlm_serve.llm.prompt_logprobs import PromptLogprobs
+    from vlm_serve.messages.logprobs import PromptLogprobs
 
 
 @dataclass

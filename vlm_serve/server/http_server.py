@@ -68,7 +68,7 @@ from vlm_serve.server.responses_protocol import DeletedResponse, InputItemList, 
 from vlm_serve.server.tokenizer_manager import ServerMetrics, TokenizerManager
 
 if TYPE_CHECKING:
-    from vlm_serve.server.launcher import ServerProcesses
+    from vlm_serve.server.processes import ServerProcesses
 
 logger = logging.getLogger(__name__)
 

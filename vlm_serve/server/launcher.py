@@ -16,14 +16,13 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.multiprocessing as mp
 
 from vlm_serve.config import API_KEY_ENV, ServerArgs
-from vlm_serve.llm.disaggregation.bootstrap import BootstrapServer
+from vlm_serve.disaggregation.bootstrap import BootstrapServer
 from vlm_serve.model_source import with_local_model
 from vlm_serve.process import starting_children
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
@@ -31,50 +30,10 @@ from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
 from vlm_serve.messages.backend import SchedulerLimits
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.scheduler_process import run_scheduler_process
-from vlm_serve.vision.encoder_pool import EncoderRanks, PoolAddresses
+from vlm_serve.encoder.pool import EncoderRanks, PoolAddresses
+from vlm_serve.server.processes import ServerProcesses
 
 STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint takes minutes)
-CHILD_STOP_TIMEOUT = 10.0
-
-
-@dataclass
-class ServerProcesses:
-    """The children of this launcher: TP rank schedulers, and on node 0 the detokenizer and the
-    encoder ranks."""
-
-    schedulers: list[mp.Process]
-    detokenizer: mp.Process | None = None
-    encoders: EncoderRanks | None = None
-
-    @property
-    def processes(self) -> list[mp.Process]:
-        return [*self.schedulers, *([self.detokenizer] if self.detokenizer is not None else [])]
-
-    def dead(self) -> str:
-        """Why a child is not running ('' when all are; encoder ranks are restarted, not reported). Of
-        several, one killed by a signal is named: the others' errors follow from its death (a TP rank
-        whose peer died fails in their collective)."""
-        exited = sorted((p for p in self.processes if not p.is_alive()), key=lambda p: p.exitcode >= 0)
-        return f"the {exited[0].name} process exited (code {exited[0].exitcode})" if exited else ""
-
-    def restart_encoders(self) -> None:
-        if self.encoders is not None:
-            self.encoders.check()
-
-    def stop(self) -> None:
-        for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-        if self.encoders is not None:
-            self.encoders.stop()
-        deadline = time.monotonic() + CHILD_STOP_TIMEOUT
-        for p in self.processes:
-            p.join(max(deadline - time.monotonic(), 0.1))
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.llm.prompt_logprobs import PromptLogprobs
+from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.messages.backend import SpeculativeCounts, TokenizedGenerateReq
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.server.protocol import (
@@ -54,8 +54,8 @@ from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
 from vlm_serve.errors import ApiError, InternalError, ModelNotFoundError
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.server.tool_parser import ToolCall
-from vlm_serve.multimodal import ProcessedInput
-from vlm_serve.vision.processor import PartParam, chat_part_param
+from vlm_serve.multimodal.items import ProcessedInput
+from vlm_serve.multimodal.processor import PartParam, chat_part_param
 
 logger = logging.getLogger(__name__)
 

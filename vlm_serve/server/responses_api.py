@@ -53,7 +53,7 @@ from vlm_serve.server.responses_protocol import (
     ResponseUsage,
     DeletedResponse,
 )
-from vlm_serve.vision.processor import PartParam
+from vlm_serve.multimodal.processor import PartParam
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardMode
-from vlm_serve.llm.scheduler.schedule_batch import Req, ScheduleBatch
-from vlm_serve.llm.scheduler.scheduler import Scheduler
-from vlm_serve.mm_cache.hashing import pad_input_ids
-from vlm_serve.multimodal import MultimodalItem
+from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
+from vlm_serve.scheduler.scheduler import Scheduler
+from vlm_serve.multimodal.hashing import pad_input_ids
+from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.sampling_params import SamplingParams
 
 

@@ -25,8 +25,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from vlm_serve.builtin.scenes import random_motion, random_scene, render, render_motion
-from vlm_serve.builtin.train import VIDEO_FPS
+from vlm_serve.builtin.scenes import VIDEO_FPS, random_motion, random_scene, render, render_motion
 from vlm_serve.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 from vlm_serve.testing.media import write_video
 

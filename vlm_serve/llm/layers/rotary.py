@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_serve.multimodal import MultimodalItem
+from vlm_serve.multimodal.items import MultimodalItem
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from vlm_serve.checkpoint import WeightFormat, build_module, check_dummy, checkp
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.linear import prepack_weights
 from vlm_serve.llm.models.qwen3_vl import Qwen3VLForConditionalGeneration
-from vlm_serve.vision.vision_tower import VISION_PREFIX
+from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX
 
 
 def experts_transposed(files: list[Path], config: ModelConfig) -> bool:

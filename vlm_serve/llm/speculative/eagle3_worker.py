@@ -11,36 +11,15 @@ the next `extend` overwrites it with what the target saw there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode
+from vlm_serve.llm.speculative.draft_state import ChainRequest, DraftState
 
 if TYPE_CHECKING:
     from vlm_serve.llm.model_runner import ModelRunner
-
-
-@dataclass
-class DraftState:
-    """Where a request's drafting resumes: the draft's token after its last kept position, and the
-    draft's pre-norm output there (the next step's hidden state)."""
-
-    first: int
-    hidden: torch.Tensor  # (hidden_size,)
-
-
-@dataclass
-class ChainRequest:
-    """What `chain` reads of a request: its drafting state, its row of `req_to_token`, the position of
-    its last token (the verify forward's first) and the MRoPE delta of its outputs."""
-
-    state: DraftState
-    req_pool_idx: int
-    start: int
-    mrope_delta: int
-    count: int  # drafts it gets
 
 
 class Eagle3Worker:

@@ -12,7 +12,8 @@ import torch
 
 from vlm_serve.llm.forward_batch import SAMPLED, ForwardBatch, ForwardOutput
 from vlm_serve.llm.layers.sampler import set_drafts
-from vlm_serve.llm.speculative.eagle3_worker import DraftState, Eagle3Worker
+from vlm_serve.llm.speculative.draft_state import DraftState
+from vlm_serve.llm.speculative.eagle3_worker import Eagle3Worker
 from vlm_serve.llm.speculative.verify import verify_drafts
 
 if TYPE_CHECKING:

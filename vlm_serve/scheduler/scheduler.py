@@ -1,0 +1,825 @@
+"""The scheduler: owns `waiting_queue`, `running_batch` and the RadixCache, decides every iteration what
+the model runs, and runs its own event loop.
+
+An iteration reads as SGLang's: `recv_requests` → `process_input_requests` → `get_next_batch_to_run`
+(merge the last prefill into `running_batch`; a new prefill if one fits, continuing the `chunked_req`;
+else decode the running batch, retracting requests when decode memory runs out) → `run_batch` →
+`process_batch_result` → `stream_output`. `event_loop_normal` processes each batch's result right after
+its forward. `event_loop_overlap` launches batch N+1 before processing batch N's result, so the
+scheduler's own work overlaps the model's (see `llm/overlap.py`).
+
+Its I/O is injected (`SchedulerIO`): ZMQ sockets in the server's scheduler process, queues in `Engine`,
+which drives the same loop one iteration at a time (`run_iteration`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vlm_serve.config import ServerArgs
+from vlm_serve.detokenizer import IncrementalDetokenizer
+from vlm_serve.scheduler.pd_common import META_SLOT_BYTES
+from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
+from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
+from vlm_serve.disaggregation.factory import create_transfer_backend
+from vlm_serve.disaggregation.transfer import KVLayout
+from vlm_serve.llm.distributed import get_parallel_state
+from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput, sample_groups
+from vlm_serve.llm.layers.sampler import SampleOutput
+from vlm_serve.scheduler.radix_cache import RadixCache
+from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.overlap import ForwardThread, FutureMap
+from vlm_serve.scheduler.encoding_stage import EncodingStage
+from vlm_serve.scheduler.metrics import SchedulerMetrics
+from vlm_serve.scheduler.drafting import Drafting
+from vlm_serve.scheduler.grammar_queue import GrammarQueue
+from vlm_serve.scheduler.output_streamer import FailReq, OutputStreamer, SchedulerIO
+from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, request_failure
+from vlm_serve.llm.speculative.worker import SpeculativeWorker
+from vlm_serve.scheduler.schedule_policy import (
+    IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
+    IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
+    AddReqResult,
+    PrefillAdder,
+    SchedulePolicy,
+)
+from vlm_serve.multimodal.hashing import pad_input_ids
+from vlm_serve.messages.backend import AbortReq, FlushCacheOut, FlushCacheReq, GetStatsReq, SchedulerLimits, StatsOut, TokenizedGenerateReq
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.encoder.encoder import VisionEncoder
+from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens running requests are assumed to still use
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # the ratio decays to this fraction of its initial value
+NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minimum
+RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
+ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per iteration
+TRANSFER_WAIT_SECONDS = 0.002  # the same for KV transfers (PD)
+
+
+@dataclass
+class LaunchedBatch:
+    """A batch whose forward was launched: what `process_batch_result` needs once it has run."""
+
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    num_prefill_reqs: int  # the first rows; the others (a mixed batch) were decoding
+    samples: list[bool]  # per row: whether its sampled token is an output (not for a chunk before the end)
+    kv_ends: list[int]  # per row: its tokens with KV once the batch has run
+    future_start: int  # FutureMap slot of row 0's token
+    result: Future[ForwardOutput]
+    num_drafts: list[int] | None = None  # TARGET_VERIFY: each row's draft tokens
+    keep_aux: bool = False  # whether the EAGLE-3 draft ran after it (else its requests draft no more)
+
+
+class Scheduler:
+    """Turns requests into batches and batches into outputs, one `run_iteration` at a time."""
+
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        encoder: VisionEncoder | None,
+        io: SchedulerIO | None = None,
+    ) -> None:
+        self.server_args = server_args
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.io = io
+        parallel = get_parallel_state()
+        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
+        self.tp_cpu_group, self.tp_broadcast_group = parallel.tp_cpu_group, parallel.tp_broadcast_group
+        self.vocab_size = runner.model_config.text.vocab_size
+        self.merge_size = runner.model_config.vision.spatial_merge_size
+        self.eos_token_ids = set(runner.model_config.eos_token_ids)
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.allocator
+        self.future_map: FutureMap = runner.future_map
+        self.page_size = server_args.page_size
+        self.max_total_tokens = runner.max_total_tokens
+        self.max_running_requests = self.req_to_token_pool.size
+        self.max_prefill_tokens = min(server_args.max_prefill_tokens, self.max_total_tokens)
+        chunk = server_args.resolved_chunked_prefill_size()
+        self.chunked_prefill_size = None if chunk is None else min(chunk, self.max_prefill_tokens)
+        self.enable_mixed_chunk = server_args.enable_mixed_chunk and self.chunked_prefill_size is not None
+
+        self.tree_cache = RadixCache(
+            self.req_to_token_pool, self.allocator, self.page_size, disable=server_args.disable_radix_cache
+        )
+        self.policy = SchedulePolicy(
+            server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
+        )
+        self.encoding = EncodingStage(encoder, server_args.mm_cache_mb << 20)
+        self.grammar_queue = GrammarQueue(
+            tokenizer, self.vocab_size, sorted(self.eos_token_ids), server_args.grammar_compile_timeout, self.tp_rank,
+            self.tp_size, self.tp_cpu_group,
+        )  # fmt: skip
+        self.waiting_queue: list[Req] = []
+        self.running_batch = self.new_batch([])
+        self.chunked_req: Req | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.reqs: dict[str, Req] = {}  # every unfinished request, by id
+
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self.drafting = Drafting(server_args, runner)
+        # what runs a launched batch: the runner's forward, or around it the drafts' verification and draft
+        self.forward: Callable[[ForwardBatch], ForwardOutput] = (
+            SpeculativeWorker(runner, self.drafting.eagle).forward_batch_generation
+            if server_args.speculating else runner.forward_batch_generation
+        )  # fmt: skip
+        if encoder is not None and encoder.cores is not None:
+            self.forward = encoder.cores.llm_side(self.forward)
+        self.forward_thread = ForwardThread(runner, self.forward) if self.enable_overlap else None
+        if self.forward_thread is not None:
+            if encoder is not None:
+                encoder.run_on(self.forward_thread)  # an inline vision tower runs in order with the forwards
+            weakref.finalize(self, self.forward_thread.shutdown)  # dropped or left without shutdown()
+        self.result_queue: deque[LaunchedBatch] = deque()  # launched, result not processed yet
+        self.event_loop: Callable[[], None] = self.event_loop_overlap if self.enable_overlap else self.event_loop_normal
+        self.run_iteration: Callable[[], None] = (
+            self.run_iteration_overlap if self.enable_overlap else self.run_iteration_normal
+        )
+        self.metrics = SchedulerMetrics()
+        self.forward_ct = 0
+        self._idle_checked = True
+        self.outputs = OutputStreamer(io, self.tp_rank, server_args.speculating)
+        self.disagg = self._init_disaggregation()
+
+    def _init_disaggregation(self) -> PrefillDisaggregation | DecodeDisaggregation | None:
+        """This rank's side of PD (`--disaggregation-mode`): its transfer backend, with the KV pool and a
+        metadata slot per request row registered, and the side's queues."""
+        mode = self.server_args.disaggregation_mode
+        if mode == "null":
+            return None
+        records = torch.zeros(self.req_to_token_pool.size, META_SLOT_BYTES, dtype=torch.uint8)
+        layout = KVLayout.of(self.runner.token_to_kv_pool, records)
+        backend = create_transfer_backend(self.server_args, mode, self.tp_rank, layout)
+        side = PrefillDisaggregation if mode == "prefill" else DecodeDisaggregation
+        return side(self, backend, records)
+
+    def shutdown(self) -> None:
+        if self.disagg is not None:
+            self.disagg.backend.close()
+        if self.forward_thread is not None:
+            self.forward_thread.shutdown()
+            self.forward_thread = None
+        if self.encoding.encoder is not None:
+            self.encoding.encoder.shutdown()
+        self.grammar_queue.shutdown()
+
+    def new_batch(self, reqs: list[Req], mode: ForwardMode = ForwardMode.DECODE) -> ScheduleBatch:
+        return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, mode)
+
+    @property
+    def limits(self) -> SchedulerLimits:
+        return SchedulerLimits(
+            self.max_total_tokens, self.runner.context_len, self.max_running_requests, self.page_size
+        )
+
+    # ---- the event loops ---------------------------------------------------------------------------
+
+    def event_loop_normal(self) -> None:
+        """Each batch's result is processed right after its forward (--disable-overlap-schedule)."""
+        while True:
+            self.run_iteration_normal()
+
+    def run_iteration_normal(self) -> None:
+        recv_reqs = self.recv_requests()
+        self.process_input_requests(recv_reqs)
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            launched = self.run_batch(batch)
+            self.process_batch_result(launched)
+        else:
+            self.self_check_when_idle()
+        self.last_batch = batch
+        self.stream_output()
+
+    def event_loop_overlap(self) -> None:
+        """Batch N+1 is prepared and launched while batch N runs; N's result is processed after that,
+        while N+1 runs."""
+        while True:
+            self.run_iteration_overlap()
+
+    def run_iteration_overlap(self) -> None:
+        with self.forward_thread.scheduler_side():
+            self._iteration_overlap()
+
+    def _iteration_overlap(self) -> None:
+        recv_reqs = self.recv_requests()
+        self.process_input_requests(recv_reqs)
+        batch = self.get_next_batch_to_run()
+        if batch is None and self.result_queue:
+            # what could run next waits for the batch in flight (its requests' last tokens)
+            self.process_batch_result(self.result_queue.popleft())
+            self.last_batch = None  # merged into running_batch already
+            batch = self.get_next_batch_to_run()
+        launched = self.run_batch(batch) if batch is not None else None
+        if self.result_queue:
+            self.process_batch_result(self.result_queue.popleft())  # the previous batch, while this one runs
+        if launched is not None:
+            self.result_queue.append(launched)
+        else:
+            self.self_check_when_idle()
+        self.last_batch = batch
+        self.stream_output()
+
+    # ---- requests in -------------------------------------------------------------------------------
+
+    def recv_requests(self) -> list[Any]:
+        """Rank 0 reads every waiting message (an idle scheduler waits a while for the first one); with
+        TP it broadcasts them, so every rank applies the same requests before the same step. Pixel
+        values are left out of the broadcast: only rank 0 encodes."""
+        messages = []
+        if self.tp_rank == 0:
+            messages = self.outputs.take_failures() + self.io.recv(block=self.is_idle())
+        if self.tp_size > 1:
+            box = [[_without_pixels(m) for m in messages]]
+            dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
+            if self.tp_rank != 0:
+                messages = box[0]
+        return messages
+
+    def process_input_requests(self, recv_reqs: list[Any]) -> None:
+        for message in recv_reqs:
+            if isinstance(message, TokenizedGenerateReq):
+                self.handle_generate_request(message)
+            elif isinstance(message, AbortReq):
+                self.abort_request(message.rid, message.message)
+            elif isinstance(message, FailReq):
+                if message.rid in self.reqs:
+                    self.stop_request(self.reqs[message.rid], message.reason)
+            elif isinstance(message, FlushCacheReq):
+                self.outputs.replies.append(self.flush_cache())
+            elif isinstance(message, GetStatsReq):
+                self.outputs.replies.append(self.get_stats())
+            else:
+                logger.error("unknown message %s ignored", type(message).__name__)
+        if self.grammar_queue:  # (the same on every rank: this step may broadcast)
+            for req, failure in self.grammar_queue.poll(not self._has_work() and not len(self.encoding)):
+                self._enqueue(req) if failure is None else self.finish(req, failure)
+        if len(self.encoding):
+            self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
+        if self.disagg is not None and len(self.disagg):
+            if not self._has_work() and not len(self.encoding):
+                time.sleep(TRANSFER_WAIT_SECONDS)  # (the transfers move on other threads)
+            self.disagg.process()
+
+    def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
+        req = Req(
+            message.rid, message.input_ids, message.sampling_params, message.mm_items, priority=message.priority,
+            bootstrap=message.bootstrap,
+        )
+        try:
+            self.add_request(req)
+        except Exception as exc:  # noqa: BLE001 - ValueError: the request's own fault; else the server's, its alone
+            if isinstance(exc, ValueError):
+                code = getattr(exc, "code", None) or ""  # (an ApiError's, e.g. context_length_exceeded)
+                reason = FinishReason.error(400, code, str(exc))
+            else:
+                reason = request_failure(req, "while being admitted", exc)
+            if req.bootstrap is not None and self.disagg is not None:
+                self.disagg.refuse(req.bootstrap, reason.message)
+            if self.reqs.get(req.rid) is req:  # it failed once admitted: stopped where it got to
+                self.stop_request(req, reason)
+                return
+            self.outputs.refuse(message.rid, reason)
+
+    def add_request(self, req: Req) -> None:
+        """Validates and queues a request; a request that can never run raises ValueError."""
+        prompt_len, max_new = len(req.origin_input_ids), req.sampling_params.max_new_tokens
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if req.rid in self.reqs:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        placeholder = [False] * prompt_len
+        for item in req.mm_items:
+            if item.pixel_values.dim() != 2 or item.pixel_values.shape[0] != item.num_patches:
+                raise ValueError(
+                    f"{item.modality} pixel values of shape {tuple(item.pixel_values.shape)} do not match its grid "
+                    f"{item.grid_thw} ({item.num_patches} patches)"
+                )
+            for start, end in item.spans:
+                placeholder[start:end] = [True] * (end - start)
+        bad = [t for t, mm in zip(req.origin_input_ids, placeholder) if not mm and not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        params = req.sampling_params
+        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if req.bootstrap is not None and self.disagg is None:
+            req.bootstrap = None  # a colocated server serves it whole
+        if req.bootstrap is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
+        if self.server_args.disaggregation_mode == "decode" and req.mm_items and req.bootstrap is None:
+            raise ValueError(
+                "this decode server takes images and videos only with bootstrap_host, bootstrap_port and "
+                "bootstrap_room (from sglang-router's PD mode): it has no vision tower"
+            )
+        self.limits.check_fits(prompt_len, max_new)
+        req.origin_input_ids = pad_input_ids(req.origin_input_ids, req.mm_items, self.vocab_size)
+        req.init_positions(self.runner.model_config.vision.spatial_merge_size)
+        if req.sampling_params.stop or req.sampling_params.stop_regex:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.reqs[req.rid] = req
+        self._idle_checked = False
+        if not self.grammar_queue.add(req):  # (else it goes on when its grammar is compiled)
+            self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        """An admitted request goes on: to its side's PD queue if it came with bootstrap info, else to
+        `waiting_queue`."""
+        if req.bootstrap is not None:
+            self.disagg.add(req)
+        else:
+            self.to_waiting_queue(req)
+
+    def to_waiting_queue(self, req: Req) -> None:
+        """A request to `waiting_queue`, through the encoding stage if its media need it."""
+        if req.mm_items:
+            covered = len(self.tree_cache.match_prefix(req.origin_input_ids[:-1]).indices)
+            if req.prompt_logprobs_pending:  # it computes its whole prompt: no cached prefix covers an item
+                covered = 0
+            if self.encoding.add(req, covered):
+                return  # it joins waiting_queue when its embeddings are ready
+            self.metrics.observe_media(req.mm_items)
+        self.waiting_queue.append(req)
+
+    def process_encoding_results(self, timeout: float = 0.0) -> None:
+        """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be (as
+        the encoding stage says why). With TP, rank 0 tells the others which, with the embeddings."""
+        decoding = any(not r.finished for r in self.running_batch.reqs)
+        ready, failed = self.encoding.poll(timeout, decoding) if self.tp_rank == 0 else ([], [])
+        if self.tp_size > 1:
+            ready, failed = self.broadcast_encoding_results(ready, failed)
+        for req in ready:
+            self.metrics.observe_media(req.mm_items)
+            self.waiting_queue.append(req)
+        for req, failure in failed:
+            self.finish(req, failure)
+
+    def broadcast_encoding_results(
+        self, ready: list[Req], failed: list[tuple[Req, FinishReason]]
+    ) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
+        """Rank 0's encoding results on every rank. The request ids and row counts go as a small object;
+        the embeddings as one tensor, (1 + deepstack layers, rows, hidden), broadcast as a tensor."""
+        items = [(req.rid, [(i, e.embeds.shape[0]) for i, e in enumerate(req.mm_embeds) if e is not None]) for req in ready]
+        box = [(items, [(req.rid, failure) for req, failure in failed])]
+        dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
+        items, failures = box[0]
+        rows = sum(n for _, held in items for _, n in held)
+        if rows:
+            if self.tp_rank == 0:
+                flat = torch.cat(
+                    [torch.stack([e.embeds, *e.deepstack]) for req in ready for e in req.mm_embeds if e is not None], dim=1
+                )
+            else:
+                vision = self.runner.model_config.vision
+                shape = (1 + len(vision.deepstack_visual_indexes), rows, vision.out_hidden_size)
+                flat = torch.empty(shape, dtype=self.runner.dtype, device=self.runner.device)
+            dist.broadcast(flat, src=0, group=self.tp_broadcast_group)
+        if self.tp_rank == 0:
+            return ready, failed
+        start = 0
+        for rid, held in items:
+            embeds = {}
+            for i, n in held:
+                layers = flat[:, start : start + n]
+                embeds[i] = VisionOutput(layers[0], list(layers[1:]))
+                start += n
+            self.encoding.receive(self.reqs[rid], embeds)
+        failed = [(self.reqs[rid], failure) for rid, failure in failures]
+        for req, _ in failed:
+            self.encoding.remove(req)
+        return [self.reqs[rid] for rid, _ in items], failed
+
+    def abort_request(self, rid: str, message: str = "aborted") -> None:
+        req = self.reqs.get(rid)
+        if req is not None:
+            self.stop_request(req, FinishReason("abort", message=message))
+
+    def stop_request(self, req: Req, reason: FinishReason) -> None:
+        """Ends a request wherever it is (an abort, or a failure of its own): at once where it waits; in a
+        batch (it holds KV), when the next batch is built, which releases what it holds."""
+        if self.grammar_queue.remove(req):
+            pass
+        elif req in self.encoding:
+            self.encoding.remove(req)
+        elif req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+        elif self.disagg is not None and self.disagg.remove(req):
+            pass
+        elif req.req_pool_idx is not None or req is self.chunked_req:
+            req.to_finish = reason
+            return
+        self.finish(req, reason)
+
+    def fail_request(self, req: Req, where: str, exc: Exception | str) -> None:
+        """A request's own failure (its sampling, grammar or output): it ends with a 500 naming the cause,
+        and the others go on."""
+        if not req.finished and req.to_finish is None:
+            self.stop_request(req, request_failure(req, where, exc))
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        if req.transfer is not None and reason.kind in ("abort", "error"):
+            req.transfer.abort()  # (the other side learns it; a finished transfer ignores it)
+        if self.disagg is not None:
+            self.disagg.forget(req)
+        self.encoding.release(req)
+        req.finished_reason = reason
+        del self.reqs[req.rid]
+        self.metrics.num_finished += 1
+        self.outputs.finished.append(req)
+
+    def is_idle(self) -> bool:
+        return not self.reqs and not self.result_queue
+
+    def _has_work(self) -> bool:
+        """Whether a batch can run now (without waiting for the encoder), or one is running."""
+        return bool(self.waiting_queue or self.chunked_req or self.running_batch.reqs or self.result_queue) or (
+            self.last_batch is not None and self.last_batch.forward_mode.extends_prompts()
+        )
+
+    # ---- choosing the next batch -------------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.last_batch is not None and self.last_batch.forward_mode.extends_prompts():
+            # the last prefill's requests (but the one still being chunked) start decoding
+            joined = [
+                r for r in self.last_batch.reqs
+                if not r.finished and r is not self.chunked_req and r.transfer is None  # (PD prefill: none decode here)
+            ]  # fmt: skip
+            self.running_batch.reqs = self.running_batch.reqs + joined
+        self._release_stopped()
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        return self.update_running_batch()
+
+    def _release_stopped(self) -> None:
+        """Releases the requests stopped while in a batch (aborted or failed) and drops finished ones from
+        the running batch. A request may be in the batch still running (overlap): its KV is read by that
+        forward and written only by later ones, which run after it. A failed request's KV is not cached:
+        it may not match its tokens."""
+        stopped = [r for r in self.running_batch.reqs if r.to_finish is not None and not r.finished]
+        if self.chunked_req is not None and self.chunked_req.to_finish is not None:
+            stopped.append(self.chunked_req)
+            self.chunked_req = None
+        for req in stopped:
+            self.tree_cache.cache_finished_req(req, keep=req.to_finish.kind != "error")
+            self.finish(req, req.to_finish)
+        self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished]
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = len(self.running_batch.reqs) + (self.chunked_req is not None)
+        if running >= self.max_running_requests and self.chunked_req is None:
+            return None
+        prefixes_matched = self.policy.calc_priority(self.waiting_queue)
+        mixed = [r for r in self.running_batch.reqs if r.needs_decode] if self.enable_mixed_chunk else []
+        adder = PrefillAdder(
+            self.tree_cache, self.running_batch, self.new_token_ratio, self.max_prefill_tokens,
+            self.chunked_prefill_size, len(mixed),
+        )  # fmt: skip
+        if self.chunked_req is not None:
+            self.chunked_req.extend_len = self.chunked_req.seq_len - self.chunked_req.kv_len
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        in_batch = RadixCache(None, None)  # ids of requests picked this round, for in-batch sharing
+        for req in list(self.waiting_queue):
+            if running + len(adder.can_run_list) >= self.max_running_requests or adder.new_chunked_req or self.chunked_req:
+                break
+            if not prefixes_matched:
+                req.match_prefix(self.tree_cache)
+            if req.mm_items and self.encoding.add(req, len(req.prefix_indices)):
+                self.waiting_queue.remove(req)  # its cached prefix shrank: it needs embeddings after all
+                continue
+            if (
+                not self.tree_cache.disable and not req.prompt_logprobs_pending
+                and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
+            ):  # fmt: skip
+                uncached = req.fill_ids[len(req.prefix_indices) :]
+                if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
+                    continue  # it will hit the cache next round
+            if self.server_args.enable_priority_scheduling:
+                threshold = self.server_args.priority_scheduling_preemption_threshold
+                result, preempted = adder.add_one_req_preempting(req, self.running_batch, threshold)
+                if preempted:
+                    self.metrics.num_preemptions += len(preempted)
+                    self.waiting_queue.extend(preempted)
+                    mixed = [r for r in mixed if r not in preempted]
+            else:
+                result = adder.add_one_req(req)
+            if req in adder.can_run_list and not self.tree_cache.disable:
+                uncached = req.fill_ids[len(req.prefix_indices) :]
+                in_batch.insert(uncached, torch.zeros(len(uncached), dtype=torch.int64))
+            if result != AddReqResult.CONTINUE:
+                break
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if not adder.can_run_list:
+            return None
+        picked = set(map(id, adder.can_run_list))
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in picked]
+        for req in adder.can_run_list:
+            if req.req_pool_idx is None:
+                req.cached_tokens = max(req.cached_tokens, len(req.prefix_indices))
+                self.metrics.cached_prompt_tokens += len(req.prefix_indices)
+            self.metrics.computed_prompt_tokens += req.extend_len
+        batch = self.new_batch(adder.can_run_list, ForwardMode.EXTEND)
+        if mixed:
+            batch.mix_with_running(mixed)
+            self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.needs_decode]
+        return batch
+
+    def update_running_batch(self) -> ScheduleBatch | None:
+        """The decode batch: running requests that can still grow. Before it, retract requests if the
+        KV cache cannot hold one more token each, else let `new_token_ratio` decay back towards its
+        minimum."""
+        batch = self.running_batch
+        if not batch.reqs or any(r.verifying for r in batch.reqs):  # (its result comes first: one at a time)
+            return None
+        if not batch.check_decode_mem():
+            retracted = batch.retract_decode(RETRACT_DECODE_STEPS)
+            self.metrics.num_retractions += len(retracted)
+            if isinstance(self.disagg, DecodeDisaggregation):
+                retracted = self.disagg.requeue(retracted)
+            self.waiting_queue = retracted + self.waiting_queue
+            total_max_new = sum(r.sampling_params.max_new_tokens for r in batch.reqs)
+            decoded = sum(len(r.output_ids) for r in batch.reqs)
+            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(batch.reqs)) / max(total_max_new, 1))
+            logger.warning(
+                "KV cache full: retracted %d request(s); new_token_ratio is now %.2f",
+                len(retracted), self.new_token_ratio,
+            )  # fmt: skip
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        decoding = [r for r in batch.reqs if r.needs_decode]  # the others' last token is in flight
+        drafting = self.drafting.enabled(len(decoding))
+        if drafting:  # drafts follow the tokens kept: those with tokens in flight wait for them
+            decoding = [r for r in decoding if r.settled]
+        if not decoding:
+            return None
+        decode = self.new_batch(decoding)
+        if drafting:
+            drafts = self.drafting.drafts(decoding)
+            free = self.allocator.available_size() + self.tree_cache.evictable_size()
+            # (drafts only where the pool holds them as well: whole pages for every request's 1 + k tokens)
+            if any(drafts) and free >= sum(len(d) + 1 for d in drafts) + len(decoding) * self.page_size:
+                decode.forward_mode, decode.draft_ids = ForwardMode.TARGET_VERIFY, drafts
+        return decode
+
+    # ---- running a batch ---------------------------------------------------------------------------
+
+    def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        """Builds the batch's tensors and launches its forward: on the forward thread with overlap (the
+        result arrives later), else here and now. Requests whose token it samples get a future id."""
+        t0 = time.perf_counter()
+        verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
+        if batch.forward_mode.is_decode():
+            forward_batch = batch.prepare_for_decode()
+        elif verify:
+            forward_batch = batch.prepare_for_verify(draft_model=self.drafting.eagle is not None)
+        else:
+            forward_batch = batch.prepare_for_extend()
+        forward_batch.future_start = self.future_map.alloc(len(batch.reqs))
+        forward_batch.keep_aux = self.drafting.eagle is not None and not self.drafting.skips(batch)
+        if forward_batch.keep_aux and not verify:
+            forward_batch.draft_next_ids = batch.draft_next_ids(forward_batch)
+        self.runner.init_forward_metadata(forward_batch)
+        for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
+            if verify:
+                req.verifying = True  # (how many tokens it keeps is waited for)
+            elif samples:
+                req.future_token = FutureMap.future_id(forward_batch.future_start + i)
+        for req in batch.reqs[: batch.num_prefill_reqs]:
+            # share the prompt (or chunk) at once: every forward that could read its KV runs after this one
+            self.tree_cache.cache_unfinished_req(req)
+        launched = LaunchedBatch(
+            list(batch.reqs), batch.forward_mode, batch.num_prefill_reqs, list(batch.samples),
+            list(forward_batch.seq_lens_cpu), forward_batch.future_start, Future(),
+            [len(d) for d in forward_batch.draft_ids] if verify else None, forward_batch.keep_aux,
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        self.metrics.time_schedule += t1 - t0
+        if self.forward_thread is not None:
+            launched.result = self.forward_thread.launch(forward_batch)
+        else:
+            launched.result.set_result(self.forward(forward_batch))
+            self.metrics.time_forward += time.perf_counter() - t1
+        self.forward_ct += 1
+        if self.forward_ct % self.server_args.log_interval == 0:
+            self.log_stats(batch.forward_mode, len(batch.reqs), len(forward_batch.input_ids))
+        return launched
+
+    # ---- results -----------------------------------------------------------------------------------
+
+    def process_batch_result(self, batch: LaunchedBatch) -> None:
+        """Appends each request's sampled token and checks whether it finished. Under overlap a request
+        may have changed since the batch was launched: aborted (skipped), or retracted or preempted
+        (its token is kept; it re-prefills with it)."""
+        result = batch.result.result()  # waits for the forward
+        out = result.sample
+        t0 = time.perf_counter()
+        next_token_ids = out.tolist()
+        if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            self.metrics.num_decode_batches += 1
+        elif batch.forward_mode == ForwardMode.MIXED:
+            self.metrics.num_mixed_batches += 1
+        else:
+            self.metrics.num_prefill_batches += 1
+        for i, (req, rows) in enumerate(zip(batch.reqs, sample_groups(len(batch.reqs), batch.num_drafts))):
+            req.verifying = False
+            if req.finished or req.to_finish is not None:
+                continue
+            failure = next((out.failures[row] for row in rows if row in out.failures), None)
+            if failure is not None:
+                self.fail_request(req, "while sampling", failure)
+                continue
+            try:
+                self._process_result_row(batch, i, req, result, next_token_ids, rows)
+            except Exception as exc:  # noqa: BLE001 - its own failure: it ends, the others go on
+                self.fail_request(req, "while its output was processed", exc)
+        self.drafting.drafted(batch.reqs, batch.keep_aux, result.draft_states)
+        if isinstance(self.disagg, PrefillDisaggregation):
+            self.disagg.send_computed()  # (after the draft's extend: its KV goes too)
+        self.metrics.time_process += time.perf_counter() - t0
+        if self.forward_thread is not None:
+            self.metrics.time_forward = self.forward_thread.busy_seconds
+
+    def _process_result_row(
+        self, batch: LaunchedBatch, i: int, req: Req, result: ForwardOutput, next_token_ids: list[int], rows: range
+    ) -> None:
+        """Row `i` of a batch's result: request `req`'s prompt log-probs, its token(s) (sampled at `rows`)."""
+        out = result.sample
+        if result.prompt_logprobs[i] is not None:
+            req.prompt_logprobs.extend(result.prompt_logprobs[i])
+        if i < batch.num_prefill_reqs and req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
+            self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
+        pd_prefill = i < batch.num_prefill_reqs and req.transfer is not None  # its KV goes to a decode server
+        if not batch.samples[i]:  # a chunk that is not the last: nothing to sample yet
+            if pd_prefill:
+                self.disagg.chunk_done(req, batch.kv_ends[i])
+            return
+        if req.future_token == FutureMap.future_id(batch.future_start + i):
+            req.future_token = 0  # (a later batch may already have given it the next one)
+        if pd_prefill:
+            self.disagg.prompt_done(req, next_token_ids[i], out, i)
+            return
+        if batch.num_drafts is not None:
+            self.append_verified(req, batch.num_drafts[i], result.accepted[i], out, rows)
+        else:
+            logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
+            top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
+            self.append_token(req, next_token_ids[i], logprobs, top)
+        if req.finished:
+            if req.req_pool_idx is not None:
+                self.tree_cache.cache_finished_req(req)
+            else:  # released while the batch ran: it waits to be prefilled again
+                self.waiting_queue.remove(req)
+
+    def append_token(
+        self, req: Req, token: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None
+    ) -> None:
+        """A token for the request's answer (with its log-probs where it asked for them); it may end it."""
+        req.output_ids.append(token)
+        self.metrics.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if req.sampling_params.logprobs:
+            req.output_logprobs.append(logprob)
+            if req.sampling_params.top_logprobs:
+                req.output_top_logprobs.append(top_logprobs)
+        reason = req.check_finished(token, self.eos_token_ids)
+        if reason is not None:
+            self.finish(req, reason)
+
+    def append_verified(self, req: Req, num_drafts: int, tokens: list[int], out: SampleOutput, rows: range) -> None:
+        """The tokens a verify forward kept (`tokens`, sampled at its `rows` of `out`), with their log-probs,
+        until one ends the answer; then the KV of the positions not kept is released (RadixCache only ever
+        holds kept tokens)."""
+        computed_end = req.kv_len  # the last token and every draft were computed
+        self.drafting.verified(req, len(tokens))
+        for counts in (self.metrics.spec, req.spec):
+            counts.add(num_drafts, len(tokens) - 1)
+        for token, row in zip(tokens, rows):
+            self.append_token(req, token, out.logprobs[row], out.top_logprobs[row])
+            if req.finished:
+                break
+        if req.req_pool_idx is None:  # preempted while it was verified: it is prefilled again, with these
+            return
+        # computed and kept: the tokens before the last appended one (whose KV the next step computes)
+        req.kv_len = min(computed_end - num_drafts + len(tokens) - 1, len(req.fill_ids) - 1)
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        slots = row[req.kv_len : computed_end].long()
+        kept_page = int(row[req.kv_len - 1]) // self.page_size  # (the next tokens fill its tail)
+        self.allocator.free(slots[slots // self.page_size != kept_page])
+
+    # ---- outputs -----------------------------------------------------------------------------------
+
+    def stream_output(self) -> None:
+        self.outputs.stream_output(self.reqs.values())
+
+    # ---- control and health ------------------------------------------------------------------------
+
+    def flush_cache(self) -> FlushCacheOut:
+        """Empties the prefix cache and the embedding cache; refused while requests are in flight."""
+        if not self.is_idle():
+            return FlushCacheOut(False, f"{len(self.reqs)} request(s) in flight; flush when idle")
+        self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.encoding.cache.clear()
+        return FlushCacheOut(True)
+
+    @property
+    def num_used_tokens(self) -> int:
+        """KV slots held by requests (free and evictable cache slots are not counted)."""
+        return self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+
+    def get_stats(self) -> StatsOut | None:
+        """Gauges and counters for /metrics (rank 0, which sends them; None elsewhere)."""
+        if self.tp_rank != 0:
+            return None
+        m, cache, encoder = self.metrics, self.encoding.cache, self.encoding.encoder
+        if encoder is not None and not len(self.encoding):  # (else it is polled every iteration) the encoder's news
+            self.encoding.poll()
+        stats = StatsOut(
+            num_running=len(self.running_batch.reqs), num_waiting=len(self.waiting_queue),
+            num_encoding=len(self.encoding), kv_usage=self.num_used_tokens / self.max_total_tokens,
+            max_total_tokens=self.max_total_tokens, prefix_cache_hit_rate=m.cache_hit_rate,
+            cached_prompt_tokens=m.cached_prompt_tokens, computed_prompt_tokens=m.computed_prompt_tokens,
+            generated_tokens=m.generated_tokens, num_retractions=m.num_retractions,
+            spec=dataclasses.replace(m.spec),
+            embedding_cache={
+                "hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "usage_bytes": cache.usage_bytes,
+                "inflight_hits": self.encoding.inflight_hits,
+            },
+            encoder_load=encoder.load if encoder else [], encoder_restarts=encoder.num_restarts if encoder else 0,
+            media_items=m.media_items, media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
+            vit_items=encoder.num_items if encoder else 0,
+        )  # fmt: skip
+        if self.disagg is not None:
+            stats.disaggregation_queues = self.disagg.queue_sizes()
+            stats.kv_transfer_bytes = m.kv_transfer_bytes
+            stats.kv_transfer_request_bytes = asdict(m.kv_transfer_request_bytes)
+            stats.kv_transfer_seconds = asdict(m.kv_transfer_seconds)
+            stats.kv_transfer_failures = dict(m.kv_transfer_failures)
+        return stats
+
+    def self_check_when_idle(self) -> None:
+        if self.is_idle() and not self._idle_checked:
+            self.check_memory()
+            self._idle_checked = True
+
+    def check_memory(self) -> None:
+        """Idle self-check: every KV slot is free or held by the tree, no lock is held and every
+        request row is free. A failure is a leak, i.e. a bug."""
+        problems = []
+        leaked = self.num_used_tokens - (self.disagg.held_tokens if isinstance(self.disagg, DecodeDisaggregation) else 0)
+        if leaked != 0:
+            problems.append(f"{leaked} KV slots leaked")
+        if self.tree_cache.protected_size() != 0 or any(self.tree_cache.lock_counts()):
+            problems.append(f"{self.tree_cache.protected_size()} tokens still locked in the prefix cache")
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            problems.append(f"{self.req_to_token_pool.size - self.req_to_token_pool.available_size()} request rows leaked")
+        if problems:
+            raise RuntimeError("scheduler idle self-check failed: " + "; ".join(problems))
+
+    def log_stats(self, mode: ForwardMode, num_reqs: int, new_tokens: int) -> None:
+        embeddings = self.encoding.cache
+        logger.info(
+            "%s batch: %d reqs, %d new tokens, KV usage %.2f, cache hit rate %.2f, running %d, queued %d, "
+            "encoding %d, embedding cache hit rate %.2f (%.1f MiB)",
+            mode.name.lower(), num_reqs, new_tokens, self.num_used_tokens / self.max_total_tokens,
+            self.metrics.cache_hit_rate, len(self.running_batch.reqs), len(self.waiting_queue), len(self.encoding),
+            embeddings.hit_rate, embeddings.usage_bytes / 2**20,
+        )  # fmt: skip
+
+
+def _without_pixels(message: Any) -> Any:
+    """A generate request as TP ranks other than 0 get it: pixel values become shape-only (meta)
+    tensors, so the message stays small and its checks give every rank the same answer."""
+    if not isinstance(message, TokenizedGenerateReq) or not message.mm_items:
+        return message
+    items = [dataclasses.replace(it, pixel_values=torch.empty(it.pixel_values.shape, device="meta")) for it in message.mm_items]
+    return dataclasses.replace(message, mm_items=items)

@@ -1,0 +1,543 @@
+"""The GPU validation kit: one command that checks the CUDA path and measures it, on a lent GPU.
+
+    python -m vlm_serve.tools.gpu_check OUT [--device cuda] [--parts suite,parity,server,figures]
+
+Parts, in order of value (each writes its records under OUT and a line to OUT/summary.txt):
+- `suite`: the test files that run models (`SUITE`) under pytest on the device (`auto` picks CUDA there),
+  with the attention backend `auto` picks (FlashInfer where installed). CUDA only: CI runs them on CPU.
+- `parity`: each attention backend the device has, in float32 and bfloat16 (where the backend runs it),
+  against transformers in float32 on the CPU: the prefill logits of a prompt with a picture (float32
+  within `FLOAT32_TOLERANCE` of the largest logit, bfloat16 about as close as transformers' own bfloat16
+  is: `BFLOAT16_SLACK`) and greedy
+  answers: 16 identical tokens of random tiny models in float32, and the built-in model's answers in
+  bfloat16 (short, confident answers) identical to float32's.
+- `server`: `vlm-serve serve` with the built-in model and one encoder rank (`--vit-dp 1`, on the GPU):
+  pictures, a clip, a repeated picture and a streamed answer equal the in-process engine's on the CPU.
+- `figures`: on random models of real shapes (`large` preset, `load_format="dummy"`; `tiny` on CPU):
+  decode tokens/s at batch 1/16/64, TPOT, TTFT of one 1024 x 1024 picture (on CUDA with and without CUDA
+  graphs), and decode ITL p99 while such pictures arrive, with the encoder pool and with the tower inline.
+  The parity part also checks that decode replayed from CUDA graphs gives the eager tokens.
+- `profile`: torch's profiler over decode steps, per attention backend (where the time goes).
+
+On CPU (`--device cpu`, what CI runs) every part but `suite` runs, at tiny sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vlm_serve.llm.layers.attention import FLASHINFER_HEAD_DIMS
+
+FLOAT32_TOLERANCE = 1e-3  # of the largest |logit|: float32 kernels differ in summation order only
+# bfloat16 (8 bits of mantissa) against float32: random models amplify the rounding, and a token whose
+# top-k experts are nearly tied can be routed differently, the more so the more experts (128 experts
+# top-8: transformers' own bfloat16 logits then differ from its float32 ones by 0.24 of a standard
+# deviation, with the same most likely token at 57% of the positions). So bfloat16 is held to transformers'
+# own bfloat16 (on the CPU): a mean |logit difference| at most BFLOAT16_SLACK times its (plus 0.01 of a
+# standard deviation), and the same most likely token as float32 at a share of the positions no lower than
+# its share by more than BFLOAT16_ARGMAX_ERRORS standard errors of a share over that many positions (a
+# prompt has a few dozen: on an H200, a MoE's share was 53% against transformers' 60%, one standard error,
+# with the mean difference equal to transformers', 0.235 against 0.233).
+BFLOAT16_SLACK = 1.25
+BFLOAT16_ARGMAX_ERRORS = 2.0
+SUITE = [  # in order of value: a lent GPU's time may end before the last
+    "tests/test_cuda_paths.py", "tests/test_model_parity.py", "tests/test_server.py", "tests/test_encoder_pool.py",
+    "tests/test_fp8_triton.py", "tests/test_moe_layer.py", "tests/test_engine.py", "tests/test_builtin_model.py",
+    "tests/test_speculative.py", "tests/test_vision_passes.py", "tests/test_low_precision.py",
+]  # fmt: skip
+
+
+class Check:
+    """Collects a part's results: named pass/fail lines and figures, written to OUT as they come."""
+
+    def __init__(self, out: Path, part: str) -> None:
+        self.out, self.part = out, part
+        self.results: list[dict] = []
+
+    def record(self, name: str, ok: bool, detail: str = "") -> None:
+        self.results.append({"name": name, "ok": ok, "detail": detail})
+        print(f"[{self.part}] {'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+        (self.out / f"{self.part}.json").write_text(json.dumps(self.results, indent=1))
+
+    def run(self, name: str, fn: Callable[[], str | None]) -> None:
+        """`fn()` passes unless it raises; what it returns is the detail."""
+        try:
+            self.record(name, True, fn() or "")
+        except Exception as exc:  # noqa: BLE001 - every failure is a result to report, not a stop
+            self.record(name, False, f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+            with open(self.out / f"{self.part}.log", "a") as log:
+                log.write(f"---- {name}\n{traceback.format_exc()}\n")
+
+
+def environment(device: torch.device) -> dict:
+    info = {
+        "python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+        "flashinfer": importlib.util.find_spec("flashinfer") is not None,
+    }  # fmt: skip
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    else:
+        info.update(cpu=platform.processor() or platform.machine())
+    return info
+
+
+# ---- suite -----------------------------------------------------------------------------------------
+
+
+def run_suite(check: Check, timeout: int, files: list[str]) -> None:
+    """Each test file under pytest on its own, so that each one's failures are on record as it ends."""
+    files = [f for f in files if Path(f).is_file()]
+    if not files:
+        check.record("suite", False, "no tests/ folder here: run the kit from the repository's root")
+        return
+    for file in files:
+        command = [sys.executable, "-m", "pytest", file, "-q", "--tb=line", "-rfE", "-p", "no:cacheprovider",
+                   f"--timeout={timeout}"]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        with open(check.out / "suite.log", "a") as log:
+            log.write(f"==== {file}\n{result.stdout[-20000:]}{result.stderr[-5000:]}\n")
+        lines = result.stdout.strip().splitlines()
+        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        check.record(Path(file).stem, result.returncode == 0, "; ".join([*lines[-1:], *failed[:3]])[:1500])
+
+
+# ---- parity ----------------------------------------------------------------------------------------
+
+
+def _picture_prompt(engine, seed: int = 1):
+    from vlm_serve.testing.media import make_image
+
+    text = {"type": "text", "text": "Describe what you see in a few words."}
+    messages = [{"role": "user", "content": [{"type": "image", "image": make_image(96, 64, seed=seed)}, text]}]
+    return engine.processor.process_messages(messages, add_generation_prompt=True)
+
+
+def _transformers_reference(path: Path, arch: str, processed) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """transformers' float32 logits of the prompt and its 16 greedy tokens, and its bfloat16 logits, on
+    the CPU."""
+    import transformers
+
+    cls = transformers.Qwen3VLMoeForConditionalGeneration if arch == "moe" else transformers.Qwen3VLForConditionalGeneration
+    ids = torch.tensor([processed.input_ids])
+    items = processed.mm_items
+    outputs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = cls.from_pretrained(path, dtype=dtype).eval()
+        inputs = {
+            "input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "pixel_values": torch.cat([it.pixel_values for it in items]).to(dtype),
+            "image_grid_thw": torch.tensor([it.grid_thw for it in items]),
+            "mm_token_type_ids": (ids == hf.config.image_token_id).int(),
+        }  # fmt: skip
+        with torch.no_grad():
+            outputs.append(hf(**inputs).logits[0].float())
+            if dtype == torch.float32:
+                tokens = hf.generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, ids.shape[1] :]
+    return outputs[0], tokens.tolist(), outputs[1]
+
+
+def backends(device: torch.device, dtype: str, head_dim: int) -> list[str]:
+    """The attention backends that run `dtype` and `head_dim` on `device` (FlashInfer: half precision, its
+    head sizes; the C kernel: float32)."""
+    if device.type == "cuda":
+        flashinfer = importlib.util.find_spec("flashinfer") and dtype != "float32" and head_dim in FLASHINFER_HEAD_DIMS
+        return ["torch", *(["flashinfer"] if flashinfer else [])]
+    return ["cpu", "torch"] if dtype == "float32" else ["torch"]
+
+
+def logits_error(ours: torch.Tensor, reference: torch.Tensor, dtype: str, rounded: torch.Tensor) -> str:
+    """How far `ours` is from transformers' float32 `reference`; raises if beyond the dtype's bounds (in
+    bfloat16, relative to transformers' own bfloat16 logits, `rounded`)."""
+    if dtype == "float32":
+        error = ((ours - reference).abs().max() / reference.abs().max()).item()
+        if error > FLOAT32_TOLERANCE:
+            raise AssertionError(f"logits off by {error:.2e} of the largest (bound {FLOAT32_TOLERANCE})")
+        return f"logits within {error:.1e} of the largest"
+
+    def distance(logits: torch.Tensor) -> tuple[float, float]:
+        error = ((logits - reference).abs().mean() / reference.std()).item()
+        return error, (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+
+    (error, agreement), (theirs, their_agreement) = distance(ours), distance(rounded)
+    positions = reference.shape[0]
+    said = (f"mean logit difference {error:.3f} of a standard deviation, argmax agreement {agreement:.0%} of "
+            f"{positions} positions (transformers in bfloat16: {theirs:.3f}, {their_agreement:.0%})")  # fmt: skip
+    standard_error = (their_agreement * (1 - their_agreement) / positions) ** 0.5
+    if error > BFLOAT16_SLACK * theirs + 0.01 or agreement < their_agreement - BFLOAT16_ARGMAX_ERRORS * standard_error:
+        raise AssertionError(said)
+    return said
+
+
+def graphs_as_eager(path: Path, device: torch.device) -> str:
+    """Greedy tokens of 5 requests finishing at different lengths (decode batches of 5 down to 1, padded
+    to the captured sizes), with decode replayed from CUDA graphs and run eagerly."""
+    from vlm_serve.engine import Engine
+
+    answers = {}
+    for eager in (True, False):
+        with Engine(path, device=device.type, dtype="bfloat16", disable_cuda_graph=eager, vit_dp=0) as engine:
+            if not eager and engine.scheduler.runner.cuda_graphs is None:
+                raise AssertionError("no CUDA graphs were captured (the log's warning says why)")
+            submissions = [engine.submit(p, max_tokens=8 + 4 * i, ignore_eos=True, temperature=0)
+                           for i, p in enumerate(_text_prompts(engine, 5))]  # fmt: skip
+            while not all(s.done for s in submissions):
+                engine.step()
+            answers[eager] = [engine.result(s).token_ids for s in submissions]
+    if answers[True] != answers[False]:
+        raise AssertionError(f"graphs {answers[False]} != eager {answers[True]}")
+    return "identical greedy tokens, 5 requests of 8 to 24 tokens"
+
+
+def run_parity(check: Check, device: torch.device) -> None:
+    from vlm_serve.builtin.scenes import random_example
+    from vlm_serve.tools.builtin_train import messages
+    from vlm_serve.engine import Engine
+    from vlm_serve.testing.logits import prefill_logits
+    from vlm_serve.testing.tiny_model import create_tiny_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (TF32 keeps 10 bits)
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    size = "small" if device.type == "cuda" else "tiny"  # small: head size 64, which FlashInfer runs
+    for arch in ("moe", "dense"):
+        path = create_tiny_model(folder / arch, arch=arch, size=size)
+        head_dim = json.loads((path / "config.json").read_text())["text_config"]["head_dim"]
+        with Engine(path, device="cpu", dtype="float32", vit_dp=0, max_total_tokens=4096) as cpu_engine:
+            processed = _picture_prompt(cpu_engine)
+        ref_logits, ref_tokens, rounded = _transformers_reference(path, arch, processed)
+        for dtype in ("float32", "bfloat16"):
+            for backend in backends(device, dtype, head_dim):
+
+                def compare(backend=backend, dtype=dtype) -> str:
+                    options = dict(device=device.type, dtype=dtype, attention_backend=backend, vit_dp=0)
+                    with Engine(path, max_total_tokens=4096, **options) as engine:
+                        logits = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
+                        detail = logits_error(logits, ref_logits, dtype, rounded)
+                        if dtype == "float32":
+                            out = engine.generate_processed([processed], max_tokens=16, temperature=0, ignore_eos=True)
+                            if out[0].token_ids != ref_tokens:
+                                raise AssertionError(f"greedy tokens {out[0].token_ids} != transformers' {ref_tokens}")
+                    return detail
+
+                check.run(f"{arch} {size} {backend} {dtype} vs transformers", compare)
+        if "flashinfer" in backends(device, "bfloat16", head_dim):
+            check.run(f"{arch} {size} CUDA graphs vs eager", lambda path=path: graphs_as_eager(path, device))
+
+    examples = [random_example(random.Random(seed)) for seed in range(12)]
+    with Engine(None, device="cpu", dtype="float32", vit_dp=0) as cpu_engine:
+        expected = [cpu_engine.chat(messages(e), max_tokens=48, temperature=0).text for e in examples]
+    for backend in backends(device, "bfloat16", head_dim=32):  # the built-in model's head size
+
+        def builtin(backend=backend) -> str:
+            with Engine(None, device=device.type, dtype="bfloat16", attention_backend=backend, vit_dp=0) as engine:
+                answers = [engine.chat(messages(e), max_tokens=48, temperature=0).text for e in examples]
+            same = sum(a == b for a, b in zip(answers, expected))
+            if same != len(examples):
+                diff = next((a, b) for a, b in zip(answers, expected) if a != b)
+                raise AssertionError(f"{same}/{len(examples)} answers as float32 on CPU; e.g. {diff[0]!r} vs {diff[1]!r}")
+            return f"{same}/{len(examples)} answers identical"
+
+        check.run(f"built-in model {backend} bfloat16 answers as float32 on CPU", builtin)
+
+
+# ---- server ----------------------------------------------------------------------------------------
+
+
+def run_server(check: Check, device: torch.device) -> None:
+    import httpx
+
+    from vlm_serve.builtin.scenes import random_example, random_motion, motion_example
+    from vlm_serve.tools.builtin_train import chat_content, messages
+    from vlm_serve.engine import Engine
+
+    rng = random.Random(7)
+    examples = [random_example(rng) for _ in range(6)] + [motion_example(rng, random_motion(rng))]
+    examples.append(examples[0])  # a repeated picture: the second asking is served from the caches
+    with Engine(None, device="cpu", dtype="float32", vit_dp=0) as engine:
+        expected = [engine.chat(messages(e), max_tokens=48, temperature=0).text for e in examples]
+    port = free_port()
+    command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--port", str(port), "--vit-dp", "1",
+               "--device", device.type]  # fmt: skip
+    log = open(check.out / "server.log", "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def start() -> str:
+            began = time.monotonic()
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"the server exited during start-up (status {process.returncode})")
+                try:
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        return f"ready in {time.monotonic() - began:.0f} s"
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - began > 300:
+                    raise RuntimeError("the server was not ready after 300 s")
+                time.sleep(0.5)
+
+        check.run("server starts (built-in model, --vit-dp 1)", start)
+        if process.poll() is not None:
+            return
+        bodies = [{"messages": [{"role": "user", "content": chat_content(e)}], "temperature": 0, "max_tokens": 48}
+                  for e in examples]  # fmt: skip
+
+        def answers() -> str:
+            got = [httpx.post(url + "/v1/chat/completions", json=b, timeout=120).json()["choices"][0]["message"]["content"]
+                   for b in bodies]  # fmt: skip
+            wrong = [(e.kind, a, b) for e, a, b in zip(examples, got, expected) if a != b]
+            if wrong:
+                raise AssertionError(f"{len(wrong)} answers differ from the engine's on CPU, e.g. {wrong[0]}")
+            return f"{len(got)} answers (pictures, a clip, a repeated picture) equal the engine's on CPU"
+
+        def streamed() -> str:
+            text = ""
+            with httpx.stream("POST", url + "/v1/chat/completions", json=bodies[1] | {"stream": True}, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        delta = json.loads(line[6:])["choices"]
+                        text += "".join(c["delta"].get("content") or "" for c in delta)
+            if text != expected[1]:
+                raise AssertionError(f"streamed {text!r}, the engine answered {expected[1]!r}")
+            return "the streamed answer equals the engine's"
+
+        check.run("answers", answers)
+        check.run("streaming", streamed)
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- figures ---------------------------------------------------------------------------------------
+
+
+def _text_prompts(engine, count: int, first: int = 0, length: int = 32) -> list:
+    """`count` distinct text prompts of about `length` tokens (no prefix shared past the template), the
+    `first`th on."""
+    words = "red green blue circle square star moves left right top bottom small large".split()
+    conversations = [
+        [{"role": "user", "content": f"{i}: " + " ".join(words[(i * 7 + j) % len(words)] for j in range(length))}]
+        for i in range(first, first + count)
+    ]
+    return [engine.processor.process_messages(c, add_generation_prompt=True) for c in conversations]
+
+
+def _picture(engine, seed: int, side: int = 1024):
+    from vlm_serve.testing.media import make_image
+
+    content = [{"type": "image", "image": make_image(side, side, seed=seed)}, {"type": "text", "text": "Describe it."}]
+    return engine.processor.process_messages([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def decode_figures(engine, batches: tuple[int, ...], tokens: int) -> dict:
+    """Decode tokens/s at each batch size (the prefill's time, measured alone, taken out), TPOT at the
+    first, and TTFT of one 1024 x 1024 picture (its second asking with a new picture: the first warms up)."""
+    figures = {}
+    for batch in batches:
+        # new prompts each time, so that none is in the prefix cache; the first run warms up
+        runs = [_text_prompts(engine, batch, first) for first in (0, batch, 2 * batch)]
+        engine.generate_processed(runs[0], max_tokens=2, ignore_eos=True, temperature=0)
+        began = time.perf_counter()
+        engine.generate_processed(runs[1], max_tokens=1, ignore_eos=True, temperature=0)
+        prefill = time.perf_counter() - began
+        began = time.perf_counter()
+        engine.generate_processed(runs[2], max_tokens=tokens + 1, ignore_eos=True, temperature=0)
+        decode = time.perf_counter() - began - prefill
+        figures[f"decode_tok_s_batch_{batch}"] = round(batch * tokens / decode, 1)
+        if batch == batches[0]:
+            figures[f"tpot_ms_batch_{batch}"] = round(1000 * decode / tokens, 2)
+    for seed in (1, 2):
+        picture = _picture(engine, seed)
+        began = time.perf_counter()
+        engine.generate_processed([picture], max_tokens=1, temperature=0)
+        figures["ttft_ms_1024px_picture"] = round(1000 * (time.perf_counter() - began), 1)
+    return figures
+
+
+def itl_while_pictures_arrive(engine, decoding: int = 8, pictures: int = 6, tokens: int = 160) -> dict:
+    """Gaps between the decode steps of `decoding` text requests while `pictures` 1024 x 1024 pictures
+    arrive (one each 16 steps): their p50 and p99 in ms."""
+    submissions = [engine.submit(p, max_tokens=tokens, ignore_eos=True, temperature=0)
+                   for p in _text_prompts(engine, decoding)]  # fmt: skip
+    while not all(c.outs for s in submissions for c in s.choices):  # every request decoding
+        engine.step()
+    gaps, step, last, sent = [], 0, time.perf_counter(), 0
+    produced = sum(len(c.outs) for s in submissions for c in s.choices)
+    while not all(s.done for s in submissions):
+        if step % 16 == 0 and sent < pictures:
+            engine.submit(_picture(engine, 100 + sent), max_tokens=1, temperature=0)
+            sent += 1
+        engine.step()
+        step += 1
+        now_produced = sum(len(c.outs) for s in submissions for c in s.choices)
+        if now_produced > produced:  # a step that gave the decoding requests tokens
+            now = time.perf_counter()
+            gaps.append(1000 * (now - last))
+            last, produced = now, now_produced
+    while not engine.scheduler.is_idle():
+        engine.step()
+    gaps.sort()
+    return {"itl_p50_ms": round(statistics.median(gaps), 2), "itl_p99_ms": round(gaps[int(0.99 * (len(gaps) - 1))], 2),
+            "steps": len(gaps)}  # fmt: skip
+
+
+def run_figures(check: Check, device: torch.device, size: str) -> None:
+    from vlm_serve.engine import Engine
+    from vlm_serve.testing.tiny_model import create_tiny_model
+
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-figures-"))
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    batches, tokens = ((1, 16, 64), 64) if device.type == "cuda" else ((1, 4), 8)
+    figures: dict[str, dict] = {}
+    # on CUDA, decode replays CUDA graphs by default: measured also without them
+    runs = [("", False), (" eager", True)] if device.type == "cuda" else [("", False)]
+    for arch in ("dense", "moe"):
+        path = create_tiny_model(folder / arch, arch=arch, size=size, weights=False, dtype="bfloat16")
+        for label, eager in runs:
+
+            def measure(arch=arch, path=path, label=label, eager=eager) -> str:
+                options = dict(device=device.type, dtype=dtype, vit_dp=0, disable_cuda_graph=eager)
+                with Engine(path, load_format="dummy", **options) as engine:
+                    figures[f"{arch} {size}{label}"] = decode_figures(engine, batches, tokens)
+                return json.dumps(figures[f"{arch} {size}{label}"])
+
+            check.run(f"{arch} {size}{label}: decode, TPOT, TTFT", measure)
+    for vit_dp, name in ((1, "encoder pool"), (0, "inline")):
+        path = folder / "dense"
+
+        def itl(vit_dp=vit_dp, name=name) -> str:
+            with Engine(path, load_format="dummy", device=device.type, dtype=dtype, vit_dp=vit_dp) as engine:
+                engine.generate_processed([_picture(engine, 99)], max_tokens=1, temperature=0)  # warm-up
+                figures[f"dense {size} ITL, {name}"] = itl_while_pictures_arrive(engine, tokens=2 * tokens)
+            return json.dumps(figures[f"dense {size} ITL, {name}"])
+
+        check.run(f"dense {size}: decode ITL while 1024 px pictures arrive, {name}", itl)
+    (check.out / "figures.json").write_text(json.dumps(figures, indent=1))
+
+
+def run_profile(check: Check, device: torch.device, size: str) -> None:
+    """Where a decode step's time goes: torch's profiler over 16 steps at batch 16 of the dense model, per
+    attention backend; the tables (by CPU and by device time) in OUT/profile-<backend>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlm_serve.engine import Engine
+    from vlm_serve.testing.tiny_model import create_tiny_model
+
+    path = create_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-profile-")), arch="dense", size=size,
+                             weights=False, dtype="bfloat16")  # fmt: skip
+    config = json.loads((path / "config.json").read_text())["text_config"]
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+    for backend in backends(device, dtype, config["head_dim"]):
+
+        def measure(backend=backend) -> str:
+            # the normal loop: the forward runs on this thread, where the profiler sees its operators
+            options = dict(device=device.type, dtype=dtype, attention_backend=backend, vit_dp=0,
+                           disable_overlap_schedule=True)  # fmt: skip
+            with Engine(path, load_format="dummy", **options) as engine:
+                engine.generate_processed(_text_prompts(engine, 16), max_tokens=4, ignore_eos=True, temperature=0)
+                prompts = _text_prompts(engine, 16, 16)
+                with profile(activities=activities) as trace:
+                    began = time.perf_counter()
+                    engine.generate_processed(prompts, max_tokens=17, ignore_eos=True, temperature=0)
+                    seconds = time.perf_counter() - began
+            events = trace.key_averages()
+            tables = [events.table(sort_by="self_cpu_time_total", row_limit=30)]
+            if device.type == "cuda":
+                tables.append(events.table(sort_by="self_cuda_time_total", row_limit=30))
+            (check.out / f"profile-{backend}.txt").write_text("\n\n".join(tables))
+            return f"16 steps at batch 16 (and the prefill) in {1000 * seconds:.0f} ms"
+
+        check.run(f"dense {size} {backend}: profile of decode steps", measure)
+
+
+# ---- the command -----------------------------------------------------------------------------------
+
+PARTS = ("suite", "parity", "server", "figures", "profile")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="folder for every record (created)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--size", default=None, help="model size preset of the figures (default: large on CUDA, tiny on CPU)")
+    parser.add_argument("--test-timeout", type=int, default=300, help="seconds per test of the suite part")
+    parser.add_argument("--suite-files", default=None, help="comma-separated names of the suite part's test files "
+                        "(e.g. test_engine,test_speculative; default: all of SUITE, in its order)")
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(sorted(unknown))}; the parts are {', '.join(PARTS)}")
+    suite = SUITE
+    if args.suite_files is not None:
+        suite = [f"tests/{name}.py" for name in args.suite_files.split(",") if name]
+        unknown = [f for f in suite if f not in SUITE]
+        if unknown:
+            parser.error(f"--suite-files: not in the suite: {', '.join(unknown)}; it has {', '.join(SUITE)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    (args.out / "environment.json").write_text(json.dumps(env, indent=1))
+    print("environment: " + json.dumps(env), flush=True)
+    checks = []
+    for part in parts:
+        check = Check(args.out, part)
+        began = time.perf_counter()
+        if part == "suite":
+            if device.type != "cuda":
+                print("[suite] skipped: on CPU the test suite itself runs these files (CI)", flush=True)
+                continue
+            run_suite(check, args.test_timeout, suite)
+        elif part == "parity":
+            run_parity(check, device)
+        elif part == "server":
+            run_server(check, device)
+        elif part == "figures":
+            run_figures(check, device, args.size or ("large" if device.type == "cuda" else "tiny"))
+        else:
+            run_profile(check, device, args.size or ("large" if device.type == "cuda" else "tiny"))
+        print(f"[{part}] {time.perf_counter() - began:.0f} s", flush=True)
+        checks.append(check)
+    results = [r for c in checks for r in c.results]
+    failed = [f"{c.part}: {r['name']}: {r['detail']}" for c in checks for r in c.results if not r["ok"]]
+    summary = [f"device: {env.get('gpu', env['device'])}; {len(results) - len(failed)} passed, {len(failed)} failed",
+               *(f"FAIL {line}" for line in failed)]  # fmt: skip
+    (args.out / "summary.txt").write_text("\n".join(summary) + "\n")
+    print("\n".join(summary))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
