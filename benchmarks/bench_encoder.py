@@ -79,17 +79,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, encode_tasks
+from vlm_serve.encoder.pool import EncoderPool
 from vlm_serve.engine import Engine, Submission
 from vlm_serve.llm.layers.linear import LinearBase
-from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, load_vision_model
+from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, Qwen3VLVisionModel, load_vision_model
+from vlm_serve.multimodal.items import MEDIA_STAGES, MediaTimings, MultimodalItem
+from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, encode_tasks
-from vlm_serve.encoder.pool import EncoderPool
-from vlm_serve.multimodal.items import MEDIA_STAGES, MediaTimings, MultimodalItem
-from vlm_serve.multimodal.processor import MultimodalProcessor
-from vlm_serve.llm.models.qwen3_vl_vision import Qwen3VLVisionModel
 
 # The benchmark checkpoint's vision tower (the text model is the tiny MoE one).
 VISION_HIDDEN = 256
@@ -403,9 +402,7 @@ def measure_decode_latency(path: Path, vit_dp: int, args: argparse.Namespace) ->
         warmup = images_in.pop()  # same size as the measured ones: warms the tower for that grid
         engine.generate_processed([warmup, texts_in[0]], max_tokens=4, temperature=0, ignore_eos=True)
 
-        texts = [
-            engine.submit(x, max_tokens=args.itl_max_tokens, temperature=0, ignore_eos=True) for x in texts_in
-        ]
+        texts = [engine.submit(x, max_tokens=args.itl_max_tokens, temperature=0, ignore_eos=True) for x in texts_in]
         images: list[Submission] = []
         token_times: list[float] = []  # end of each step that gave the text requests a token
         first_arrival: int | None = None  # index in token_times after which the first image arrived
@@ -488,7 +485,9 @@ async def _stream_while_images_arrive(url: str, images: list[str], vit_dp: int, 
                     steps = count - WARMUP_STEPS
                     if i == 0 and steps >= 0 and steps % args.itl_every == 0 and len(sent) < len(images):
                         sent.append(time.perf_counter())
-                        image_tasks.append(asyncio.create_task(client.post(url, json=image_request(images[len(sent) - 1]))))
+                        image_tasks.append(
+                            asyncio.create_task(client.post(url, json=image_request(images[len(sent) - 1])))
+                        )
                     if len(sent) == len(images) and all(t.done() for t in image_tasks):
                         return  # the images are done: the window is closed
 
@@ -620,7 +619,9 @@ def main() -> None:
         p99, idle = latency_stats(run.window)["p99"], latency_stats(run.baseline)["p99"]
         print(f"  {'ITL p99 ' + run.label:<28}{p99:.1f} ms = {p99 / idle:.2f}x idle p99 {idle:.1f} ms (target <= 1.2x)")
     tp_pool, tp_inline = (latency_stats(run.window) for run in server_runs)
-    print(f"  {'TP2 ITL inline / pool':<28}p99 {tp_inline['p99'] / tp_pool['p99']:.2f}x, max {tp_inline['max'] / tp_pool['max']:.2f}x")
+    print(
+        f"  {'TP2 ITL inline / pool':<28}p99 {tp_inline['p99'] / tp_pool['p99']:.2f}x, max {tp_inline['max'] / tp_pool['max']:.2f}x"
+    )
     print(f"  {'total run time':<28}{time.perf_counter() - began:.0f} s")
 
 

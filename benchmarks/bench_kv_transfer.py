@@ -39,10 +39,14 @@ HOST = "127.0.0.1"
 META_SLOTS, META_BYTES = 4, 4096
 
 
-def rank(mode: str, size: str, tokens: int, page_size: int, bootstrap_port: int | None) -> tuple[TokenToKVPool, MooncakeBackend]:
+def rank(
+    mode: str, size: str, tokens: int, page_size: int, bootstrap_port: int | None
+) -> tuple[TokenToKVPool, MooncakeBackend]:
     """A rank's KV pool (room for the prompt and a page in front) and its Mooncake backend."""
     text = SIZES[size].dense
-    pool = TokenToKVPool(tokens, page_size, text.layers, text.kv_heads, text.head_dim, torch.float32, torch.device("cpu"))
+    pool = TokenToKVPool(
+        tokens, page_size, text.layers, text.kv_heads, text.head_dim, torch.float32, torch.device("cpu")
+    )
     meta = torch.zeros(META_SLOTS, META_BYTES, dtype=torch.uint8)
     bootstrap = None if bootstrap_port is None else (HOST, bootstrap_port)
     backend = MooncakeBackend(mode, 0, 1, HOST, KVLayout.of(pool, meta), bootstrap)
@@ -117,7 +121,9 @@ def main() -> None:
                         raise SystemExit(f"transfer failed: {sender.failure}")
                     if r:
                         rates.append(total / seconds / 1e9)
-                print(f"  {name:<28} {max(rates):5.2f} GB/s (fastest of {args.rounds}), median {statistics.median(rates):.2f}")
+                print(
+                    f"  {name:<28} {max(rates):5.2f} GB/s (fastest of {args.rounds}), median {statistics.median(rates):.2f}"
+                )
         finally:
             conn.send(None)
             decode.join(timeout=30)

@@ -71,13 +71,13 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-
 from bench_serving import lognormal_lengths  # benchmarks/, next to this script
 from compare_peer import vllm_env
+
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.engine import Engine
-from vlm_serve.testing.media import make_image
 from vlm_serve.multimodal.items import ProcessedInput
+from vlm_serve.testing.media import make_image
 
 HF_CLASSES = {
     "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
@@ -422,7 +422,9 @@ class VllmOffline:
         self._directory = tempfile.TemporaryDirectory(prefix="bench_offline_vllm_")
         directory = Path(self._directory.name)
         images: dict[int, str] = {}
-        requests = [vllm_request(engine, messages, n, images, directory) for messages, n in zip(conversations, max_tokens)]
+        requests = [
+            vllm_request(engine, messages, n, images, directory) for messages, n in zip(conversations, max_tokens)
+        ]
         inputs = [engine.processor.process_messages(m, add_generation_prompt=True) for m in conversations]
         longest = max(len(x.input_ids) + n for x, n in zip(inputs, max_tokens))
         spec = {
@@ -575,8 +577,10 @@ def main() -> None:
         )
     correct = [s for s in settings if s.agrees(reference)]
     if len(correct) < len(settings):
-        print(f"note: transformers settings with under {MIN_AGREEMENT:.0%} of their tokens equal to the engine's "
-              f"are left out of its best")
+        print(
+            f"note: transformers settings with under {MIN_AGREEMENT:.0%} of their tokens equal to the engine's "
+            f"are left out of its best"
+        )
     best = max(correct or settings, key=lambda s: s.rate)
     best_vllm = min(vllm_runs, key=lambda run: run.seconds) if vllm_runs else None
     if best_vllm is not None:

@@ -155,17 +155,25 @@ def main() -> int:
                     figures[name][figure].append(value(summaries[load]))
             print("  " + ", ".join(f"{f} {v[-1]:.1f}" for f, v in figures[name].items()), file=sys.stderr)
     model, isa = describe_cpu()
-    print(f"\nCPU: {model}, {len(CORES)} cores, {isa}; model {args.model.name}; {args.decoders} decoders x {args.decode_len} tokens while "
-          f"{args.images} {args.image_size} images arrive at {args.image_rate}/s; medians of {args.rounds} rounds\n")
+    print(
+        f"\nCPU: {model}, {len(CORES)} cores, {isa}; model {args.model.name}; {args.decoders} decoders x {args.decode_len} tokens while "
+        f"{args.images} {args.image_size} images arrive at {args.image_rate}/s; medians of {args.rounds} rounds\n"
+    )
     print("| figure | colocated | PD (router + prefill + decode) | PD / colocated |")
     print("|---|---|---|---|")
     for figure in FIGURES:
         ours, pd = (statistics.median(figures[name][figure]) for name in setups)
-        print(f"| {figure} | {ours:.1f} | {pd:.1f} | {pd / ours:.2f}x |" if ours else f"| {figure} | {ours:.0f} | {pd:.0f} | |")
+        print(
+            f"| {figure} | {ours:.1f} | {pd:.1f} | {pd / ours:.2f}x |"
+            if ours
+            else f"| {figure} | {ours:.0f} | {pd:.0f} | |"
+        )
     nbytes, count, seconds = (sum(x) for x in zip(*kv))
-    print(f"\nKV moved by PD in the timed runs: {nbytes / 2**20:.1f} MiB in {count:.0f} transfers, "
-          f"{1000 * seconds / max(count, 1):.0f} ms each on average from a prompt's first KV page sent to the end "
-          "of its transfer (its later chunks computed meanwhile; bench_kv_transfer.py measures the bare rate)")
+    print(
+        f"\nKV moved by PD in the timed runs: {nbytes / 2**20:.1f} MiB in {count:.0f} transfers, "
+        f"{1000 * seconds / max(count, 1):.0f} ms each on average from a prompt's first KV page sent to the end "
+        "of its transfer (its later chunks computed meanwhile; bench_kv_transfer.py measures the bare rate)"
+    )
     return 0
 
 

@@ -38,7 +38,9 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         tensors += [getattr(module, name, None) for name in ("weight_scale_inv", "w13_scale", "w2_scale")]
         for held in (getattr(module, "panels", None), getattr(module, "packed", None)):
-            tensors += [held] if isinstance(held, torch.Tensor) else list(vars(held).values()) if held is not None else []
+            tensors += (
+                [held] if isinstance(held, torch.Tensor) else list(vars(held).values()) if held is not None else []
+            )
     sizes = {}
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
@@ -103,6 +105,7 @@ def main() -> None:
 def median(figures: list[tuple[float, float]]) -> tuple[float, float]:
     """The run of median step time."""
     return sorted(figures)[len(figures) // 2]
+
 
 if __name__ == "__main__":
     main()

@@ -36,12 +36,12 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlm_serve.builtin import BUILTIN_MODEL
-from vlm_serve.multimodal.items import ProcessedInput
-from vlm_serve.testing.media import make_image, write_video
-from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.multimodal.image_processor import ImageProcessor, ImageProcessorConfig
+from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig
+from vlm_serve.testing.media import make_image, write_video
+from vlm_serve.tokenizer import Tokenizer
 
 BUDGETS = {"qwen3-vl": (65536, 16777216), "tiny checkpoint": (32 * 32, 512 * 512)}
 MODES = ["RGB"] * 13 + ["L"] * 2 + ["RGBA"] * 2 + ["P"] * 2 + ["CMYK"]
@@ -128,7 +128,11 @@ def run_budget(name: str, images: list[Image.Image], repeats: int) -> float:
 def pixel_free_requests() -> dict[str, list[dict]]:
     """One chat request per medium, its media as a data URL (as an API request carries it)."""
     image = make_image(1024, 1024)
-    media = {"1024x1024 PNG": ("image", "png"), "1024x1024 JPEG": ("image", "jpeg"), "16x448x448 video": ("video", "mp4")}
+    media = {
+        "1024x1024 PNG": ("image", "png"),
+        "1024x1024 JPEG": ("image", "jpeg"),
+        "16x448x448 video": ("video", "mp4"),
+    }
     requests = {}
     for name, (kind, fmt) in media.items():
         buffer = io.BytesIO()

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import httpx
 import torch
-
 from compare_peer import our_server, running  # benchmarks/, next to this script
+
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import (
     Example,
@@ -54,9 +54,9 @@ from vlm_serve.builtin.scenes import (
     scene_example,
     typed,
 )
-from vlm_serve.tools.builtin_train import chat_content, greedy_answer
-from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.multimodal.processor import MultimodalProcessor
+from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.tools.builtin_train import chat_content, greedy_answer
 
 SCENE_KINDS = {"old": ("caption", "count", "colour", "presence"),
                "wide": ("caption", "shape", "count", "colour", "presence", "place")}  # fmt: skip

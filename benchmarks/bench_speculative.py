@@ -102,7 +102,10 @@ def compare(
         "speculative_algorithm": "none",  # (the built-in model's default is its draft)
     }  # fmt: skip
     with ExitStack() as stack:
-        engines = {name: stack.enter_context(Engine(path, **{**common, **settings})) for name, settings in {"off": {}, **variants}.items()}
+        engines = {
+            name: stack.enter_context(Engine(path, **{**common, **settings}))
+            for name, settings in {"off": {}, **variants}.items()
+        }
         vllm = {}
         if vllm_python is not None:
             k = next(iter(variants.values()))["speculative_num_draft_tokens"]
@@ -140,7 +143,10 @@ def compare(
                 extra = ""
                 if name in drafting:
                     spec, was = engines[name].scheduler.metrics.spec, before[name]
-                    proposed, accepted = spec.draft_tokens - was.draft_tokens, spec.accepted_tokens - was.accepted_tokens
+                    proposed, accepted = (
+                        spec.draft_tokens - was.draft_tokens,
+                        spec.accepted_tokens - was.accepted_tokens,
+                    )
                     verifies = spec.verify_steps - was.verify_steps
                     extra = f" | {proposed:15d} | {1 + accepted / max(verifies, 1):15.2f} | {accepted / max(proposed, 1):10.0%}"
                 if name.startswith("vllm"):
@@ -189,7 +195,9 @@ def main() -> None:
 
 def with_overlap(variants: dict[str, dict]) -> dict[str, dict]:
     """Each variant in the normal loop, then in the overlap loop ("+overlap")."""
-    return variants | {f"{name}+overlap": {**settings, "disable_overlap_schedule": False} for name, settings in variants.items()}
+    return variants | {
+        f"{name}+overlap": {**settings, "disable_overlap_schedule": False} for name, settings in variants.items()
+    }
 
 
 if __name__ == "__main__":

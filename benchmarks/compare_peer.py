@@ -339,9 +339,12 @@ def main() -> int:
     parser.add_argument("--prompts-scale", type=float, default=1.0, help="scales every workload's request count")
     parser.add_argument("--ours-args", default="", help="more flags for `vlm-serve serve`")
     parser.add_argument("--vllm-args", default="", help="more flags for `vllm serve`")
-    parser.add_argument("--vllm-dtype", default="float32",
-                        help="vLLM's --dtype (float32; bfloat16 for a bfloat16 checkpoint where its CPU build takes it: "
-                             "ours keeps such weights in bfloat16 and computes in float32 with its default --dtype auto)")
+    parser.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        help="vLLM's --dtype (float32; bfloat16 for a bfloat16 checkpoint where its CPU build takes it: "
+        "ours keeps such weights in bfloat16 and computes in float32 with its default --dtype auto)",
+    )
     parser.add_argument("--no-peer-client", action="store_true", help="only our client (faster)")
     parser.add_argument("--max-foreign-cpu", type=float, default=0.15, help="drop runs with more other load (0.15)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -365,7 +368,9 @@ def main() -> int:
     print(f"\n{args.model.name}: medians of {args.rounds} alternating rounds, ours vs vLLM (ratio = ours / vLLM)")
     print(table(runs, args))
     if args.output_json:
-        records = [{"workload": w, "client": c, "server": s, "runs": [asdict(f) for f in fs]} for (w, c, s), fs in runs.items()]
+        records = [
+            {"workload": w, "client": c, "server": s, "runs": [asdict(f) for f in fs]} for (w, c, s), fs in runs.items()
+        ]
         args.output_json.write_text(json.dumps(records, indent=2))
     return 0
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from cpu_targets import DRIVERS, LIBRARIES, require_kernels, targets
 from helpers import STARTED, ServerProcess, descendants, openai_client, running_server, stop_processes, stop_started
-
 from vlm_serve.llm.kernels import Target
 from vlm_serve.testing.eagle3_draft import create_eagle3_draft
 from vlm_serve.testing.tiny_model import create_tiny_model
@@ -94,7 +94,9 @@ def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def eagle3_drafts(tmp_path_factory: pytest.TempPathFactory, tiny_moe_dir: Path, tiny_dense_dir: Path) -> dict[str, Path]:
+def eagle3_drafts(
+    tmp_path_factory: pytest.TempPathFactory, tiny_moe_dir: Path, tiny_dense_dir: Path
+) -> dict[str, Path]:
     """Random EAGLE-3 draft heads for the tiny checkpoints, by arch ("moe", "dense"): half their vocabulary."""
     return {
         arch: create_eagle3_draft(tmp_path_factory.mktemp(f"eagle3-{arch}"), target, seed=1, draft_vocab_size=1024)

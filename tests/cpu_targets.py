@@ -22,12 +22,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import as_test_child, run_process
 
+from helpers import as_test_child, run_process
 from vlm_serve.llm.kernels import (
-    COMMON, F32, I32, I64, PTR, STR, CpuKernel, KernelLibrary, Target, Unavailable, _cpu_flags,
+    COMMON,
+    F32,
+    I32,
+    I64,
+    PTR,
+    STR,
+    CpuKernel,
+    KernelLibrary,
+    Target,
+    Unavailable,
+    _cpu_flags,
+    attention_cpu,
+    decoder_cpu,
+    linear_cpu,
+    moe_cpu,
+    rowwise_cpu,
 )
-from vlm_serve.llm.kernels import attention_cpu, decoder_cpu, linear_cpu, moe_cpu, rowwise_cpu
 
 LIBRARIES = [linear_cpu.LIBRARY, moe_cpu.LIBRARY, attention_cpu.LIBRARY, rowwise_cpu.LIBRARY, decoder_cpu.LIBRARY]
 CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
@@ -116,7 +130,7 @@ def driver_source(signatures: dict[str, tuple]) -> str:
     cases = []
     for index, (name, (restype, *argtypes)) in enumerate(signatures.items()):
         args = [f"{ctype[kind]} a{i} = {read[kind]};" for i, kind in enumerate(argtypes)]
-        pointer = f"({ctype[restype]} (*)({', '.join(ctype[k] for k in argtypes) or 'void'}))dlsym(lib, \"{name}\")"
+        pointer = f'({ctype[restype]} (*)({", ".join(ctype[k] for k in argtypes) or "void"}))dlsym(lib, "{name}")'
         call = f"({pointer})({', '.join(f'a{i}' for i in range(len(argtypes)))})"
         result = {None: f"{call};", STR: f"text = {call};"}.get(restype, f"value = {call};")
         cases.append(f"        case {index}: {{ {' '.join(args)} {result} break; }}")

@@ -41,7 +41,9 @@ def draft_reference(w: dict, cfg: dict, embeds, hidden, positions) -> tuple[torc
     """(normed, pre-norm, target-vocabulary draft token) at every row of one sequence; `hidden` is
     already the draft's width (fused target states, or the draft's own pre-norm outputs)."""
     eps, heads, kv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"], eps), rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)
+    x = torch.cat(
+        [rms(embeds, w["midlayer.input_layernorm.weight"], eps), rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1
+    )
     n = x.shape[0]
     q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d), positions, cfg["rope_theta"])
     k = rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kv, d), positions, cfg["rope_theta"])

@@ -27,7 +27,6 @@ from PIL import Image, ImageDraw
 from vlm_serve.testing.media import write_video
 from vlm_serve.tokenizer import Tokenizer
 
-
 # ---- every process a test starts ---------------------------------------------------------------------
 
 
@@ -399,7 +398,9 @@ def deployment_answers(url: str, tokenizer: Tokenizer, cached_tokens: bool = Tru
         "json_schema": chat(
             [image, question], response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
         ),
-        "named tool": chat([image, question], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "report_colour"}}),
+        "named tool": chat(
+            [image, question], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "report_colour"}}
+        ),
         "32 at once": concurrent,
     }
 

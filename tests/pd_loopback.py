@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlm_serve.engine import Engine, Submission
 from vlm_serve.disaggregation.transfer import KVPoll, KVReceiver, KVSender, TransferBackend
-from vlm_serve.scheduler import scheduler as scheduler_module
+from vlm_serve.engine import Engine, Submission
 from vlm_serve.messages.backend import BootstrapInfo
 from vlm_serve.multimodal.items import ProcessedInput
+from vlm_serve.scheduler import scheduler as scheduler_module
 
 
 @dataclass
@@ -130,7 +130,9 @@ class PDPair:
         # the loopback copies between the pools themselves: the "layout" it gets is the pool
         monkeypatch.setattr(scheduler_module.KVLayout, "of", staticmethod(lambda pool, meta: pool), raising=False)
         monkeypatch.setattr(
-            scheduler_module, "create_transfer_backend", lambda args, mode, rank, pool: LoopbackBackend(self.hub, mode, pool)
+            scheduler_module,
+            "create_transfer_backend",
+            lambda args, mode, rank, pool: LoopbackBackend(self.hub, mode, pool),
         )
         self.prefill = Engine(model, disaggregation_mode="prefill", **options)
         self.decode = Engine(model, disaggregation_mode="decode", **{**options, **(decode_options or {})})

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, openai_client, running_server
 
+from helpers import ServerProcess, openai_client, running_server
 from vlm_serve.testing.media import make_image
 
 API_KEY = "sk-endpoints"

@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
+from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
 

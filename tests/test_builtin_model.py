@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
-from helpers import openai_client, running_server
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 
+from helpers import openai_client, running_server
 from vlm_serve.builtin import BUILTIN_MODEL
-from vlm_serve.builtin.scenes import Motion, OTHER_ANSWER, Scene, Shape, VIDEO_FPS, render, render_motion
+from vlm_serve.builtin.scenes import OTHER_ANSWER, VIDEO_FPS, Motion, Scene, Shape, render, render_motion
 from vlm_serve.testing.media import write_video
 
 RED_CIRCLE = Scene([Shape("circle", "red", "large", 1, 1)], background_seed=3)
@@ -85,7 +85,7 @@ def builtin_server():
 
 
 def ask(server, media: dict, question: str) -> str:
-    (kind, url), = media.items()
+    ((kind, url),) = media.items()
     content = [{"type": kind, kind: {"url": url}}, {"type": "text", "text": question}]
     reply = openai_client(server).chat.completions.create(
         model=BUILTIN_MODEL.name, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=64

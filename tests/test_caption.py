@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from helpers import start_process
 
+from helpers import start_process
 from vlm_serve.caption import collect_images
 from vlm_serve.cli import main
 from vlm_serve.testing.media import jpeg_stating, make_image
@@ -38,8 +38,22 @@ def _lines(path) -> list[dict]:
 
 def test_a_folder_with_two_corrupt_images_gives_50_lines_and_resumes(folder, tiny_moe_dir, tmp_path):
     output = tmp_path / "captions.jsonl"
-    args = ["caption", str(folder), "--output", str(output), "--model", str(tiny_moe_dir), "--dtype", "float32",
-            "--max-tokens", "3", "--batch-size", "8", "--temperature", "0"]
+    args = [
+        "caption",
+        str(folder),
+        "--output",
+        str(output),
+        "--model",
+        str(tiny_moe_dir),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "3",
+        "--batch-size",
+        "8",
+        "--temperature",
+        "0",
+    ]
     assert main(args) == 0
     records = _lines(output)
     assert len(records) == 50 and len({r["path"] for r in records}) == 50
@@ -64,8 +78,20 @@ def test_a_picture_over_max_image_pixels_is_reported_in_its_line_with_its_size_a
     make_image(101, 100).save(tmp_path / "over.png")
     (tmp_path / "huge.jpg").write_bytes(jpeg_stating(20000, 20000))
     output = tmp_path / "captions.jsonl"
-    args = ["caption", str(tmp_path), "--output", str(output), "--model", str(tiny_moe_dir), "--dtype", "float32",
-            "--max-tokens", "2", "--max-image-pixels", "10000"]
+    args = [
+        "caption",
+        str(tmp_path),
+        "--output",
+        str(output),
+        "--model",
+        str(tiny_moe_dir),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "2",
+        "--max-image-pixels",
+        "10000",
+    ]
     assert main(args) == 0
     records = {r["path"].rsplit("/", 1)[-1]: r for r in _lines(output)}
     assert records["at_limit.png"]["caption"] is not None and "error" not in records["at_limit.png"]
@@ -94,10 +120,22 @@ def test_inputs_can_be_files_folders_and_lists_of_paths(folder, tmp_path):
         collect_images([str(tmp_path / "nowhere")])
 
 
-def test_resume_knows_images_however_they_are_named_and_retries_failed_ones(folder, tiny_moe_dir, tmp_path, monkeypatch):
+def test_resume_knows_images_however_they_are_named_and_retries_failed_ones(
+    folder, tiny_moe_dir, tmp_path, monkeypatch
+):
     output = tmp_path / "captions.jsonl"
-    options = ["--output", str(output), "--model", str(tiny_moe_dir), "--dtype", "float32", "--max-tokens", "3",
-               "--temperature", "0"]
+    options = [
+        "--output",
+        str(output),
+        "--model",
+        str(tiny_moe_dir),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "3",
+        "--temperature",
+        "0",
+    ]
     monkeypatch.chdir(tmp_path)
     assert main(["caption", "photos/img01.jpg", "photos/trip/../broken.png", *options]) == 0
     first = {r["path"]: r for r in _lines(output)}
@@ -126,9 +164,7 @@ def test_ctrl_c_stops_quietly_leaving_whole_lines(folder, tiny_moe_dir, tmp_path
     output = tmp_path / "captions.jsonl"
     command = [sys.executable, "-m", "vlm_serve.cli", "caption", str(folder), "--output", str(output), "--model",
                str(tiny_moe_dir), "--dtype", "float32", "--max-tokens", "48", "--batch-size", "2"]  # fmt: skip
-    process = start_process(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not (output.is_file() and output.read_text().count("\n") >= 2) and time.monotonic() < deadline:
         time.sleep(0.05)

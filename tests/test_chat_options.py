@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, running_server
 
+from helpers import ServerProcess, running_server
 from vlm_serve.detokenizer import TextStream
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
@@ -37,7 +37,6 @@ def server(tiny_moe_dir: Path, media_dir: Path):
         "--mm-max-image-pixels", str(MAX_IMAGE_PIXELS),
     ) as srv:  # fmt: skip
         yield srv
-
 
 
 def post(server: ServerProcess, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
@@ -139,6 +138,7 @@ def test_chat_template_kwargs_reach_the_template(client, model, theirs, media_di
         model=model, messages=messages, max_tokens=2,
         extra_body={"chat_template_kwargs": {"add_vision_id": True, "enable_thinking": False}},
     )  # fmt: skip
+
     def rendered_tokens(**extra) -> int:
         rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return len(theirs.encode(rendered))
@@ -167,7 +167,8 @@ def test_echo_starts_the_answer_with_the_final_assistant_message(client, model, 
     assert [t.token for t in echoed_logprobs] == [t.token for t in plain_logprobs]
     assert [t.logprob for t in echoed_logprobs] == pytest.approx([t.logprob for t in plain_logprobs], abs=1e-3)
     assert (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == (
-        plain.usage.prompt_tokens, plain.usage.completion_tokens
+        plain.usage.prompt_tokens,
+        plain.usage.completion_tokens,
     )
     stream = client.chat.completions.create(
         model=model, messages=CONTINUED["text"], max_tokens=8, temperature=0, stream=True, logprobs=True,

@@ -193,9 +193,7 @@ def _within_e4m3_precision(dequantized: torch.Tensor, original: torch.Tensor, sc
     subnormal step (2^-10) times the block's scale below e4m3's normal range."""
     rows, cols = original.shape[-2:]
     block_scale = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :rows, :cols]
-    bound = torch.maximum(
-        original.abs() * 2.0 ** -(E4M3_MANTISSA_BITS + 1), block_scale * E4M3_SMALLEST_SUBNORMAL / 2
-    )
+    bound = torch.maximum(original.abs() * 2.0 ** -(E4M3_MANTISSA_BITS + 1), block_scale * E4M3_SMALLEST_SUBNORMAL / 2)
     return bool(((dequantized - original).abs() <= bound * (1 + 1e-6)).all())
 
 
@@ -405,4 +403,3 @@ def test_cli_dtype_and_quantize(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["create-tiny-model", str(tmp_path / "bad"), "--quantize", "fp8", "--dtype", "float32"]) == 2
     assert "FP8 checkpoints keep their unquantized weights in bfloat16, not float32" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
-

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import shutil
@@ -17,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import descendants, process_name, run_process, start_process
 
+from helpers import descendants, process_name, run_process, start_process
+from vlm_serve.builtin.scenes import Scene, Shape, render
 from vlm_serve.cli import build_parser, main, parse_args, server_args_of
 from vlm_serve.config import ServerArgs, setting_docs
-from vlm_serve.builtin.scenes import Scene, Shape, render
 from vlm_serve.testing.media import make_image
 
 
@@ -35,8 +34,13 @@ def test_create_tiny_model_writes_a_hugging_face_checkpoint(tmp_path):
     assert result.returncode == 0, result.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                 "preprocessor_config.json"):
+    for name in (
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "preprocessor_config.json",
+    ):
         assert (out / name).is_file()
 
 
@@ -62,9 +66,7 @@ def test_ctrl_c_stops_generate_silently(tmp_path, tiny_moe_dir):
     make_image(64, 64).save(image)
     command = [sys.executable, "-m", "vlm_serve.cli", "generate", "--model", str(tiny_moe_dir), "--image", str(image),
                "--prompt", "Describe.", "--max-tokens", "4000", "--vit-dp", "1"]  # fmt: skip
-    process = start_process(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not any(process_name(pid) == "vlm-encoder-0" for pid in descendants(process.pid)):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
@@ -90,7 +92,9 @@ def test_every_shipped_config_file_is_valid():
     assert configs
     for config in configs:
         # as launched: a multi-node file gets each node's address of node 0 on the command line
-        args = server_args_of(parse_args(build_parser(), ["serve", "--config", str(config), "--dist-init-addr", "10.0.0.1:5000"]))
+        args = server_args_of(
+            parse_args(build_parser(), ["serve", "--config", str(config), "--dist-init-addr", "10.0.0.1:5000"])
+        )
         assert args.tp_size % args.nnodes == 0
 
 

@@ -9,7 +9,9 @@ import os
 
 import pytest
 
-langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed (pip install -e '.[clients]')")
+langchain_openai = pytest.importorskip(
+    "langchain_openai", reason="langchain-openai is not installed (pip install -e '.[clients]')"
+)
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM would fetch its price list from the internet
 litellm = pytest.importorskip("litellm", reason="litellm is not installed (pip install -e '.[clients]')")
 

@@ -118,8 +118,20 @@ def test_a_picture_arriving_while_others_decode_is_answered_as_when_it_comes_alo
     an encoder process where the set-up has one): its greedy answer is the one it gets alone, and the
     requests it joined are answered."""
     client = httpx.Client(timeout=CLIENT_TIMEOUT)
-    picture = {"model": "default", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": pictures()[1]}}, {"type": "text", "text": "What is in it?"}]}]}
+    picture = {
+        "model": "default",
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": pictures()[1]}},
+                    {"type": "text", "text": "What is in it?"},
+                ],
+            }
+        ],
+    }
     running = {"model": "default", "prompt": "Tell me a long story", "max_tokens": 24, "ignore_eos": True,
                "stream": True}  # fmt: skip
 

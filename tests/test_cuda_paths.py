@@ -21,7 +21,9 @@ from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU kit runs it on a lent GPU)")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the GPU kit runs it on a lent GPU)"
+)
 
 
 def pools(device: str, dtype: torch.dtype, head_dim: int):
@@ -30,7 +32,10 @@ def pools(device: str, dtype: torch.dtype, head_dim: int):
 
 
 def test_flashinfer_asked_for_where_it_cannot_run_is_refused_naming_what_it_needs():
-    with pytest.raises(ValueError, match=r"bfloat16 or float16 KV cache and a head size of 64, 128, 256 \(here: torch.float32, head size 32, on cpu\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"bfloat16 or float16 KV cache and a head size of 64, 128, 256 \(here: torch.float32, head size 32, on cpu\)",
+    ):
         create_attention_backend("flashinfer", *pools("cpu", torch.float32, 32), 8, 2, 32, 0.125)
 
 
@@ -73,9 +78,13 @@ def test_decode_batches_replay_the_smallest_captured_size_that_holds_them():
 
 
 def test_padding_rows_of_a_graph_batch_read_and_write_the_dummy_slot_alone():
-    indptr, indices = padded_decode_indices(torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([7, 8, 9, 4, 5]), 4)
+    indptr, indices = padded_decode_indices(
+        torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([7, 8, 9, 4, 5]), 4
+    )
     assert indptr.tolist() == [0, 3, 5, 6, 7] and indices.tolist() == [7, 8, 9, 4, 5, 0, 0]
-    assert padded_decode_indices(torch.tensor([0], dtype=torch.int32), torch.tensor([], dtype=torch.int64), 2)[0].tolist() == [0, 1, 2]
+    assert padded_decode_indices(torch.tensor([0], dtype=torch.int32), torch.tensor([], dtype=torch.int64), 2)[
+        0
+    ].tolist() == [0, 1, 2]
 
 
 def test_cuda_graph_settings_are_checked():
@@ -135,8 +144,9 @@ def test_a_small_models_kv_pool_on_a_gpu_holds_the_running_requests_whole_contex
     path = create_tiny_model(tempfile.mkdtemp(), arch="dense", size="small", dtype="bfloat16")
     with Engine(path, device="cuda", max_running_requests=4) as first, Engine(path, device="cuda") as second:
         assert first.scheduler.runner.max_total_tokens == 4 * first.model_config.text.max_position_embeddings
-        assert second.chat([{"role": "user", "content": [{"type": "image", "image": make_image(64, 64)}]}],
-                           max_tokens=2).finish_reason in ("length", "stop")
+        assert second.chat(
+            [{"role": "user", "content": [{"type": "image", "image": make_image(64, 64)}]}], max_tokens=2
+        ).finish_reason in ("length", "stop")
 
 
 @cuda

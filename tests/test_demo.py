@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import requires
@@ -20,16 +19,22 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import free_port, start_process
+import tomllib
 from packaging.requirements import Requirement
 from PIL import Image, ImageDraw
 
+from helpers import free_port, start_process
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import Scene, Shape, render
-from vlm_serve.testing.media import png_stating
 from vlm_serve.demo import (
-    SINGLE_TURN_NOTE, build_demo, latest_question, single_turn_only, to_openai_messages, user_turn,
+    SINGLE_TURN_NOTE,
+    build_demo,
+    latest_question,
+    single_turn_only,
+    to_openai_messages,
+    user_turn,
 )  # fmt: skip
+from vlm_serve.testing.media import png_stating
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 PROMPT = "what colour is the circle?"

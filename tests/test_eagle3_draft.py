@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from eagle3_reference import CausalAttention, draft_reference, fuse
 from safetensors.torch import load_file, save_file
 
+from eagle3_reference import CausalAttention, draft_reference, fuse
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.embedding import VocabParallelEmbedding
 from vlm_serve.llm.speculative.eagle3 import Eagle3Config, load_eagle3_draft
@@ -23,11 +23,21 @@ from vlm_serve.testing.eagle3_draft import create_eagle3_draft
 @pytest.mark.parametrize("own_embeddings", [False, True])
 def test_a_draft_computes_the_published_architecture(tiny_dense_dir, tmp_path, own_embeddings):
     target = ModelConfig.from_pretrained(tiny_dense_dir).text
-    path = create_eagle3_draft(tmp_path / "draft", tiny_dense_dir, seed=1, draft_vocab_size=target.vocab_size // 2, own_embeddings=own_embeddings)
+    path = create_eagle3_draft(
+        tmp_path / "draft",
+        tiny_dense_dir,
+        seed=1,
+        draft_vocab_size=target.vocab_size // 2,
+        own_embeddings=own_embeddings,
+    )
     weights = load_file(str(path / "model.safetensors"))
-    weights["d2t"] = torch.randint(0, target.vocab_size // 2, weights["d2t"].shape, generator=torch.Generator().manual_seed(2))
+    weights["d2t"] = torch.randint(
+        0, target.vocab_size // 2, weights["d2t"].shape, generator=torch.Generator().manual_seed(2)
+    )
     save_file(weights, str(path / "model.safetensors"))  # (a draft vocabulary that is not the first ids)
-    draft = load_eagle3_draft(path, target, kv_layer=target.num_hidden_layers, device=torch.device("cpu"), dtype=torch.float32)
+    draft = load_eagle3_draft(
+        path, target, kv_layer=target.num_hidden_layers, device=torch.device("cpu"), dtype=torch.float32
+    )
     embeddings = torch.randn(target.vocab_size, target.hidden_size) * 0.02
     if not own_embeddings:
         shared = VocabParallelEmbedding(target.vocab_size, target.hidden_size)
@@ -42,7 +52,9 @@ def test_a_draft_computes_the_published_architecture(tiny_dense_dir, tmp_path, o
     with torch.no_grad():
         normed, prenorm = draft(ids, hidden3, positions.expand(3, -1), SimpleNamespace(attn_backend=CausalAttention()))
         tokens = draft.draft_tokens(normed)
-    want_normed, want_prenorm, want_tokens = draft_reference(weights, json.loads((path / "config.json").read_text()), embeddings[ids], fuse(weights, hidden3), positions)
+    want_normed, want_prenorm, want_tokens = draft_reference(
+        weights, json.loads((path / "config.json").read_text()), embeddings[ids], fuse(weights, hidden3), positions
+    )
     torch.testing.assert_close(normed, want_normed, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(prenorm, want_prenorm, rtol=1e-4, atol=1e-4)
     assert torch.equal(tokens, want_tokens)
@@ -51,7 +63,9 @@ def test_a_draft_computes_the_published_architecture(tiny_dense_dir, tmp_path, o
 def test_a_chained_step_reads_the_drafts_own_hidden_state_without_fc(tiny_dense_dir, tmp_path):
     target = ModelConfig.from_pretrained(tiny_dense_dir).text
     path = create_eagle3_draft(tmp_path / "draft", tiny_dense_dir, own_embeddings=True)
-    draft = load_eagle3_draft(path, target, kv_layer=target.num_hidden_layers, device=torch.device("cpu"), dtype=torch.float32)
+    draft = load_eagle3_draft(
+        path, target, kv_layer=target.num_hidden_layers, device=torch.device("cpu"), dtype=torch.float32
+    )
     weights = load_file(str(path / "model.safetensors"))
     hidden = torch.randn(3, target.hidden_size)
     ids, positions = torch.tensor([4, 9, 2]), torch.arange(3)
@@ -80,4 +94,6 @@ def test_drafts_that_cannot_serve_the_target_are_refused_by_what_differs(tiny_de
     weights = load_file(str(path / "model.safetensors"))
     save_file({k: v for k, v in weights.items() if k != "norm.weight"}, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="missing 1 tensors"):
-        load_eagle3_draft(path, target, kv_layer=target.num_hidden_layers, device=torch.device("cpu"), dtype=torch.float32)
+        load_eagle3_draft(
+            path, target, kv_layer=target.num_hidden_layers, device=torch.device("cpu"), dtype=torch.float32
+        )

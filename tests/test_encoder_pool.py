@@ -10,20 +10,20 @@ import time
 
 import pytest
 import torch
-from helpers import run_process
 
+from helpers import run_process
 from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.encoder import pool as encoder_pool
+from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
+from vlm_serve.encoder.pool import EncoderPool
 from vlm_serve.engine import Engine
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.multimodal.items import MultimodalItem
+from vlm_serve.multimodal.processor import MultimodalProcessor
+from vlm_serve.process import llm_threads
 from vlm_serve.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
-from vlm_serve.encoder import pool as encoder_pool
-from vlm_serve.encoder.pool import EncoderPool
-from vlm_serve.process import llm_threads
-from vlm_serve.multimodal.items import MultimodalItem
-from vlm_serve.multimodal.processor import MultimodalProcessor
 
 CPU = torch.device("cpu")
 
@@ -109,8 +109,10 @@ def test_work_is_balanced_by_patch_count_not_item_count(tiny_moe_dir):
 
 def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_dir):
     images = [make_image(64 + 32 * i, 96, seed=10 + i) for i in range(6)]
-    convs = [[{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "Describe."}]}]
-             for im in images]
+    convs = [
+        [{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "Describe."}]}]
+        for im in images
+    ]
     with Engine(tiny_moe_dir, dtype="float32", vit_dp=0) as inline:
         expected = [o.token_ids for o in inline.chat_batch(convs, max_tokens=4, temperature=0, ignore_eos=True)]
 

@@ -9,20 +9,20 @@ import threading
 import pytest
 import torch
 
+import vlm_serve.encoder.encoder as encoder_module
 from vlm_serve.config import ModelConfig
+from vlm_serve.encoder.encoder import InlineEncoder
 from vlm_serve.engine import Engine
+from vlm_serve.errors import InternalError
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.multimodal.items import MEDIA_STAGES
+from vlm_serve.multimodal.processor import MultimodalProcessor
+from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.metrics import Histogram
 from vlm_serve.scheduler.schedule_batch import Req
-from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.errors import InternalError
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-import vlm_serve.encoder.encoder as encoder_module
-from vlm_serve.encoder.encoder import InlineEncoder
-from vlm_serve.multimodal.items import MEDIA_STAGES
-from vlm_serve.multimodal.processor import MultimodalProcessor
 
 
 def _conv(image, text: str = "Describe.", text_first: bool = False) -> list[dict]:
@@ -100,8 +100,10 @@ def test_an_item_the_encoder_rejects_fails_only_its_request(tiny_moe_dir, monkey
         with pytest.raises(InternalError) as raised:  # the server's failure (a 500), not an answer
             engine.result(failed)
         assert raised.value.code == "encoder_error"
-        assert raised.value.message == "image 0 of the request could not be encoded: " \
+        assert (
+            raised.value.message == "image 0 of the request could not be encoded: "
             "the vision encoder failed on this item: out of memory"
+        )
         engine.scheduler.check_memory()
 
 

@@ -12,9 +12,9 @@ import sys
 import weakref
 
 import pytest
-from helpers import run_process
 
 import vlm_serve
+from helpers import run_process
 from vlm_serve.detokenizer import STOP_REGEX_LOOKBACK, find_stop_regex
 from vlm_serve.testing.media import make_image
 
@@ -63,7 +63,9 @@ def test_image_as_path_data_url_or_pil_gives_the_same_answer(engine, tmp_path):
 def test_two_different_images_do_not_share_the_image_prefix(engine):
     a = engine.chat(_image_messages(make_image(128, 96, seed=21)), max_tokens=4, temperature=0)
     b = engine.chat(_image_messages(make_image(128, 96, seed=22)), max_tokens=4, temperature=0)
-    image_start = engine.processor.process_messages(_image_messages(make_image(128, 96, seed=22))).mm_items[0].spans[0][0]
+    image_start = (
+        engine.processor.process_messages(_image_messages(make_image(128, 96, seed=22))).mm_items[0].spans[0][0]
+    )
     assert b.cached_tokens <= image_start
     assert a.prompt_tokens == b.prompt_tokens
 
@@ -271,7 +273,10 @@ def _submit(engine, content: str, max_tokens: int):
 @pytest.mark.parametrize("stage", ["waiting", "chunked", "running"])
 def test_abort_at_any_stage_frees_everything(tiny_moe_dir, stage, overlap):
     engine = vlm_serve.Engine(
-        model=tiny_moe_dir, dtype="float32", chunked_prefill_size=8, max_running_requests=2,
+        model=tiny_moe_dir,
+        dtype="float32",
+        chunked_prefill_size=8,
+        max_running_requests=2,
         disable_overlap_schedule=not overlap,
     )
     scheduler = engine.scheduler
@@ -335,7 +340,10 @@ def test_a_repeated_image_skips_preprocessing_and_the_vision_tower(engine):
     assert second.media_timings[0].embedding_source == "cache" and second.media_timings[0].processor_cache_hit
     with vlm_serve.Engine(model=engine.server_args.model, dtype="float32", mm_cache_mb=0) as fresh:
         content = [{"type": "text", "text": "Another, different question:"}, {"type": "image", "image": image}]
-        assert fresh.chat([{"role": "user", "content": content}], max_tokens=4, temperature=0).token_ids == second.token_ids
+        assert (
+            fresh.chat([{"role": "user", "content": content}], max_tokens=4, temperature=0).token_ids
+            == second.token_ids
+        )
 
 
 def test_submit_returns_at_once_and_step_drives_it(engine):

@@ -23,9 +23,9 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from helpers import ServerProcess, descendants, openai_client, start_server
 from PIL import Image
 
+from helpers import ServerProcess, descendants, openai_client, start_server
 from vlm_serve.caption import caption_images
 from vlm_serve.cli import main
 from vlm_serve.config import API_KEY_ENV, ServerArgs
@@ -342,7 +342,9 @@ def test_a_prompt_over_the_context_raises_context_length_exceeded_in_the_openai_
                 model="default", messages=[{"role": "user", "content": long_text}], max_tokens=8, stream=stream
             )
         assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
-        assert caught.value.body["message"].startswith("This model's maximum context length is 2048 tokens. However, you requested")
+        assert caught.value.body["message"].startswith(
+            "This model's maximum context length is 2048 tokens. However, you requested"
+        )
     assert greedy_answer(client) == baseline
 
 
@@ -353,11 +355,19 @@ def test_every_response_has_a_request_id_the_clients_own_when_it_sends_one(serve
         model="default", messages=HI, max_tokens=2, extra_headers={"x-request-id": "trace-42"}
     )
     assert mine.request_id == "trace-42"
-    refused = httpx.post(server.url + "/v1/chat/completions", content=chat(max_tokens=0), headers={**AUTH, **JSON, "x-request-id": "trace-43"})
+    refused = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=chat(max_tokens=0),
+        headers={**AUTH, **JSON, "x-request-id": "trace-43"},
+    )
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "trace-43"
     unauthorized = httpx.get(server.url + "/v1/models", headers={"x-request-id": "trace-44"})
     assert unauthorized.status_code == 401 and unauthorized.headers["x-request-id"] == "trace-44"
-    streamed = httpx.post(server.url + "/v1/chat/completions", content=chat(stream=True), headers={**AUTH, **JSON, "x-request-id": "trace-45"})
+    streamed = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=chat(stream=True),
+        headers={**AUTH, **JSON, "x-request-id": "trace-45"},
+    )
     assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "trace-45"
 
 

@@ -36,9 +36,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 import request_faults
 from helpers import ServerProcess, descendants, openai_client, process_name, running_server, start_server
-
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer

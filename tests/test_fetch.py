@@ -16,9 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
+from vlm_serve.errors import MediaError
 from vlm_serve.multimodal import fetch as fetch_module
 from vlm_serve.multimodal.fetch import MAX_REDIRECTS, fetch_url
-from vlm_serve.errors import MediaError
 
 LOCAL = ["127.0.0.1"]
 LIMIT = 100_000  # bytes

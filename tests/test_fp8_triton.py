@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+
 from helpers import run_process
 
 pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")

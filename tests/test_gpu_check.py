@@ -21,7 +21,9 @@ def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
     assert "moe tiny cpu float32 vs transformers" in names and "dense tiny torch bfloat16 vs transformers" in names
     assert any(n.startswith("built-in model torch bfloat16") for n in names)
     assert [r["name"] for r in json.loads((tmp_path / "server.json").read_text())] == [
-        "server starts (built-in model, --vit-dp 1)", "answers", "streaming"
+        "server starts (built-in model, --vit-dp 1)",
+        "answers",
+        "streaming",
     ]
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert set(figures["dense tiny"]) == {"decode_tok_s_batch_1", "tpot_ms_batch_1", "decode_tok_s_batch_4",

@@ -16,8 +16,19 @@ PACKAGE = Path(vlm_serve.__file__).parent
 # The layers, lowest first: a part imports its own modules and those of the layers before it.
 LAYERS: list[set[str]] = [
     # small shared modules at the ground (circles among them are caught by the other test)
-    {"errors", "sampling_params", "tokenizer", "detokenizer", "quantization", "checkpoint", "config", "builtin",
-     "model_source", "process", "ipc"},  # fmt: skip
+    {
+        "errors",
+        "sampling_params",
+        "tokenizer",
+        "detokenizer",
+        "quantization",
+        "checkpoint",
+        "config",
+        "builtin",
+        "model_source",
+        "process",
+        "ipc",
+    },  # fmt: skip
     {"multimodal"},  # media, preprocessing, items, hashing and caches: the front end's side of pictures
     {"messages"},  # the typed messages between processes
     {"llm"},  # the model executor
@@ -124,5 +135,11 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
 
 def test_the_rules_catch_an_upward_import_and_a_circle():
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}, {"d"}]
-    assert layer_of("vlm_serve.llm.model_runner") < layer_of("vlm_serve.scheduler.scheduler") < layer_of("vlm_serve.server.launcher")
-    assert layer_of("vlm_serve.multimodal.processor") < layer_of("vlm_serve.messages.backend") < layer_of("vlm_serve.llm")
+    assert (
+        layer_of("vlm_serve.llm.model_runner")
+        < layer_of("vlm_serve.scheduler.scheduler")
+        < layer_of("vlm_serve.server.launcher")
+    )
+    assert (
+        layer_of("vlm_serve.multimodal.processor") < layer_of("vlm_serve.messages.backend") < layer_of("vlm_serve.llm")
+    )

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from helpers import run_process
 
+from helpers import run_process
 from vlm_serve.ipc import recv_pyobj, send_pyobj
 
 _unpickled: list[str] = []  # what each `_SignalledWhileRead` got to do, in order
@@ -49,6 +49,7 @@ def stop_signals_raise() -> Iterator[None]:
     """SIGTERM raises SystemExit, as in the server's child processes (`init_child_process`), and SIGINT
     KeyboardInterrupt, as in a Python process that did not start with it ignored (pytest may have:
     `nohup pytest &`)."""
+
     def exit_(signum: int, frame: object) -> None:
         raise SystemExit(0)
 

@@ -14,10 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import start_process
 
-from vlm_serve.llm.kernels import SOURCES, CpuKernel, KernelLibrary, Target, Unavailable
-from vlm_serve.llm.kernels import linear_cpu
+from helpers import start_process
+from vlm_serve.llm.kernels import SOURCES, CpuKernel, KernelLibrary, Target, Unavailable, linear_cpu
 
 KERNELS = sorted(source.stem for source in SOURCES.glob("*.c"))
 
@@ -64,11 +63,15 @@ def fake_compiler(tmp_path: Path, log: Path, body: str) -> str:
 
 
 def test_a_failed_build_is_one_line_naming_the_first_error_and_is_not_tried_again(tmp_path, compiler_log, caplog):
-    broken = fake_compiler(tmp_path, compiler_log, textwrap.dedent("""\
+    broken = fake_compiler(
+        tmp_path,
+        compiler_log,
+        textwrap.dedent("""\
         echo "In file included from linear_cpu.c:8:" >&2
         echo "tiles.h:37:9: error: impossible constraint in 'asm'" >&2
         echo "tiles.h:40:9: error: something else" >&2
-        exit 1"""))
+        exit 1"""),
+    )
     target = Target(broken, "native", str(tmp_path / "cache"))
     caplog.set_level(logging.WARNING, logger="vlm_serve.llm.kernels")
 

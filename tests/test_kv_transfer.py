@@ -21,9 +21,9 @@ import torch
 from vlm_serve.config import ServerArgs
 from vlm_serve.disaggregation.bootstrap import BootstrapServer, RankInfo, lookup_rank, register_rank
 from vlm_serve.disaggregation.control import Timeouts
+from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.fake import FAILURE_ENV, FakeBackend
 from vlm_serve.disaggregation.mooncake import MooncakeBackend, contiguous_runs, pieces, transfer_engine_class
-from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender
 from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
 from vlm_serve.messages.backend import BootstrapInfo
@@ -462,7 +462,9 @@ def test_many_rooms_leave_no_state_behind(pairs: Any, backend: str) -> None:
             pair.prefill.send(room, list(range(1, PROMPT + 1)), 0, f"record {i}".encode())
     ended = [(pair.prefill.wait(room), pair.decode.wait(room)) for room in rooms]
     records = [pair.decode.record(room) for room in rooms]
-    assert ended == [(KVPoll.FAILED, KVPoll.FAILED) if i % 10 in (1, 2) else (KVPoll.SUCCESS,) * 2 for i in range(len(rooms))]
+    assert ended == [
+        (KVPoll.FAILED, KVPoll.FAILED) if i % 10 in (1, 2) else (KVPoll.SUCCESS,) * 2 for i in range(len(rooms))
+    ]
     assert records == [None if i % 10 in (1, 2) else f"record {i}".encode() for i in range(len(rooms))]
     assert (pair.prefill.num_rooms(), pair.decode.num_rooms()) == (0, 0)
 
@@ -477,9 +479,13 @@ def test_bootstrap_server_registers_and_looks_up_ranks_and_stops_quietly(capfd: 
         for info in ranks:
             register_rank((HOST, server.port), info, timeout=5)
         assert [lookup_rank((HOST, server.port), r, timeout=5) for r in range(2)] == ranks
-        with pytest.raises(TimeoutError, match=f"no prefill rank 2 found through the bootstrap server at {HOST}:{server.port}"):
+        with pytest.raises(
+            TimeoutError, match=f"no prefill rank 2 found through the bootstrap server at {HOST}:{server.port}"
+        ):
             lookup_rank((HOST, server.port), 2, timeout=0.3)
-        with pytest.raises(ValueError, match=f"cannot listen on {HOST}:{server.port} .*--disaggregation-bootstrap-port"):
+        with pytest.raises(
+            ValueError, match=f"cannot listen on {HOST}:{server.port} .*--disaggregation-bootstrap-port"
+        ):
             BootstrapServer(HOST, server.port)
     server.stop()
     assert capfd.readouterr() == ("", "")

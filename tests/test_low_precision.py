@@ -39,18 +39,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from helpers import openai_client, running_server
-from vlm_serve.testing.logits import prefill_logits
 from safetensors.torch import load_file, save_file
-from test_model_parity import _conversations, _hf_inputs
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
+from helpers import openai_client, running_server
+from test_model_parity import _conversations, _hf_inputs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.kernels import linear_cpu
 from vlm_serve.quantization import FP8_DTYPE, dequantize_fp8_blocks
+from vlm_serve.testing.logits import prefill_logits
 from vlm_serve.testing.media import make_video
 
-HF_CLASSES = {"moe": transformers.Qwen3VLMoeForConditionalGeneration, "dense": transformers.Qwen3VLForConditionalGeneration}
+HF_CLASSES = {
+    "moe": transformers.Qwen3VLMoeForConditionalGeneration,
+    "dense": transformers.Qwen3VLForConditionalGeneration,
+}
 CASES = ["text", "one_image", "video"]
 
 
@@ -153,7 +156,9 @@ def assert_computes_as_transformers_in_float32(
     if dot and out.token_ids != theirs:  # where rounding flips decide: a token the oracle nearly ties
         i = next(i for i, (a, b) in enumerate(zip(out.token_ids, theirs)) if a != b)
         step = generated.logits[i][0]
-        assert step.max() - step[out.token_ids[i]] < tolerance, f"token {i}: {out.token_ids[i]} is no near-tie of {theirs[i]}"
+        assert step.max() - step[out.token_ids[i]] < tolerance, (
+            f"token {i}: {out.token_ids[i]} is no near-tie of {theirs[i]}"
+        )
     else:
         assert out.token_ids == theirs
 
@@ -171,7 +176,9 @@ def assert_tower_within_bfloat16_rounding(engine: Engine, model: torch.nn.Module
                 assert (a - b).abs().max() <= 2**-6 * b.abs().max()
 
 
-def assert_within_rounding_of_transformers_in_bfloat16(engine: Engine, hf_class: type, path: Path, conversation: list) -> None:
+def assert_within_rounding_of_transformers_in_bfloat16(
+    engine: Engine, hf_class: type, path: Path, conversation: list
+) -> None:
     """Prefill logits within bfloat16's rounding (amplified by the random model) of transformers' model of
     the checkpoint loaded in bfloat16 (an FP8 one through transformers' own FP8 loading)."""
     processed = engine.processor.process_messages(conversation, add_generation_prompt=True)
@@ -238,7 +245,10 @@ def dequantized_copy(fp8_dir: Path, bf16_dir: Path, out: Path) -> Path:
         experts = name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
         if name.endswith(".mlp.experts.gate_up_proj"):  # (experts, hidden, 2 * intermediate)
             count = tensor.shape[0]
-            gate_up = [torch.cat([real(f"{experts}.{e}.gate_proj.weight"), real(f"{experts}.{e}.up_proj.weight")]) for e in range(count)]
+            gate_up = [
+                torch.cat([real(f"{experts}.{e}.gate_proj.weight"), real(f"{experts}.{e}.up_proj.weight")])
+                for e in range(count)
+            ]
             tensors[name] = torch.stack(gate_up).transpose(1, 2).contiguous()
         elif name.endswith(".mlp.experts.down_proj"):  # (experts, intermediate, hidden)
             down = [real(f"{experts}.{e}.down_proj.weight") for e in range(tensor.shape[0])]
@@ -291,10 +301,14 @@ def test_fp8_logits_and_greedy_tokens_match_transformers_on_the_dequantized_weig
     assert_computes_as_transformers_in_float32(engine, HF_CLASSES[arch], reference, conversation, left_in_bf16)
 
 
-def test_fp8_logits_are_within_rounding_of_transformers_own_fp8_loading(fp8, video_path, transformers_reads_fp8_experts):
+def test_fp8_logits_are_within_rounding_of_transformers_own_fp8_loading(
+    fp8, video_path, transformers_reads_fp8_experts
+):
     pytest.importorskip("accelerate", reason="transformers' FP8 loading needs accelerate (the test extra has it)")
     arch, path, _, engine = fp8
-    assert_within_rounding_of_transformers_in_bfloat16(engine, HF_CLASSES[arch], path, _conversations(video_path)["one_image"])
+    assert_within_rounding_of_transformers_in_bfloat16(
+        engine, HF_CLASSES[arch], path, _conversations(video_path)["one_image"]
+    )
 
 
 def test_the_server_serves_an_fp8_checkpoint_as_the_engine(tiny_fp8_dirs, video_path):

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlm_serve.errors import BadRequest
-from vlm_serve.testing.media import jpeg_stating, png_stating
-from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.errors import BadRequest, MediaError
 from vlm_serve.multimodal.image_processor import ImageProcessor, ImageProcessorConfig
-from vlm_serve.errors import MediaError
 from vlm_serve.multimodal.media import MediaAccess, load_image, probe_image, read_media
 from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
 from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig
+from vlm_serve.testing.media import jpeg_stating, png_stating
+from vlm_serve.tokenizer import Tokenizer
 
 
 def png_bytes(width: int = 8, height: int = 8) -> bytes:
@@ -286,20 +285,24 @@ def image_part(data: bytes) -> dict:
         ([{"role": "user", "content": [image_part(b"junk"), TEXT]}], "messages[0].content[0]", "cannot decode image"),
         (
             [{"role": "user", "content": "Hi"}, {"role": "user", "content": [TEXT, GOOD_IMAGE, image_part(b"junk")]}],
-            "messages[1].content[2]", "cannot decode image",
+            "messages[1].content[2]",
+            "cannot decode image",
         ),
         (
             [{"role": "user", "content": [GOOD_IMAGE, {"type": "video_url", "video_url": {"url": BAD_VIDEO}}]}],
-            "messages[0].content[1]", "cannot decode video",
+            "messages[0].content[1]",
+            "cannot decode video",
         ),
         (
             [{"role": "user", "content": [TEXT, image_part(png_stating(20000, 20000))]}],
-            "messages[0].content[1]", "image is 20000 x 20000 = 400000000 pixels",
+            "messages[0].content[1]",
+            "image is 20000 x 20000 = 400000000 pixels",
         ),
         ([{"role": "user", "content": [TEXT, NO_URL]}], "messages[0].content[1]", "has no"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}],
-            "messages[0].content[0]", "cannot decode image",  # (the in-process processor reads any local path)
+            "messages[0].content[0]",
+            "cannot decode image",  # (the in-process processor reads any local path)
         ),
     ],
     ids=["first part", "second message's third part", "a video", "oversized", "no url", "not an image file"],

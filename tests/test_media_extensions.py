@@ -14,9 +14,9 @@ import pytest
 from PIL import Image, ImageDraw
 
 from tests.helpers import circle_url, clip_url
-from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.errors import MediaError
 from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
+from vlm_serve.tokenizer import Tokenizer
 
 QUESTION = {"type": "text", "text": "What is it?"}
 ONE_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"

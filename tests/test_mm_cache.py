@@ -19,10 +19,10 @@ from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.multimodal.cache import MultimodalCache
 from vlm_serve.multimodal.hashing import media_hash
-from vlm_serve.testing.media import make_image, make_video
-from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
+from vlm_serve.testing.media import make_image, make_video
+from vlm_serve.tokenizer import Tokenizer
 
 ONE_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 ONE_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -276,7 +276,9 @@ def test_a_repeated_image_skips_decoding_and_equals_fresh_processing(cached, unc
 def test_a_repeated_pil_image_skips_preprocessing(cached, uncached, monkeypatch):
     calls = []
     real_preprocess = cached.image_processor.preprocess
-    monkeypatch.setattr(cached.image_processor, "preprocess", lambda *a, **k: calls.append(a) or real_preprocess(*a, **k))
+    monkeypatch.setattr(
+        cached.image_processor, "preprocess", lambda *a, **k: calls.append(a) or real_preprocess(*a, **k)
+    )
     image = make_image(100, 70, seed=5)
     cached.process(ONE_IMAGE, images=[image])
     repeat = cached.process(ONE_IMAGE + ONE_IMAGE, images=[Image.fromarray(np.asarray(image).copy()), image])
@@ -295,7 +297,9 @@ def test_other_settings_for_the_same_image_miss_the_cache(cached, png_file):
 def test_a_repeated_video_skips_decoding_and_equals_fresh_processing(cached, uncached, video_file, monkeypatch):
     calls = []
     real_preprocess = cached.video_processor.preprocess
-    monkeypatch.setattr(cached.video_processor, "preprocess", lambda *a, **k: calls.append(a) or real_preprocess(*a, **k))
+    monkeypatch.setattr(
+        cached.video_processor, "preprocess", lambda *a, **k: calls.append(a) or real_preprocess(*a, **k)
+    )
     cached.process(ONE_VIDEO, videos=[str(video_file)])
     prompt = "Watch:" + ONE_VIDEO + "What happens?"
     repeat = cached.process(prompt, videos=[video_file.read_bytes()])

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from vlm_serve.testing.logits import prefill_logits
 
 from vlm_serve.engine import Engine
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
-from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.multimodal.items import ProcessedInput
+from vlm_serve.testing.logits import prefill_logits
+from vlm_serve.testing.media import make_image, make_video
 
 HF_CLASSES = {
     "moe": transformers.Qwen3VLMoeForConditionalGeneration,

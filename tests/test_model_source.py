@@ -48,7 +48,10 @@ def test_a_model_id_is_read_from_the_hugging_face_cache(tmp_path, tiny_moe_dir, 
     with Engine("acme/tiny-vl", download_dir=str(tmp_path), dtype="float32") as from_hub:
         answer = from_hub.chat([{"role": "user", "content": "hello"}], max_tokens=5, temperature=0)
     with Engine(tiny_moe_dir, dtype="float32") as from_folder:
-        assert from_folder.chat([{"role": "user", "content": "hello"}], max_tokens=5, temperature=0).token_ids == answer.token_ids
+        assert (
+            from_folder.chat([{"role": "user", "content": "hello"}], max_tokens=5, temperature=0).token_ids
+            == answer.token_ids
+        )
 
     served = with_local_model(ServerArgs(model="acme/tiny-vl", download_dir=str(tmp_path)))
     assert (served.model, served.served_model_name) == (str(main), "acme/tiny-vl")  # named as vLLM names it

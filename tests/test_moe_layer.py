@@ -12,11 +12,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from weight_formats import E4M3, as_multiplied, dequantize, quantize_fp8
 
 from vlm_serve.llm.kernels import CACHE_ENV, moe_cpu
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.quantization import row_scales, shard_scale
+from weight_formats import E4M3, as_multiplied, dequantize, quantize_fp8
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 64, 32
 

@@ -9,8 +9,8 @@ import re
 import pytest
 import xgrammar as xgr
 
-from vlm_serve.server.chat_output import ChatOutput
 from vlm_serve.config import CHOICES
+from vlm_serve.server.chat_output import ChatOutput
 from vlm_serve.server.reasoning_parser import REASONING_PARSERS, Qwen3ReasoningParser
 from vlm_serve.server.tool_parser import ToolCallStream, parse_tool_calls, tool_call_grammar
 
@@ -111,7 +111,9 @@ TOOL_CASES = [  # (output, content, [(name, arguments)])
     ("I write <tool_call> tags and <tool_", WHOLE, []),
     # invalid blocks among valid ones are dropped
     (
-        'A\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>\n' + WEATHER + "\n<tool_call>\n{oops}\n</tool_call>",
+        'A\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>\n'
+        + WEATHER
+        + "\n<tool_call>\n{oops}\n</tool_call>",
         "A\n",
         [WEATHER_CALL],
     ),

@@ -11,8 +11,8 @@ import json
 import random
 
 import pytest
-from pd_loopback import PDPair
 
+from pd_loopback import PDPair
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import random_scene, render
 from vlm_serve.engine import Engine
@@ -228,7 +228,9 @@ def test_both_sides_count_their_transfers_for_metrics(engines):
     pair.hub.fail_rooms.add(f"{pair.next_room}/0")
     with pytest.raises(Exception, match="KV transfer failed"):
         answer(pair, TEXT, max_tokens=2, temperature=0)
-    for engine, old, queues in zip((pair.prefill, pair.decode), before, ({"bootstrap", "inflight"}, {"prealloc", "transfer"})):
+    for engine, old, queues in zip(
+        (pair.prefill, pair.decode), before, ({"bootstrap", "inflight"}, {"prealloc", "transfer"})
+    ):
         stats = engine.scheduler.get_stats()
         assert stats.disaggregation_queues == dict.fromkeys(queues, 0)
         token_bytes = engine.scheduler.disagg.token_bytes

@@ -21,11 +21,22 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import (
-    README_URL, ServerProcess, block_command, circle_image, deployment_answers, free_port, metric,
-    readme_blocks, run_process, running_router, running_server, start_process, start_server,
-)  # fmt: skip
 
+from helpers import (
+    README_URL,
+    ServerProcess,
+    block_command,
+    circle_image,
+    deployment_answers,
+    free_port,
+    metric,
+    readme_blocks,
+    run_process,
+    running_router,
+    running_server,
+    start_process,
+    start_server,
+)  # fmt: skip
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.tokenizer import Tokenizer
 
@@ -168,7 +179,9 @@ def send_to_both(prefill: ServerProcess, decode: ServerProcess, bootstrap: dict)
     """The long prompt to both servers at once with the same room, as sglang-router sends it."""
     body = {"messages": LONG_PROMPT, "max_tokens": 8, "temperature": 0, **bootstrap}
     pool = ThreadPoolExecutor(2)
-    answers = tuple(pool.submit(httpx.post, s.url + "/v1/chat/completions", json=body, timeout=120) for s in (prefill, decode))
+    answers = tuple(
+        pool.submit(httpx.post, s.url + "/v1/chat/completions", json=body, timeout=120) for s in (prefill, decode)
+    )
     pool.shutdown(wait=False)
     return answers
 

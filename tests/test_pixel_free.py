@@ -25,14 +25,14 @@ import torch
 from PIL import Image
 
 from vlm_serve.config import ServerArgs
+from vlm_serve.errors import MediaError
 from vlm_serve.messages.backend import SchedulerLimits
 from vlm_serve.multimodal.items import ProcessedInput
+from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.errors import MediaError
-from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
 
 PIXEL_WORK = (  # every function that decodes, resizes or normalises pixels
     "PIL.ImageFile.ImageFile.load",
@@ -122,52 +122,63 @@ def made_once(makers: dict[str, Callable[[], bytes]]) -> dict[str, Callable[[], 
     return {name: functools.cache(make) for name, make in makers.items()}
 
 
-IMAGES = made_once({
-    "png": lambda: encoded(make_image(150, 100), "PNG"),
-    "png, odd sides": lambda: encoded(make_image(333, 201), "PNG"),
-    "png, palette with transparency": lambda: encoded(make_image(90, 70, mode="P"), "PNG", transparency=3),
-    "png, grayscale": lambda: encoded(make_image(120, 80, mode="L"), "PNG"),
-    "jpeg": lambda: encoded(make_image(200, 120), "JPEG"),
-    "jpeg, cmyk": lambda: encoded(make_image(100, 140, mode="CMYK"), "JPEG"),
-    **{
-        f"jpeg, exif orientation {o}": (lambda o=o: encoded(make_image(160, 96), "JPEG", exif=exif(o)))
-        for o in range(1, 9)
-    },
-    "png, exif orientation 6 before the image data": lambda: encoded(make_image(160, 96), "PNG", exif=exif(6)),
-    "png, exif orientation 8 after the image data": lambda: after_image_data(
-        encoded(make_image(160, 96), "PNG"), png_chunk(b"eXIf", exif(8)[6:])  # eXIf holds the TIFF part
-    ),
-    "png, xmp orientation 6 after the image data": lambda: after_image_data(
-        encoded(make_image(160, 96), "PNG"), png_chunk(b"iTXt", b"XML:com.adobe.xmp\0\0\0\0\0" + XMP_ORIENTATION_6)
-    ),
-    "apng, exif orientation 5": lambda: encoded(
-        make_image(160, 96), "PNG", save_all=True, append_images=[make_image(160, 96, seed=1)], exif=exif(5)
-    ),
-    "tiff, orientation 6 (Pillow turns it upright as it decodes)": lambda: encoded(
-        make_image(160, 96), "TIFF", exif=exif(6), compression="tiff_lzw"
-    ),
-    "webp, exif orientation 8": lambda: encoded(make_image(160, 96), "WEBP", exif=exif(8)),
-    "gif": lambda: encoded(make_image(100, 60), "GIF"),
-    "tiny: scaled up to min_pixels": lambda: encoded(make_image(9, 7), "PNG"),
-    "huge: scaled down to max_pixels": lambda: encoded(make_image(2400, 1500), "JPEG"),
-})
+IMAGES = made_once(
+    {
+        "png": lambda: encoded(make_image(150, 100), "PNG"),
+        "png, odd sides": lambda: encoded(make_image(333, 201), "PNG"),
+        "png, palette with transparency": lambda: encoded(make_image(90, 70, mode="P"), "PNG", transparency=3),
+        "png, grayscale": lambda: encoded(make_image(120, 80, mode="L"), "PNG"),
+        "jpeg": lambda: encoded(make_image(200, 120), "JPEG"),
+        "jpeg, cmyk": lambda: encoded(make_image(100, 140, mode="CMYK"), "JPEG"),
+        **{
+            f"jpeg, exif orientation {o}": (lambda o=o: encoded(make_image(160, 96), "JPEG", exif=exif(o)))
+            for o in range(1, 9)
+        },
+        "png, exif orientation 6 before the image data": lambda: encoded(make_image(160, 96), "PNG", exif=exif(6)),
+        "png, exif orientation 8 after the image data": lambda: after_image_data(
+            encoded(make_image(160, 96), "PNG"),
+            png_chunk(b"eXIf", exif(8)[6:]),  # eXIf holds the TIFF part
+        ),
+        "png, xmp orientation 6 after the image data": lambda: after_image_data(
+            encoded(make_image(160, 96), "PNG"), png_chunk(b"iTXt", b"XML:com.adobe.xmp\0\0\0\0\0" + XMP_ORIENTATION_6)
+        ),
+        "apng, exif orientation 5": lambda: encoded(
+            make_image(160, 96), "PNG", save_all=True, append_images=[make_image(160, 96, seed=1)], exif=exif(5)
+        ),
+        "tiff, orientation 6 (Pillow turns it upright as it decodes)": lambda: encoded(
+            make_image(160, 96), "TIFF", exif=exif(6), compression="tiff_lzw"
+        ),
+        "webp, exif orientation 8": lambda: encoded(make_image(160, 96), "WEBP", exif=exif(8)),
+        "gif": lambda: encoded(make_image(100, 60), "GIF"),
+        "tiny: scaled up to min_pixels": lambda: encoded(make_image(9, 7), "PNG"),
+        "huge: scaled down to max_pixels": lambda: encoded(make_image(2400, 1500), "JPEG"),
+    }
+)
 
-VIDEOS = made_once({
-    "mp4, 16 frames at 8 fps, 64x64": lambda: video(16, 8, (64, 64)),
-    "mp4, one frame": lambda: video(1, 10, (64, 64)),
-    "mp4, 5 frames at 2 fps, 96x48": lambda: video(5, 2, (96, 48)),
-    "mp4, 47 frames at 24 fps, 80x112": lambda: video(47, 24, (80, 112)),
-    "mp4, 40 frames at 29.97 fps": lambda: video(40, Fraction(30000, 1001), (64, 48)),
-    "mp4 h264, odd sides": lambda: video(12, 6, (75, 53), codec="libx264", pix_fmt="yuv444p"),
-    "mkv: no stated frame count": lambda: video(24, 8, (64, 64), fmt="matroska"),
-    "webm vp9: no stated frame count": lambda: video(10, 5, (64, 64), fmt="webm", codec="libvpx-vp9"),
-    "mp4 h264 with an edit list (a trimmed clip)": lambda: video(30, 10, (64, 64), codec="libx264", first_pts=-3),
-    "mp4 cut short": lambda: cut_short(video(30, 10, (64, 64), codec="libx264", options={"movflags": "faststart"})),
-    "mp4 corrupt in the middle": lambda: corrupt_middle(video(16, 8, (64, 64))),
-})
+VIDEOS = made_once(
+    {
+        "mp4, 16 frames at 8 fps, 64x64": lambda: video(16, 8, (64, 64)),
+        "mp4, one frame": lambda: video(1, 10, (64, 64)),
+        "mp4, 5 frames at 2 fps, 96x48": lambda: video(5, 2, (96, 48)),
+        "mp4, 47 frames at 24 fps, 80x112": lambda: video(47, 24, (80, 112)),
+        "mp4, 40 frames at 29.97 fps": lambda: video(40, Fraction(30000, 1001), (64, 48)),
+        "mp4 h264, odd sides": lambda: video(12, 6, (75, 53), codec="libx264", pix_fmt="yuv444p"),
+        "mkv: no stated frame count": lambda: video(24, 8, (64, 64), fmt="matroska"),
+        "webm vp9: no stated frame count": lambda: video(10, 5, (64, 64), fmt="webm", codec="libvpx-vp9"),
+        "mp4 h264 with an edit list (a trimmed clip)": lambda: video(30, 10, (64, 64), codec="libx264", first_pts=-3),
+        "mp4 cut short": lambda: cut_short(video(30, 10, (64, 64), codec="libx264", options={"movflags": "faststart"})),
+        "mp4 corrupt in the middle": lambda: corrupt_middle(video(16, 8, (64, 64))),
+    }
+)
 
 IMAGE_OPTIONS = [{}, {"max_pixels": 48 * 48}, {"min_pixels": 300 * 300, "max_pixels": 400 * 400}]
-VIDEO_OPTIONS = [{}, {"fps": 5.0}, {"fps": 8.0, "max_frames": 6}, {"max_pixels": 8 * 32 * 32}, {"min_pixels": 4 * 128 * 128}]
+VIDEO_OPTIONS = [
+    {},
+    {"fps": 5.0},
+    {"fps": 8.0, "max_frames": 6},
+    {"max_pixels": 8 * 32 * 32},
+    {"min_pixels": 4 * 128 * 128},
+]
 
 
 def data_url(data: bytes, kind: str) -> str:
@@ -283,7 +294,9 @@ def test_the_image_pixel_limit_is_checked_from_the_header(tiny_dense_dir, tokeni
 def test_a_pil_image_is_hashed_from_its_pixels_and_sized_from_them(full, pixel_free):
     """An in-process caller's PIL image is decoded already: only its resizing and normalising are skipped."""
     image = make_image(130, 70)
-    assert_same_layout(pixel_free.process("<|image_pad|>x", images=[image]), full.process("<|image_pad|>x", images=[image]))
+    assert_same_layout(
+        pixel_free.process("<|image_pad|>x", images=[image]), full.process("<|image_pad|>x", images=[image])
+    )
 
 
 # -- videos ------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
+from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
 from vlm_serve.scheduler.schedule_policy import (
@@ -19,7 +20,6 @@ from vlm_serve.scheduler.schedule_policy import (
     PrefillAdder,
     SchedulePolicy,
 )
-from vlm_serve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 _rids = itertools.count()
@@ -64,8 +64,12 @@ def make_adder(
     mixed_decode_tokens: int = 0,
 ) -> PrefillAdder:
     return PrefillAdder(
-        cache, running(list(running_reqs), cache), new_token_ratio, max_prefill_tokens,
-        chunked_prefill_size, mixed_decode_tokens,
+        cache,
+        running(list(running_reqs), cache),
+        new_token_ratio,
+        max_prefill_tokens,
+        chunked_prefill_size,
+        mixed_decode_tokens,
     )
 
 
@@ -262,7 +266,9 @@ def test_random_is_a_permutation(cache):
 def test_dfs_weight_groups_requests_sharing_a_prefix_heavier_subtree_first(cache, heavy):
     cache_key(cache, [1, 2, 3, 4])
     cache_key(cache, [5, 6, 7, 8])
-    light_prefix, heavy_prefix = ([5, 6, 7, 8], [1, 2, 3, 4]) if heavy == "first-cached" else ([1, 2, 3, 4], [5, 6, 7, 8])
+    light_prefix, heavy_prefix = (
+        ([5, 6, 7, 8], [1, 2, 3, 4]) if heavy == "first-cached" else ([1, 2, 3, 4], [5, 6, 7, 8])
+    )
     l1 = waiting(cache, light_prefix + [10, 11])
     h1 = waiting(cache, heavy_prefix + [12, 13])
     fresh = waiting(cache, [40, 41])
@@ -283,7 +289,6 @@ def test_priority_goes_first_and_ties_keep_the_policy_order(cache):
     assert queue == [b, d, a, c]
     SchedulePolicy("lof", cache, enable_priority=True).calc_priority(queue)
     assert queue == [d, b, c, a]
-
 
 
 # ---- priority preemption -------------------------------------------------------------------------------
@@ -328,6 +333,7 @@ def test_requests_within_the_threshold_are_not_preempted(cache):
     high = waiting(cache, 120, max_new_tokens=20, priority=10)
     result, victims = adder.add_one_req_preempting(high, batch, threshold=5)
     assert result == AddReqResult.NO_TOKEN and victims == [] and adder.can_run_list == [] and batch.reqs == [low]
+
 
 def test_an_unknown_policy_is_rejected(cache):
     with pytest.raises(ValueError, match="schedule_policy"):

@@ -11,15 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weight_formats import E4M3, as_multiplied, dequantize, every_value, quantize_fp8, within_bfloat16_rounding
-
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.kernels import CACHE_ENV, linear_cpu
 from vlm_serve.llm.layers.embedding import ParallelLMHead
 from vlm_serve.llm.layers.linear import LinearBase, ReplicatedLinear, packable
 from vlm_serve.llm.models import qwen3_vl_vision as vision_tower
-from vlm_serve.quantization import row_scales, shard_scale
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.quantization import row_scales, shard_scale
+from weight_formats import E4M3, as_multiplied, dequantize, every_value, quantize_fp8, within_bfloat16_rounding
 
 CPU = torch.device("cpu")
 

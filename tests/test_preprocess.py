@@ -22,17 +22,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
-
 import transformers.image_processing_backends as hf_backends
 import transformers.models.qwen3_vl.video_processing_qwen3_vl as hf_qwen3_video
 import transformers.video_processing_utils as hf_video_utils
+from PIL import Image, ImageOps
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 from transformers.video_utils import VideoMetadata, read_video_pyav
-from vlm_serve.tokenizer import Tokenizer
+
 from vlm_serve.multimodal.image_processor import ImageProcessor, ImageProcessorConfig, smart_resize
 from vlm_serve.multimodal.media import load_image
 from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
@@ -43,6 +42,7 @@ from vlm_serve.multimodal.video import (
     sample_frame_indices,
     smart_resize_video,
 )
+from vlm_serve.tokenizer import Tokenizer
 
 QWEN3_VL_IMAGE_BUDGET = (65536, 16777216)  # the published checkpoints' image pixel limits
 
@@ -182,6 +182,7 @@ def video_file(tmp_path_factory) -> Path:
 
 def hf_video_inputs(path: Path) -> tuple[np.ndarray, VideoMetadata]:
     """All frames decoded by transformers' PyAV reader, with the metadata its sampler needs."""
+
     def every_frame(metadata, **_):
         return np.arange(metadata.total_num_frames)
 
@@ -207,8 +208,20 @@ def test_image_sizes_match_transformers(hf_image, image_processor, height, width
 @pytest.mark.parametrize(
     "mode",
     [
-        "RGBA", "L", "P", "P+transparency", "RGB+transparency", "CMYK", "LA", "PA", "1", "I;16", "I", "F",
-        "YCbCr", "RGBX",
+        "RGBA",
+        "L",
+        "P",
+        "P+transparency",
+        "RGB+transparency",
+        "CMYK",
+        "LA",
+        "PA",
+        "1",
+        "I;16",
+        "I",
+        "F",
+        "YCbCr",
+        "RGBX",
     ],  # fmt: skip
 )
 def test_image_modes_match_transformers(hf_image, image_processor, mode):

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 from helpers import run_process
-
 from vlm_serve.process import starting_children
 
 

@@ -21,9 +21,9 @@ import transformers
 from vlm_serve.engine import Engine
 from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.multimodal.items import ProcessedInput
+from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.multimodal.processor import MultimodalProcessor
 
 TOP = 3
 RTOL = 1e-4  # of the largest logit, as in test_model_parity
@@ -226,7 +226,9 @@ def test_echo_with_logprobs_scores_the_prompt_tokens(client, model, tokenizer):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     # each token's own entry, then its 2 best alternatives (the token may be one of them)
     assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
-    assert all(top[token] == logprob for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    assert all(
+        top[token] == logprob for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:])
+    )
     assert lp.token_logprobs[len(ids) :] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-3)
     assert lp.text_offset[len(ids)] == len(PROMPTS[1])
     assert lp.text_offset[: len(ids)] == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(ids))]

@@ -19,10 +19,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import README, README_URL, Block, block_command, ServerProcess, readme_blocks, run_process, running_server
 
+from helpers import README, README_URL, Block, ServerProcess, block_command, readme_blocks, run_process, running_server
 from vlm_serve.builtin import BUILTIN_MODEL
-
 
 # (language, text in the block) -> why a block holding it is not run here
 SKIPPED = {

@@ -47,7 +47,10 @@ FORMS = {
     "structured_outputs.regex": ({"structured_outputs": {"regex": REGEX}}, _matches_the_regex),
     "structured_outputs.json": ({"structured_outputs": {"json": SCHEMA}}, _follows_the_schema),
     "structured_outputs.json as text": ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, _follows_the_schema),
-    "structured_outputs.grammar": ({"structured_outputs": {"grammar": 'root ::= "A" [0-9]'}}, re.compile("A[0-9]").fullmatch),
+    "structured_outputs.grammar": (
+        {"structured_outputs": {"grammar": 'root ::= "A" [0-9]'}},
+        re.compile("A[0-9]").fullmatch,
+    ),
     "guided_choice": ({"guided_choice": CHOICES}, _one_of_the_choices),
     "guided_regex": ({"guided_regex": REGEX}, _matches_the_regex),
     "guided_json": ({"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"}, _follows_the_schema),
@@ -68,13 +71,19 @@ def test_each_structured_output_form_constrains_chat_answers(client, model, form
 @pytest.mark.parametrize("form", ["structured_outputs.choice", "guided_regex", "json_schema"])
 def test_structured_output_forms_constrain_text_completions(client, model, form):
     extra, valid = FORMS[form] if form in FORMS else ({"json_schema": json.dumps(SCHEMA)}, _follows_the_schema)
-    out = client.completions.create(model=model, prompt="Well?", n=3, temperature=1.0, seed=7, max_tokens=30, extra_body=extra)
+    out = client.completions.create(
+        model=model, prompt="Well?", n=3, temperature=1.0, seed=7, max_tokens=30, extra_body=extra
+    )
     assert all(valid(choice.text) for choice in out.choices), [choice.text for choice in out.choices]
 
 
 def test_json_object_gives_an_object(client, model):
     out = client.chat.completions.create(
-        model=model, messages=ASK, temperature=0, max_tokens=40, extra_body={"structured_outputs": {"json_object": True}}
+        model=model,
+        messages=ASK,
+        temperature=0,
+        max_tokens=40,
+        extra_body={"structured_outputs": {"json_object": True}},
     )
     text = out.choices[0].message.content
     # a random model may write one long string: what there is must be the start of an object
@@ -197,7 +206,7 @@ def test_a_refusal_part_is_rendered_as_its_text(server, model):
 
 def _forced(name: str, arguments: dict) -> str:
     """An EBNF grammar that makes the model write exactly this call."""
-    call = f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    call = f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
     return "root ::= " + json.dumps(call)
 
 

@@ -17,9 +17,9 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-from helpers import circle_url, metric
 from pydantic import BaseModel
 
+from helpers import circle_url, metric
 from vlm_serve.server.chat_output import ChatDelta
 from vlm_serve.server.responses_api import OutputBuilder, assistant_message
 from vlm_serve.server.tool_parser import ToolCall
@@ -163,7 +163,9 @@ def test_a_streamed_tool_call_sends_its_arguments_events(client, model):
     ))  # fmt: skip
     done = [event for event in events if event.type == "response.function_call_arguments.done"]
     assert done and done[0].name == "get_weather"
-    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == done[0].item_id)
+    deltas = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == done[0].item_id
+    )
     assert deltas == done[0].arguments
     [call, *_] = [item for item in events[-1].response.output if item.type == "function_call"]
     assert call.arguments == done[0].arguments and call.id == done[0].item_id
@@ -171,7 +173,9 @@ def test_a_streamed_tool_call_sends_its_arguments_events(client, model):
 
 def test_a_client_that_leaves_a_stream_aborts_its_request(server, client, model):
     before = metric(server.url, 'requests_finished_total{reason="abort"}')
-    with client.responses.create(model=model, input="Count to a thousand.", max_output_tokens=2000, stream=True) as stream:
+    with client.responses.create(
+        model=model, input="Count to a thousand.", max_output_tokens=2000, stream=True
+    ) as stream:
         for event in stream:
             if event.type == "response.output_text.delta":
                 break
@@ -218,7 +222,8 @@ def test_a_background_response_is_polled_and_can_be_cancelled(client, model):
     [
         ({"tools": [{"type": "web_search"}]}, "only function tools", "tools"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "Files API",
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "Files API",
             "input[0].content[0]",
         ),
         ({"conversation": "conv_1"}, "conversation", None),
@@ -231,8 +236,16 @@ def test_a_background_response_is_polled_and_can_be_cancelled(client, model):
         ({"echo": True}, "chat and text completions", "echo"),
     ],
     ids=[
-        "hosted tool", "file input", "conversation", "truncation auto", "background unstored", "choice without tools",
-        "beam search", "verbosity", "stop regex", "echo",
+        "hosted tool",
+        "file input",
+        "conversation",
+        "truncation auto",
+        "background unstored",
+        "choice without tools",
+        "beam search",
+        "verbosity",
+        "stop regex",
+        "echo",
     ],
 )
 def test_what_the_server_cannot_honour_is_refused_by_name(server, model, options, fragment, param):

@@ -82,7 +82,9 @@ def test_q_and_k_heads_are_normed_and_rotated_in_one_call_as_one_by_one(kernel_t
     q_norm, k_norm = norm(dim), norm(dim)
     k_norm.weight.data += 1
     q, k, v = qkv_heads(qkv, heads, kv_heads, q_norm, k_norm, cos, sin)
-    want_q, want_k, want_v = (part.view(tokens, -1, dim) for part in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    want_q, want_k, want_v = (
+        part.view(tokens, -1, dim) for part in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    )
     torch.testing.assert_close(q, apply_rotary(formula(want_q, q_norm.weight, 1e-6), cos, sin))
     torch.testing.assert_close(k, apply_rotary(formula(want_k, k_norm.weight, 1e-6), cos, sin))
     assert torch.equal(v, want_v)

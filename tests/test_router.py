@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers import ServerProcess, client_answers, deployment_answers, metric, running_router, running_server
 
+from helpers import ServerProcess, client_answers, deployment_answers, metric, running_router, running_server
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.tokenizer import Tokenizer
 

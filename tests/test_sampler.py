@@ -34,9 +34,7 @@ def make_req(prompt: Sequence[int] = (), output: Sequence[int] = (), **params) -
 
 
 def filtered(probs: list[list[float]], top_k: list[int], top_p: list[float], min_p: list[float]) -> list[list[float]]:
-    return filter_probs(
-        torch.tensor(probs), torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p)
-    ).tolist()
+    return filter_probs(torch.tensor(probs), torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p)).tolist()
 
 
 # exactly representable, no ties; the mass before each (in sorted order) is 0, 0.5, 0.75, 0.90625
@@ -107,7 +105,10 @@ def run_steps(sampler: Sampler, logits: torch.Tensor, reqs: list[FakeReq], steps
 
 NEIGHBOURS = {  # rows beside a seeded one: some without top_k (the batch samples over the vocabulary) or all with
     "mixed": lambda: [
-        make_req(), make_req(seed=7, top_k=50), make_req(temperature=0), make_req(frequency_penalty=1.0, logprobs=True),
+        make_req(),
+        make_req(seed=7, top_k=50),
+        make_req(temperature=0),
+        make_req(frequency_penalty=1.0, logprobs=True),
     ],
     "top-k": lambda: [make_req(top_k=5), make_req(seed=7, top_k=50), make_req(top_k=900, min_p=0.1)],
 }
@@ -148,7 +149,12 @@ def test_unseeded_draws_follow_the_distribution_and_the_temperature():
 def test_greedy_rows_take_the_argmax():
     """Temperature 0, top_k 1, and a temperature too small to divide by (as vLLM: below 1e-5)."""
     logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 4.0]])
-    for params in ({"temperature": 0}, {"top_k": 1, "temperature": 5.0}, {"temperature": 5e-324}, {"temperature": 1e-6}):
+    for params in (
+        {"temperature": 0},
+        {"top_k": 1, "temperature": 5.0},
+        {"temperature": 5e-324},
+        {"temperature": 1e-6},
+    ):
         out = Sampler([EOS])(logits.clone(), [make_req(**params), make_req(**params)])
         assert out.tolist() == [1, 0]
         assert out.logprobs == [None, None] and out.top_logprobs == [None, None]
@@ -198,7 +204,9 @@ def test_a_repetition_penalty_that_overflows_the_logits_still_samples_from_finit
         assert 0 <= out.tolist()[0] < 4
         assert math.isfinite(out.logprobs[0]) and all(math.isfinite(v) for _, v in out.top_logprobs[0])
     if penalty < 1:  # the seen tokens with positive logits now lead
-        assert Sampler([])(logits.clone(), [make_req(prompt=[0], temperature=0, repetition_penalty=penalty)]).tolist() == [0]
+        assert Sampler([])(
+            logits.clone(), [make_req(prompt=[0], temperature=0, repetition_penalty=penalty)]
+        ).tolist() == [0]
 
 
 def test_frequency_and_presence_penalties_count_output_tokens_only():
@@ -210,9 +218,7 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
     got = all_logprobs(sampler, logits, presence_penalty=0.25, **history)
     assert got == pytest.approx(expected([1.75, 1.0, -1.25, 0.5]))
     # all three: repetition first, then the subtractions
-    got = all_logprobs(
-        sampler, logits, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, **history
-    )
+    got = all_logprobs(sampler, logits, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, **history)
     assert got == pytest.approx(expected([-0.25, 1.0, -2.75, 0.25]))
     # a negative frequency penalty rewards repeats: token 2 (-1 + 3 * 1.5 = 3.5) beats token 0 (2)
     out = sampler(torch.tensor([logits]), [make_req(output=[2, 2, 2], temperature=0, frequency_penalty=-1.5)])

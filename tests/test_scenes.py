@@ -10,19 +10,56 @@ import random
 import numpy as np
 import pytest
 import torch
+from PIL import ImageColor
 from safetensors.torch import load_file
 
-from PIL import ImageColor
-
 from vlm_serve.builtin.scenes import (
-    COLOURS, DIAGONALS, DIRECTIONS, EDGE_MARGIN, EXTENTS, GREETING_ANSWER, KIND_WEIGHTS, KINDS, OTHER_ANSWER, SIZES,
-    Example, Motion, Scene, Shape, caption, colour_answer, colour_name, comparison_answer, count_answer,
-    motion_caption, place_answer, presence_answer, random_example, random_motion, random_scene, random_shade, render,
-    render_motion, scene_example, shape_answer,
+    COLOURS,
+    DIAGONALS,
+    DIRECTIONS,
+    EDGE_MARGIN,
+    EXTENTS,
+    GREETING_ANSWER,
+    KIND_WEIGHTS,
+    KINDS,
+    OTHER_ANSWER,
+    SIZES,
+    Example,
+    Motion,
+    Scene,
+    Shape,
+    caption,
+    colour_answer,
+    colour_name,
+    comparison_answer,
+    count_answer,
+    motion_caption,
+    place_answer,
+    presence_answer,
+    random_example,
+    random_motion,
+    random_scene,
+    random_shade,
+    render,
+    render_motion,
+    scene_example,
+    shape_answer,
 )  # fmt: skip
 from vlm_serve.tools.builtin_train import (
-    IGNORE, Batches, CellProbe, Pictures, TrainingArgs, answer_loss, cell_labels, exact_match, messages,
-    patches_as_matmul, published_layout, parameter_groups, train_tower, training_layout,
+    IGNORE,
+    Batches,
+    CellProbe,
+    Pictures,
+    TrainingArgs,
+    answer_loss,
+    cell_labels,
+    exact_match,
+    messages,
+    parameter_groups,
+    patches_as_matmul,
+    published_layout,
+    train_tower,
+    training_layout,
 )  # fmt: skip
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
@@ -164,7 +201,18 @@ def test_the_wide_distribution_asks_what_shape_and_where_and_answers_off_skill_q
     assert place_answer(SCENE, "star") == "There is no star."
     examples = [random_example(random.Random(seed), wide=True) for seed in range(400)]
     kinds = {e.kind for e in examples}
-    assert kinds == {"caption", "shape", "count", "colour", "presence", "place", "motion", "compare", "greeting", "other"}
+    assert kinds == {
+        "caption",
+        "shape",
+        "count",
+        "colour",
+        "presence",
+        "place",
+        "motion",
+        "compare",
+        "greeting",
+        "other",
+    }
     other = [e for e in examples if e.kind == "other"]
     assert all(e.answer == OTHER_ANSWER for e in other) and len({e.question for e in other}) > 10
     assert any(e.images for e in other) and any(not e.images for e in other)
@@ -234,16 +282,20 @@ def test_kind_weights_change_how_often_the_wide_examples_ask_each_kind():
     assert "compare" not in kinds and kinds.count("caption") > 300 * usual_share * 1.3
     assert TrainingArgs().wide_weights() == KIND_WEIGHTS[True]
     all_zero = ",".join(f"{kind}=0" for kind in KIND_WEIGHTS[True])
-    for wrong, named in (("captoin=3", "no question kind 'captoin'"), ("caption=many", "weight 'many'"),
-                         ("caption=-1", "must be 0 or more"), ("caption=nan", "must be 0 or more"),
-                         (all_zero, "every weight is 0")):
+    for wrong, named in (
+        ("captoin=3", "no question kind 'captoin'"),
+        ("caption=many", "weight 'many'"),
+        ("caption=-1", "must be 0 or more"),
+        ("caption=nan", "must be 0 or more"),
+        (all_zero, "every weight is 0"),
+    ):
         with pytest.raises(ValueError, match=named):
             TrainingArgs(kind_weights=wrong).wide_weights()
 
 
 def test_the_trainers_probe_scores_answers_of_any_length_and_nothing_past_them(tiny_moe_dir):
-    from vlm_serve.tokenizer import Tokenizer
     from vlm_serve.multimodal.processor import MultimodalProcessor
+    from vlm_serve.tokenizer import Tokenizer
 
     processor = MultimodalProcessor.from_pretrained(tiny_moe_dir, Tokenizer.from_pretrained(tiny_moe_dir), cache_mb=0)
     end = processor.tokenizer.token_to_id("<|im_end|>")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import ReplayDrafts
 
 import vlm_serve.scheduler.scheduler as scheduler_module
+from helpers import ReplayDrafts
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
 
@@ -65,7 +65,11 @@ def long_reference(tiny_moe_dir, inputs) -> list[list[int]]:
     out = []
     for x in inputs:
         ids = torch.tensor([x.input_ids])
-        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": (ids == image_id).int()}
+        kwargs = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == image_id).int(),
+        }
         if x.mm_items:
             kwargs["pixel_values"] = torch.cat([it.pixel_values for it in x.mm_items])
             kwargs["image_grid_thw"] = torch.tensor([it.grid_thw for it in x.mm_items])
@@ -168,7 +172,11 @@ def test_tiny_kv_pool_retracts_and_still_matches(tiny_moe_dir, inputs, long_refe
     longest = max(len(x.input_ids) for x in inputs) + RETRACT_MAX_TOKENS
     pool = (longest // page_size + 4) * page_size
     engine = Engine(
-        tiny_moe_dir, dtype="float32", max_total_tokens=pool, page_size=page_size, schedule_conservativeness=0.05,
+        tiny_moe_dir,
+        dtype="float32",
+        max_total_tokens=pool,
+        page_size=page_size,
+        schedule_conservativeness=0.05,
         **loop,
     )
     outs = engine.generate_processed(inputs * 2, max_tokens=RETRACT_MAX_TOKENS, temperature=0)

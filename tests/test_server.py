@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, openai_client, running_server
 
+from helpers import ServerProcess, openai_client, running_server
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image, make_video
 
@@ -248,7 +248,8 @@ BAD_INPUTS = {
     "too many images": (_chat(messages=ask(*[image_part(JUNK)] * (LIMIT_MM + 1))), "--limit-mm-per-prompt"),
     "pixels above the cap": (_chat(messages=ask(image_part(JUNK, max_pixels=10**9))), "max_pixels"),
     "frames above the cap": (
-        _chat(messages=ask({"type": "video_url", "video_url": {"url": "x.mp4"}, "max_frames": 1000})), "max_frames"
+        _chat(messages=ask({"type": "video_url", "video_url": {"url": "x.mp4"}, "max_frames": 1000})),
+        "max_frames",
     ),
     "longer than the context": (_chat(max_tokens=5000), "context length"),
     "never fits the KV pool": (_chat(messages=ask(text=LONG_TEXT), max_tokens=8), "KV cache"),
@@ -277,7 +278,13 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
 def test_a_client_that_disconnects_mid_stream_frees_its_request(server, model):
     async def run() -> None:
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
-            body = {"model": model, "messages": ask(text="Go on."), "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            body = {
+                "model": model,
+                "messages": ask(text="Go on."),
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+            }
             async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
                 async for event in events(response):
                     if event["choices"][0]["delta"].get("content"):

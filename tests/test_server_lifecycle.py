@@ -14,10 +14,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import uvicorn
+
 from helpers import descendants, process_name, run_process, spawn_serve, start_server, survivors
-
 from vlm_serve.server.http_server import ServerState, _Server
-
 
 STOPS = {  # signal, sent to the whole process group
     "sigterm": (signal.SIGTERM, False),  # kill, docker stop

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import ServerProcess
 
+from helpers import ServerProcess
 from vlm_serve.testing.media import make_image, make_video, png_stating
 from vlm_serve.tokenizer import Tokenizer
 
@@ -245,7 +245,8 @@ def test_a_media_error_names_the_item_of_image_data_or_video_data_that_failed(
         ({"text": [one, two], "image_data": [image_url(), [image_url(), JUNK]]}, "image_data[1][1]", "cannot decode"),
         ({"text": [two, one], "image_data": [[image_url(), image_url()], JUNK]}, "image_data[1]", "cannot decode"),
         (
-            {"text": one, "image_data": [HUGE], "stream": True}, "image_data[0]",
+            {"text": one, "image_data": [HUGE], "stream": True},
+            "image_data[0]",
             "image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485 (--max-image-pixels)",
         ),
     ]

@@ -14,26 +14,26 @@ import re
 import httpx
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import transformers
-from eagle3_reference import draft_reference, fuse
-from helpers import ReplayDrafts, running_server
 from safetensors.torch import load_file
 
+from eagle3_reference import draft_reference, fuse
+from helpers import ReplayDrafts, running_server
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 from vlm_serve.builtin.scenes import random_example, random_scene, render
-from vlm_serve.tools.builtin_train import greedy_answer, messages
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.forward_batch import ForwardMode
-from vlm_serve.llm.speculative.ngram import NgramProposer
-from vlm_serve.llm.layers.sampler import SampleRow, Sampler
+from vlm_serve.llm.layers.sampler import Sampler, SampleRow
 from vlm_serve.llm.speculative.eagle3 import Eagle3Draft
 from vlm_serve.llm.speculative.eagle3_worker import Eagle3Worker
+from vlm_serve.llm.speculative.ngram import NgramProposer
 from vlm_serve.llm.speculative.verify import verify_drafts
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.testing.media import make_image
+from vlm_serve.tools.builtin_train import greedy_answer, messages
 
 
 @pytest.mark.parametrize(
@@ -197,7 +197,9 @@ def test_greedy_answers_with_ngram_drafts_are_those_without(arch, page_size, req
 FEATURES = {  # requests with every sampling feature that shapes the token at each verified position
     "regex": dict(temperature=0, regex="[a-z]+( [a-z]+)*\\."),
     "log-probs": dict(temperature=0, logprobs=True, top_logprobs=3),
-    "penalties": dict(temperature=0, repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=0.5, min_tokens=6),
+    "penalties": dict(
+        temperature=0, repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=0.5, min_tokens=6
+    ),
     "logit bias": dict(temperature=0, logit_bias={"5": 3.0}),
     "seeded": dict(temperature=0.9, top_k=20, top_p=0.9, seed=7, n=2),
     "seeded log-probs": dict(temperature=1.0, seed=42, n=3, logprobs=True, top_logprobs=2),
@@ -253,7 +255,9 @@ def test_drafts_never_run_past_max_tokens_or_a_stop_token(tiny_dense_dir):
     stop = full[9]
     with Engine(tiny_dense_dir, vit_dp=0, speculative_algorithm="ngram") as speculative:
         assert speculative.chat([{"role": "user", "content": COPY}], max_tokens=7, temperature=0).token_ids == full[:7]
-        stopped = speculative.chat([{"role": "user", "content": COPY}], max_tokens=24, temperature=0, stop_token_ids=[stop])
+        stopped = speculative.chat(
+            [{"role": "user", "content": COPY}], max_tokens=24, temperature=0, stop_token_ids=[stop]
+        )
         assert stopped.token_ids == full[: full.index(stop) + 1]
 
 
@@ -309,7 +313,11 @@ def test_the_server_speculates_and_reports_the_drafts_of_each_answer_and_in_all(
     spec = answer["usage"]["speculative"]
     assert spec["verify_steps"] > 0 and spec["draft_tokens"] >= spec["accepted_tokens"]
     assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["verify_steps"])
-    for name, value in [("drafts", "verify_steps"), ("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")]:
+    for name, value in [
+        ("drafts", "verify_steps"),
+        ("draft_tokens", "draft_tokens"),
+        ("accepted_tokens", "accepted_tokens"),
+    ]:
         assert f"vlm_serve:spec_decode_num_{name}_total {spec[value]}" in metrics
     assert "spec_verify_ct" in native["meta_info"] and "spec_accept_length" in native["meta_info"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from helpers import openai_client, running_server
 
+from helpers import openai_client, running_server
 from vlm_serve.server.protocol import ChatCompletionRequest
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
@@ -28,7 +28,10 @@ SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"kind": {"enum": ["circle", "square"]}, "size": {"type": "integer", "minimum": 1, "maximum": 5}},
+                "properties": {
+                    "kind": {"enum": ["circle", "square"]},
+                    "size": {"type": "integer", "minimum": 1, "maximum": 5},
+                },
                 "required": ["kind"],
                 "additionalProperties": False,
             },
@@ -117,7 +120,12 @@ def test_a_streamed_answer_with_an_image_follows_the_schema(client):
     buffer = io.BytesIO()
     image.save(buffer, "PNG")
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "JSON?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "JSON?"}],
+        }
+    ]
     stream = client.chat.completions.create(
         model="default", messages=messages, temperature=0.9, seed=3, max_tokens=150, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "scene", "schema": SCHEMA}},
@@ -149,8 +157,10 @@ def test_json_object_regex_and_ebnf(client):
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-         'invalid json_schema: Unsupported type \\"nope\\"'),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            'invalid json_schema: Unsupported type \\"nope\\"',
+        ),
         ({"regex": "(unclosed"}, "invalid regex"),
         ({"ebnf": "root ::= undefined_rule"}, 'Rule \\"undefined_rule\\" is not defined'),
         ({"regex": "a", "ebnf": _literal("a")}, "`regex` and `ebnf` cannot both be given"),
@@ -159,8 +169,10 @@ def test_json_object_regex_and_ebnf(client):
         ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"5": 200}}, r"logit_bias values must be numbers in [-100, 100]"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias token id 99999999 is outside the vocabulary"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "send_email"}}},
-         "tool_choice names the function 'send_email', which is not among the tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "send_email"}}},
+            "tool_choice names the function 'send_email', which is not among the tools",
+        ),
         ({"tool_choice": "required"}, "tool_choice 'required' needs `tools`"),
         ({"tools": TOOLS, "tool_choice": "required", "regex": "a"}, "cannot be combined with regex"),
         ({"tools": [WEATHER, WEATHER]}, "tools must have distinct function names"),
@@ -205,7 +217,9 @@ def test_auto_parses_a_call_the_model_writes_and_keeps_the_text_before_it(client
     )
     message = out.choices[0].message
     assert message.content == "Let me check.\n" and out.choices[0].finish_reason == "tool_calls"
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_time", {"zone": "UTC"})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_time", {"zone": "UTC"})
+    ]
     # streamed: the same call in one tool-call delta, the text as content
     [(calls, finish)] = _tool_calls(client, True, tools=TOOLS, extra_body={"ebnf": ebnf}, temperature=0)
     assert [(c.function.name, c.function.arguments) for c in calls] == [("get_time", '{"zone": "UTC"}')]
@@ -215,7 +229,9 @@ def test_auto_parses_a_call_the_model_writes_and_keeps_the_text_before_it(client
         model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=150, temperature=0,
         extra_body={"ebnf": ebnf},
     )  # fmt: skip
-    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content == "Let me check.\n" + FORCED_CALL
+    assert (
+        out.choices[0].message.tool_calls is None and out.choices[0].message.content == "Let me check.\n" + FORCED_CALL
+    )
     assert out.choices[0].finish_reason == "stop"
 
 
@@ -318,7 +334,9 @@ def test_reasoning_then_a_tool_call(reasoning_client):
     )
     message = out.choices[0].message
     assert message.reasoning_content == "Need the time."
-    assert [c.function.name for c in message.tool_calls] == ["get_time"] and out.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in message.tool_calls] == ["get_time"] and out.choices[
+        0
+    ].finish_reason == "tool_calls"
 
 
 def test_a_forced_tool_call_comes_after_the_reasoning(reasoning_client, tiny_moe_dir):

@@ -89,7 +89,9 @@ def test_an_ebnf_grammar_and_a_stop_string_inside_it(engine):
     grammar = 'root ::= "The answer is " ("yes" | "no") "." " Because " [a-z]+ "."'
     out = engine.chat(_ask("Yes or no?"), ebnf=grammar, max_tokens=40, temperature=1.0, seed=1, n=2)
     for choice in out.choices:
-        assert re.fullmatch(r"The answer is (yes|no)\. Because [a-z]+\.", choice.text) or choice.finish_reason == "length"
+        assert (
+            re.fullmatch(r"The answer is (yes|no)\. Because [a-z]+\.", choice.text) or choice.finish_reason == "length"
+        )
     # a stop string still ends the answer, wherever the grammar is
     stopped = engine.chat(_ask("Yes or no?"), ebnf=grammar, max_tokens=40, temperature=0, stop=[" is "])
     assert stopped.text == "The answer" and stopped.finish_reason == "stop"

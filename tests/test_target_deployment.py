@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import ServerProcess, descendants, free_port, process_name, spawn_serve, start_server, survivors
 
+from helpers import ServerProcess, descendants, free_port, process_name, spawn_serve, start_server, survivors
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image, make_video
 
@@ -93,8 +93,13 @@ def test_tp2_ep2_with_a_pool_of_two_answers_as_one_rank_and_survives_a_killed_en
     assert _answers(server, conversations) == expected
 
     # new images (nothing cached), and encoder rank 0 killed while it holds some of them
-    fresh = [_ask({"type": "image_url", "image_url": {"url": _data_url(make_image(320, 256 + 32 * i, seed=40 + i))}},
-                  text="Describe.") for i in range(8)]
+    fresh = [
+        _ask(
+            {"type": "image_url", "image_url": {"url": _data_url(make_image(320, 256 + 32 * i, seed=40 + i))}},
+            text="Describe.",
+        )
+        for i in range(8)
+    ]
     with Engine(tiny_moe_dir, vit_dp=0) as engine:
         fresh_expected = [engine.chat(c, max_tokens=MAX_TOKENS, temperature=0).text for c in fresh]
     victim = next(pid for pid in children if process_name(pid) == "vlm-encoder-0")
@@ -121,7 +126,9 @@ def test_two_nodes_over_loopback_answer_as_one_rank_and_stop_together(tiny_moe_d
     init = f"127.0.0.1:{free_port()}"
     nodes = ("--nnodes", "2", "--dist-init-addr", init)
     other = spawn_serve(tiny_moe_dir, *DEPLOYMENT, *nodes, "--node-rank", "1")
-    server = start_server(tiny_moe_dir, *DEPLOYMENT, *nodes, "--node-rank", "0", "--allowed-local-media-path", str(media_dir))
+    server = start_server(
+        tiny_moe_dir, *DEPLOYMENT, *nodes, "--node-rank", "0", "--allowed-local-media-path", str(media_dir)
+    )
     assert any("node 1 ready" in line for line in other.output)
     assert [process_name(pid) for pid in descendants(other.process.pid)].count("vlm-scheduler-1") == 1
     assert not any(process_name(pid).startswith("vlm-scheduler-1") for pid in descendants(server.process.pid))

@@ -11,16 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
-from vlm_serve.testing.logits import prefill_logits
 
+from helpers import free_port
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.llm.model_runner import ModelRunner
-from vlm_serve.scheduler.scheduler import Scheduler
-from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
-from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.encoder.pool import create_encoder
+from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
+from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.scheduler.scheduler import Scheduler
+from vlm_serve.testing.logits import prefill_logits
+from vlm_serve.tokenizer import Tokenizer
 
 PROMPT = [5, 17, 300, 42, 7, 901, 66, 12, 450, 3, 88, 1000, 23]
 NEW_TOKENS = 8
@@ -51,7 +51,9 @@ def _run(model_dir: str, tp_size: int, ep_size: int, overlap: bool) -> tuple[tor
     runner = ModelRunner(args, config)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     io = _ListIO([TokenizedGenerateReq("gen", list(PROMPT), params)])
-    scheduler = Scheduler(args, runner, Tokenizer.from_pretrained(model_dir), create_encoder(args, config, runner.device), io)
+    scheduler = Scheduler(
+        args, runner, Tokenizer.from_pretrained(model_dir), create_encoder(args, config, runner.device), io
+    )
     logits = prefill_logits(scheduler, PROMPT)
     for _ in range(ITERATIONS):
         scheduler.run_iteration()
@@ -83,7 +85,9 @@ def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, ov
         "dense-tp2-bf16", "moe-tp2-ep2-bf16", "dense-tp2-fp8", "moe-tp2-fp8", "moe-tp2-ep2-fp8",
     ],
 )  # fmt: skip
-def test_two_ranks_match_one(arch, ep_size, overlap, weights, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs, tiny_fp8_dirs):
+def test_two_ranks_match_one(
+    arch, ep_size, overlap, weights, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs, tiny_fp8_dirs
+):
     float32 = {"moe": tiny_moe_dir, "dense": tiny_dense_dir}
     model_dir = str({"bf16": tiny_bf16_dirs, "fp8": tiny_fp8_dirs}.get(weights, float32)[arch])
     ref_logits, ref_tokens = _run(model_dir, 1, 1, overlap)

@@ -25,7 +25,7 @@ TEXTS = [
     "don't I'll we've THEY'RE it's",
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
     "a<|vision_start|><|image_pad|><|image_pad|><|vision_end|>b<|video_pad|>",
-    "<think>\nhmm\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
+    '<think>\nhmm\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
     "<|endoftext|><|im_end|> trailing <|im_start",
     'def main():\n    print("hello, world")\n    return 0\n',
     "x" * 200,
@@ -94,7 +94,6 @@ TOOLS = [
         },
     }
 ]
-
 
 
 @pytest.mark.parametrize("text", TEXTS)

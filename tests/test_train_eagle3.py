@@ -8,13 +8,13 @@ import json
 from types import SimpleNamespace
 
 import torch
-from eagle3_reference import CausalAttention
 
+from eagle3_reference import CausalAttention
 from vlm_serve.builtin import BUILTIN_MODEL
-from vlm_serve.tools.builtin_train_eagle3 import TrainableDraft, ttt_mask, write
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.embedding import VocabParallelEmbedding
 from vlm_serve.llm.speculative.eagle3 import load_eagle3_draft
+from vlm_serve.tools.builtin_train_eagle3 import TrainableDraft, ttt_mask, write
 
 
 def test_ttt_shows_each_step_the_target_fed_prefix_of_its_chain_and_the_chain_itself():
@@ -50,6 +50,8 @@ def test_the_trained_draft_is_the_served_one(tmp_path):
             q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
         )
         logits, prenorm = draft.finish(hidden, attn)
-        normed, served_prenorm = served(ids, aux, positions.expand(3, -1), SimpleNamespace(attn_backend=CausalAttention()))
+        normed, served_prenorm = served(
+            ids, aux, positions.expand(3, -1), SimpleNamespace(attn_backend=CausalAttention())
+        )
     torch.testing.assert_close(served_prenorm, prenorm[0], rtol=1e-4, atol=1e-4)
     assert torch.equal(served.draft_tokens(normed), logits[0].argmax(-1))

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 import torch
-from helpers import run_process
 
+from helpers import run_process
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.multimodal.processor import MultimodalProcessor
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,9 @@ def test_a_long_video_in_frame_groups_takes_less_peak_memory(tiny_moe_dir, tmp_p
     for name, max_patches in (("whole", 10**9), ("groups", 8 * 16 * 16)):
         out = run_process(
             [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(tiny_moe_dir), str(max_patches), str(tmp_path / name)],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         grew[name] = int(out.stdout.split()[-1])  # KiB
     whole, groups = torch.load(tmp_path / "whole"), torch.load(tmp_path / "groups")

@@ -21,8 +21,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from vlm_serve.engine import Engine, Submission
-from vlm_serve.errors import ApiError
-from vlm_serve.errors import MediaError
+from vlm_serve.errors import ApiError, MediaError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 DEFAULT_PROMPT = "Describe this image in one sentence."

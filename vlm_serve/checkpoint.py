@@ -74,8 +74,10 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> None:
 def check_dummy(config, dummy: bool) -> None:
     """Random weights are drawn in the model's plain format: an FP8 checkpoint's block scales are not made."""
     if dummy and config.quantization is not None:
-        raise ValueError("load_format dummy does not make FP8 weights: serve the checkpoint's config without "
-                         "its quantization_config, or load its weights")
+        raise ValueError(
+            "load_format dummy does not make FP8 weights: serve the checkpoint's config without "
+            "its quantization_config, or load its weights"
+        )
 
 
 def build_module(

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import dataclasses
+import importlib.metadata
 import logging
 import sys
 import textwrap
 import time
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from vlm_serve.config import CHOICES, DTYPES, ENGINE_SETTINGS, ServerArgs, setting_docs
-
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
 SERVER_SETTINGS = tuple(f.name for f in dataclasses.fields(ServerArgs))
@@ -156,7 +155,12 @@ def cmd_create_tiny_model(ns: argparse.Namespace) -> int:
     from vlm_serve.testing.tiny_model import create_tiny_model
 
     path = create_tiny_model(
-        ns.out_dir, arch=ns.arch, seed=ns.seed, size=ns.size, dtype=ns.dtype, quantize=ns.quantize,
+        ns.out_dir,
+        arch=ns.arch,
+        seed=ns.seed,
+        size=ns.size,
+        dtype=ns.dtype,
+        quantize=ns.quantize,
         weights=not ns.no_weights,
     )
     print(path)
@@ -210,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(cap, ENGINE_SETTINGS)
     cap.add_argument("inputs", nargs="+", metavar="INPUT", help="image file, folder (recursive) or text file of paths")
     cap.add_argument("--output", required=True, help="JSON-lines file: path, caption, tokens, time (and error)")
-    cap.add_argument("--prompt", default=None, help="what to ask about each image (default: a one-sentence description)")
+    cap.add_argument(
+        "--prompt", default=None, help="what to ask about each image (default: a one-sentence description)"
+    )
     cap.add_argument("--batch-size", type=int, default=64, help="images in flight at once (default: %(default)s)")
     add_answer_args(cap, "caption")
     cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
@@ -233,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         "shapes / Qwen3-VL-30B-A3B's at 24 of its 48 layers (with --no-weights) (default: %(default)s)",
     )
     tiny.add_argument(
-        "--no-weights", action="store_true",
+        "--no-weights",
+        action="store_true",
         help="write the config, tokenizer and processor only, to serve with --load-format dummy (random weights)",
     )
     tiny.add_argument(

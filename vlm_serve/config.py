@@ -17,7 +17,6 @@ import tokenize
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
@@ -151,11 +150,26 @@ class ServerArgs:
             if value not in allowed and not (value is None and name in OPTIONAL_CHOICES):
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
         positive = (
-            "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
-            "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "max_image_pixels", "limit_mm_per_prompt",
-            "mm_max_image_pixels", "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers",
-            "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-            "speculative_ngram_max_match_window_size", "speculative_disable_by_batch_size", "cuda_graph_max_bs",
+            "tp_size",
+            "ep_size",
+            "page_size",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "log_interval",
+            "vit_max_patches_per_pass",
+            "vit_threads",
+            "max_media_mb",
+            "max_image_pixels",
+            "limit_mm_per_prompt",
+            "mm_max_image_pixels",
+            "mm_max_video_pixels",
+            "mm_max_frames",
+            "tokenizer_workers",
+            "speculative_num_draft_tokens",
+            "speculative_ngram_min_match_window_size",
+            "speculative_ngram_max_match_window_size",
+            "speculative_disable_by_batch_size",
+            "cuda_graph_max_bs",
         )
         for name in positive:
             value = getattr(self, name)

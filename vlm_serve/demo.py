@@ -188,8 +188,12 @@ def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.
         )
         chatbot = gr.Chatbot(elem_id="chatbot", label="Conversation", scale=1, height=480, buttons=["copy"])
         box = gr.MultimodalTextbox(
-            elem_id="chat-input", file_types=["image", "video"], file_count="multiple", sources=["upload"],
-            placeholder="Type a message, attach images or videos, press Enter", show_label=False,
+            elem_id="chat-input",
+            file_types=["image", "video"],
+            file_count="multiple",
+            sources=["upload"],
+            placeholder="Type a message, attach images or videos, press Enter",
+            show_label=False,
         )
         with gr.Accordion("Sampling", open=False):
             with gr.Row():
@@ -204,8 +208,11 @@ def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.
 
         sent = box.submit(_add_user_turn, [chatbot, box], [chatbot, box], queue=False)
         answer = sent.then(
-            stream_turn, [chatbot, max_tokens, temperature, top_p, top_k, repetition, seed], chatbot,
-            concurrency_id=_ENGINE, concurrency_limit=1,
+            stream_turn,
+            [chatbot, max_tokens, temperature, top_p, top_k, repetition, seed],
+            chatbot,
+            concurrency_id=_ENGINE,
+            concurrency_limit=1,
         )
         answer.then(lambda: gr.MultimodalTextbox(interactive=True), None, box, queue=False)
         clear.click(_reset, None, [chatbot, box], cancels=[answer], queue=False)

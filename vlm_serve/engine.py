@@ -30,18 +30,18 @@ from typing import Any
 import torch
 
 from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.encoder.pool import create_encoder
 from vlm_serve.llm.model_runner import ModelRunner
-from vlm_serve.messages.logprobs import PromptLogprobs
-from vlm_serve.scheduler.scheduler import Scheduler
-from vlm_serve.model_source import with_local_model
-from vlm_serve.multimodal.items import MediaTimings, ProcessedInput
-from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
-from vlm_serve.server.detokenizer_manager import DetokenizerManager
 from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut, BootstrapInfo, SpeculativeCounts
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
-from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.encoder.pool import create_encoder
+from vlm_serve.messages.logprobs import PromptLogprobs
+from vlm_serve.model_source import with_local_model
+from vlm_serve.multimodal.items import MediaTimings, ProcessedInput
 from vlm_serve.multimodal.processor import MultimodalProcessor
+from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
+from vlm_serve.scheduler.scheduler import Scheduler
+from vlm_serve.server.detokenizer_manager import DetokenizerManager
+from vlm_serve.tokenizer import Tokenizer
 
 
 @dataclass
@@ -168,7 +168,9 @@ class Engine:
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.processor = MultimodalProcessor.from_pretrained(
-            path, self.tokenizer, max_image_pixels=self.server_args.max_image_pixels,
+            path,
+            self.tokenizer,
+            max_image_pixels=self.server_args.max_image_pixels,
             cache_mb=self.server_args.mm_cache_mb,
         )
         self._threads = torch.get_num_threads()  # (beside an encoder pool the runner takes fewer until shutdown)
@@ -196,7 +198,9 @@ class Engine:
         processed = self.processor.process(prompt, images=images or [], videos=videos or [])
         return self.generate_processed([processed], **kwargs)[0]
 
-    def generate_processed(self, inputs: list[ProcessedInput], priority: int = 0, **sampling: Any) -> list[GenerateOutput]:
+    def generate_processed(
+        self, inputs: list[ProcessedInput], priority: int = 0, **sampling: Any
+    ) -> list[GenerateOutput]:
         """Already tokenized and preprocessed inputs, all scheduled together. If one fails (see the
         module's docstring), the others are aborted and its error is raised."""
         submissions = [self.submit(x, priority, **sampling) for x in inputs]
@@ -211,7 +215,10 @@ class Engine:
     # ---- driving the scheduler yourself ------------------------------------------------------------
 
     def submit(
-        self, x: ProcessedInput, priority: int = 0, bootstrap: BootstrapInfo | list[BootstrapInfo] | None = None,
+        self,
+        x: ProcessedInput,
+        priority: int = 0,
+        bootstrap: BootstrapInfo | list[BootstrapInfo] | None = None,
         **sampling: Any,
     ) -> Submission:
         """Queues one prompt and returns at once: call `step()` until `done`, then `result()`. Prompts
@@ -277,7 +284,9 @@ class Engine:
 
     def stream(self, messages: list[dict], priority: int = 0, **sampling: Any) -> Iterator[StreamChunk]:
         """Chat with the answer arriving piece by piece. Closing the iterator early aborts the request."""
-        submission = self.submit(self.processor.process_messages(messages, add_generation_prompt=True), priority, **sampling)
+        submission = self.submit(
+            self.processor.process_messages(messages, add_generation_prompt=True), priority, **sampling
+        )
         try:
             while not submission.done:
                 self.step()

@@ -8,7 +8,6 @@ is never an empty success.
 
 from __future__ import annotations
 
-
 # OpenAI's error types (its API reference, and the types its own servers send)
 ERROR_TYPES = (
     "invalid_request_error", "authentication_error", "not_found_error", "service_unavailable_error", "server_error",

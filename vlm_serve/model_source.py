@@ -64,7 +64,10 @@ def check_checkpoint(path: Path, weights: bool = True) -> Path:
 def _from_hub(repo_id: str, revision: str | None, cache_dir: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
-        HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )  # fmt: skip
 
     # read here, not at huggingface_hub's import: a process may set it after importing transformers

@@ -170,7 +170,9 @@ def shard_scales(
     up stacked, may start inside a block of rows) for each block of columns the shard touches, and where
     the shard's first column sits in its block. (`[..., rows, blocks]`, offset)"""
     (row0, nrows), (col0, ncols) = rows, cols
-    cut, (row_offset, col_offset) = shard_scale(scale_inv.float(), (row0, row0 + nrows), (col0, col0 + ncols), block_size)
+    cut, (row_offset, col_offset) = shard_scale(
+        scale_inv.float(), (row0, row0 + nrows), (col0, col0 + ncols), block_size
+    )
     return row_scales(cut, nrows, block_size[0], row_offset).contiguous(), col_offset
 
 

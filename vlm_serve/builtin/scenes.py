@@ -17,11 +17,11 @@ answers can be scored by exact match. Scenes come in two distributions:
 
 from __future__ import annotations
 
+import io
 import math
 import random
 from dataclasses import dataclass, field
 
-import io
 import numpy as np
 from PIL import Image, ImageColor, ImageDraw, ImageFilter
 
@@ -132,7 +132,8 @@ def _rgb(anchor: str | tuple[int, int, int]) -> tuple[int, int, int]:
 
 
 ANCHORS: list[tuple[str | None, tuple[int, int, int]]] = [
-    *COLOURS.items(), *((name, _rgb(a)) for name, anchors in SHADES.items() for a in anchors)
+    *COLOURS.items(),
+    *((name, _rgb(a)) for name, anchors in SHADES.items() for a in anchors),
 ]
 
 
@@ -424,8 +425,10 @@ def presence_answer(scene: Scene, kind: str) -> str:
     found = [s for s in scene.shapes if s.kind == kind]
     if not found:
         return f"No, there is no {kind}."
-    return f"Yes, {found[0].describe()} {PLACES[found[0].row, found[0].column]}." if len(found) == 1 else (
-        f"Yes, there are {NUMBERS[len(found)]} {kind}s."
+    return (
+        f"Yes, {found[0].describe()} {PLACES[found[0].row, found[0].column]}."
+        if len(found) == 1
+        else (f"Yes, there are {NUMBERS[len(found)]} {kind}s.")
     )
 
 
@@ -612,7 +615,9 @@ def motion_example(
     rng: random.Random, motion: Motion, frames: list[Image.Image] | None = None, wide: bool = False
 ) -> Example:
     """A question about the clip of `motion` (its frames drawn once by the caller, or here)."""
-    return Example("motion", _prompt(rng, "motion", wide), motion_caption(motion), video=frames or render_motion(motion))
+    return Example(
+        "motion", _prompt(rng, "motion", wide), motion_caption(motion), video=frames or render_motion(motion)
+    )
 
 
 def compare_example(

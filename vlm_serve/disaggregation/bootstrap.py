@@ -174,7 +174,9 @@ def not_found(server: Address, what: str, timeout: float, last_error: str = "") 
     return f"{what} through the bootstrap server at {server[0]}:{server[1]} in {timeout:g} s{detail}"
 
 
-def _retry(server: Address, what: str, timeout: float, stop: threading.Event | None, attempt: Callable[[float], Any]) -> Any:
+def _retry(
+    server: Address, what: str, timeout: float, stop: threading.Event | None, attempt: Callable[[float], Any]
+) -> Any:
     """`attempt(seconds)`'s answer, attempting until it answers or `timeout` has passed."""
     stop = stop or threading.Event()
     deadline = time.monotonic() + timeout

@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Union
 
 import zmq
 
-from vlm_serve.ipc import zmq_context
 from vlm_serve.disaggregation.bootstrap import Address, RankInfo, lookup_rank, not_found, register_rank
 from vlm_serve.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender, Mode, TransferBackend
+from vlm_serve.ipc import zmq_context
 from vlm_serve.messages.backend import BootstrapInfo
 
 if TYPE_CHECKING:
@@ -282,7 +282,10 @@ class ControlBackend(TransferBackend):
         receiver = Receiver(self, bootstrap)
         with self.lock:
             if bootstrap.room in self._rooms:
-                receiver.state, receiver.failure = KVPoll.FAILED, f"room {bootstrap.room} is already in use on this rank"
+                receiver.state, receiver.failure = (
+                    KVPoll.FAILED,
+                    f"room {bootstrap.room} is already in use on this rank",
+                )
                 return receiver
             self._rooms[bootstrap.room] = receiver
             lookup = self._lookup(bootstrap)
@@ -398,7 +401,9 @@ class ControlBackend(TransferBackend):
         elif isinstance(msg, Failed) and room is not None:
             self._fail(room, f"{'decode' if prefill else 'prefill'} side: {msg.reason}", tell=False)
         elif isinstance(msg, Failed) and prefill:  # (its sender may come later: it fails at once)
-            self._early[msg.room] = _Early(time.monotonic() + self.timeouts.waiting, failure=f"decode side: {msg.reason}")
+            self._early[msg.room] = _Early(
+                time.monotonic() + self.timeouts.waiting, failure=f"decode side: {msg.reason}"
+            )
 
     def _accept(self, sender: Sender, dest: Destination) -> None:
         """A destination for a live sender: WAITING_FOR_INPUT, unless the two ranks cannot pair."""
@@ -423,7 +428,9 @@ class ControlBackend(TransferBackend):
         for room in list(self._rooms.values()):
             if room.state == KVPoll.BOOTSTRAPPING and now > room.deadline:
                 if isinstance(room, Sender):
-                    reason = f"the decode server did not say where room {room.room}'s KV goes in {self.timeouts.waiting:g} s"
+                    reason = (
+                        f"the decode server did not say where room {room.room}'s KV goes in {self.timeouts.waiting:g} s"
+                    )
                 else:
                     reason = room.timeout_reason()
                 self._fail(room, reason, tell=True)

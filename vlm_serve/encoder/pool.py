@@ -41,10 +41,10 @@ import torch.multiprocessing as mp
 import zmq
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
-from vlm_serve.process import exits_at_once, init_child_process, rank_threads, starting_children, stop_signals_deferred
 from vlm_serve.encoder.encoder import CoreShare, EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
+from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput, load_vision_model
+from vlm_serve.process import exits_at_once, init_child_process, rank_threads, starting_children, stop_signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -456,7 +456,12 @@ class EncoderPool(VisionEncoder):
         """Its process died: its tasks go back to the pool (an attempt counts against those it had begun),
         and its job socket is replaced so that jobs queued for the dead process are dropped rather than
         handed to the next one."""
-        logger.warning("encoder rank %d (pid %s) is gone; its %d job(s) go to the other ranks", rank.index, rank.pid, len(rank.jobs))
+        logger.warning(
+            "encoder rank %d (pid %s) is gone; its %d job(s) go to the other ranks",
+            rank.index,
+            rank.pid,
+            len(rank.jobs),
+        )
         for job_id, tasks in rank.jobs.items():
             for task in tasks:
                 if job_id in rank.started:

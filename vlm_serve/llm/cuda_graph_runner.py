@@ -114,4 +114,3 @@ class CudaGraphRunner:
         self.attn_backend.plan_cuda_graph(size, batch.attn_metadata)
         self.graphs[size].replay()
         return self.outputs[size][:n]
-

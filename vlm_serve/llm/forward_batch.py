@@ -14,9 +14,9 @@ from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
 SAMPLED = -1  # in `ForwardBatch.draft_next_ids`
 
 if TYPE_CHECKING:
-    from vlm_serve.llm.speculative.draft_state import ChainRequest, DraftState
     from vlm_serve.llm.layers.sampler import SampleOutput, SampleRow
     from vlm_serve.llm.prompt_logprobs import PromptLogprobSpan
+    from vlm_serve.llm.speculative.draft_state import ChainRequest, DraftState
     from vlm_serve.messages.logprobs import PromptLogprobs
 
 

@@ -17,8 +17,8 @@ from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
 from vlm_serve.llm.overlap import FutureMap
 from vlm_serve.llm.prompt_logprobs import compute_prompt_logprobs
-from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.llm.speculative.eagle3 import Eagle3Draft, load_eagle3_draft
+from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.model_source import resolve_model
 from vlm_serve.process import llm_threads
 
@@ -49,7 +49,9 @@ class ModelRunner:
         if server_args.speculative_algorithm == "eagle3":
             text = self.model.model.language_model
             path = resolve_model(server_args.speculative_draft_model_path, None, server_args.download_dir)
-            self.draft = load_eagle3_draft(path, model_config.text, len(text.layers), self.device, self.dtype, weight_dtype)
+            self.draft = load_eagle3_draft(
+                path, model_config.text, len(text.layers), self.device, self.dtype, weight_dtype
+            )
             self.draft.share_embeddings(text.embed_tokens)
             text.aux_layers = self.draft.config.aux_layers(len(text.layers))
         self._init_memory_pools()

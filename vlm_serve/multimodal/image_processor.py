@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.errors import MediaError
+from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.multimodal.media import check_image_size, has_transparency, to_rgb
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

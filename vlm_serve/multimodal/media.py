@@ -115,7 +115,9 @@ def read_media(
     if not source:
         raise MediaError(f"{kind} source is an empty string")
     if _URL_SCHEME.match(source):
-        raise MediaError(f"unsupported {kind} URL scheme {source.split(':', 1)[0]!r}: use data:, http(s): or a file path")
+        raise MediaError(
+            f"unsupported {kind} URL scheme {source.split(':', 1)[0]!r}: use data:, http(s): or a file path"
+        )
     return _local_file(Path(source), kind, access)
 
 

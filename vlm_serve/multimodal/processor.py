@@ -38,14 +38,23 @@ from PIL import Image
 
 from vlm_serve.multimodal.cache import MultimodalCache
 from vlm_serve.multimodal.hashing import media_hash
-from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.multimodal.image_processor import ImageProcessor
 from vlm_serve.multimodal.items import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.multimodal.media import (
-    DEFAULT_MAX_IMAGE_PIXELS, ImageSource, MediaAccess, MediaError, VideoSource, decode_image, load_image, media_part,
-    open_image, probe_image, read_media,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ImageSource,
+    MediaAccess,
+    MediaError,
+    VideoSource,
+    decode_image,
+    load_image,
+    media_part,
+    open_image,
+    probe_image,
+    read_media,
 )
 from vlm_serve.multimodal.video import VideoProcessor
+from vlm_serve.tokenizer import Tokenizer
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -410,7 +419,7 @@ def _with_defaults(item: Any, defaults: dict[str, Any], allowed: tuple[str, ...]
 
 
 def _part_modality(part: Any) -> str | None:
-    """"image", "video" or None for a content part, recognised as the chat template does."""
+    """ "image", "video" or None for a content part, recognised as the chat template does."""
     if not isinstance(part, Mapping):
         raise ValueError(f"message content parts must be objects, got {type(part).__name__}")
     kind = part.get("type")

@@ -45,8 +45,18 @@ from vlm_serve.multimodal.image_processor import (
 )
 from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.multimodal.media import (
-    DEFAULT_MAX_IMAGE_PIXELS, FrameList, MediaAccess, MediaError, VideoSource, check_pixel_count, decode_image,
-    frame_name, open_image, probe_image, read_media, to_rgb,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    FrameList,
+    MediaAccess,
+    MediaError,
+    VideoSource,
+    check_pixel_count,
+    decode_image,
+    frame_name,
+    open_image,
+    probe_image,
+    read_media,
+    to_rgb,
 )
 
 DEFAULT_VIDEO_FPS = 24.0  # assumed when a stream states no frame rate, as transformers does
@@ -147,9 +157,7 @@ def group_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_pa
     indices = list(frame_indices)
     indices += [indices[-1]] * (-len(indices) % temporal_patch_size)
     times = [index / video_fps for index in indices]
-    return [
-        (times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)
-    ]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
 
 
 def smart_resize_video(

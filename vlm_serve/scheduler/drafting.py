@@ -59,9 +59,9 @@ class Drafting:
 
     def room(self, req: Req) -> int:
         """How many drafts the request can take: as many as its answer and context still have room for."""
-        room = min(
-            req.sampling_params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len
-        ) - 1  # (the step's own token comes on top of the drafts)
+        room = (
+            min(req.sampling_params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
+        )  # (the step's own token comes on top of the drafts)
         return max(min(room, self.num_draft_tokens), 0)
 
     def _ngram_drafts(self, req: Req) -> list[int]:

@@ -42,7 +42,9 @@ class PrefillRecord:
     def to_bytes(self) -> bytes:
         data = json.dumps(asdict(self), separators=(",", ":")).encode()
         if len(data) > META_SLOT_BYTES:
-            raise ValueError(f"the prefill record takes {len(data)} bytes, more than a metadata slot ({META_SLOT_BYTES})")
+            raise ValueError(
+                f"the prefill record takes {len(data)} bytes, more than a metadata slot ({META_SLOT_BYTES})"
+            )
         return data
 
     @classmethod

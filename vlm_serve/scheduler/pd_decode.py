@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlm_serve.scheduler.pd_common import Disaggregation, PDScheduler, PrefillRecord
 from vlm_serve.disaggregation.transfer import KVPoll, TransferBackend
+from vlm_serve.scheduler.pd_common import Disaggregation, PDScheduler, PrefillRecord
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req
 from vlm_serve.scheduler.schedule_policy import PrefillAdder
 
@@ -177,4 +177,3 @@ class DecodeDisaggregation(Disaggregation):
             self.release(req)
             return True
         return False
-

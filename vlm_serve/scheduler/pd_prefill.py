@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vlm_serve.scheduler.pd_common import Disaggregation, PDScheduler, PrefillRecord
 from vlm_serve.disaggregation.transfer import KVPoll, TransferBackend
+from vlm_serve.scheduler.pd_common import Disaggregation, PDScheduler, PrefillRecord
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req
 
 if TYPE_CHECKING:

@@ -16,19 +16,19 @@ from vlm_serve.llm.layers.rotary import mrope_positions
 from vlm_serve.llm.layers.sampler import SampleRow, set_drafts
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
-from vlm_serve.scheduler.radix_cache import RadixCache, TreeNode
+from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
 from vlm_serve.llm.prompt_logprobs import PromptLogprobSpan
-from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.llm.speculative.draft_state import ChainRequest
 from vlm_serve.messages.backend import SpeculativeCounts
-from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.multimodal.items import MultimodalItem
-from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
+from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.scheduler.radix_cache import RadixCache, TreeNode
 
 if TYPE_CHECKING:
+    from vlm_serve.disaggregation.transfer import KVReceiver, KVSender
     from vlm_serve.llm.constrained.grammar_backend import Grammar
     from vlm_serve.llm.speculative.draft_state import DraftState
-    from vlm_serve.disaggregation.transfer import KVReceiver, KVSender
     from vlm_serve.messages.backend import BootstrapInfo
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,9 @@ class Req:
         """The prompt log-probs of a forward computing its positions start..end-1 (position t predicts
         prompt token t + 1), as row `index` of the batch from row `first_row` of its tokens."""
         if start != self.prompt_logprob_start:  # (its prefix match stops there)
-            raise RuntimeError(f"request {self.rid}: prompt log-probs due from {self.prompt_logprob_start}, not {start}")
+            raise RuntimeError(
+                f"request {self.rid}: prompt log-probs due from {self.prompt_logprob_start}, not {start}"
+            )
         self.prompt_logprob_start = min(end, len(self.origin_input_ids) - 1)
         targets = self.prompt_ids[start + 1 : self.prompt_logprob_start + 1]
         return PromptLogprobSpan(index, first_row, targets, self.sampling_params.prompt_logprobs)
@@ -387,7 +389,9 @@ class ScheduleBatch:
             rows += req_rows
             req.kv_len = end
         self.samples = [True] * len(self.reqs)
-        batch = self._forward_batch(ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens, sampling=rows)
+        batch = self._forward_batch(
+            ids, torch.cat(positions, dim=1), out_cache_loc, prefix_lens, seq_lens, sampling=rows
+        )
         batch.draft_ids = self.draft_ids
         if draft_model:
             batch.chain = [

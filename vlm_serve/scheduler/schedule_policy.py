@@ -111,9 +111,7 @@ class PrefillAdder:
         self.new_token_ratio = new_token_ratio
         self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
         self.rem_chunk_tokens = None if chunked_prefill_size is None else chunked_prefill_size - mixed_decode_tokens
-        self.rem_total_token_offset = mixed_decode_tokens + sum(
-            self.reserved_tokens(r) for r in running_batch.reqs
-        )
+        self.rem_total_token_offset = mixed_decode_tokens + sum(self.reserved_tokens(r) for r in running_batch.reqs)
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
 
@@ -191,7 +189,9 @@ class PrefillAdder:
         self._take(req, prompt_len, self._new_tokens_estimate(req))
         return True
 
-    def add_one_req_preempting(self, req: Req, running_batch: ScheduleBatch, threshold: int) -> tuple[AddReqResult, list[Req]]:
+    def add_one_req_preempting(
+        self, req: Req, running_batch: ScheduleBatch, threshold: int
+    ) -> tuple[AddReqResult, list[Req]]:
         """`add_one_req`, and when `req` itself did not fit, `preempt_to_schedule` then one more try.
         Returns the result and the released requests. (A request admitted with the budget's last tokens
         also answers NO_TOKEN: it must not be preempted for, nor admitted twice.)"""

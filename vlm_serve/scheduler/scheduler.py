@@ -29,24 +29,36 @@ import torch.distributed as dist
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import IncrementalDetokenizer
-from vlm_serve.scheduler.pd_common import META_SLOT_BYTES
-from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
-from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
 from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.transfer import KVLayout
+from vlm_serve.encoder.encoder import VisionEncoder
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput, sample_groups
 from vlm_serve.llm.layers.sampler import SampleOutput
-from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
-from vlm_serve.scheduler.encoding_stage import EncodingStage
-from vlm_serve.scheduler.metrics import SchedulerMetrics
-from vlm_serve.scheduler.drafting import Drafting
-from vlm_serve.scheduler.grammar_queue import GrammarQueue
-from vlm_serve.scheduler.output_streamer import FailReq, OutputStreamer, SchedulerIO
-from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, request_failure
 from vlm_serve.llm.speculative.worker import SpeculativeWorker
+from vlm_serve.messages.backend import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetStatsReq,
+    SchedulerLimits,
+    StatsOut,
+    TokenizedGenerateReq,
+)
+from vlm_serve.multimodal.hashing import pad_input_ids
+from vlm_serve.scheduler.drafting import Drafting
+from vlm_serve.scheduler.encoding_stage import EncodingStage
+from vlm_serve.scheduler.grammar_queue import GrammarQueue
+from vlm_serve.scheduler.metrics import SchedulerMetrics
+from vlm_serve.scheduler.output_streamer import FailReq, OutputStreamer, SchedulerIO
+from vlm_serve.scheduler.pd_common import META_SLOT_BYTES
+from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
+from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
+from vlm_serve.scheduler.radix_cache import RadixCache
+from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, request_failure
 from vlm_serve.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
     IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
@@ -54,11 +66,7 @@ from vlm_serve.scheduler.schedule_policy import (
     PrefillAdder,
     SchedulePolicy,
 )
-from vlm_serve.multimodal.hashing import pad_input_ids
-from vlm_serve.messages.backend import AbortReq, FlushCacheOut, FlushCacheReq, GetStatsReq, SchedulerLimits, StatsOut, TokenizedGenerateReq
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.encoder.encoder import VisionEncoder
-from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +144,9 @@ class Scheduler:
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio_decay = (
+            self.init_new_token_ratio - self.min_new_token_ratio
+        ) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
 
         self.enable_overlap = not server_args.disable_overlap_schedule
@@ -286,7 +296,11 @@ class Scheduler:
 
     def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
         req = Req(
-            message.rid, message.input_ids, message.sampling_params, message.mm_items, priority=message.priority,
+            message.rid,
+            message.input_ids,
+            message.sampling_params,
+            message.mm_items,
+            priority=message.priority,
             bootstrap=message.bootstrap,
         )
         try:
@@ -384,7 +398,9 @@ class Scheduler:
     ) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
         """Rank 0's encoding results on every rank. The request ids and row counts go as a small object;
         the embeddings as one tensor, (1 + deepstack layers, rows, hidden), broadcast as a tensor."""
-        items = [(req.rid, [(i, e.embeds.shape[0]) for i, e in enumerate(req.mm_embeds) if e is not None]) for req in ready]
+        items = [
+            (req.rid, [(i, e.embeds.shape[0]) for i, e in enumerate(req.mm_embeds) if e is not None]) for req in ready
+        ]
         box = [(items, [(req.rid, failure) for req, failure in failed])]
         dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
         items, failures = box[0]
@@ -392,7 +408,8 @@ class Scheduler:
         if rows:
             if self.tp_rank == 0:
                 flat = torch.cat(
-                    [torch.stack([e.embeds, *e.deepstack]) for req in ready for e in req.mm_embeds if e is not None], dim=1
+                    [torch.stack([e.embeds, *e.deepstack]) for req in ready for e in req.mm_embeds if e is not None],
+                    dim=1,
                 )
             else:
                 vision = self.runner.model_config.vision
@@ -508,7 +525,11 @@ class Scheduler:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         in_batch = RadixCache(None, None)  # ids of requests picked this round, for in-batch sharing
         for req in list(self.waiting_queue):
-            if running + len(adder.can_run_list) >= self.max_running_requests or adder.new_chunked_req or self.chunked_req:
+            if (
+                running + len(adder.can_run_list) >= self.max_running_requests
+                or adder.new_chunked_req
+                or self.chunked_req
+            ):
                 break
             if not prefixes_matched:
                 req.match_prefix(self.tree_cache)
@@ -795,13 +816,17 @@ class Scheduler:
         """Idle self-check: every KV slot is free or held by the tree, no lock is held and every
         request row is free. A failure is a leak, i.e. a bug."""
         problems = []
-        leaked = self.num_used_tokens - (self.disagg.held_tokens if isinstance(self.disagg, DecodeDisaggregation) else 0)
+        leaked = self.num_used_tokens - (
+            self.disagg.held_tokens if isinstance(self.disagg, DecodeDisaggregation) else 0
+        )
         if leaked != 0:
             problems.append(f"{leaked} KV slots leaked")
         if self.tree_cache.protected_size() != 0 or any(self.tree_cache.lock_counts()):
             problems.append(f"{self.tree_cache.protected_size()} tokens still locked in the prefix cache")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
-            problems.append(f"{self.req_to_token_pool.size - self.req_to_token_pool.available_size()} request rows leaked")
+            problems.append(
+                f"{self.req_to_token_pool.size - self.req_to_token_pool.available_size()} request rows leaked"
+            )
         if problems:
             raise RuntimeError("scheduler idle self-check failed: " + "; ".join(problems))
 
@@ -821,5 +846,8 @@ def _without_pixels(message: Any) -> Any:
     tensors, so the message stays small and its checks give every rank the same answer."""
     if not isinstance(message, TokenizedGenerateReq) or not message.mm_items:
         return message
-    items = [dataclasses.replace(it, pixel_values=torch.empty(it.pixel_values.shape, device="meta")) for it in message.mm_items]
+    items = [
+        dataclasses.replace(it, pixel_values=torch.empty(it.pixel_values.shape, device="meta"))
+        for it in message.mm_items
+    ]
     return dataclasses.replace(message, mm_items=items)

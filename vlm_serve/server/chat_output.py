@@ -108,7 +108,9 @@ def tool_use(request: ChatCompletionRequest) -> ToolUse:
     if isinstance(choice, AllowedToolsChoice):
         unknown = [name for name in choice.names if name not in names]
         if unknown:
-            raise ValueError(f"tool_choice allows the function {unknown[0]!r}, which is not among the tools ({', '.join(names)})")
+            raise ValueError(
+                f"tool_choice allows the function {unknown[0]!r}, which is not among the tools ({', '.join(names)})"
+            )
         callable_tools = [tool for tool in tools if tool["function"]["name"] in choice.names]
         mode = choice.allowed_tools.mode
     parallel = request.parallel_tool_calls is not False
@@ -117,7 +119,9 @@ def tool_use(request: ChatCompletionRequest) -> ToolUse:
     if mode == "required" or isinstance(mode, NamedToolChoice):
         name = mode.function.name if isinstance(mode, NamedToolChoice) else None
         if name is not None and name not in names:
-            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools ({', '.join(names)})")
+            raise ValueError(
+                f"tool_choice names the function {name!r}, which is not among the tools ({', '.join(names)})"
+            )
         if constraint is not None:
             raise ValueError(
                 f"tool_choice {_describe(choice)} cannot be combined with {constraint.field}: an answer follows at most "

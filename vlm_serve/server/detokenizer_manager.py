@@ -10,9 +10,9 @@ the scheduler and the HTTP process; `Engine` runs it in-process.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 from dataclasses import dataclass, field
 
-import multiprocessing as mp
 import zmq
 
 from vlm_serve.config import ServerArgs
@@ -20,8 +20,8 @@ from vlm_serve.detokenizer import TextStream
 from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.messages.backend import BatchTokenIdOut, TokenIdOut
 from vlm_serve.messages.frontend import BatchStrOut, StrOut
-from vlm_serve.server.ports import PortArgs
 from vlm_serve.process import IDLE_POLL_MS, exits_at_once, init_child_process
+from vlm_serve.server.ports import PortArgs
 from vlm_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

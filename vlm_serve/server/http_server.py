@@ -46,10 +46,9 @@ from vlm_serve.errors import (
 )
 from vlm_serve.messages.backend import SchedulerLimits
 from vlm_serve.messages.frontend import GenerateReqInput
-from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
-from vlm_serve.server.sglang_api import GenerateRequest, GenerateServing
+from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,6 +64,7 @@ from vlm_serve.server.protocol import (
 )
 from vlm_serve.server.responses_api import ResponsesServing
 from vlm_serve.server.responses_protocol import DeletedResponse, InputItemList, ResponseObject, ResponsesRequest
+from vlm_serve.server.sglang_api import GenerateRequest, GenerateServing
 from vlm_serve.server.tokenizer_manager import ServerMetrics, TokenizerManager
 
 if TYPE_CHECKING:
@@ -320,7 +320,9 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, stream: bool = False) -> ResponseObject:
         if stream:
-            raise BadRequest("streaming a stored response again is not supported: GET it without stream", param="stream")
+            raise BadRequest(
+                "streaming a stored response again is not supported: GET it without stream", param="stream"
+            )
         return responses.get(response_id)
 
     @app.delete("/v1/responses/{response_id}")
@@ -366,7 +368,9 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         stats = await tm.get_stats()
-        return PlainTextResponse(render_metrics(tm.metrics, stats, tm.processor.cache), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            render_metrics(tm.metrics, stats, tm.processor.cache), media_type="text/plain; version=0.0.4"
+        )
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
@@ -498,7 +502,9 @@ class _Server(uvicorn.Server):
     """Uvicorn with the warm-up before the socket opens, the 'listening' line after, and a watchdog
     (which also restarts encoder ranks that died)."""
 
-    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, state: ServerState, children: ServerProcesses) -> None:
+    def __init__(
+        self, config: uvicorn.Config, tm: TokenizerManager, state: ServerState, children: ServerProcesses
+    ) -> None:
         super().__init__(config)
         self.tm, self.state, self.children = tm, state, children
 

@@ -23,17 +23,19 @@ import torch.multiprocessing as mp
 
 from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.disaggregation.bootstrap import BootstrapServer
+from vlm_serve.encoder.pool import EncoderRanks, PoolAddresses
+from vlm_serve.messages.backend import SchedulerLimits
 from vlm_serve.model_source import with_local_model
 from vlm_serve.process import starting_children
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
 from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
-from vlm_serve.messages.backend import SchedulerLimits
 from vlm_serve.server.ports import PortArgs
-from vlm_serve.server.scheduler_process import run_scheduler_process
-from vlm_serve.encoder.pool import EncoderRanks, PoolAddresses
 from vlm_serve.server.processes import ServerProcesses
+from vlm_serve.server.scheduler_process import run_scheduler_process
 
 STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint takes minutes)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from vlm_serve.scheduler.metrics import Histogram
+from vlm_serve.messages.backend import StatsOut
 from vlm_serve.multimodal.cache import MultimodalCache
 from vlm_serve.multimodal.items import MEDIA_STAGES
-from vlm_serve.messages.backend import StatsOut
+from vlm_serve.scheduler.metrics import Histogram
 from vlm_serve.server.tokenizer_manager import ServerMetrics
 
 PREFIX = "vlm_serve:"
@@ -51,12 +51,16 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
     out.gauge("num_requests_encoding", stats.num_encoding, "Requests waiting for their images/videos to be encoded.")
     out.gauge("kv_cache_usage", stats.kv_usage, "Share of KV cache slots held by requests.")
     out.gauge("max_total_tokens", stats.max_total_tokens, "KV cache size in tokens.")
-    out.gauge("prefix_cache_hit_rate", stats.prefix_cache_hit_rate, "Share of prompt tokens served from the prefix cache.")
+    out.gauge(
+        "prefix_cache_hit_rate", stats.prefix_cache_hit_rate, "Share of prompt tokens served from the prefix cache."
+    )
     out.counter("prompt_tokens_cached", stats.cached_prompt_tokens, "Prompt tokens served from the prefix cache.")
     out.counter("prompt_tokens_computed", stats.computed_prompt_tokens, "Prompt tokens run through the model.")
     out.counter("generation_tokens", stats.generated_tokens, "Tokens generated.")
     out.counter("retractions", stats.num_retractions, "Requests retracted when the KV cache ran out.")
-    out.counter("spec_decode_num_drafts", stats.spec.verify_steps, "Speculative verify steps of a request that had drafts.")
+    out.counter(
+        "spec_decode_num_drafts", stats.spec.verify_steps, "Speculative verify steps of a request that had drafts."
+    )
     out.counter("spec_decode_num_draft_tokens", stats.spec.draft_tokens, "Speculative draft tokens verified.")
     out.counter("spec_decode_num_accepted_tokens", stats.spec.accepted_tokens, "Speculative draft tokens kept.")
     out.gauge(
@@ -82,7 +86,9 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
         )  # fmt: skip
         out.counter(f"{cache_name}_evictions", counters["evictions"], f"Cached {what} evicted.")
         out.gauge(f"{cache_name}_usage_bytes", counters["usage_bytes"], f"Bytes of cached {what}.")
-        out.gauge(f"{cache_name}_hit_rate", counters["hits"] / lookups if lookups else 0.0, f"Hit rate of cached {what}.")
+        out.gauge(
+            f"{cache_name}_hit_rate", counters["hits"] / lookups if lookups else 0.0, f"Hit rate of cached {what}."
+        )
     out.labelled(
         "encoder_load_patches", "gauge", {str(i): load for i, load in enumerate(stats.encoder_load)}, "rank",
         "Patches in flight per encoder pool rank.",

@@ -16,9 +16,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.messages.logprobs import PromptLogprobs
+from vlm_serve.errors import ApiError, InternalError, ModelNotFoundError
 from vlm_serve.messages.backend import SpeculativeCounts, TokenizedGenerateReq
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
+from vlm_serve.messages.logprobs import PromptLogprobs
+from vlm_serve.multimodal.items import ProcessedInput
+from vlm_serve.multimodal.processor import PartParam, chat_part_param
+from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
 from vlm_serve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -39,10 +43,10 @@ from vlm_serve.server.protocol import (
     MediaTokens,
     PromptLogprob,
     PromptTokensDetails,
+    SpeculativeUsage,
     TokenLogprob,
     ToolCallDelta,
     ToolCallOut,
-    SpeculativeUsage,
     TopLogprob,
     Usage,
     VideoPart,
@@ -50,12 +54,8 @@ from vlm_serve.server.protocol import (
     new_id,
     now,
 )
-from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
-from vlm_serve.errors import ApiError, InternalError, ModelNotFoundError
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.server.tool_parser import ToolCall
-from vlm_serve.multimodal.items import ProcessedInput
-from vlm_serve.multimodal.processor import PartParam, chat_part_param
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,9 @@ class OpenAIServing:
         rid, created, params = new_id("chatcmpl"), now(), choices[0].sampling_params
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
-            return sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage))
+            return sse(
+                ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+            )
 
         started = [False] * params.n
         per_choice: list[list[StrOut]] = [[] for _ in range(params.n)]
@@ -330,7 +332,10 @@ class OpenAIServing:
             ]
             result.append(
                 TokenLogprob(
-                    token=text, logprob=json_logprob(out.logprobs[j]), bytes=list(text.encode()), top_logprobs=alternatives
+                    token=text,
+                    logprob=json_logprob(out.logprobs[j]),
+                    bytes=list(text.encode()),
+                    top_logprobs=alternatives,
                 )
             )
         return result
@@ -369,6 +374,7 @@ class OpenAIServing:
     def _prompt_logprobs(self, scores: PromptLogprobs | None, top: int) -> list[dict[int, PromptLogprob] | None]:
         """vLLM's `prompt_logprobs`: None for the first prompt token, then each token's entry and its
         `top` best alternatives', by token id."""
+
         def entry(token_id: int, logprob: float, rank: int) -> PromptLogprob:
             return PromptLogprob(logprob=logprob, rank=rank, decoded_token=self._token_text(token_id))
 
@@ -393,7 +399,7 @@ def json_logprob(logprob: float | None) -> float | None:
 
 
 def _finish_reason(reason: str | None, tool_calls: Any) -> str | None:
-    """"tool_calls" for an answer that stopped after calling tools, as OpenAI reports it."""
+    """ "tool_calls" for an answer that stopped after calling tools, as OpenAI reports it."""
     return "tool_calls" if reason == "stop" and tool_calls else reason
 
 
@@ -411,7 +417,9 @@ def _speculative_usage(counts: list[SpeculativeCounts]) -> SpeculativeUsage | No
     """The choices' speculative tallies summed; None where the server does not draft (or none has ended)."""
     if not counts:
         return None
-    total = SpeculativeCounts(*(sum(getattr(c, f) for c in counts) for f in ("verify_steps", "draft_tokens", "accepted_tokens")))
+    total = SpeculativeCounts(
+        *(sum(getattr(c, f) for c in counts) for f in ("verify_steps", "draft_tokens", "accepted_tokens"))
+    )
     return SpeculativeUsage(
         verify_steps=total.verify_steps, draft_tokens=total.draft_tokens, accepted_tokens=total.accepted_tokens,
         mean_accepted_length=total.mean_accepted_length,

@@ -30,7 +30,12 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from vlm_serve.errors import ApiError, BadRequest
 from vlm_serve.messages.backend import BootstrapInfo
 from vlm_serve.sampling_params import (
-    MAX_N, MAX_TOP_LOGPROBS, OPENAI_SAMPLING_KEYS, SEED_MAX, SEED_MIN, check_stop_regex,
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    OPENAI_SAMPLING_KEYS,
+    SEED_MAX,
+    SEED_MIN,
+    check_stop_regex,
 )  # fmt: skip
 
 
@@ -301,7 +306,9 @@ class StructuredOutputs(_Strict):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # either way: JSON answers here never have free whitespace
-    disable_additional_properties: bool = False  # either way: no properties beyond the schema's (xgrammar's strict mode)
+    disable_additional_properties: bool = (
+        False  # either way: no properties beyond the schema's (xgrammar's strict mode)
+    )
     # these two are refused unless null (UNSUPPORTED_FIELDS)
     whitespace_pattern: str | None = None
     structural_tag: str | dict[str, Any] | None = None

@@ -25,10 +25,12 @@ from pydantic import ValidationError
 
 from vlm_serve.errors import ApiError, BadRequest, InternalError, NotFound
 from vlm_serve.messages.frontend import StrOut
+from vlm_serve.multimodal.processor import PartParam
 from vlm_serve.server.chat_output import ChatDelta
 from vlm_serve.server.openai_api import ChatRun, OpenAIServing
 from vlm_serve.server.protocol import ChatCompletionRequest, SamplingSettings, now
 from vlm_serve.server.responses_protocol import (
+    DeletedResponse,
     FunctionCallItem,
     FunctionCallOut,
     FunctionCallOutputItem,
@@ -51,9 +53,7 @@ from vlm_serve.server.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    DeletedResponse,
 )
-from vlm_serve.multimodal.processor import PartParam
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,11 @@ def input_messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[i
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": None})
             messages[-1].setdefault("tool_calls", []).append(call)
@@ -206,14 +210,18 @@ class OutputBuilder:
             events.append(self._part_event("response.output_text.delta", delta=delta.content, logprobs=logprobs or []))
         for call in delta.tool_calls:
             events += self._close()
-            item = FunctionCallOut(id=_new_id("fc"), call_id=call.id, name=call.name, arguments="", status="in_progress")
+            item = FunctionCallOut(
+                id=_new_id("fc"), call_id=call.id, name=call.name, arguments="", status="in_progress"
+            )
             self.items.append(item)
             index = len(self.items) - 1
             events.append(self.event("response.output_item.added", output_index=index, item=_dump(item)))
             item.arguments = call.arguments
             where = {"item_id": item.id, "output_index": index}
             events.append(self.event("response.function_call_arguments.delta", **where, delta=call.arguments))
-            events.append(self.event("response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments))
+            events.append(
+                self.event("response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments)
+            )
             item.status = "completed"
             events.append(self.event("response.output_item.done", output_index=index, item=_dump(item)))
         return events
@@ -367,7 +375,9 @@ class ResponsesServing:
         run = await self.serving.start_chat(chat_request(request, messages), part_param(first, origins))
         response = self._new_response(request)
         items = [] if isinstance(request.input, str) else [item.model_dump(exclude_none=True) for item in request.input]
-        stored = StoredResponse(response, messages, items or [{"type": "message", "role": "user", "content": request.input}])
+        stored = StoredResponse(
+            response, messages, items or [{"type": "message", "role": "user", "content": request.input}]
+        )
         if request.background:
             response.status = "queued"
             stored.task = asyncio.get_running_loop().create_task(self._background(run, stored))
@@ -414,7 +424,9 @@ class ResponsesServing:
                 kind = "output_text" if item["role"] == "assistant" else "input_text"
                 item["content"] = [{"type": kind, "text": item["content"]}]
             data.append(item)
-        return InputItemList(data=data, first_id=data[0]["id"] if data else None, last_id=data[-1]["id"] if data else None)
+        return InputItemList(
+            data=data, first_id=data[0]["id"] if data else None, last_id=data[-1]["id"] if data else None
+        )
 
     # ---- pieces ------------------------------------------------------------------------------------
 
@@ -451,7 +463,9 @@ class ResponsesServing:
         if status == "incomplete":
             response.incomplete_details = {"reason": "max_output_tokens"}
         usage = self.serving._usage([run.input], [outs])
-        reasoning = "".join(part.text for item in builder.items if isinstance(item, ReasoningOut) for part in item.content)
+        reasoning = "".join(
+            part.text for item in builder.items if isinstance(item, ReasoningOut) for part in item.content
+        )
         details = usage.prompt_tokens_details
         response.usage = ResponseUsage(
             input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,

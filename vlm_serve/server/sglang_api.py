@@ -22,11 +22,11 @@ from vlm_serve.errors import BadRequest
 from vlm_serve.messages.backend import TokenizedGenerateReq
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.multimodal.items import ProcessedInput
+from vlm_serve.multimodal.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaInput
 from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 from vlm_serve.server.openai_api import OpenAIServing, check_media_count, errors_as_events, json_logprob, sse
 from vlm_serve.server.protocol import BootstrapFields, valid_stop_regex
 from vlm_serve.server.tokenizer_manager import TokenizerManager
-from vlm_serve.multimodal.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaInput
 
 # SGLang's sampling parameter -> the OpenAI-named setting of `GenerateReqInput.sampling` (same name if absent)
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -241,7 +241,8 @@ class GenerateServing:
         start, shortest = request.logprob_start_len, min(len(x.input_ids) for x in inputs)
         if start >= shortest:
             raise BadRequest(
-                f"logprob_start_len={start} must be less than the prompt's length ({shortest} tokens)", "logprob_start_len"
+                f"logprob_start_len={start} must be less than the prompt's length ({shortest} tokens)",
+                "logprob_start_len",
             )
 
     def token_text(self, token_id: int) -> str:

@@ -25,17 +25,25 @@ import zmq
 import zmq.asyncio
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.scheduler.metrics import Histogram
-from vlm_serve.ipc import send_pyobj
-from vlm_serve.sampling_params import generation_defaults
 from vlm_serve.errors import ApiError
-from vlm_serve.messages.backend import AbortReq, FlushCacheOut, FlushCacheReq, GetStatsReq, SchedulerLimits, StatsOut, TokenizedGenerateReq
+from vlm_serve.ipc import send_pyobj
+from vlm_serve.messages.backend import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetStatsReq,
+    SchedulerLimits,
+    StatsOut,
+    TokenizedGenerateReq,
+)
 from vlm_serve.messages.frontend import BatchStrOut, GenerateReqInput, StrOut
-from vlm_serve.server.ports import PortArgs
-from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.multimodal.media import MediaAccess
 from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
+from vlm_serve.sampling_params import generation_defaults
+from vlm_serve.scheduler.metrics import Histogram
+from vlm_serve.server.ports import PortArgs
+from vlm_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -128,7 +128,11 @@ def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool
     "qwen_3" structural tag allows free text around the calls, so it does not force them.)"""
     import xgrammar as xgr  # (here, not above: it imports transformers, a second at server start)
     from xgrammar.structural_tag import (
-        JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat, TriggeredTagsFormat,
+        JSONSchemaFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
     )  # fmt: skip
 
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
@@ -141,7 +145,9 @@ def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool
         TagFormat(
             begin=f'{CALL_START}\n{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "arguments": ',
             # at most one whitespace character between JSON tokens: a weak model could pad forever
-            content=JSONSchemaFormat(json_schema={"type": "object", **(fn.get("parameters") or {})}, max_whitespace_cnt=1),
+            content=JSONSchemaFormat(
+                json_schema={"type": "object", **(fn.get("parameters") or {})}, max_whitespace_cnt=1
+            ),
             end=f"}}\n{CALL_END}",
         )
         for fn in chosen

@@ -681,5 +681,7 @@ KINDS = (  # (what a problem says, its kind), the first match wins
 def kind(problems: list[str]) -> str:
     """What kind of failure a request's problems are, for a soak's tally (the first problem decides)."""
     first = problems[0]
-    return next((name for text, name in KINDS if text in first), "malformed answer" if "malformed" in first or
-                "stream" in first else "counts (choices, tokens, usage)")
+    return next(
+        (name for text, name in KINDS if text in first),
+        "malformed answer" if "malformed" in first or "stream" in first else "counts (choices, tokens, usage)",
+    )

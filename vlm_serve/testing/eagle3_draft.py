@@ -55,7 +55,9 @@ def create_eagle3_draft(
         tensors["embed_tokens.weight"] = torch.randn(vocab, hidden, generator=g) * 0.02
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     config = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,

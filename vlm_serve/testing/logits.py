@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardMode
-from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
-from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.multimodal.hashing import pad_input_ids
 from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
+from vlm_serve.scheduler.scheduler import Scheduler
 
 
 def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[MultimodalItem] = ()) -> torch.Tensor:

@@ -605,9 +605,7 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _checked_args(
-    arch: str, size: str, dtype: str | None = None, quantize: str | None = None
-) -> tuple[ModelSize, str]:
+def _checked_args(arch: str, size: str, dtype: str | None = None, quantize: str | None = None) -> tuple[ModelSize, str]:
     """The preset named `size` and the weights' dtype, once the arguments are known to be valid.
 
     `dtype` None means float32, or bfloat16 for a quantized checkpoint (the published FP8 checkpoints keep

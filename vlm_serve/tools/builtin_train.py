@@ -30,11 +30,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlm_serve.builtin.scenes import (
-    COLOURS, KIND_WEIGHTS, KINDS, SIZES, VIDEO_FPS, Example, Scene, random_example, random_scene, render)  # fmt: skip
+    COLOURS,  # fmt: skip
+    KIND_WEIGHTS,
+    KINDS,
+    SIZES,
+    VIDEO_FPS,
+    Example,
+    Scene,
+    random_example,
+    random_scene,
+    render,
+)
+from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.testing.media import write_video
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.multimodal.processor import MultimodalProcessor
 
 IGNORE = -100  # label of the tokens the loss skips
 SHIPPED_DTYPE = torch.bfloat16  # as the published checkpoints; half the size (served as float32 on CPU)
@@ -94,7 +104,8 @@ def encode(processor: MultimodalProcessor, example: Example) -> dict:
         "labels": [IGNORE] * len(prompt.input_ids) + answer,
         "items": prompt.mm_items,
         "cells": [
-            cell for scene, item in zip(example.scenes, pictures, strict=True)
+            cell
+            for scene, item in zip(example.scenes, pictures, strict=True)
             for cell in cell_labels(scene, item.grid_thw[1] // merge, item.grid_thw[2] // merge)
         ],  # fmt: skip
     }
@@ -466,11 +477,15 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
             save(model, out_dir)  # to look at while it trains
     seconds = time.perf_counter() - start
     save(model, out_dir)
-    record = {**{k: v for k, v in asdict(args).items() if k != "eval_every"},
-              "init_from": args.init_from and str(args.init_from),
-              "single_turn": True,  # every example is one question: the demo sends it questions alone
-              "seconds": round(seconds),
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
+    record = {
+        **{k: v for k, v in asdict(args).items() if k != "eval_every"},
+        "init_from": args.init_from and str(args.init_from),
+        "single_turn": True,  # every example is one question: the demo sends it questions alone
+        "seconds": round(seconds),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     if args.init_from is not None:  # the runs it went on from, each with its own, back to the one from a seed
         record["init_from_training"] = json.loads((Path(args.init_from) / "training.json").read_text())
     (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")

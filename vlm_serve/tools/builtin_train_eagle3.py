@@ -31,8 +31,8 @@ from torch import nn
 
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import random_example
-from vlm_serve.tools.builtin_train import collate, messages
 from vlm_serve.engine import Engine
+from vlm_serve.tools.builtin_train import collate, messages
 
 AUX_LAYER_IDS = [0, 1, 2]  # the target layers whose outputs the draft reads (the built-in has 4)
 DEPTH = 4  # TTT steps: as many drafts as a verify step takes by default
@@ -57,13 +57,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 class TrainableDraft(nn.Module):
     """The EAGLE-3 draft architecture, with the published tensor names (`state_dict` is the checkpoint)."""
 
-    def __init__(self, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, vocab: int, eps: float, theta: float):
+    def __init__(
+        self, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, vocab: int, eps: float, theta: float
+    ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.eps, self.theta = heads, kv_heads, head_dim, eps, theta
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
         self.midlayer = nn.Module()
         m = self.midlayer
-        m.input_layernorm, m.hidden_norm, m.post_attention_layernorm = (nn.Parameter(torch.ones(hidden)) for _ in range(3))
+        m.input_layernorm, m.hidden_norm, m.post_attention_layernorm = (
+            nn.Parameter(torch.ones(hidden)) for _ in range(3)
+        )
         m.self_attn = nn.Module()
         a = m.self_attn
         a.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
@@ -138,7 +142,9 @@ def ttt_loss(draft: TrainableDraft, embed: torch.Tensor, batch: dict) -> tuple[t
             loss = F.cross_entropy(logits[valid], targets[valid])
             total = total + STEP_WEIGHT**step * loss
             accuracies.append(float((logits[valid].argmax(-1) == targets[valid]).float().mean()))
-        hidden = torch.cat([torch.zeros_like(prenorm[:, :1]), prenorm[:, :-1]], 1)  # step k+1 at p reads step k at p - 1
+        hidden = torch.cat(
+            [torch.zeros_like(prenorm[:, :1]), prenorm[:, :-1]], 1
+        )  # step k+1 at p reads step k at p - 1
     return total, accuracies
 
 
@@ -233,7 +239,9 @@ def main() -> None:
     draft.lm_head.weight.data.copy_(weights.lm_head.weight.detach())
     draft.norm.data.copy_(weights.model.language_model.norm.weight.detach())
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / 100) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, s / 100) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
+    )
     stream = batches(data, args.batch_size, random.Random(args.seed))
     for step in range(1, args.steps + 1):
         loss, accuracies = ttt_loss(draft, embed, next(stream))
@@ -243,7 +251,10 @@ def main() -> None:
         optimizer.step()
         schedule.step()
         if step % 100 == 0 or step == args.steps:
-            print(f"step {step}: loss {float(loss):.3f}, top-1 by TTT step {[round(a, 3) for a in accuracies]}", flush=True)
+            print(
+                f"step {step}: loss {float(loss):.3f}, top-1 by TTT step {[round(a, 3) for a in accuracies]}",
+                flush=True,
+            )
     seconds = time.monotonic() - began
     meta = {"examples": args.examples, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
             "seed": args.seed, "depth": DEPTH, "last_top1_by_step": accuracies, "seconds": round(seconds)}  # fmt: skip

@@ -132,7 +132,11 @@ def _transformers_reference(path: Path, arch: str, processed) -> tuple[torch.Ten
     the CPU."""
     import transformers
 
-    cls = transformers.Qwen3VLMoeForConditionalGeneration if arch == "moe" else transformers.Qwen3VLForConditionalGeneration
+    cls = (
+        transformers.Qwen3VLMoeForConditionalGeneration
+        if arch == "moe"
+        else transformers.Qwen3VLForConditionalGeneration
+    )
     ids = torch.tensor([processed.input_ids])
     items = processed.mm_items
     outputs = []
@@ -205,10 +209,10 @@ def graphs_as_eager(path: Path, device: torch.device) -> str:
 
 def run_parity(check: Check, device: torch.device) -> None:
     from vlm_serve.builtin.scenes import random_example
-    from vlm_serve.tools.builtin_train import messages
     from vlm_serve.engine import Engine
     from vlm_serve.testing.logits import prefill_logits
     from vlm_serve.testing.tiny_model import create_tiny_model
+    from vlm_serve.tools.builtin_train import messages
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (TF32 keeps 10 bits)
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -248,7 +252,9 @@ def run_parity(check: Check, device: torch.device) -> None:
             same = sum(a == b for a, b in zip(answers, expected))
             if same != len(examples):
                 diff = next((a, b) for a, b in zip(answers, expected) if a != b)
-                raise AssertionError(f"{same}/{len(examples)} answers as float32 on CPU; e.g. {diff[0]!r} vs {diff[1]!r}")
+                raise AssertionError(
+                    f"{same}/{len(examples)} answers as float32 on CPU; e.g. {diff[0]!r} vs {diff[1]!r}"
+                )
             return f"{same}/{len(examples)} answers identical"
 
         check.run(f"built-in model {backend} bfloat16 answers as float32 on CPU", builtin)
@@ -260,9 +266,9 @@ def run_parity(check: Check, device: torch.device) -> None:
 def run_server(check: Check, device: torch.device) -> None:
     import httpx
 
-    from vlm_serve.builtin.scenes import random_example, random_motion, motion_example
-    from vlm_serve.tools.builtin_train import chat_content, messages
+    from vlm_serve.builtin.scenes import motion_example, random_example, random_motion
     from vlm_serve.engine import Engine
+    from vlm_serve.tools.builtin_train import chat_content, messages
 
     rng = random.Random(7)
     examples = [random_example(rng) for _ in range(6)] + [motion_example(rng, random_motion(rng))]
@@ -307,7 +313,9 @@ def run_server(check: Check, device: torch.device) -> None:
 
         def streamed() -> str:
             text = ""
-            with httpx.stream("POST", url + "/v1/chat/completions", json=bodies[1] | {"stream": True}, timeout=120) as r:
+            with httpx.stream(
+                "POST", url + "/v1/chat/completions", json=bodies[1] | {"stream": True}, timeout=120
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         delta = json.loads(line[6:])["choices"]
@@ -325,7 +333,6 @@ def run_server(check: Check, device: torch.device) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
-
 
 
 def free_port() -> int:
@@ -489,10 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="folder for every record (created)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--size", default=None, help="model size preset of the figures (default: large on CUDA, tiny on CPU)")
+    parser.add_argument(
+        "--size", default=None, help="model size preset of the figures (default: large on CUDA, tiny on CPU)"
+    )
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds per test of the suite part")
-    parser.add_argument("--suite-files", default=None, help="comma-separated names of the suite part's test files "
-                        "(e.g. test_engine,test_speculative; default: all of SUITE, in its order)")
+    parser.add_argument(
+        "--suite-files",
+        default=None,
+        help="comma-separated names of the suite part's test files "
+        "(e.g. test_engine,test_speculative; default: all of SUITE, in its order)",
+    )
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - set(PARTS)
@@ -504,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [f for f in suite if f not in SUITE]
         if unknown:
             parser.error(f"--suite-files: not in the suite: {', '.join(unknown)}; it has {', '.join(SUITE)}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
+    device = (
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if args.device == "auto"
+        else torch.device(args.device)
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     args.out.mkdir(parents=True, exist_ok=True)

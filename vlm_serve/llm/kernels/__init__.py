@@ -42,8 +42,13 @@ SOURCES = Path(__file__).parent
 
 PTR, I64, I32, F32, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
 # what every library exports besides its kernels (simd.h, tiles.h)
-COMMON = {"kernel_isa": (STR,), "kernel_lanes": (I32,), "kernel_panel": (I32,), "kernel_runs_here": (I32,),
-          "kernel_bf16_dot": (I32,)}
+COMMON = {
+    "kernel_isa": (STR,),
+    "kernel_lanes": (I32,),
+    "kernel_panel": (I32,),
+    "kernel_runs_here": (I32,),
+    "kernel_bf16_dot": (I32,),
+}
 
 
 class Unavailable(Exception):

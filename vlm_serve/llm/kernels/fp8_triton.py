@@ -47,13 +47,21 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, k_end, BK):
             ks = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < end) & (ks[None, :] < K), other=0.0)
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                mask=(rows[:, None] < end) & (ks[None, :] < K),
+                other=0.0,
+            )
             w_mask = (cols[:, None] < N) & (ks[None, :] < K)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
             block = (ks + offset) // BLOCK_COLS
             s = tl.load(s_ptr + cols[:, None] * stride_sn + block[None, :], mask=w_mask, other=0.0)
             acc += tl.dot(x, tl.trans((w * s).to(x.dtype)))
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < end) & (cols[None, :] < N))
+        tl.store(
+            y_ptr + rows[:, None] * stride_ym + cols[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(rows[:, None] < end) & (cols[None, :] < N),
+        )
 
 
 def available() -> bool:

@@ -102,7 +102,9 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
     if bias is not None:
         bias = padded_bias(bias, panels)
     y = torch.empty(*x.shape[:-1], panels.out, dtype=torch.float32)
-    panels.kernel.linear_forward(rows, rows.shape[0], inp, rows.stride(0), *panels.args, bias, y, torch.get_num_threads())
+    panels.kernel.linear_forward(
+        rows, rows.shape[0], inp, rows.stride(0), *panels.args, bias, y, torch.get_num_threads()
+    )
     if panels.features != panels.out:
         y = y[..., : panels.features]
     return y if dtype == torch.float32 else y.to(dtype)

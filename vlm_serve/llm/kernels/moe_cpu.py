@@ -18,8 +18,34 @@ LIBRARY = KernelLibrary(
     {
         "moe_route_f32": (None, PTR, I64, I64, I64, I32, I64, I64, PTR, PTR, PTR, PTR, I32),
         "moe_forward": (
-            None, PTR, I64, I64, PTR, PTR, I64, PTR, I32, PTR, PTR, I64, I64, I64, I32, PTR, PTR, I64, I64, I64, I32,
-            I64, I64, PTR, PTR, PTR, PTR, I32,
+            None,
+            PTR,
+            I64,
+            I64,
+            PTR,
+            PTR,
+            I64,
+            PTR,
+            I32,
+            PTR,
+            PTR,
+            I64,
+            I64,
+            I64,
+            I32,
+            PTR,
+            PTR,
+            I64,
+            I64,
+            I64,
+            I32,
+            I64,
+            I64,
+            PTR,
+            PTR,
+            PTR,
+            PTR,
+            I32,
         ),  # fmt: skip
     },
 )
@@ -109,4 +135,3 @@ def moe_forward(
 
 def _float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-

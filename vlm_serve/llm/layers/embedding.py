@@ -22,7 +22,9 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-vocab_size // self.tp_size)  # ceil: the last shard may be padded
         self.vocab_start = self.tp_rank * self.shard_size
         self.dtype = torch.get_default_dtype()  # of the embeddings it gives (its weight may be stored lower)
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=linear_weight_dtype()), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(self.shard_size, hidden_size, dtype=linear_weight_dtype()), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:

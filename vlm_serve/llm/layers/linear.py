@@ -28,7 +28,9 @@ class LinearBase(nn.Module):
         # stores it so (with `weight_scale_inv`), the weights' dtype where it does not (routers, ...)
         self.fp8 = weights.fp8
         device = "meta" if self.fp8 is not None else None
-        self.weight = frozen_parameter(torch.empty(out_features, in_features, dtype=weights.weight_dtype, device=device))
+        self.weight = frozen_parameter(
+            torch.empty(out_features, in_features, dtype=weights.weight_dtype, device=device)
+        )
         self.weight.weight_loader = self.load
         self.device = torch.empty(0).device
         self.weight_scale_inv: torch.Tensor | None = None  # FP8: per row, per block of columns (`shard_scales`)
@@ -84,7 +86,9 @@ class LinearBase(nn.Module):
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a plain matrix in `dtype` (an FP8 one dequantized)."""
         if self.weight.dtype == FP8_DTYPE:
-            return dequantize_rows(self.weight, self.weight_scale_inv, self.fp8.weight_block_size[1], self.scale_offset, dtype)
+            return dequantize_rows(
+                self.weight, self.weight_scale_inv, self.fp8.weight_block_size[1], self.scale_offset, dtype
+            )
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +98,9 @@ class LinearBase(nn.Module):
             return onednn_linear(x, self.packed, self.bias)
         if x.is_cuda and self.weight.dtype == FP8_DTYPE and fp8_triton.available():
             block_cols = self.fp8.weight_block_size[1]
-            return fp8_triton.fp8_linear(x, self.weight, self.weight_scale_inv, block_cols, self.scale_offset, self.bias)
+            return fp8_triton.fp8_linear(
+                x, self.weight, self.weight_scale_inv, block_cols, self.scale_offset, self.bias
+            )
         return F.linear(x, self.dense_weight(x.dtype), self.bias)  # (a format no kernel reads: converted per call)
 
     def prepack(self) -> None:

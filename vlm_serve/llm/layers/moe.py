@@ -43,7 +43,10 @@ class SparseMoeBlock(nn.Module):
         weights = weight_format()
         self.fp8 = weights.fp8
         device = "meta" if self.fp8 is not None else None
-        shape13, shape2 = (self.num_local_experts, 2 * self.intermediate, hidden_size), (self.num_local_experts, hidden_size, self.intermediate)
+        shape13, shape2 = (
+            (self.num_local_experts, 2 * self.intermediate, hidden_size),
+            (self.num_local_experts, hidden_size, self.intermediate),
+        )
         self.w13 = frozen_parameter(torch.empty(shape13, dtype=weights.weight_dtype, device=device))
         self.w2 = frozen_parameter(torch.empty(shape2, dtype=weights.weight_dtype, device=device))
         self.device = torch.empty(0).device
@@ -88,7 +91,9 @@ class SparseMoeBlock(nn.Module):
         else:
             scales, _ = shard_scales(scale_inv, block, (cols.start, self.intermediate), (0, hidden))
             if self.w13_scale is None:
-                self.w13_scale = torch.empty(self.num_local_experts, 2 * self.intermediate, scales.shape[-1], device=self.device)
+                self.w13_scale = torch.empty(
+                    self.num_local_experts, 2 * self.intermediate, scales.shape[-1], device=self.device
+                )
             self.w13_scale[e, self._half(proj)] = scales
 
     def _slice(self) -> slice:
@@ -188,7 +193,9 @@ class SparseMoeBlock(nn.Module):
         if self.w13.dtype == FP8_DTYPE and fp8_triton.available():
             block = self.fp8.weight_block_size[1]
             gate_up = fp8_triton.fp8_grouped_linear(xs, self.w13, self.w13_scale, ends, block, 0)
-            ys = fp8_triton.fp8_grouped_linear(silu_and_mul(gate_up), self.w2, self.w2_scale, ends, block, self.w2_scale_offset)
+            ys = fp8_triton.fp8_grouped_linear(
+                silu_and_mul(gate_up), self.w2, self.w2_scale, ends, block, self.w2_scale_offset
+            )
         else:
             gate_up = torch._grouped_mm(xs, self.expert_weights(0, xs.dtype).transpose(1, 2), offs=ends)
             ys = torch._grouped_mm(silu_and_mul(gate_up), self.expert_weights(1, xs.dtype).transpose(1, 2), offs=ends)

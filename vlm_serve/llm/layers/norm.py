@@ -62,7 +62,9 @@ def qkv_heads(
     v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
     kernel = q_norm.kernel_for(qkv)
     if kernel is not None and q_norm.eps == k_norm.eps:
-        q, k = rowwise_cpu.qk_norm_rope(kernel, qkv, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin)
+        q, k = rowwise_cpu.qk_norm_rope(
+            kernel, qkv, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin
+        )
         return q, k, v
     q = q_norm.with_rotary(qkv[:, : heads * d].view(tokens, heads, d), cos, sin)
     k = k_norm.with_rotary(qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d), cos, sin)

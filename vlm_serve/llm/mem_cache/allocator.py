@@ -37,7 +37,7 @@ class TokenToKVPoolAllocator:
         pages = self._take_pages(-(-num_tokens // self.page_size))
         if pages is None:
             return None
-        slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size + torch.arange(self.page_size))
+        slots = torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size + torch.arange(self.page_size)
         return slots.flatten()[:num_tokens].to(self.device)
 
     def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:

@@ -31,7 +31,10 @@ def experts_transposed(files: list[Path], config: ModelConfig) -> bool:
 
 
 def load_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None = None,
     dummy: bool = False,
 ) -> Qwen3VLForConditionalGeneration:
     """The language model (the vision tower's tensors are left to `load_vision_model`), computing in

@@ -33,7 +33,10 @@ class Qwen3VLAttention(nn.Module):
         self.layer_id = layer_id
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
             config.attention_bias,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -66,7 +69,10 @@ class Qwen3VLDecoderLayer(nn.Module):
         self.self_attn = Qwen3VLAttention(config, layer_id)
         if config.is_moe_layer(layer_id):
             self.mlp: nn.Module = SparseMoeBlock(
-                config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
                 config.norm_topk_prob,
             )
         else:
@@ -267,4 +273,3 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
-

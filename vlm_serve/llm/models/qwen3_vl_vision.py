@@ -110,8 +110,10 @@ class VisionAttention(nn.Module):
         # segments: (start, length, count) runs of `count` equal-length frames stored back to back
         for start, length, count in segments:
             end = start + length * count
+
             def heads(t: torch.Tensor) -> torch.Tensor:
                 return t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
+
             o = sdpa(heads(q), heads(k), heads(v))
             out[start:end] = o.transpose(1, 2).reshape(end - start, self.num_heads, self.head_dim)
         return self.proj(out.view(n, -1))
@@ -267,7 +269,10 @@ class Qwen3VLVisionModel(nn.Module):
 
 
 def load_vision_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None = None,
     dummy: bool = False,
 ) -> Qwen3VLVisionModel:
     """The vision tower alone (for an encoder rank, or rank 0's inline encoder), computing in `dtype`, its

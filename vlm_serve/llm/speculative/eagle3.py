@@ -29,6 +29,7 @@ from vlm_serve.llm.layers.norm import RMSNorm
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding, apply_rotary
 from vlm_serve.llm.models.qwen3_vl import Qwen3VLMLP, load_param, stacked_name
 
+
 @dataclass(frozen=True)
 class Eagle3Config:
     """The parts of an EAGLE-3 draft's `config.json` that serving uses."""
@@ -92,7 +93,9 @@ class Eagle3Config:
                 f"({target.num_key_value_heads} x {target.head_dim}): its KV shares the target's paged pool"
             )
         if max(self.aux_layers(target.num_hidden_layers)) >= target.num_hidden_layers:
-            raise ValueError(f"the draft reads layers {self.aux_layer_ids} of a {target.num_hidden_layers}-layer target")
+            raise ValueError(
+                f"the draft reads layers {self.aux_layer_ids} of a {target.num_hidden_layers}-layer target"
+            )
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -122,9 +125,13 @@ class Eagle3DecoderLayer(nn.Module):
         qkv = self.qkv_proj(x)
         tokens, d = x.shape[0], self.head_dim
         q = apply_rotary(qkv[:, : self.num_heads * d].view(tokens, self.num_heads, d), cos, sin)
-        k = apply_rotary(qkv[:, self.num_heads * d : (self.num_heads + self.num_kv_heads) * d].view(tokens, -1, d), cos, sin)
+        k = apply_rotary(
+            qkv[:, self.num_heads * d : (self.num_heads + self.num_kv_heads) * d].view(tokens, -1, d), cos, sin
+        )
         v = qkv[:, (self.num_heads + self.num_kv_heads) * d :].view(tokens, self.num_kv_heads, d)
-        out = batch.attn_backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, self.scaling, batch)
+        out = batch.attn_backend.forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, self.scaling, batch
+        )
         residual, h = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(out.reshape(tokens, -1)))
         return self.mlp(h), residual
 
@@ -209,7 +216,9 @@ def load_eagle3_draft(
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             own_embeddings |= "embed_tokens.weight" in f.keys()
-    draft = build_module(lambda: Eagle3Draft(config, kv_layer, own_embeddings), device, dtype, WeightFormat(weight_dtype))
+    draft = build_module(
+        lambda: Eagle3Draft(config, kv_layer, own_embeddings), device, dtype, WeightFormat(weight_dtype)
+    )
     draft.load_weights(iter_weights(files))
     prepack_weights(draft)
     return draft.eval()

@@ -13,7 +13,6 @@ from vlm_serve.llm.layers.attention.cpu_backend import CpuAttnBackend
 from vlm_serve.llm.layers.attention.torch_backend import TorchAttnBackend
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
-
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)  # its kernels' (no float32)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # its Hopper prefill kernels' (they static-assert on others)
 

@@ -3,7 +3,6 @@ call per layer that reads K/V straight from the paged pool."""
 
 from __future__ import annotations
 
-
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.kernels.attention_cpu import PagedBatch, paged_attention, paged_batch
 from vlm_serve.llm.layers.attention.base import AttentionBackend

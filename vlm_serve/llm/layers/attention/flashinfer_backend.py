@@ -93,8 +93,16 @@ class FlashInferAttnBackend(AttentionBackend):
         indptr, indices = padded_decode_indices(meta.kv_indptr, meta.kv_indices, batch_size)
         dtype = self.token_to_kv_pool.dtype
         self._plan(
-            self.graph_decode[batch_size], indptr, indices, torch.ones(batch_size, dtype=torch.int32),
-            self.num_heads, self.num_kv_heads, self.head_dim, 1, sm_scale=self.scaling, q_data_type=dtype,
+            self.graph_decode[batch_size],
+            indptr,
+            indices,
+            torch.ones(batch_size, dtype=torch.int32),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            sm_scale=self.scaling,
+            q_data_type=dtype,
             kv_data_type=dtype,
         )
 
@@ -113,13 +121,32 @@ class FlashInferAttnBackend(AttentionBackend):
         dtype = self.token_to_kv_pool.dtype
         if meta.qo_indptr is None:
             self._plan(
-                self.decode, meta.kv_indptr, meta.kv_indices, meta.last_page_len, self.num_heads, self.num_kv_heads,
-                self.head_dim, 1, sm_scale=self.scaling, q_data_type=dtype, kv_data_type=dtype,
+                self.decode,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                1,
+                sm_scale=self.scaling,
+                q_data_type=dtype,
+                kv_data_type=dtype,
             )
             return
         self._plan(
-            self.prefill, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.last_page_len, self.num_heads,
-            self.num_kv_heads, self.head_dim, 1, causal=True, sm_scale=self.scaling, q_data_type=dtype,
+            self.prefill,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            causal=True,
+            sm_scale=self.scaling,
+            q_data_type=dtype,
             kv_data_type=dtype,
         )
 
