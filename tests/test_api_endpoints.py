@@ -19,6 +19,8 @@ import pytest
 from helpers import ServerProcess, openai_client, running_server
 from vlm_serve.testing.media import make_image
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 API_KEY = "sk-endpoints"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SERVED = "test-org/tiny-vl"  # a served name with a '/', as hub ids have

@@ -57,6 +57,7 @@ def test_decode_attends_over_each_requests_whole_sequence(heads, kv_heads, head_
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads,kv_heads,head_dim", GEOMETRIES)
 def test_prefill_on_a_cached_prefix_is_causal(heads, kv_heads, head_dim, kernel_target):
     # no prefix, a prefix ending inside a key block, prefill and decode rows in one batch (mixed chunks)

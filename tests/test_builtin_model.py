@@ -93,6 +93,7 @@ def ask(server, media: dict, question: str) -> str:
     return reply.choices[0].message.content
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "media, question, answer",
     [
@@ -109,6 +110,7 @@ def test_the_server_answers_truly_about_simple_scenes(builtin_server, media, que
     assert ask(builtin_server, media, question) == answer
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "media, question, answer",
     [

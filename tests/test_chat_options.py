@@ -99,6 +99,7 @@ def test_a_continued_message_is_rendered_as_transformers_renders_it(ours: Tokeni
     assert not rendered.endswith("<|im_end|>\n")
 
 
+@pytest.mark.server
 def test_the_answer_continues_the_final_assistant_message(client, model, theirs):
     messages = CONTINUED["text"]
     continued = {"continue_final_message": True, "add_generation_prompt": False}  # as vLLM's clients send it
@@ -122,6 +123,7 @@ def test_the_answer_continues_the_final_assistant_message(client, model, theirs)
     assert new_turn.usage.prompt_tokens == len(theirs.encode(rendered)) > reply.usage.prompt_tokens
 
 
+@pytest.mark.server
 def test_without_a_generation_prompt(client, model, theirs):
     messages = user("Hi")
     reply = client.chat.completions.create(
@@ -131,6 +133,7 @@ def test_without_a_generation_prompt(client, model, theirs):
     assert reply.usage.prompt_tokens == len(theirs.encode(rendered))
 
 
+@pytest.mark.server
 def test_chat_template_kwargs_reach_the_template(client, model, theirs, media_dir):
     messages = with_image(media_dir)
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
@@ -156,6 +159,7 @@ def echoed_and_plain(client, model, messages: list[dict], **extra) -> tuple:
     return echoed, plain
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("continued", [True, False], ids=["continuing it", "after it"])
 def test_echo_starts_the_answer_with_the_final_assistant_message(client, model, continued):
     """As in vLLM: the echoed text has no log-probs and no tokens in the usage."""
@@ -184,6 +188,7 @@ def test_echo_starts_the_answer_with_the_final_assistant_message(client, model, 
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
+@pytest.mark.server
 def test_echo_of_a_user_message_adds_nothing_after_a_generation_prompt(client, model):
     """The answer's role is the assistant's: a last user message is not echoed. Without a generation
     prompt the answer goes on from the last message and has its role, as in vLLM: that one is echoed."""
@@ -197,6 +202,7 @@ def test_echo_of_a_user_message_adds_nothing_after_a_generation_prompt(client, m
     assert echoed.choices[0].message.content == "Once\n upon a" + plain.choices[0].message.content
 
 
+@pytest.mark.server
 def test_prompt_options_that_contradict_each_other_are_refused(server, model):
     assistant_last = CONTINUED["text"]
     both = {"continue_final_message": True, "add_generation_prompt": True}
@@ -214,6 +220,7 @@ def test_prompt_options_that_contradict_each_other_are_refused(server, model):
 # ---- sampling options ------------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_stop_token_ids_are_token_ids_of_the_vocabulary(client, model, server, ours):
     messages = user("Tell me a story.")
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True)
@@ -242,6 +249,7 @@ def regex_ending_at(tokens: list[str]) -> tuple[int, str]:
     pytest.skip("no token to end a stop_regex match with")
 
 
+@pytest.mark.server
 def test_stop_regex_ends_the_answer_with_its_first_match_kept(client, model, server):
     """SGLang's `stop_regex`: the answer ends with the token that completes a match of a pattern, the
     match kept (as SGLang keeps it), and `matched_stop` is the pattern; streamed, the same text."""
@@ -265,6 +273,7 @@ def test_stop_regex_ends_the_answer_with_its_first_match_kept(client, model, ser
     assert cut.choices[0].model_extra["matched_stop"] == pattern
 
 
+@pytest.mark.server
 def test_an_invalid_stop_regex_is_refused_naming_the_pattern(server, model):
     for path, body in (("/v1/chat/completions", {"messages": user("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
         response = post(server, {"model": model, "max_tokens": 2, **body, "stop_regex": ["ok", "(a"]}, path)
@@ -272,6 +281,7 @@ def test_an_invalid_stop_regex_is_refused_naming_the_pattern(server, model):
         assert response.json()["error"]["param"] == "stop_regex"
 
 
+@pytest.mark.server
 def test_a_seed_is_a_signed_64_bit_integer(client, model, server):
     messages = user("Pick a word.")
     for bad in (2**63, -(2**63) - 1):
@@ -285,6 +295,7 @@ def test_a_seed_is_a_signed_64_bit_integer(client, model, server):
     assert smallest.choices[0].message.content == biggest.choices[1].message.content
 
 
+@pytest.mark.server
 def test_stream_options_need_a_stream(server, model):
     body = {"model": model, "messages": user("Hi"), "max_tokens": 2, "stream_options": {"include_usage": True}}
     assert_refused(post(server, body), "stream_options", "stream")
@@ -293,6 +304,7 @@ def test_stream_options_need_a_stream(server, model):
     assert_refused(post(server, completion, "/v1/completions"), "stream_options")
 
 
+@pytest.mark.server
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, model):
     """With `include_usage`, every chunk carries its choice's usage so far, and a last chunk the total;
     without it, no chunk has usage (as in vLLM: continuous usage only comes with include_usage)."""
@@ -321,6 +333,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, mode
 # ---- vLLM's media options ------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_mm_processor_kwargs_set_what_parts_do_and_parts_win(client, model, media_dir):
     def tokens(messages: list[dict], **extra) -> list[int]:
         return media_tokens(client, model, messages, **extra)
@@ -340,6 +353,7 @@ def test_mm_processor_kwargs_set_what_parts_do_and_parts_win(client, model, medi
     )
 
 
+@pytest.mark.server
 def test_media_io_kwargs_num_frames_caps_the_frames(client, model, media_dir):
     eight = media_tokens(client, model, with_video(media_dir, fps=4))  # 8 frames: the whole 2 s clip at 4 fps
     four = media_tokens(client, model, with_video(media_dir, fps=4, max_frames=4))
@@ -348,6 +362,7 @@ def test_media_io_kwargs_num_frames_caps_the_frames(client, model, media_dir):
     assert media_tokens(client, model, with_video(media_dir, fps=4), media_io_kwargs=io) == four
 
 
+@pytest.mark.server
 def test_media_options_are_checked_against_the_server_caps(server, model, media_dir):
     def refused(messages: list[dict], *fragments: str, **extra) -> None:
         assert_refused(post(server, {"model": model, "messages": messages, "max_tokens": 1, **extra}), *fragments)
@@ -363,6 +378,7 @@ def test_media_options_are_checked_against_the_server_caps(server, model, media_
 # ---- leniency ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_unknown_keys_of_content_parts_are_ignored(client, model, media_dir):
     plain = client.chat.completions.create(model=model, messages=with_image(media_dir), max_tokens=6, temperature=0)
     extras = [{
@@ -380,6 +396,7 @@ def test_unknown_keys_of_content_parts_are_ignored(client, model, media_dir):
     assert reply.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
+@pytest.mark.server
 def test_any_role_reaches_the_chat_template(client, model, server, theirs):
     messages = [{"role": "narrator", "content": "It was late."}, *user("Hi")]
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
@@ -390,6 +407,7 @@ def test_any_role_reaches_the_chat_template(client, model, server, theirs):
     assert_refused(post(server, {"model": model, "messages": broken}), "chat template")
 
 
+@pytest.mark.server
 def test_a_bare_string_for_a_media_object_is_refused(server, model, media_dir):
     for kind, file in (("image_url", "cat.png"), ("video_url", "clip.mp4")):
         parts = [{"type": "text", "text": "Look"}, {"type": kind, kind: str(media_dir / file)}]
@@ -427,6 +445,7 @@ def held_back_request(model: str, whole_text: str) -> dict:
     return dict(model=model, max_tokens=16, temperature=0, stop=[whole_text[:6] + "\u2603"])
 
 
+@pytest.mark.server
 def test_streamed_chat_chunks_carry_text_with_their_logprobs(client, model):
     messages = user(MULTIBYTE)
     base = dict(model=model, messages=messages, max_tokens=16, temperature=0)
@@ -447,6 +466,7 @@ def test_streamed_chat_chunks_carry_text_with_their_logprobs(client, model):
     assert len(streamed) == whole.usage.completion_tokens
 
 
+@pytest.mark.server
 def test_streamed_completion_chunks_carry_text_with_their_logprobs(client, model):
     text = client.completions.create(model=model, prompt=MULTIBYTE_PROMPT, max_tokens=16, temperature=0).choices[0].text
     request = dict(held_back_request(model, text), prompt=MULTIBYTE_PROMPT, logprobs=2)

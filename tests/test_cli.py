@@ -59,6 +59,7 @@ def test_generate_reports_a_missing_image_clearly(tmp_path):
     assert "nope.png" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_generate_silently(tmp_path, tiny_moe_dir):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) once the encoder rank runs (one, as on a
     GPU by default), while the model loads or answers: exit code 130, and not a line from it or its encoder rank."""
@@ -108,6 +109,7 @@ def test_prefill_chunks_default_to_2048_tokens_on_cpu_and_8192_on_gpu():
     assert chunk("--chunked-prefill-size", "-1") is None
 
 
+@pytest.mark.slow
 def test_a_wrong_model_is_one_line_naming_it_in_every_command(tmp_path):
     missing = str(tmp_path / "no-such-model")
     image = tmp_path / "picture.png"
@@ -119,6 +121,7 @@ def test_a_wrong_model_is_one_line_naming_it_in_every_command(tmp_path):
         assert result.stderr == f"vlm-serve: error: model {missing}: no such folder\n"
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, tiny_moe_dir):
     # weights that cannot load: had the model been loaded first, the error would be about them
     broken = tmp_path / "broken-model"

@@ -17,6 +17,8 @@ litellm = pytest.importorskip("litellm", reason="litellm is not installed (pip i
 
 from langchain_core.exceptions import ContextOverflowError  # noqa: E402
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 QUESTION = "Tell me about the sea."
 TOO_LONG = "the sea " * 40000
 

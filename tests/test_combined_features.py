@@ -66,6 +66,7 @@ def deployment(request: pytest.FixtureRequest, reference: Deployment, logs: Path
         yield deployment
 
 
+@pytest.mark.server
 def test_valid_requests_combining_features_are_answered_well_and_alike(deployment, reference, logs):
     client = httpx.Client(timeout=CLIENT_TIMEOUT)
 
@@ -91,6 +92,7 @@ def test_valid_requests_combining_features_are_answered_well_and_alike(deploymen
     answered_well()
 
 
+@pytest.mark.server
 def test_a_seeded_answer_is_the_same_alone_and_among_other_requests(deployment):
     """What the soak found (benchmarks/fuzz_soak.py): a seeded request's tokens must not depend on the other
     requests in its batch; here ones without top_k, which change how the batch's probabilities are drawn."""
@@ -113,6 +115,7 @@ def test_a_seeded_answer_is_the_same_alone_and_among_other_requests(deployment):
     assert among_others == alone
 
 
+@pytest.mark.server
 def test_a_picture_arriving_while_others_decode_is_answered_as_when_it_comes_alone(deployment):
     """On CPU a picture that arrives while requests decode is encoded beside them on part of the cores (in
     an encoder process where the set-up has one): its greedy answer is the one it gets alone, and the
@@ -153,6 +156,7 @@ def test_a_picture_arriving_while_others_decode_is_answered_as_when_it_comes_alo
         assert "data: [DONE]" in list(lines)
 
 
+@pytest.mark.server
 def test_afterwards_every_server_is_idle_healthy_and_whole(deployment):
     failure = deployment.failure()
     assert not failure, failure

@@ -21,10 +21,6 @@ from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 
-cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (the GPU kit runs it on a lent GPU)"
-)
-
 
 def pools(device: str, dtype: torch.dtype, head_dim: int):
     device = torch.device(device)
@@ -39,7 +35,7 @@ def test_flashinfer_asked_for_where_it_cannot_run_is_refused_naming_what_it_need
         create_attention_backend("flashinfer", *pools("cpu", torch.float32, 32), 8, 2, 32, 0.125)
 
 
-@cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 128), (torch.bfloat16, 32)])
 def test_auto_takes_torch_on_cuda_where_flashinfer_cannot_run(dtype, head_dim):
     """FlashInfer has no float32 kernels, and its Hopper prefill kernels no head size 32 (both crashed
@@ -48,7 +44,7 @@ def test_auto_takes_torch_on_cuda_where_flashinfer_cannot_run(dtype, head_dim):
     assert isinstance(backend, TorchAttnBackend)
 
 
-@cuda
+@pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python (the gpu extra)")
 def test_auto_takes_flashinfer_on_cuda_for_half_precision_at_its_head_sizes():
     from vlm_serve.llm.layers.attention.flashinfer_backend import FlashInferAttnBackend
@@ -57,7 +53,7 @@ def test_auto_takes_flashinfer_on_cuda_for_half_precision_at_its_head_sizes():
     assert isinstance(backend, FlashInferAttnBackend)
 
 
-@cuda
+@pytest.mark.gpu
 def test_torch_attention_on_cuda_never_runs_cudnn_attention():
     """cuDNN's attention builds a plan for each new shape: 90% of a decode step's time on an H200."""
     path = create_tiny_model(tempfile.mkdtemp(), arch="dense", size="small", dtype="bfloat16")
@@ -92,7 +88,7 @@ def test_cuda_graph_settings_are_checked():
         ServerArgs(cuda_graph_max_bs=0)
 
 
-@cuda
+@pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python (the gpu extra)")
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(arch):
@@ -114,7 +110,7 @@ def test_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(arch):
     assert answers[False] == answers[True]
 
 
-@cuda
+@pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python (the gpu extra)")
 def test_an_engine_with_cuda_graphs_gives_its_device_memory_back_at_shutdown():
     """A KV pool can take most of the free memory: on an H200 the next engine ran out of memory while the
@@ -137,7 +133,7 @@ def test_an_engine_with_cuda_graphs_gives_its_device_memory_back_at_shutdown():
     assert abs(first - second) < 256 * 2**20
 
 
-@cuda
+@pytest.mark.gpu
 def test_a_small_models_kv_pool_on_a_gpu_holds_the_running_requests_whole_contexts_and_no_more():
     """It took 85% of the free memory whatever the model: in one process on an H200, a second engine's
     encoder rank, started after its pool, found no memory left."""
@@ -149,7 +145,7 @@ def test_a_small_models_kv_pool_on_a_gpu_holds_the_running_requests_whole_contex
         ).finish_reason in ("length", "stop")
 
 
-@cuda
+@pytest.mark.gpu
 def test_the_moe_block_on_cuda_gives_the_same_output_every_time():
     """Each token's experts' rows are summed in a fixed order (atomic adds changed the rounding from run to
     run, and the greedy tokens of a random bfloat16 MoE with them)."""

@@ -80,6 +80,7 @@ def run_layer(layer, inputs, batch, fused: bool, with_residual: bool):
     return out.clone(), stream.clone()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_name", list(BATCHES))
 @pytest.mark.parametrize("form", list(FORMATS))
 @pytest.mark.parametrize("arch", ["dense", "moe"])

@@ -115,6 +115,7 @@ def test_history_and_new_message_become_openai_messages():
         to_openai_messages([], {"text": "Read this.", "files": ["/up/notes.pdf"]})
 
 
+@pytest.mark.slow
 def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, image, tmp_path):
     pytest.importorskip("gradio")
     from vlm_serve.demo import _responder
@@ -225,6 +226,7 @@ def browser() -> Iterator:
         driver.quit()
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated")  # pandas 3, in Gradio's queue
 @pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")
 def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, image, tmp_path):
@@ -305,6 +307,7 @@ def test_the_page_says_when_each_question_is_sent_alone(tiny_moe_dir):
     assert SINGLE_TURN_NOTE not in page_text(tiny_moe_dir)
 
 
+@pytest.mark.server
 def test_vlm_serve_demo_prints_its_address_and_nothing_else_until_stopped(tiny_moe_dir):
     port = free_port()
     command = [sys.executable, "-m", "vlm_serve.cli", "demo", "--model", str(tiny_moe_dir), "--port", str(port),

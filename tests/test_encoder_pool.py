@@ -208,6 +208,7 @@ def test_an_engine_beside_an_encoder_pool_gives_the_process_its_threads_back_at_
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.slow
 def test_a_script_without_a_main_guard_can_start_the_pool(tiny_moe_dir, tmp_path):
     """Spawned ranks do not re-run the user's script (which would start engines recursively)."""
     script = tmp_path / "caption.py"

@@ -314,6 +314,7 @@ CODES = {
 }
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("case", list(BAD))
 def test_a_bad_request_gets_an_openai_error_and_the_next_answer_is_unchanged(server, client, baseline, case):
     method, path, body, status, kind, fragment, param = BAD[case]
@@ -325,6 +326,7 @@ def test_a_bad_request_gets_an_openai_error_and_the_next_answer_is_unchanged(ser
     assert greedy_answer(client) == baseline
 
 
+@pytest.mark.server
 def test_the_openai_client_raises_these_errors_with_their_param(client, baseline):
     cases = [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2, "seed": SEED_MAX + 1}, "seed")]
     for options, param in cases:
@@ -334,6 +336,7 @@ def test_the_openai_client_raises_these_errors_with_their_param(client, baseline
     assert greedy_answer(client) == baseline
 
 
+@pytest.mark.server
 def test_a_prompt_over_the_context_raises_context_length_exceeded_in_the_openai_client(client, baseline):
     long_text = "the sea " * 1500
     for stream in (False, True):  # a refused stream is an error status too, not a stream
@@ -348,6 +351,7 @@ def test_a_prompt_over_the_context_raises_context_length_exceeded_in_the_openai_
     assert greedy_answer(client) == baseline
 
 
+@pytest.mark.server
 def test_every_response_has_a_request_id_the_clients_own_when_it_sends_one(server, client):
     answer = client.chat.completions.create(model="default", messages=HI, max_tokens=2)
     assert re.fullmatch(r"[0-9a-f]{32}", answer._request_id)  # the openai client reads the header
@@ -385,6 +389,7 @@ def test_every_error_the_server_can_raise_has_an_openai_type_and_a_string_or_nul
     assert StrOut.failed("r", 400, "", "why").failure().code is None
 
 
+@pytest.mark.server
 def test_pictures_and_video_frames_up_to_the_pixel_limit_are_served(client, baseline):
     at_limit = [image(media_url(make_image(100, 100))), image(media_url(make_image(125, 80))), video(96, 96)]
     jpeg = io.BytesIO()
@@ -395,6 +400,7 @@ def test_pictures_and_video_frames_up_to_the_pixel_limit_are_served(client, base
     assert greedy_answer(client) == baseline
 
 
+@pytest.mark.server
 def test_the_openai_client_sees_the_failing_part_streamed_or_not(client, baseline):
     messages = asking(TEXT_PART, HUGE_PNG, earlier=HI)
     for stream in (False, True):  # a refused stream is an error status, not a stream
@@ -404,6 +410,7 @@ def test_the_openai_client_sees_the_failing_part_streamed_or_not(client, baselin
     assert greedy_answer(client) == baseline
 
 
+@pytest.mark.server
 def test_a_paired_surrogate_escape_is_a_character_not_an_error(server, client, baseline):
     body = json.dumps({"messages": [{"role": "user", "content": "Hi \U0001f600"}], "max_tokens": 2}).encode()
     assert b"\\ud83d\\ude00" in body  # the emoji as JSON spells it: a valid surrogate pair
@@ -415,6 +422,7 @@ def test_a_paired_surrogate_escape_is_a_character_not_an_error(server, client, b
 # ---- the API key ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "authorization",
     [None, "Bearer wrong", f"Bearer {API_KEY}x", f"Bearer {API_KEY[:-1]}", API_KEY, f"Basic {API_KEY}"],
@@ -428,6 +436,7 @@ def test_a_request_without_the_key_is_a_401_that_does_not_show_it(server, client
     assert greedy_answer(client) == baseline
 
 
+@pytest.mark.server
 def test_the_key_from_the_environment_is_in_no_command_line_environment_or_log(server, client):
     assert client.models.list().data  # the key from $VLM_SERVE_API_KEY is the one required
     assert httpx.get(server.url + "/health").status_code == 200  # the one path without it

@@ -43,6 +43,8 @@ from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 MAX_TOKENS = 8
 LONG = 1000  # tokens: an answer still in flight when its client leaves or its server fails
 STORM = 200  # clients in the disconnect storm

@@ -116,5 +116,6 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_fp8_experts_on_cuda_take_the_grouped_fp8_gemm_each_way():
     run_kernel_script(MOE)

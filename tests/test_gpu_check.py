@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from helpers import run_process
 
 
+@pytest.mark.slow
 def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
     result = run_process([sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--device", "cpu"],
                          capture_output=True, text=True, timeout=900)  # fmt: skip

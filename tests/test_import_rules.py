@@ -13,22 +13,12 @@ import vlm_serve
 
 PACKAGE = Path(vlm_serve.__file__).parent
 
+# small shared modules at the ground: they may import each other (circles among them are caught by the other test)
+GROUND = {"errors", "sampling_params", "tokenizer", "detokenizer", "quantization", "checkpoint", "config", "builtin",
+          "model_source", "process", "ipc"}  # fmt: skip
 # The layers, lowest first: a part imports its own modules and those of the layers before it.
 LAYERS: list[set[str]] = [
-    # small shared modules at the ground (circles among them are caught by the other test)
-    {
-        "errors",
-        "sampling_params",
-        "tokenizer",
-        "detokenizer",
-        "quantization",
-        "checkpoint",
-        "config",
-        "builtin",
-        "model_source",
-        "process",
-        "ipc",
-    },  # fmt: skip
+    GROUND,
     {"multimodal"},  # media, preprocessing, items, hashing and caches: the front end's side of pictures
     {"messages"},  # the typed messages between processes
     {"llm"},  # the model executor

@@ -297,6 +297,7 @@ def test_fake_backend_moves_no_kv_but_delivers_the_record(pairs: Any) -> None:
 # -- failures
 
 
+@pytest.mark.slow
 def test_injected_failures_fail_their_rooms_on_both_sides_with_the_reason(peer: Peer) -> None:
     pair = Pair(peer, "fake", timeouts=Timeouts(bootstrap=2.0), env={FAILURE_ENV: "transfer:doomed-,bootstrap:lost-"})
     try:
@@ -354,6 +355,7 @@ def test_unreachable_decode_rank_fails_the_transfer_at_once(pairs: Any) -> None:
     assert pair.prefill.num_rooms() == 0
 
 
+@pytest.mark.slow
 def test_silent_prefill_rank_fails_the_rooms_waiting_on_it() -> None:
     """The prefill server dies with a request in flight: the decode side stops hearing from it."""
     doomed, room = Peer(), new_room()
@@ -507,6 +509,7 @@ def test_create_transfer_backend_makes_the_chosen_backend_and_registers_prefill_
                 backend.close()
 
 
+@pytest.mark.slow
 def test_mooncake_missing_is_an_error_naming_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)
     with pytest.raises(ImportError, match=r'pip install -e "\.\[pd\]"'):

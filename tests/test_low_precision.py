@@ -207,6 +207,7 @@ def test_float32_upcasts_the_weights_and_computes_as_transformers_in_float32(bf1
         assert_computes_as_transformers_in_float32(upcast, HF_CLASSES[arch], path, conversation, stored_bf16=None)
 
 
+@pytest.mark.server
 def test_the_server_answers_as_the_engine(tiny_bf16_dirs, video_path):
     path = tiny_bf16_dirs["moe"]
     conversation = _conversations(video_path)["one_image"]
@@ -311,6 +312,7 @@ def test_fp8_logits_are_within_rounding_of_transformers_own_fp8_loading(
     )
 
 
+@pytest.mark.server
 def test_the_server_serves_an_fp8_checkpoint_as_the_engine(tiny_fp8_dirs, video_path):
     path = tiny_fp8_dirs["dense"]
     conversation = [{"role": "user", "content": "Tell me a story about a cat."}]

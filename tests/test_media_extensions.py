@@ -71,6 +71,7 @@ def refused(client, model, part: dict) -> str:
 # ---- through a real server ---------------------------------------------------------------------------
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("kind, url", [("image_url", circle_url()), ("video_url", clip_url())])
 def test_media_sent_with_a_uuid_is_served_by_uuid_alone(client, model, kind, url):
     uuid = f"test-{kind}-1"
@@ -87,6 +88,7 @@ def test_media_sent_with_a_uuid_is_served_by_uuid_alone(client, model, kind, url
         assert by_uuid.usage.prompt_tokens_details.media == again.usage.prompt_tokens_details.media
 
 
+@pytest.mark.server
 def test_unknown_uuids_and_parts_without_media_are_refused(client, model):
     message = refused(client, model, {"type": "image_url", "image_url": None, "uuid": "never-sent-42"})
     assert "never-sent-42" in message and "send the image again" in message
@@ -103,6 +105,7 @@ def test_unknown_uuids_and_parts_without_media_are_refused(client, model):
     assert "max_pixels" in refused(client, model, huge)
 
 
+@pytest.mark.server
 def test_a_jpeg_frame_list_video_is_the_same_frames_as_a_clip(client, model):
     images = frames(6)
     listed = ask(client, model, {"type": "video_url", "video_url": {"url": frame_list_url(images)}})
@@ -117,6 +120,7 @@ def test_a_jpeg_frame_list_video_is_the_same_frames_as_a_clip(client, model):
     assert by_uuid.choices[0].message.content == listed.choices[0].message.content
 
 
+@pytest.mark.server
 def test_a_bad_frame_is_refused_by_its_index(client, model):
     good = [jpeg_b64(frame) for frame in frames(3)]
     not_base64 = "data:video/jpeg;base64," + ",".join([good[0], "%%%", good[2]])

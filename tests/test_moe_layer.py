@@ -125,6 +125,7 @@ def tp_shard_experts(dtype: torch.dtype, intermediate: int, generator: torch.Gen
     return args, {"block13": (1, 128), "offset2": offset2}, plain13, dequantize(down, ds)[:, :, slice(*rows)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, E4M3], ids=str)
 @pytest.mark.parametrize("tokens", [1, 3, 300])
 def test_the_cpu_kernel_reads_experts_in_their_format(dtype, tokens, kernel_target):
@@ -178,6 +179,7 @@ def test_without_a_c_compiler_the_experts_run_through_torch(monkeypatch, tmp_pat
     torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_broken_kernel_in_the_cache_falls_back_to_torch(monkeypatch, tmp_path, native_kernels):
     good, broken = tmp_path / "good", tmp_path / "broken"
     monkeypatch.setenv(CACHE_ENV, str(good))

@@ -40,6 +40,8 @@ from helpers import (
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 TOKENIZER = Tokenizer.from_pretrained(BUILTIN_MODEL)
 BLOCKS = readme_blocks()
 PD_COMMANDS = next(b for b in BLOCKS if "--pd-disaggregation" in b.code)  # the README's PD set-up

@@ -170,6 +170,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, a small robot"]
 GREEDY = {"max_tokens": 5, "temperature": 0}
 
 
+@pytest.mark.server
 def test_a_batch_of_prompts_gets_n_choices_each(client, model, tokenizer):
     """Prompt i's choice j is choice i * n + j; text, token-id and batched forms agree with one prompt
     at a time, and usage adds up over the prompts."""
@@ -196,6 +197,7 @@ def test_a_batch_of_prompts_gets_n_choices_each(client, model, tokenizer):
     assert usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
 
 
+@pytest.mark.server
 def test_empty_prompt_lists_are_rejected(server, model):
     for prompt in ([], [[]], [[1, 2], []]):
         response = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": prompt}, timeout=30)
@@ -203,6 +205,7 @@ def test_empty_prompt_lists_are_rejected(server, model):
         assert "empty list" in response.json()["error"]["message"]
 
 
+@pytest.mark.server
 def test_echo_prepends_the_prompt(client, model, tokenizer):
     plain = client.completions.create(model=model, prompt=PROMPTS[0], **GREEDY).choices[0].text
     echoed = client.completions.create(model=model, prompt=PROMPTS[0], echo=True, **GREEDY).choices[0]
@@ -215,6 +218,7 @@ def test_echo_prepends_the_prompt(client, model, tokenizer):
     assert pieces[0].startswith(PROMPTS[0]) and "".join(pieces) == echoed.text
 
 
+@pytest.mark.server
 def test_echo_with_logprobs_scores_the_prompt_tokens(client, model, tokenizer):
     """The prompt's tokens come first, the first one with no log-prob (nothing predicts it), as in vLLM,
     then the answer's as without echo."""
@@ -238,6 +242,7 @@ def test_echo_with_logprobs_scores_the_prompt_tokens(client, model, tokenizer):
     assert tokens == lp.tokens
 
 
+@pytest.mark.server
 def test_logprobs_0_gives_each_tokens_own_logprob(client, model):
     """Each `top_logprobs` entry holds the sampled token (as OpenAI's legacy API and vLLM give it)."""
     reply = client.completions.create(model=model, prompt=PROMPTS[0], logprobs=0, **GREEDY)
@@ -258,6 +263,7 @@ def _check_vllm_shape(body: list, ids: list[int], top: int) -> None:
         assert all(set(e) == {"logprob", "rank", "decoded_token"} for e in entry.values())
 
 
+@pytest.mark.server
 def test_prompt_logprobs_in_vllms_shape(client, server, model, tokenizer):
     ids = tokenizer.encode(PROMPTS[0])
     reply = client.completions.create(model=model, prompt=PROMPTS[0], n=2, extra_body={"prompt_logprobs": 2}, **GREEDY)

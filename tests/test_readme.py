@@ -68,6 +68,7 @@ def test_the_readme_has_python_and_bash_blocks_only_and_every_skip_rule_is_used(
         assert any(b.language == language and text in b.code for b in BLOCKS), f"no block to skip for: {why}"
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
 def test_a_readme_block_runs_as_written_and_prints_what_it_says(block, folder, server):
     if reason := skip_reason(block):

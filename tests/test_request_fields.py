@@ -15,6 +15,8 @@ import jsonschema
 import openai
 import pytest
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 pytest.importorskip("transformers")
 
 CHOICES = ["yes", 'no "way"', "back\\slash", "two\nlines"]  # quotes, backslashes, newlines: escaped right

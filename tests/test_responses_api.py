@@ -37,6 +37,7 @@ def chat_answer(client: openai.OpenAI, messages: list[dict], **options):
     return client.chat.completions.create(model="default", messages=messages, temperature=0, **options)
 
 
+@pytest.mark.server
 def test_a_text_response_is_the_chat_completion_of_the_same_message(client, model):
     response = client.responses.create(
         model=model, input="Tell me about the sea.", instructions="Be brief.", max_output_tokens=MAX, temperature=0
@@ -58,6 +59,7 @@ def test_a_text_response_is_the_chat_completion_of_the_same_message(client, mode
         assert response.status == "completed"
 
 
+@pytest.mark.server
 def test_an_image_in_the_input_is_seen_as_in_chat(client, model):
     content = [{"type": "input_image", "image_url": circle_url()}, {"type": "input_text", "text": "What is it?"}]
     response = client.responses.create(
@@ -78,6 +80,7 @@ class Verdict(BaseModel):
     red: bool
 
 
+@pytest.mark.server
 def test_responses_parse_with_a_pydantic_model_follows_its_schema(client, model):
     parsed = client.responses.parse(
         model=model, input="Which shape, and is it red?", text_format=Verdict, max_output_tokens=40, temperature=0
@@ -86,6 +89,7 @@ def test_responses_parse_with_a_pydantic_model_follows_its_schema(client, model)
     assert Verdict.model_validate_json(parsed.output_text) == parsed.output_parsed
 
 
+@pytest.mark.server
 def test_json_object_format_gives_a_json_object(client, model):
     response = client.responses.create(
         model=model, input="Answer in JSON.", text={"format": {"type": "json_object"}}, max_output_tokens=64,
@@ -97,6 +101,7 @@ def test_json_object_format_gives_a_json_object(client, model):
         assert response.output_text.lstrip().startswith("{")
 
 
+@pytest.mark.server
 def test_a_tool_round_trip_with_previous_response_id_is_the_chat_conversation(client, model):
     question = "What is the weather in Paris?"
     first = client.responses.create(
@@ -131,6 +136,7 @@ def test_a_tool_round_trip_with_previous_response_id_is_the_chat_conversation(cl
     assert (replayed.output_text, replayed.usage.input_tokens) == (second.output_text, second.usage.input_tokens)
 
 
+@pytest.mark.server
 def test_a_named_tool_choice_calls_that_function(client, model):
     other = {**WEATHER, "name": "get_time", "description": "The time in a city."}
     response = client.responses.create(
@@ -140,6 +146,7 @@ def test_a_named_tool_choice_calls_that_function(client, model):
     assert [item.name for item in response.output if item.type == "function_call"][:1] == ["get_time"]
 
 
+@pytest.mark.server
 def test_a_streamed_response_sends_typed_events_that_add_up_to_the_same_output(client, model):
     options = dict(model=model, input="Tell me about the sea.", max_output_tokens=MAX, temperature=0)
     whole = client.responses.create(**options)
@@ -156,6 +163,7 @@ def test_a_streamed_response_sends_typed_events_that_add_up_to_the_same_output(c
     assert final.usage.output_tokens == whole.usage.output_tokens and final.id == events[0].response.id
 
 
+@pytest.mark.server
 def test_a_streamed_tool_call_sends_its_arguments_events(client, model):
     events = list(client.responses.create(
         model=model, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required", max_output_tokens=200,
@@ -171,6 +179,7 @@ def test_a_streamed_tool_call_sends_its_arguments_events(client, model):
     assert call.arguments == done[0].arguments and call.id == done[0].item_id
 
 
+@pytest.mark.server
 def test_a_client_that_leaves_a_stream_aborts_its_request(server, client, model):
     before = metric(server.url, 'requests_finished_total{reason="abort"}')
     with client.responses.create(
@@ -185,6 +194,7 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(server, client, model)
         time.sleep(0.1)
 
 
+@pytest.mark.server
 def test_stored_responses_can_be_fetched_listed_and_deleted(client, model):
     response = client.responses.create(model=model, input="Hello", max_output_tokens=2, metadata={"k": "v"})
     fetched = client.responses.retrieve(response.id)
@@ -202,6 +212,7 @@ def test_stored_responses_can_be_fetched_listed_and_deleted(client, model):
     assert caught.value.code == "previous_response_not_found"
 
 
+@pytest.mark.server
 def test_a_background_response_is_polled_and_can_be_cancelled(client, model):
     quick = client.responses.create(model=model, input="Hi", max_output_tokens=2, background=True)
     assert quick.status in ("queued", "in_progress")
@@ -217,6 +228,7 @@ def test_a_background_response_is_polled_and_can_be_cancelled(client, model):
         client.responses.cancel(client.responses.create(model=model, input="Hi", max_output_tokens=1).id)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "options, fragment, param",
     [
@@ -264,6 +276,7 @@ LOOK = {"type": "input_text", "text": "Look."}
 CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "options, param, fragment",
     [
@@ -290,6 +303,7 @@ def test_a_media_error_names_the_input_part_that_failed(server, client, model, o
     assert client.responses.create(model=model, input="Hi", max_output_tokens=2).status in ("completed", "incomplete")
 
 
+@pytest.mark.server
 def test_a_media_error_after_a_previous_response_names_the_new_input_part(client, model):
     first = client.responses.create(model=model, input="Hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError) as caught:
@@ -300,6 +314,7 @@ def test_a_media_error_after_a_previous_response_names_the_new_input_part(client
     assert caught.value.param == "input[0].content[0]" and "cannot decode image" in caught.value.message
 
 
+@pytest.mark.server
 def test_a_too_long_input_raises_context_length_exceeded(client, model):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=model, input="the sea " * 40000, max_output_tokens=8)

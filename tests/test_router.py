@@ -18,6 +18,8 @@ from helpers import ServerProcess, client_answers, deployment_answers, metric, r
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 TOKENIZER = Tokenizer.from_pretrained(BUILTIN_MODEL)
 
 

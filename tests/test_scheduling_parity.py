@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-import vlm_serve.scheduler.scheduler as scheduler_module
+import vlm_serve.scheduler.drafting as drafting_module
 from helpers import ReplayDrafts
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
@@ -102,7 +102,7 @@ def loop(request, monkeypatch, inputs, long_reference, eagle3_drafts) -> dict:
     if request.param.startswith("drafts"):
         sequences = [x.input_ids + answer for x, answer in zip(inputs, long_reference)]
         drafts = ReplayDrafts(sequences, num_draft_tokens=3)
-        monkeypatch.setattr(scheduler_module, "NgramProposer", lambda *settings: drafts)
+        monkeypatch.setattr(drafting_module, "NgramProposer", lambda *settings: drafts)
     if request.param.startswith("eagle3"):
         return {**LOOPS[request.param], "speculative_draft_model_path": str(eagle3_drafts["moe"])}
     return LOOPS[request.param]
@@ -132,6 +132,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_every_setting_matches_transformers(tiny_moe_dir, inputs, reference, name, loop):
     engine = Engine(tiny_moe_dir, dtype="float32", **SETTINGS[name], **loop)
@@ -164,6 +165,7 @@ def test_mixed_chunk_runs_decodes_inside_prefill_chunks(tiny_moe_dir, inputs, re
     assert engine.scheduler.metrics.num_mixed_batches > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_tiny_kv_pool_retracts_and_still_matches(tiny_moe_dir, inputs, long_reference, page_size, loop):
     """A small pool, filled by admitting requests with almost no room reserved for their outputs

@@ -18,6 +18,8 @@ from helpers import ServerProcess, openai_client, running_server
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image, make_video
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 API_KEY = "sk-test"
 LIMIT_MM = 3
 MAX_MEDIA_MB = 1

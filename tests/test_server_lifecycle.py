@@ -25,6 +25,7 @@ STOPS = {  # signal, sent to the whole process group
 }
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("vit_dp", [1, 2])
 @pytest.mark.parametrize("stop", STOPS)
 def test_a_stop_ends_the_server_and_every_child_silently(tiny_moe_dir, stop, vit_dp):
@@ -42,6 +43,7 @@ def test_a_stop_ends_the_server_and_every_child_silently(tiny_moe_dir, stop, vit
     assert survivors(children) == []
 
 
+@pytest.mark.server
 def test_ctrl_c_while_the_server_starts_stops_it_silently(tiny_moe_dir):
     """Ctrl-C while the model loads (and the encoder ranks' fork server imports torch): exit code 130, no
     process left, and no KeyboardInterrupt traceback from any of them."""
@@ -81,6 +83,7 @@ def test_children_that_exit_while_the_server_stops_are_neither_restarted_nor_a_f
     assert children.restarts == 0 and state.failure == "" and failed == []
 
 
+@pytest.mark.server
 def test_a_child_that_dies_makes_the_server_unhealthy_then_stops_it(tiny_moe_dir):
     server = start_server(tiny_moe_dir, "--vit-dp", "1")
     children = descendants(server.process.pid)

@@ -19,6 +19,8 @@ from helpers import ServerProcess
 from vlm_serve.testing.media import make_image, make_video, png_stating
 from vlm_serve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 BOOTSTRAP = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 2**63 + 5}
 QUESTION = "What is in the picture?"

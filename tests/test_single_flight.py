@@ -229,6 +229,7 @@ def _tp_worker(rank: int, port: int, model_dir: str, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_with_two_tp_ranks_rank_0_encodes_the_shared_image_once(tiny_moe_dir):
     reference = _run_same_image(str(tiny_moe_dir), 1)
     assert reference["counts"] == (1, 1, TP_REQUESTS - 1)
@@ -252,6 +253,7 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
+@pytest.mark.server
 def test_40_concurrent_requests_with_one_new_image_run_the_vision_tower_once(server):
     n = 40
     url = png_data_url(make_image(160, 120, seed=53))

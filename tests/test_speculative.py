@@ -108,6 +108,7 @@ def worst_position_chi2(runs: list[list[int]], probs: torch.Tensor) -> float:
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seeded", [False, True], ids=["global-rng", "seeded"])
 def test_sampled_verification_emits_the_targets_distribution_at_every_position(seeded):
     logits = target_logits(seed=1)
@@ -296,6 +297,7 @@ def test_a_request_whose_drafts_keep_failing_drafts_ever_less_often(tiny_dense_d
         assert (metrics.spec.verify_steps, metrics.spec.accepted_tokens) == (6, 0)
 
 
+@pytest.mark.server
 def test_the_server_speculates_and_reports_the_drafts_of_each_answer_and_in_all(tiny_dense_dir):
     """The answer is the engine's without drafts; `usage.speculative` (and SGLang's meta_info) say how
     its drafts fared, and /metrics the same for the whole server (one request so far)."""
@@ -592,6 +594,7 @@ def test_the_trained_draft_keeps_answers_exact_through_every_scheduler_path(sett
             assert metrics.num_retractions > 0
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2-ep2"])
 def test_two_tp_ranks_draft_with_the_built_in_head_and_answer_as_one_engine_without(tmp_path, ep_size):
     """The draft's heads and vocabulary are split over the TP ranks as the target's are (gloo), with the

@@ -16,6 +16,8 @@ from vlm_serve.server.protocol import ChatCompletionRequest
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 transformers = pytest.importorskip("transformers")
 
 SCHEMA = {

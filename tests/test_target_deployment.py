@@ -22,6 +22,8 @@ from helpers import ServerProcess, descendants, free_port, process_name, spawn_s
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image, make_video
 
+pytestmark = pytest.mark.server  # every test here starts a real server
+
 MAX_TOKENS = 8
 DEPLOYMENT = ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2")
 

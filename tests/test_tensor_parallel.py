@@ -72,6 +72,7 @@ def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, ov
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arch,ep_size,overlap,weights",
     [

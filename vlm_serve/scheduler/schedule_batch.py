@@ -216,6 +216,30 @@ class Req:
         self.prefix_indices, self.last_node = match.indices, match.last_node
         self.extend_len = self.seq_len - len(self.prefix_indices)
 
+    def check_inputs(self, vocab_size: int) -> None:
+        """Raises ValueError for a request that can never run: an empty prompt, pixel values that do not
+        match their grid, a token id (of the prompt outside its media, of `logit_bias` or `stop_token_ids`)
+        outside the vocabulary."""
+        if not self.origin_input_ids:
+            raise ValueError("the prompt is empty")
+        placeholder = [False] * len(self.origin_input_ids)
+        for item in self.mm_items:
+            if item.pixel_values.dim() != 2 or item.pixel_values.shape[0] != item.num_patches:
+                raise ValueError(
+                    f"{item.modality} pixel values of shape {tuple(item.pixel_values.shape)} do not match its grid "
+                    f"{item.grid_thw} ({item.num_patches} patches)"
+                )
+            for start, end in item.spans:
+                placeholder[start:end] = [True] * (end - start)
+        bad = [t for t, mm in zip(self.origin_input_ids, placeholder) if not mm and not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+        params = self.sampling_params
+        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+
     def check_finished(self, token: int, eos_token_ids: set[int]) -> FinishReason | None:
         """Whether `token`, just appended, ends the answer: a stop token (EOS unless ignored), a stop
         string or pattern in its text, or its length."""

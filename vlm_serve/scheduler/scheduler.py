@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import IncrementalDetokenizer
@@ -36,7 +35,6 @@ from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput, sample_groups
 from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.model_runner import ModelRunner
-from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
 from vlm_serve.llm.speculative.worker import SpeculativeWorker
 from vlm_serve.messages.backend import (
@@ -66,6 +64,7 @@ from vlm_serve.scheduler.schedule_policy import (
     PrefillAdder,
     SchedulePolicy,
 )
+from vlm_serve.scheduler.tp_broadcast import TPBroadcast
 from vlm_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -111,6 +110,13 @@ class Scheduler:
         parallel = get_parallel_state()
         self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
         self.tp_cpu_group, self.tp_broadcast_group = parallel.tp_cpu_group, parallel.tp_broadcast_group
+        self.tp_broadcast = None
+        if self.tp_size > 1:
+            vision = runner.model_config.vision
+            embeds_shape = (1 + len(vision.deepstack_visual_indexes), vision.out_hidden_size)
+            self.tp_broadcast = TPBroadcast(
+                self.tp_rank, self.tp_cpu_group, self.tp_broadcast_group, embeds_shape, runner.dtype, runner.device
+            )
         self.vocab_size = runner.model_config.text.vocab_size
         self.merge_size = runner.model_config.vision.spatial_merge_size
         self.eos_token_ids = set(runner.model_config.eos_token_ids)
@@ -262,12 +268,7 @@ class Scheduler:
         messages = []
         if self.tp_rank == 0:
             messages = self.outputs.take_failures() + self.io.recv(block=self.is_idle())
-        if self.tp_size > 1:
-            box = [[_without_pixels(m) for m in messages]]
-            dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
-            if self.tp_rank != 0:
-                messages = box[0]
-        return messages
+        return self.tp_broadcast.messages(messages) if self.tp_broadcast is not None else messages
 
     def process_input_requests(self, recv_reqs: list[Any]) -> None:
         for message in recv_reqs:
@@ -320,28 +321,10 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         """Validates and queues a request; a request that can never run raises ValueError."""
-        prompt_len, max_new = len(req.origin_input_ids), req.sampling_params.max_new_tokens
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty")
         if req.rid in self.reqs:
             raise ValueError(f"request id {req.rid!r} is already in use")
-        placeholder = [False] * prompt_len
-        for item in req.mm_items:
-            if item.pixel_values.dim() != 2 or item.pixel_values.shape[0] != item.num_patches:
-                raise ValueError(
-                    f"{item.modality} pixel values of shape {tuple(item.pixel_values.shape)} do not match its grid "
-                    f"{item.grid_thw} ({item.num_patches} patches)"
-                )
-            for start, end in item.spans:
-                placeholder[start:end] = [True] * (end - start)
-        bad = [t for t, mm in zip(req.origin_input_ids, placeholder) if not mm and not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        params = req.sampling_params
-        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        req.check_inputs(self.vocab_size)
+        prompt_len, params = len(req.origin_input_ids), req.sampling_params
         if req.bootstrap is not None and self.disagg is None:
             req.bootstrap = None  # a colocated server serves it whole
         if req.bootstrap is not None and params.prompt_logprobs is not None:
@@ -351,7 +334,7 @@ class Scheduler:
                 "this decode server takes images and videos only with bootstrap_host, bootstrap_port and "
                 "bootstrap_room (from sglang-router's PD mode): it has no vision tower"
             )
-        self.limits.check_fits(prompt_len, max_new)
+        self.limits.check_fits(prompt_len, params.max_new_tokens)
         req.origin_input_ids = pad_input_ids(req.origin_input_ids, req.mm_items, self.vocab_size)
         req.init_positions(self.runner.model_config.vision.spatial_merge_size)
         if req.sampling_params.stop or req.sampling_params.stop_regex:
@@ -385,51 +368,13 @@ class Scheduler:
         the encoding stage says why). With TP, rank 0 tells the others which, with the embeddings."""
         decoding = any(not r.finished for r in self.running_batch.reqs)
         ready, failed = self.encoding.poll(timeout, decoding) if self.tp_rank == 0 else ([], [])
-        if self.tp_size > 1:
-            ready, failed = self.broadcast_encoding_results(ready, failed)
+        if self.tp_broadcast is not None:
+            ready, failed = self.tp_broadcast.encoding_results(ready, failed, self.reqs, self.encoding)
         for req in ready:
             self.metrics.observe_media(req.mm_items)
             self.waiting_queue.append(req)
         for req, failure in failed:
             self.finish(req, failure)
-
-    def broadcast_encoding_results(
-        self, ready: list[Req], failed: list[tuple[Req, FinishReason]]
-    ) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
-        """Rank 0's encoding results on every rank. The request ids and row counts go as a small object;
-        the embeddings as one tensor, (1 + deepstack layers, rows, hidden), broadcast as a tensor."""
-        items = [
-            (req.rid, [(i, e.embeds.shape[0]) for i, e in enumerate(req.mm_embeds) if e is not None]) for req in ready
-        ]
-        box = [(items, [(req.rid, failure) for req, failure in failed])]
-        dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
-        items, failures = box[0]
-        rows = sum(n for _, held in items for _, n in held)
-        if rows:
-            if self.tp_rank == 0:
-                flat = torch.cat(
-                    [torch.stack([e.embeds, *e.deepstack]) for req in ready for e in req.mm_embeds if e is not None],
-                    dim=1,
-                )
-            else:
-                vision = self.runner.model_config.vision
-                shape = (1 + len(vision.deepstack_visual_indexes), rows, vision.out_hidden_size)
-                flat = torch.empty(shape, dtype=self.runner.dtype, device=self.runner.device)
-            dist.broadcast(flat, src=0, group=self.tp_broadcast_group)
-        if self.tp_rank == 0:
-            return ready, failed
-        start = 0
-        for rid, held in items:
-            embeds = {}
-            for i, n in held:
-                layers = flat[:, start : start + n]
-                embeds[i] = VisionOutput(layers[0], list(layers[1:]))
-                start += n
-            self.encoding.receive(self.reqs[rid], embeds)
-        failed = [(self.reqs[rid], failure) for rid, failure in failures]
-        for req, _ in failed:
-            self.encoding.remove(req)
-        return [self.reqs[rid] for rid, _ in items], failed
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         req = self.reqs.get(rid)
@@ -839,15 +784,3 @@ class Scheduler:
             self.metrics.cache_hit_rate, len(self.running_batch.reqs), len(self.waiting_queue), len(self.encoding),
             embeddings.hit_rate, embeddings.usage_bytes / 2**20,
         )  # fmt: skip
-
-
-def _without_pixels(message: Any) -> Any:
-    """A generate request as TP ranks other than 0 get it: pixel values become shape-only (meta)
-    tensors, so the message stays small and its checks give every rank the same answer."""
-    if not isinstance(message, TokenizedGenerateReq) or not message.mm_items:
-        return message
-    items = [
-        dataclasses.replace(it, pixel_values=torch.empty(it.pixel_values.shape, device="meta"))
-        for it in message.mm_items
-    ]
-    return dataclasses.replace(message, mm_items=items)

@@ -48,19 +48,16 @@ from vlm_serve.messages.backend import SchedulerLimits
 from vlm_serve.messages.frontend import GenerateReqInput
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
+from vlm_serve.server.output_protocol import ModelCard, ModelList, error_body, now
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
-    error_body,
-    now,
 )
 from vlm_serve.server.responses_api import ResponsesServing
 from vlm_serve.server.responses_protocol import DeletedResponse, InputItemList, ResponseObject, ResponsesRequest

@@ -23,23 +23,19 @@ from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.multimodal.processor import PartParam, chat_part_param
 from vlm_serve.server.chat_output import ChatDelta, ChatOutput, tool_use
-from vlm_serve.server.protocol import (
+from vlm_serve.server.output_protocol import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessageOut,
-    ChatPrompt,
     ChatStreamChoice,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     FunctionCall,
     FunctionCallDelta,
-    ImagePart,
     MediaTokens,
     PromptLogprob,
     PromptTokensDetails,
@@ -49,11 +45,11 @@ from vlm_serve.server.protocol import (
     ToolCallOut,
     TopLogprob,
     Usage,
-    VideoPart,
     error_body,
     new_id,
     now,
 )
+from vlm_serve.server.protocol import ChatCompletionRequest, ChatPrompt, CompletionRequest, ImagePart, VideoPart
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 from vlm_serve.server.tool_parser import ToolCall
 

@@ -28,7 +28,8 @@ from vlm_serve.messages.frontend import StrOut
 from vlm_serve.multimodal.processor import PartParam
 from vlm_serve.server.chat_output import ChatDelta
 from vlm_serve.server.openai_api import ChatRun, OpenAIServing
-from vlm_serve.server.protocol import ChatCompletionRequest, SamplingSettings, now
+from vlm_serve.server.output_protocol import now
+from vlm_serve.server.protocol import ChatCompletionRequest, SamplingSettings
 from vlm_serve.server.responses_protocol import (
     DeletedResponse,
     FunctionCallItem,

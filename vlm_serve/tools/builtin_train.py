@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlm_serve.builtin.scenes import (
-    COLOURS,  # fmt: skip
+    COLOURS,
     KIND_WEIGHTS,
     KINDS,
     SIZES,

@@ -15,32 +15,11 @@ LIBRARY = KernelLibrary(
     {
         "attention_scratch_floats": (I64, I64),
         "paged_attention_f32": (
-            None,
-            PTR,
-            PTR,
-            PTR,
-            PTR,
-            I64,
-            PTR,
-            PTR,
-            PTR,
-            I64,
-            I64,
-            I64,
-            I64,
-            F32,
-            PTR,
-            I64,
-            PTR,
-            I64,
-            PTR,
-            I64,
-            PTR,
-            PTR,
-            I32,
-        ),  # fmt: skip
+            None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, I64, PTR, I64, PTR, I64, PTR,
+            PTR, I32,
+        ),
     },
-)
+)  # fmt: skip
 
 
 def supported(dtype: torch.dtype, head_dim: int) -> bool:

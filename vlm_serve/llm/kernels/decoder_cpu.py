@@ -24,41 +24,14 @@ LIBRARY = KernelLibrary(
     "decoder_cpu",
     {  # (the layer's weights; the call's own tensors; the step's)
         "attention_block_f32": (
-            None,
-            PTR,
-            PTR,
-            PTR,
-            PTR,
-            F32,
-            *LINEAR,
-            *LINEAR,
-            I64,
-            I64,
-            I64,
-            I64,
-            F32,
-            PTR,
-            PTR,
-            PTR,
-            PTR,
-            I32,
-            I64,
-            PTR,
-            PTR,
-            PTR,
-            I64,
-            PTR,
-            PTR,
-            PTR,
-            I64,
-            PTR,
-            *[PTR] * 7,
-            I32,
-        ),  # fmt: skip
+            None, PTR, PTR, PTR, PTR, F32, *LINEAR, *LINEAR, I64, I64, I64, I64, F32,
+            PTR, PTR, PTR, PTR, I32,
+            I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, PTR, *[PTR] * 7, I32,
+        ),
         "mlp_block_f32": (None, *LINEAR, *LINEAR, I64, I64, PTR, PTR, PTR, PTR, I32),
         "moe_block_f32": (None, *LINEAR, I64, I64, I32, I64, I64, *EXPERTS, I64, *[PTR] * 12, I32),
     },
-)
+)  # fmt: skip
 
 
 def linear_args(panels: Panels, bias: torch.Tensor | None) -> tuple:

@@ -18,37 +18,11 @@ LIBRARY = KernelLibrary(
     {
         "moe_route_f32": (None, PTR, I64, I64, I64, I32, I64, I64, PTR, PTR, PTR, PTR, I32),
         "moe_forward": (
-            None,
-            PTR,
-            I64,
-            I64,
-            PTR,
-            PTR,
-            I64,
-            PTR,
-            I32,
-            PTR,
-            PTR,
-            I64,
-            I64,
-            I64,
-            I32,
-            PTR,
-            PTR,
-            I64,
-            I64,
-            I64,
-            I32,
-            I64,
-            I64,
-            PTR,
-            PTR,
-            PTR,
-            PTR,
-            I32,
-        ),  # fmt: skip
+            None, PTR, I64, I64, PTR, PTR, I64, PTR, I32, PTR, PTR, I64, I64, I64, I32, PTR, PTR, I64, I64, I64, I32,
+            I64, I64, PTR, PTR, PTR, PTR, I32,
+        ),
     },
-)
+)  # fmt: skip
 
 
 @dataclass
