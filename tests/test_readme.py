@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,16 @@ def test_ci_runs_exactly_the_readmes_test_command():
     (command,) = [b.code.strip() for b in BLOCKS if "python -m pytest" in b.code]
     ci = (README.parent / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == command
+
+
+@pytest.mark.slow
+def test_the_test_count_the_readme_states_is_the_suites():
+    stated = re.search(r"\(([\d,]+) tests,\s+\d+\s+of\s+which\s+skip", README.read_text())
+    assert stated, "the README no longer states the suite's test count"
+    collected = run_process(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=README.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    count = re.search(r"^(\d+) tests collected", collected.stdout, re.M)
+    assert count, collected.stdout[-2000:] + collected.stderr[-2000:]
+    assert int(stated.group(1).replace(",", "")) == int(count.group(1)), "update the README's test count"
