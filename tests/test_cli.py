@@ -20,7 +20,7 @@ import pytest
 from helpers import descendants, process_name, run_process, start_process
 from vlm_serve.builtin.scenes import Scene, Shape, render
 from vlm_serve.cli import build_parser, main, parse_args, server_args_of
-from vlm_serve.config import ServerArgs, setting_docs
+from vlm_serve.config import SETTING_GROUPS, ServerArgs, setting_docs
 from vlm_serve.testing.media import make_image
 
 
@@ -164,7 +164,7 @@ def test_an_unknown_flag_is_refused_with_the_usage_of_its_command(command, capsy
         main([*command, "--bogus", "1"])
     assert refused.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"usage: vlm-serve {command[0]} [-h]")
+    assert err.startswith(f"usage: vlm-serve {command[0]} ")
     assert err.endswith(f"vlm-serve {command[0]}: error: unrecognized arguments: --bogus 1\n")
 
 
@@ -180,6 +180,14 @@ def test_generate_caption_and_demo_take_only_the_settings_an_engine_reads(tmp_pa
     config.write_text("tp-size: 8\nchunked-prefill-size: 512\n")
     with pytest.raises(ValueError, match="only `vlm-serve serve` takes: tp_size"):
         parse_args(parser, ["generate", "--prompt", "hi", "--config", str(config)])
+
+
+def test_every_setting_is_in_one_titled_group_of_the_help_after_the_commands_own_flags():
+    grouped = [name for names in SETTING_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(ServerArgs))  # each once, every one
+    help_text = build_parser()._subparsers._group_actions[0].choices["caption"].format_help()
+    assert help_text.index("--output") < help_text.index("model settings:") < help_text.index("--model ")
+    assert "HTTP server settings:" not in help_text  # (caption takes an engine's settings only)
 
 
 def test_version_prints_the_installed_version(capsys):

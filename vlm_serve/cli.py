@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from vlm_serve.config import CHOICES, DTYPES, ENGINE_SETTINGS, ServerArgs, setting_docs
+from vlm_serve.config import CHOICES, DTYPES, ENGINE_SETTINGS, SETTING_GROUPS, ServerArgs, setting_docs
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
 SERVER_SETTINGS = tuple(f.name for f in dataclasses.fields(ServerArgs))
@@ -28,21 +28,29 @@ def add_server_args(parser: argparse.ArgumentParser, names: Sequence[str] | None
     parser.add_argument("--config", default=None, help="YAML file of settings (flags win over it)")
     parser.set_defaults(settings=names)
     docs = setting_docs()
-    for f in dataclasses.fields(ServerArgs):
-        if names is not None and f.name not in names:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        unset = "unset" if "none" in CHOICES.get(f.name, ()) else "none"  # (where "none" is a value of its own)
-        shown = "" if f.type == "bool" else f" (default: {unset if default is None else default})"
-        options: dict[str, Any] = {"default": default, "dest": f.name, "help": docs[f.name] + shown}
-        if f.type == "bool":
-            parser.add_argument(flag, action="store_true", **options)
-        elif str(f.type).startswith("list["):
-            parser.add_argument(flag, nargs="*", metavar="VALUE", **options)
-        else:
-            kind = _FLAG_TYPES[str(f.type).split("|")[0].strip()]  # annotations are strings: "int | None"
-            parser.add_argument(flag, type=kind, choices=CHOICES.get(f.name), **options)
+    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    for title, group_names in SETTING_GROUPS.items():
+        shown = [name for name in group_names if names is None or name in names]
+        if shown:
+            group = parser.add_argument_group(f"{title} settings")
+            for name in shown:
+                _add_setting(group, fields[name], docs[name])
+
+
+def _add_setting(parser: argparse._ActionsContainer, f: dataclasses.Field, doc: str) -> None:
+    """The flag of one `ServerArgs` field."""
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    unset = "unset" if "none" in CHOICES.get(f.name, ()) else "none"  # (where "none" is a value of its own)
+    shown = "" if f.type == "bool" else f" (default: {unset if default is None else default})"
+    options: dict[str, Any] = {"default": default, "dest": f.name, "help": doc + shown}
+    if f.type == "bool":
+        parser.add_argument(flag, action="store_true", **options)
+    elif str(f.type).startswith("list["):
+        parser.add_argument(flag, nargs="*", metavar="VALUE", **options)
+    else:
+        kind = _FLAG_TYPES[str(f.type).split("|")[0].strip()]  # annotations are strings: "int | None"
+        parser.add_argument(flag, type=kind, choices=CHOICES.get(f.name), **options)
 
 
 def load_config(path: str, names: Sequence[str] | None = None) -> dict[str, Any]:
@@ -192,26 +200,45 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", required=True, parser_class=partial(argparse.ArgumentParser, formatter_class=_HelpFormatter)
     )
 
-    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (default http://127.0.0.1:30000)")
+    serve = sub.add_parser(
+        "serve",
+        usage="%(prog)s [settings]",
+        help="the OpenAI-compatible HTTP server (default http://127.0.0.1:30000)",
+        description="The OpenAI-compatible HTTP server (default http://127.0.0.1:30000).",
+    )
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve, subparser=serve)
 
-    demo = sub.add_parser("demo", help="a Gradio chat page (images, short videos, streamed answers)")
-    add_server_args(demo, ENGINE_SETTINGS)
+    demo = sub.add_parser(
+        "demo",
+        usage="%(prog)s [--host HOST] [--port PORT] [settings]",
+        help="a Gradio chat page (images, short videos, streamed answers)",
+        description="A Gradio chat page (images, short videos, streamed answers).",
+    )
     demo.add_argument("--host", default="127.0.0.1", help="address the page is served on (default: %(default)s)")
     demo.add_argument("--port", type=int, default=7860, help="port the page is served on (default: %(default)s)")
+    add_server_args(demo, ENGINE_SETTINGS)  # (after its own flags, which --help shows first)
     demo.set_defaults(func=cmd_demo, subparser=demo)
 
-    gen = sub.add_parser("generate", help="answer one prompt (with images/videos) offline and print it")
-    add_server_args(gen, ENGINE_SETTINGS)
+    gen = sub.add_parser(
+        "generate",
+        usage="%(prog)s --prompt PROMPT [--image FILE] [--video FILE] [options] [settings]",
+        help="answer one prompt (with images/videos) offline and print it",
+        description="Answer one prompt (with images/videos) offline and print it.",
+    )
     gen.add_argument("--prompt", required=True, help="the question or instruction about the images and videos")
     gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     gen.add_argument("--video", action="append", default=[], help="video file (repeatable)")
     add_answer_args(gen, "answer")
+    add_server_args(gen, ENGINE_SETTINGS)  # (after its own flags, which --help shows first)
     gen.set_defaults(func=cmd_generate, subparser=gen)
 
-    cap = sub.add_parser("caption", help="caption every image of files, folders or path lists into JSON lines")
-    add_server_args(cap, ENGINE_SETTINGS)
+    cap = sub.add_parser(
+        "caption",
+        usage="%(prog)s --output FILE [options] [settings] INPUT [INPUT ...]",
+        help="caption every image of files, folders or path lists into JSON lines",
+        description="Caption every image of files, folders or path lists into JSON lines.",
+    )
     cap.add_argument("inputs", nargs="+", metavar="INPUT", help="image file, folder (recursive) or text file of paths")
     cap.add_argument("--output", required=True, help="JSON-lines file: path, caption, tokens, time (and error)")
     cap.add_argument(
@@ -221,9 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_answer_args(cap, "caption")
     cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
     cap.add_argument("--retry-failed", action="store_true", help="--resume, and caption failed images again")
+    add_server_args(cap, ENGINE_SETTINGS)  # (after its own flags, which --help shows first)
     cap.set_defaults(func=cmd_caption, subparser=cap)
 
-    tiny = sub.add_parser("create-tiny-model", help="write a small random Qwen3-VL checkpoint")
+    tiny = sub.add_parser(
+        "create-tiny-model",
+        help="write a small random Qwen3-VL checkpoint",
+        description="Write a small random Qwen3-VL checkpoint.",
+    )
     tiny.add_argument("out_dir", help="folder the checkpoint is written into (made if missing)")
     tiny.add_argument(
         "--arch", choices=["moe", "dense"], default="moe",

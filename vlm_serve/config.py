@@ -43,6 +43,36 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "disaggregation_transfer_backend": ("mooncake", "fake"),
     "speculative_algorithm": ("ngram", "eagle3", "none"),
 }
+# The settings by concern, in the order `--help` shows them (each setting in one group).
+SETTING_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "revision", "download_dir", "served_model_name", "dtype", "load_format", "device", "seed"),
+    "cache and scheduling": (
+        "page_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
+        "enable_mixed_chunk", "disable_overlap_schedule", "schedule_policy", "schedule_conservativeness",
+        "disable_radix_cache", "mm_cache_mb", "enable_priority_scheduling", "priority_scheduling_preemption_threshold",
+        "context_length", "grammar_compile_timeout",
+    ),
+    "encoder": ("vit_dp", "vit_threads", "vit_max_patches_per_pass"),
+    "media": (
+        "allowed_local_media_path", "allowed_media_domains", "media_fetch_timeout", "max_media_mb", "max_image_pixels",
+        "limit_mm_per_prompt", "mm_max_image_pixels", "mm_max_video_pixels", "mm_max_fps", "mm_max_frames",
+    ),
+    "speculative decoding": (
+        "speculative_algorithm", "speculative_draft_model_path", "speculative_num_draft_tokens",
+        "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+        "speculative_disable_by_batch_size",
+    ),
+    "parallelism": ("tp_size", "ep_size", "nnodes", "node_rank", "dist_init_addr"),
+    "prefill/decode disaggregation": (
+        "disaggregation_mode", "disaggregation_bootstrap_port", "disaggregation_transfer_backend",
+        "disaggregation_ib_device", "disaggregation_timeout",
+    ),
+    "HTTP server": (
+        "host", "port", "api_key", "api_key_file", "tokenizer_workers", "reasoning_parser", "responses_store_size",
+    ),
+    "GPU only": ("attention_backend", "disable_cuda_graph", "cuda_graph_max_bs"),
+    "logging": ("log_level", "log_interval"),
+}  # fmt: skip
 OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, the ones that may also be None
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
 # the HTTP server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes).
