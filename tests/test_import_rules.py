@@ -6,7 +6,6 @@ read, or moved, one without the other."""
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 import vlm_serve
@@ -46,7 +45,7 @@ def part(module: str) -> str:
 def import_graph() -> dict[str, set[str]]:
     """module -> the package's modules it imports (from ... import of a module's names counts as the module)."""
     modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-    graph: dict[str, set[str]] = defaultdict(set)
+    graph: dict[str, set[str]] = {module: set() for module in modules}
     for module, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -56,7 +55,6 @@ def import_graph() -> dict[str, set[str]]:
             else:
                 continue
             graph[module] |= {name for name in names if name in modules and name != module}
-        graph[module]  # (every module is a node)
     return graph
 
 

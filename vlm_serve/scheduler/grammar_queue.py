@@ -71,11 +71,11 @@ class GrammarQueue:
         self.pending.append(PendingGrammar(req, self.backend.compile(key), time.monotonic() + self.timeout))
         return True
 
-    def remove(self, req: Req) -> bool:
-        queued = [p for p in self.pending if p.req is req]
-        if queued:
-            self.pending.remove(queued[0])
-        return bool(queued)
+    def __contains__(self, req: Req) -> bool:
+        return any(p.req is req for p in self.pending)
+
+    def remove(self, req: Req) -> None:
+        self.pending = [p for p in self.pending if p.req is not req]
 
     def poll(self, wait_a_while: bool) -> list[tuple[Req, FinishReason | None]]:
         """The requests done compiling, each with None (its matcher set: it goes on) or why it fails; with

@@ -287,7 +287,10 @@ class Scheduler:
                 logger.error("unknown message %s ignored", type(message).__name__)
         if self.grammar_queue:  # (the same on every rank: this step may broadcast)
             for req, failure in self.grammar_queue.poll(not self._has_work() and not len(self.encoding)):
-                self._enqueue(req) if failure is None else self.finish(req, failure)
+                if failure is None:
+                    self._enqueue(req)
+                else:
+                    self.finish(req, failure)
         if len(self.encoding):
             self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
         if self.disagg is not None and len(self.disagg):
@@ -384,8 +387,8 @@ class Scheduler:
     def stop_request(self, req: Req, reason: FinishReason) -> None:
         """Ends a request wherever it is (an abort, or a failure of its own): at once where it waits; in a
         batch (it holds KV), when the next batch is built, which releases what it holds."""
-        if self.grammar_queue.remove(req):
-            pass
+        if req in self.grammar_queue:
+            self.grammar_queue.remove(req)
         elif req in self.encoding:
             self.encoding.remove(req)
         elif req in self.waiting_queue:
