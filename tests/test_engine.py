@@ -253,7 +253,7 @@ def test_a_rejected_input_in_a_batch_leaves_nothing_queued(engine):
 
 def test_log_line_and_counters(tiny_moe_dir, caplog):
     engine = vlm_serve.Engine(model=tiny_moe_dir, dtype="float32", log_interval=1)
-    with caplog.at_level(logging.INFO, logger="vlm_serve.scheduler.scheduler"):
+    with caplog.at_level(logging.INFO, logger="vlm_serve.scheduler.stats"):
         engine.chat_batch([PROMPT, PROMPT], max_tokens=5, temperature=0, ignore_eos=True)
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("extend batch") for line in lines)

@@ -10,48 +10,43 @@ scheduler's own work overlaps the model's (see `llm/overlap.py`).
 
 Its I/O is injected (`SchedulerIO`): ZMQ sockets in the server's scheduler process, queues in `Engine`,
 which drives the same loop one iteration at a time (`run_iteration`).
+
+This file holds the loops, a request's end and the choice of batches; the rest is in parts beside it:
+requests in (`intake.py`), results (`output_processor.py`), what goes out (`output_streamer.py`), reports
+and health (`stats.py`), and the stages a request may wait in (`grammar_queue.py`, `encoding_stage.py`,
+`pd_prefill.py`/`pd_decode.py`), drafting (`drafting.py`) and TP's broadcasts (`tp_broadcast.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
 from vlm_serve.config import ServerArgs
-from vlm_serve.detokenizer import IncrementalDetokenizer
 from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.transfer import KVLayout
 from vlm_serve.encoder.encoder import VisionEncoder
 from vlm_serve.llm.distributed import get_parallel_state
-from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput, sample_groups
-from vlm_serve.llm.layers.sampler import SampleOutput
+from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
 from vlm_serve.llm.speculative.worker import SpeculativeWorker
 from vlm_serve.messages.backend import (
-    AbortReq,
-    FlushCacheOut,
-    FlushCacheReq,
-    GetStatsReq,
     SchedulerLimits,
-    StatsOut,
-    TokenizedGenerateReq,
 )
-from vlm_serve.multimodal.hashing import pad_input_ids
 from vlm_serve.scheduler.drafting import Drafting
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.grammar_queue import GrammarQueue
+from vlm_serve.scheduler.intake import SchedulerIntakeMixin
 from vlm_serve.scheduler.metrics import SchedulerMetrics
-from vlm_serve.scheduler.output_streamer import FailReq, OutputStreamer, SchedulerIO
+from vlm_serve.scheduler.output_processor import LaunchedBatch, SchedulerOutputProcessorMixin
+from vlm_serve.scheduler.output_streamer import OutputStreamer, SchedulerIO
 from vlm_serve.scheduler.pd_common import META_SLOT_BYTES
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
@@ -64,6 +59,7 @@ from vlm_serve.scheduler.schedule_policy import (
     PrefillAdder,
     SchedulePolicy,
 )
+from vlm_serve.scheduler.stats import SchedulerMetricsMixin
 from vlm_serve.scheduler.tp_broadcast import TPBroadcast
 from vlm_serve.tokenizer import Tokenizer
 
@@ -73,26 +69,9 @@ INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens running requests are assum
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # the ratio decays to this fraction of its initial value
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minimum
 RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
-ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per iteration
-TRANSFER_WAIT_SECONDS = 0.002  # the same for KV transfers (PD)
 
 
-@dataclass
-class LaunchedBatch:
-    """A batch whose forward was launched: what `process_batch_result` needs once it has run."""
-
-    reqs: list[Req]
-    forward_mode: ForwardMode
-    num_prefill_reqs: int  # the first rows; the others (a mixed batch) were decoding
-    samples: list[bool]  # per row: whether its sampled token is an output (not for a chunk before the end)
-    kv_ends: list[int]  # per row: its tokens with KV once the batch has run
-    future_start: int  # FutureMap slot of row 0's token
-    result: Future[ForwardOutput]
-    num_drafts: list[int] | None = None  # TARGET_VERIFY: each row's draft tokens
-    keep_aux: bool = False  # whether the EAGLE-3 draft ran after it (else its requests draft no more)
-
-
-class Scheduler:
+class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     """Turns requests into batches and batches into outputs, one `run_iteration` at a time."""
 
     def __init__(
@@ -109,14 +88,8 @@ class Scheduler:
         self.io = io
         parallel = get_parallel_state()
         self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
-        self.tp_cpu_group, self.tp_broadcast_group = parallel.tp_cpu_group, parallel.tp_broadcast_group
-        self.tp_broadcast = None
-        if self.tp_size > 1:
-            vision = runner.model_config.vision
-            embeds_shape = (1 + len(vision.deepstack_visual_indexes), vision.out_hidden_size)
-            self.tp_broadcast = TPBroadcast(
-                self.tp_rank, self.tp_cpu_group, self.tp_broadcast_group, embeds_shape, runner.dtype, runner.device
-            )
+        self.tp_cpu_group = parallel.tp_cpu_group
+        self.tp_broadcast = TPBroadcast(parallel, runner) if self.tp_size > 1 else None
         self.vocab_size = runner.model_config.text.vocab_size
         self.merge_size = runner.model_config.vision.spatial_merge_size
         self.eos_token_ids = set(runner.model_config.eos_token_ids)
@@ -259,125 +232,7 @@ class Scheduler:
         self.last_batch = batch
         self.stream_output()
 
-    # ---- requests in -------------------------------------------------------------------------------
-
-    def recv_requests(self) -> list[Any]:
-        """Rank 0 reads every waiting message (an idle scheduler waits a while for the first one); with
-        TP it broadcasts them, so every rank applies the same requests before the same step. Pixel
-        values are left out of the broadcast: only rank 0 encodes."""
-        messages = []
-        if self.tp_rank == 0:
-            messages = self.outputs.take_failures() + self.io.recv(block=self.is_idle())
-        return self.tp_broadcast.messages(messages) if self.tp_broadcast is not None else messages
-
-    def process_input_requests(self, recv_reqs: list[Any]) -> None:
-        for message in recv_reqs:
-            if isinstance(message, TokenizedGenerateReq):
-                self.handle_generate_request(message)
-            elif isinstance(message, AbortReq):
-                self.abort_request(message.rid, message.message)
-            elif isinstance(message, FailReq):
-                if message.rid in self.reqs:
-                    self.stop_request(self.reqs[message.rid], message.reason)
-            elif isinstance(message, FlushCacheReq):
-                self.outputs.replies.append(self.flush_cache())
-            elif isinstance(message, GetStatsReq):
-                self.outputs.replies.append(self.get_stats())
-            else:
-                logger.error("unknown message %s ignored", type(message).__name__)
-        if self.grammar_queue:  # (the same on every rank: this step may broadcast)
-            for req, failure in self.grammar_queue.poll(not self._has_work() and not len(self.encoding)):
-                if failure is None:
-                    self._enqueue(req)
-                else:
-                    self.finish(req, failure)
-        if len(self.encoding):
-            self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
-        if self.disagg is not None and len(self.disagg):
-            if not self._has_work() and not len(self.encoding):
-                time.sleep(TRANSFER_WAIT_SECONDS)  # (the transfers move on other threads)
-            self.disagg.process()
-
-    def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
-        req = Req(
-            message.rid,
-            message.input_ids,
-            message.sampling_params,
-            message.mm_items,
-            priority=message.priority,
-            bootstrap=message.bootstrap,
-        )
-        try:
-            self.add_request(req)
-        except Exception as exc:  # noqa: BLE001 - ValueError: the request's own fault; else the server's, its alone
-            if isinstance(exc, ValueError):
-                code = getattr(exc, "code", None) or ""  # (an ApiError's, e.g. context_length_exceeded)
-                reason = FinishReason.error(400, code, str(exc))
-            else:
-                reason = request_failure(req, "while being admitted", exc)
-            if req.bootstrap is not None and self.disagg is not None:
-                self.disagg.refuse(req.bootstrap, reason.message)
-            if self.reqs.get(req.rid) is req:  # it failed once admitted: stopped where it got to
-                self.stop_request(req, reason)
-                return
-            self.outputs.refuse(message.rid, reason)
-
-    def add_request(self, req: Req) -> None:
-        """Validates and queues a request; a request that can never run raises ValueError."""
-        if req.rid in self.reqs:
-            raise ValueError(f"request id {req.rid!r} is already in use")
-        req.check_inputs(self.vocab_size)
-        prompt_len, params = len(req.origin_input_ids), req.sampling_params
-        if req.bootstrap is not None and self.disagg is None:
-            req.bootstrap = None  # a colocated server serves it whole
-        if req.bootstrap is not None and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
-        if self.server_args.disaggregation_mode == "decode" and req.mm_items and req.bootstrap is None:
-            raise ValueError(
-                "this decode server takes images and videos only with bootstrap_host, bootstrap_port and "
-                "bootstrap_room (from sglang-router's PD mode): it has no vision tower"
-            )
-        self.limits.check_fits(prompt_len, params.max_new_tokens)
-        req.origin_input_ids = pad_input_ids(req.origin_input_ids, req.mm_items, self.vocab_size)
-        req.init_positions(self.runner.model_config.vision.spatial_merge_size)
-        if req.sampling_params.stop or req.sampling_params.stop_regex:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        self.reqs[req.rid] = req
-        self._idle_checked = False
-        if not self.grammar_queue.add(req):  # (else it goes on when its grammar is compiled)
-            self._enqueue(req)
-
-    def _enqueue(self, req: Req) -> None:
-        """An admitted request goes on: to its side's PD queue if it came with bootstrap info, else to
-        `waiting_queue`."""
-        if req.bootstrap is not None:
-            self.disagg.add(req)
-        else:
-            self.to_waiting_queue(req)
-
-    def to_waiting_queue(self, req: Req) -> None:
-        """A request to `waiting_queue`, through the encoding stage if its media need it."""
-        if req.mm_items:
-            covered = len(self.tree_cache.match_prefix(req.origin_input_ids[:-1]).indices)
-            if req.prompt_logprobs_pending:  # it computes its whole prompt: no cached prefix covers an item
-                covered = 0
-            if self.encoding.add(req, covered):
-                return  # it joins waiting_queue when its embeddings are ready
-            self.metrics.observe_media(req.mm_items)
-        self.waiting_queue.append(req)
-
-    def process_encoding_results(self, timeout: float = 0.0) -> None:
-        """Moves requests whose media are now encoded to `waiting_queue`; fails those that cannot be (as
-        the encoding stage says why). With TP, rank 0 tells the others which, with the embeddings."""
-        decoding = any(not r.finished for r in self.running_batch.reqs)
-        ready, failed = self.encoding.poll(timeout, decoding) if self.tp_rank == 0 else ([], [])
-        if self.tp_broadcast is not None:
-            ready, failed = self.tp_broadcast.encoding_results(ready, failed, self.reqs, self.encoding)
-        for req in ready:
-            self.metrics.observe_media(req.mm_items)
-            self.waiting_queue.append(req)
-        for req, failure in failed:
-            self.finish(req, failure)
+    # ---- a request's end ---------------------------------------------------------------------------
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         req = self.reqs.get(rid)
@@ -601,189 +456,3 @@ class Scheduler:
         if self.forward_ct % self.server_args.log_interval == 0:
             self.log_stats(batch.forward_mode, len(batch.reqs), len(forward_batch.input_ids))
         return launched
-
-    # ---- results -----------------------------------------------------------------------------------
-
-    def process_batch_result(self, batch: LaunchedBatch) -> None:
-        """Appends each request's sampled token and checks whether it finished. Under overlap a request
-        may have changed since the batch was launched: aborted (skipped), or retracted or preempted
-        (its token is kept; it re-prefills with it)."""
-        result = batch.result.result()  # waits for the forward
-        out = result.sample
-        t0 = time.perf_counter()
-        next_token_ids = out.tolist()
-        if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-            self.metrics.num_decode_batches += 1
-        elif batch.forward_mode == ForwardMode.MIXED:
-            self.metrics.num_mixed_batches += 1
-        else:
-            self.metrics.num_prefill_batches += 1
-        for i, (req, rows) in enumerate(zip(batch.reqs, sample_groups(len(batch.reqs), batch.num_drafts))):
-            req.verifying = False
-            if req.finished or req.to_finish is not None:
-                continue
-            failure = next((out.failures[row] for row in rows if row in out.failures), None)
-            if failure is not None:
-                self.fail_request(req, "while sampling", failure)
-                continue
-            try:
-                self._process_result_row(batch, i, req, result, next_token_ids, rows)
-            except Exception as exc:  # noqa: BLE001 - its own failure: it ends, the others go on
-                self.fail_request(req, "while its output was processed", exc)
-        self.drafting.drafted(batch.reqs, batch.keep_aux, result.draft_states)
-        if isinstance(self.disagg, PrefillDisaggregation):
-            self.disagg.send_computed()  # (after the draft's extend: its KV goes too)
-        self.metrics.time_process += time.perf_counter() - t0
-        if self.forward_thread is not None:
-            self.metrics.time_forward = self.forward_thread.busy_seconds
-
-    def _process_result_row(
-        self, batch: LaunchedBatch, i: int, req: Req, result: ForwardOutput, next_token_ids: list[int], rows: range
-    ) -> None:
-        """Row `i` of a batch's result: request `req`'s prompt log-probs, its token(s) (sampled at `rows`)."""
-        out = result.sample
-        if result.prompt_logprobs[i] is not None:
-            req.prompt_logprobs.extend(result.prompt_logprobs[i])
-        if i < batch.num_prefill_reqs and req.mm_embeds and req.kv_len >= len(req.origin_input_ids):
-            self.encoding.release(req)  # the prompt's KV is computed: its embeddings are not needed
-        pd_prefill = i < batch.num_prefill_reqs and req.transfer is not None  # its KV goes to a decode server
-        if not batch.samples[i]:  # a chunk that is not the last: nothing to sample yet
-            if pd_prefill:
-                self.disagg.chunk_done(req, batch.kv_ends[i])
-            return
-        if req.future_token == FutureMap.future_id(batch.future_start + i):
-            req.future_token = 0  # (a later batch may already have given it the next one)
-        if pd_prefill:
-            self.disagg.prompt_done(req, next_token_ids[i], out, i)
-            return
-        if batch.num_drafts is not None:
-            self.append_verified(req, batch.num_drafts[i], result.accepted[i], out, rows)
-        else:
-            logprobs = out.logprobs[i] if req.sampling_params.logprobs else None
-            top = out.top_logprobs[i] if req.sampling_params.logprobs and req.sampling_params.top_logprobs else None
-            self.append_token(req, next_token_ids[i], logprobs, top)
-        if req.finished:
-            if req.req_pool_idx is not None:
-                self.tree_cache.cache_finished_req(req)
-            else:  # released while the batch ran: it waits to be prefilled again
-                self.waiting_queue.remove(req)
-
-    def append_token(
-        self, req: Req, token: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None
-    ) -> None:
-        """A token for the request's answer (with its log-probs where it asked for them); it may end it."""
-        req.output_ids.append(token)
-        self.metrics.generated_tokens += 1
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        if req.sampling_params.logprobs:
-            req.output_logprobs.append(logprob)
-            if req.sampling_params.top_logprobs:
-                req.output_top_logprobs.append(top_logprobs)
-        reason = req.check_finished(token, self.eos_token_ids)
-        if reason is not None:
-            self.finish(req, reason)
-
-    def append_verified(self, req: Req, num_drafts: int, tokens: list[int], out: SampleOutput, rows: range) -> None:
-        """The tokens a verify forward kept (`tokens`, sampled at its `rows` of `out`), with their log-probs,
-        until one ends the answer; then the KV of the positions not kept is released (RadixCache only ever
-        holds kept tokens)."""
-        computed_end = req.kv_len  # the last token and every draft were computed
-        self.drafting.verified(req, len(tokens))
-        for counts in (self.metrics.spec, req.spec):
-            counts.add(num_drafts, len(tokens) - 1)
-        for token, row in zip(tokens, rows):
-            self.append_token(req, token, out.logprobs[row], out.top_logprobs[row])
-            if req.finished:
-                break
-        if req.req_pool_idx is None:  # preempted while it was verified: it is prefilled again, with these
-            return
-        # computed and kept: the tokens before the last appended one (whose KV the next step computes)
-        req.kv_len = min(computed_end - num_drafts + len(tokens) - 1, len(req.fill_ids) - 1)
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        slots = row[req.kv_len : computed_end].long()
-        kept_page = int(row[req.kv_len - 1]) // self.page_size  # (the next tokens fill its tail)
-        self.allocator.free(slots[slots // self.page_size != kept_page])
-
-    # ---- outputs -----------------------------------------------------------------------------------
-
-    def stream_output(self) -> None:
-        self.outputs.stream_output(self.reqs.values())
-
-    # ---- control and health ------------------------------------------------------------------------
-
-    def flush_cache(self) -> FlushCacheOut:
-        """Empties the prefix cache and the embedding cache; refused while requests are in flight."""
-        if not self.is_idle():
-            return FlushCacheOut(False, f"{len(self.reqs)} request(s) in flight; flush when idle")
-        self.tree_cache.evict(self.tree_cache.evictable_size())
-        self.encoding.cache.clear()
-        return FlushCacheOut(True)
-
-    @property
-    def num_used_tokens(self) -> int:
-        """KV slots held by requests (free and evictable cache slots are not counted)."""
-        return self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
-
-    def get_stats(self) -> StatsOut | None:
-        """Gauges and counters for /metrics (rank 0, which sends them; None elsewhere)."""
-        if self.tp_rank != 0:
-            return None
-        m, cache, encoder = self.metrics, self.encoding.cache, self.encoding.encoder
-        if encoder is not None and not len(self.encoding):  # (else it is polled every iteration) the encoder's news
-            self.encoding.poll()
-        stats = StatsOut(
-            num_running=len(self.running_batch.reqs), num_waiting=len(self.waiting_queue),
-            num_encoding=len(self.encoding), kv_usage=self.num_used_tokens / self.max_total_tokens,
-            max_total_tokens=self.max_total_tokens, prefix_cache_hit_rate=m.cache_hit_rate,
-            cached_prompt_tokens=m.cached_prompt_tokens, computed_prompt_tokens=m.computed_prompt_tokens,
-            generated_tokens=m.generated_tokens, num_retractions=m.num_retractions,
-            spec=dataclasses.replace(m.spec),
-            embedding_cache={
-                "hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "usage_bytes": cache.usage_bytes,
-                "inflight_hits": self.encoding.inflight_hits,
-            },
-            encoder_load=encoder.load if encoder else [], encoder_restarts=encoder.num_restarts if encoder else 0,
-            media_items=m.media_items, media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
-            vit_items=encoder.num_items if encoder else 0,
-        )  # fmt: skip
-        if self.disagg is not None:
-            stats.disaggregation_queues = self.disagg.queue_sizes()
-            stats.kv_transfer_bytes = m.kv_transfer_bytes
-            stats.kv_transfer_request_bytes = asdict(m.kv_transfer_request_bytes)
-            stats.kv_transfer_seconds = asdict(m.kv_transfer_seconds)
-            stats.kv_transfer_failures = dict(m.kv_transfer_failures)
-        return stats
-
-    def self_check_when_idle(self) -> None:
-        if self.is_idle() and not self._idle_checked:
-            self.check_memory()
-            self._idle_checked = True
-
-    def check_memory(self) -> None:
-        """Idle self-check: every KV slot is free or held by the tree, no lock is held and every
-        request row is free. A failure is a leak, i.e. a bug."""
-        problems = []
-        leaked = self.num_used_tokens - (
-            self.disagg.held_tokens if isinstance(self.disagg, DecodeDisaggregation) else 0
-        )
-        if leaked != 0:
-            problems.append(f"{leaked} KV slots leaked")
-        if self.tree_cache.protected_size() != 0 or any(self.tree_cache.lock_counts()):
-            problems.append(f"{self.tree_cache.protected_size()} tokens still locked in the prefix cache")
-        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
-            problems.append(
-                f"{self.req_to_token_pool.size - self.req_to_token_pool.available_size()} request rows leaked"
-            )
-        if problems:
-            raise RuntimeError("scheduler idle self-check failed: " + "; ".join(problems))
-
-    def log_stats(self, mode: ForwardMode, num_reqs: int, new_tokens: int) -> None:
-        embeddings = self.encoding.cache
-        logger.info(
-            "%s batch: %d reqs, %d new tokens, KV usage %.2f, cache hit rate %.2f, running %d, queued %d, "
-            "encoding %d, embedding cache hit rate %.2f (%.1f MiB)",
-            mode.name.lower(), num_reqs, new_tokens, self.num_used_tokens / self.max_total_tokens,
-            self.metrics.cache_hit_rate, len(self.running_batch.reqs), len(self.waiting_queue), len(self.encoding),
-            embeddings.hit_rate, embeddings.usage_bytes / 2**20,
-        )  # fmt: skip

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vlm_serve.llm.distributed import ParallelState
+from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
 from vlm_serve.messages.backend import TokenizedGenerateReq
 from vlm_serve.scheduler.encoding_stage import EncodingStage
@@ -19,13 +21,12 @@ from vlm_serve.scheduler.schedule_batch import FinishReason, Req
 class TPBroadcast:
     """Rank 0's inputs on every rank of a TP group (`tp_size` > 1)."""
 
-    def __init__(
-        self, tp_rank: int, cpu_group: dist.ProcessGroup | None, tensor_group: dist.ProcessGroup | None,
-        embeds_shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
-    ) -> None:  # fmt: skip
-        self.tp_rank, self.cpu_group, self.tensor_group = tp_rank, cpu_group, tensor_group
-        self.embeds_shape = embeds_shape  # (1 + deepstack layers, hidden) of a row of vision embeddings
-        self.dtype, self.device = dtype, device
+    def __init__(self, parallel: ParallelState, runner: ModelRunner) -> None:
+        self.tp_rank, self.cpu_group = parallel.tp_rank, parallel.tp_cpu_group
+        self.tensor_group = parallel.tp_broadcast_group
+        vision = runner.model_config.vision
+        self.embeds_shape = (1 + len(vision.deepstack_visual_indexes), vision.out_hidden_size)  # a row of embeddings
+        self.dtype, self.device = runner.dtype, runner.device
 
     def messages(self, messages: list[Any]) -> list[Any]:
         """Rank 0's messages (on rank 0 itself, as they are)."""
