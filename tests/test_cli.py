@@ -101,7 +101,7 @@ def test_every_shipped_config_file_is_valid():
 
 def test_prefill_chunks_default_to_2048_tokens_on_cpu_and_8192_on_gpu():
     def chunk(*flags: str) -> int | None:
-        return server_args_of(parse_args(build_parser(), ["serve", *flags])).resolved_chunked_prefill_size()
+        return server_args_of(parse_args(build_parser(), ["serve", *flags])).prefill_chunk
 
     assert chunk("--device", "cpu") == 2048
     assert chunk("--device", "cuda") == 8192

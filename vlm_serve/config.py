@@ -1,7 +1,11 @@
 """Settings: `ServerArgs` (what the user chose) and `ModelConfig` (what the checkpoint says).
 
-`ServerArgs` is the one settings object that flows from the command line (and later YAML) into every
-process. `ModelConfig` reads a Qwen3-VL `config.json` in either of the two forms in the wild: the one
+`ServerArgs` is the one settings object that flows from the command line (or a YAML file) into every
+process: flat, as the flags are, and made of one frozen dataclass per concern (`ModelSettings`,
+`SchedulerSettings`, `EncoderSettings`, `SpeculativeSettings`, `ParallelSettings`, ...). A part of the
+engine that needs one concern takes that type (a `ServerArgs` is each of them); values that depend on
+others (the device, the chunk size, the encoder's processes, the built-in model's draft) are resolved
+once, when the settings are made. `ModelConfig` reads a Qwen3-VL `config.json` in either of the two forms in the wild: the one
 the published checkpoints use (transformers 4.57: `rope_theta` + `rope_scaling`, `num_experts`) and the
 one transformers 5 writes (`rope_parameters`, `num_local_experts`).
 """
@@ -15,9 +19,9 @@ import json
 import textwrap
 import tokenize
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 
@@ -43,69 +47,102 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "disaggregation_transfer_backend": ("mooncake", "fake"),
     "speculative_algorithm": ("ngram", "eagle3", "none"),
 }
-# The settings by concern, in the order `--help` shows them (each setting in one group).
-SETTING_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "revision", "download_dir", "served_model_name", "dtype", "load_format", "device", "seed"),
-    "cache and scheduling": (
-        "page_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
-        "enable_mixed_chunk", "disable_overlap_schedule", "schedule_policy", "schedule_conservativeness",
-        "disable_radix_cache", "mm_cache_mb", "enable_priority_scheduling", "priority_scheduling_preemption_threshold",
-        "context_length", "grammar_compile_timeout",
-    ),
-    "encoder": ("vit_dp", "vit_threads", "vit_max_patches_per_pass"),
-    "media": (
-        "allowed_local_media_path", "allowed_media_domains", "media_fetch_timeout", "max_media_mb", "max_image_pixels",
-        "limit_mm_per_prompt", "mm_max_image_pixels", "mm_max_video_pixels", "mm_max_fps", "mm_max_frames",
-    ),
-    "speculative decoding": (
-        "speculative_algorithm", "speculative_draft_model_path", "speculative_num_draft_tokens",
-        "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
-        "speculative_disable_by_batch_size",
-    ),
-    "parallelism": ("tp_size", "ep_size", "nnodes", "node_rank", "dist_init_addr"),
-    "prefill/decode disaggregation": (
-        "disaggregation_mode", "disaggregation_bootstrap_port", "disaggregation_transfer_backend",
-        "disaggregation_ib_device", "disaggregation_timeout",
-    ),
-    "HTTP server": (
-        "host", "port", "api_key", "api_key_file", "tokenizer_workers", "reasoning_parser", "responses_store_size",
-    ),
-    "GPU only": ("attention_backend", "disable_cuda_graph", "cuda_graph_max_bs"),
-    "logging": ("log_level", "log_interval"),
-}  # fmt: skip
 OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, the ones that may also be None
-# What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the other settings are
-# the HTTP server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes).
-ENGINE_SETTINGS = (
-    "model", "revision", "download_dir", "dtype", "load_format", "device", "attention_backend", "page_size",
-    "max_total_tokens", "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "enable_mixed_chunk",
-    "disable_overlap_schedule", "disable_cuda_graph", "cuda_graph_max_bs", "schedule_policy",
-    "schedule_conservativeness", "disable_radix_cache", "mm_cache_mb", "max_image_pixels",
-    "context_length", "vit_max_patches_per_pass", "vit_dp", "vit_threads", "log_interval", "log_level", "seed",
-    "speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-    "speculative_ngram_max_match_window_size", "speculative_draft_model_path", "speculative_disable_by_batch_size",
-)  # fmt: skip
+POSITIVE = {  # the settings that count something: at least 1 (where set)
+    "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
+    "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "max_image_pixels", "limit_mm_per_prompt",
+    "mm_max_image_pixels", "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers", "speculative_num_draft_tokens",
+    "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+    "speculative_disable_by_batch_size", "cuda_graph_max_bs",
+}  # fmt: skip
+ABOVE_ZERO = {  # seconds, rates and factors: above 0
+    "media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout", "disaggregation_timeout", "schedule_conservativeness"
+}  # fmt: skip
+PORTS = {"port", "disaggregation_bootstrap_port"}
 
 
-@dataclass
-class ServerArgs:
-    """Everything a deployment can set. Field names are the command-line flags (`--page-size` ...)."""
+class Settings:
+    """One concern's settings (a frozen dataclass): each field checked as its kind says (`CHOICES`,
+    `POSITIVE`, `ABOVE_ZERO`, `PORTS`), then the concern's own rules (`check`)."""
 
+    title: ClassVar[str]  # its group in --help
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_setting(f.name, getattr(self, f.name))
+        self.check()
+
+    def check(self) -> None:
+        """The concern's rules between its fields; a broken one is a ValueError naming them."""
+
+    def _resolve(self, name: str, value: object) -> None:
+        """Sets a value derived once, when the settings are made (they are frozen after that)."""
+        object.__setattr__(self, name, value)
+
+
+def check_setting(name: str, value: object) -> None:
+    if name in CHOICES and value not in CHOICES[name] and not (value is None and name in OPTIONAL_CHOICES):
+        raise ValueError(f"{name} must be one of {', '.join(CHOICES[name])}, not {value!r}")
+    if name in POSITIVE and value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, not {value}")
+    if name in ABOVE_ZERO and not value > 0:
+        raise ValueError(f"{name} must be > 0, not {value}")
+    if name in PORTS and not 0 <= value < 65536:
+        raise ValueError(f"{name} must be in [0, 65535], not {value}")
+
+
+@dataclass(frozen=True)
+class ModelSettings(Settings):
+    """The checkpoint and how it is loaded: its weights' dtype, the device, the sampler's seed."""
+
+    title: ClassVar[str] = "model"
     # a checkpoint folder, or a Hugging Face model id such as Qwen/Qwen3-VL-8B-Instruct
     model: str | None = None  # none = the built-in model
     revision: str | None = None  # branch, tag or commit of a Hugging Face model id; none = main
     download_dir: str | None = None  # Hugging Face cache folder for model ids; none = huggingface_hub's ($HF_HOME)
+    served_model_name: str | None = None  # name in the API; none = the model id given, else its folder
     # weights' dtype (and the activations' and KV cache's, except on CPU under auto); auto = the checkpoint's
     # weights as stored (bfloat16 for the published ones), with float32 activations on CPU
     dtype: str = "auto"
     load_format: str = "auto"  # dummy: random weights, no weight file read (speed figures of a config's shapes)
     device: str = "auto"  # auto = cuda if available, else cpu
-    attention_backend: str = "auto"  # auto = flashinfer on CUDA, the C kernel (cpu) on CPU where it runs, else torch
-    tp_size: int = 1  # tensor-parallel ranks (GPUs), one scheduler process each
-    ep_size: int = 1  # expert-parallel ranks among the TP ranks (MoE models; must divide tp_size)
-    nnodes: int = 1  # machines the TP ranks span (tp_size / nnodes ranks each)
-    node_rank: int = 0  # this machine's place; node 0 also runs the HTTP server and the encoder pool
-    dist_init_addr: str | None = None  # HOST:PORT where the ranks meet (node 0's); needed with nnodes > 1
+    seed: int = 0  # seed of the sampler's random numbers where a request gives none
+
+    def check(self) -> None:
+        if self.device == "auto":
+            import torch  # (here: processes that never compute, the detokenizer, need not import it otherwise)
+
+            self._resolve("device", "cuda" if torch.cuda.is_available() else "cpu")
+
+    def resolved_device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device)
+
+    def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The dtype of activations, norms and the KV cache: `auto` is float32 on CPU and the checkpoint's
+        own dtype on GPU."""
+        import torch
+
+        if self.dtype == "auto" and self.device == "cpu":
+            return torch.float32
+        return self.resolved_weight_dtype(model_config)
+
+    def resolved_weight_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The dtype linear layers, experts and embeddings keep their weights in: `auto` is the checkpoint's
+        own (on CPU too: its kernels read bfloat16 weights as stored)."""
+        import torch
+
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        return getattr(torch, model_config.torch_dtype if model_config.torch_dtype in DTYPES else "bfloat16")
+
+
+@dataclass(frozen=True)
+class SchedulerSettings(Settings):
+    """The KV pool, the prefix and multimodal caches, and how the scheduler fills batches."""
+
+    title: ClassVar[str] = "cache and scheduling"
     page_size: int = 1  # tokens per KV cache page
     max_total_tokens: int | None = None  # KV pool size in tokens; none = derived from memory
     max_running_requests: int | None = None  # requests decoded at once; none = derived from the KV pool size
@@ -113,8 +150,6 @@ class ServerArgs:
     chunked_prefill_size: int | None = None  # longest prefill chunk; -1 = no chunking; none = 2048 on CPU, 8192 on GPU
     enable_mixed_chunk: bool = False  # run running requests' decode inside prefill chunks
     disable_overlap_schedule: bool = False  # process each batch's result before launching the next
-    disable_cuda_graph: bool = False  # on CUDA, run decode batches eagerly instead of replaying captured graphs
-    cuda_graph_max_bs: int = 160  # the largest decode batch replayed as a CUDA graph (larger ones run eagerly)
     schedule_policy: str = "fcfs"  # order of the waiting queue (lpm: longest cached prefix first)
     schedule_conservativeness: float = 1.0  # > 1 reserves more KV for running requests' outputs
     disable_radix_cache: bool = False  # no prefix sharing between requests
@@ -123,40 +158,71 @@ class ServerArgs:
     priority_scheduling_preemption_threshold: int = 10  # priority gap that lets a request preempt
     # longest prompt + answer in tokens
     context_length: int | None = None  # none = the model's max_position_embeddings, at most the KV pool's size
-    vit_max_patches_per_pass: int = 32768  # vision tower passes stay under this; long videos are cut
+    grammar_compile_timeout: float = 30.0  # seconds a structured-output request may wait for its grammar
+
+    def check(self) -> None:
+        if self.chunked_prefill_size not in (None, -1) and self.chunked_prefill_size < self.page_size:
+            raise ValueError(f"chunked_prefill_size must be -1 (off) or >= page_size, not {self.chunked_prefill_size}")
+        if self.mm_cache_mb < 0:
+            raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens must hold at least one page, not {self.max_total_tokens}")
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """The longest prefill chunk in tokens; None for no chunking (-1, or unset outside `ServerArgs`,
+        which sets the device's default)."""
+        return None if self.chunked_prefill_size in (None, -1) else self.chunked_prefill_size
+
+
+@dataclass(frozen=True)
+class EncoderSettings(Settings):
+    """Where and how the vision tower runs."""
+
+    title: ClassVar[str] = "encoder"
     # encoder pool processes (GPU i each, or CPU threads); 0 = run the ViT in the scheduler loop; none = 1 on a GPU,
     # 0 on CPU (the tower then takes every core while pictures are encoded, and leaves them all to the LLM after)
     vit_dp: int | None = None
     # CPU threads per encoder rank (--vit-dp 0: of the tower beside running requests); none = an equal share with the LLM
     vit_threads: int | None = None
-    host: str = "127.0.0.1"  # address the HTTP server listens on (0.0.0.0: every interface)
-    port: int = 30000  # port the HTTP server listens on
-    # every endpoint but /health then needs "Authorization: Bearer <key>" (never logged)
-    api_key: str | None = field(default=None, repr=False)
-    api_key_file: str | None = None  # a file holding the API key on one line (keeps it off the command line)
-    served_model_name: str | None = None  # name in the API; none = the model id given, else its folder
+    vit_max_patches_per_pass: int = 32768  # vision tower passes stay under this; long videos are cut
+
+    def check(self) -> None:
+        if self.vit_dp is not None and self.vit_dp < 0:
+            raise ValueError(f"vit_dp must be >= 0 (0 runs the vision tower in the scheduler), not {self.vit_dp}")
+
+
+@dataclass(frozen=True)
+class MediaSettings(Settings):
+    """How pictures are decoded, by every front end."""
+
+    title: ClassVar[str] = "media"
+    # largest picture (width x height as stored) an image or a video frame may be: refused from its header, undecoded
+    # default Pillow's own threshold, about 9459 x 9459: above ordinary photos (48 megapixels), yet 268 MB as RGB
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # (--mm-max-image-pixels instead caps what images are resized to)
+
+
+@dataclass(frozen=True)
+class MediaLimitSettings(Settings):
+    """What media the HTTP server takes from a request, and from where."""
+
+    title: ClassVar[str] = "media in requests"
     allowed_local_media_path: str | None = None  # requests may name local media files under this folder only
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from; none = off
     media_fetch_timeout: float = 10.0  # seconds for a whole remote download
     max_media_mb: int = 64  # largest image or video file a request may send, fetch or name
-    # largest picture (width x height as stored) an image or a video frame may be: refused from its header, undecoded
-    # default Pillow's own threshold, about 9459 x 9459: above ordinary photos (48 megapixels), yet 268 MB as RGB
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # (--mm-max-image-pixels instead caps what images are resized to)
     limit_mm_per_prompt: int = 16  # images + videos in one request
     mm_max_image_pixels: int = 16_777_216  # the most a request's per-image min/max_pixels may ask
     mm_max_video_pixels: int = 33_554_432  # the same for a whole video clip
     mm_max_fps: float = 8.0  # the highest video sampling rate a request may ask
     mm_max_frames: int = 768  # the most frames a request may ask to sample
-    tokenizer_workers: int = 4  # threads rendering, loading and preprocessing requests in the HTTP process
-    reasoning_parser: str | None = None  # qwen3: split <think>...</think> into reasoning_content
-    grammar_compile_timeout: float = 30.0  # seconds a structured-output request may wait for its grammar
-    responses_store_size: int = 1000  # /v1/responses kept in memory (store: true) for previous_response_id; 0 = none
-    # prefill/decode disaggregation (PD), behind sglang-router --pd-disaggregation
-    disaggregation_mode: str = "null"  # null: prefill and decode here; prefill / decode: this server's side of PD
-    disaggregation_bootstrap_port: int = 8998  # prefill side: where decode servers find its ranks
-    disaggregation_transfer_backend: str = "mooncake"  # how KV moves (fake: it does not; for tests)
-    disaggregation_ib_device: str | None = None  # RDMA device(s) for Mooncake, e.g. mlx5_0; none = TCP
-    disaggregation_timeout: float = 300.0  # seconds a PD request waits for its other side in each queue
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings(Settings):
+    """Draft tokens verified in one forward."""
+
+    title: ClassVar[str] = "speculative decoding"
     # speculative decoding: draft tokens verified in one forward, answers the same token for token (greedy, seeded)
     # ngram: drafts from the request's own prompt and output
     # eagle3: drafts from an EAGLE-3 draft head (speculative_draft_model_path); either runs in both loops
@@ -170,64 +236,32 @@ class ServerArgs:
     # decode steps of more requests than this run without drafts; none = draft at every size
     # (a verify step's wider forward pays off at small batches, where reading the weights bounds a step)
     speculative_disable_by_batch_size: int | None = None
-    log_interval: int = 40  # scheduler steps between log lines
-    log_level: str = "warning"  # info shows the scheduler's log lines
-    seed: int = 0  # seed of the sampler's random numbers where a request gives none
 
-    def __post_init__(self) -> None:
-        for name, allowed in CHOICES.items():
-            value = getattr(self, name)
-            if value not in allowed and not (value is None and name in OPTIONAL_CHOICES):
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
-        positive = (
-            "tp_size",
-            "ep_size",
-            "page_size",
-            "max_running_requests",
-            "max_prefill_tokens",
-            "log_interval",
-            "vit_max_patches_per_pass",
-            "vit_threads",
-            "max_media_mb",
-            "max_image_pixels",
-            "limit_mm_per_prompt",
-            "mm_max_image_pixels",
-            "mm_max_video_pixels",
-            "mm_max_frames",
-            "tokenizer_workers",
-            "speculative_num_draft_tokens",
-            "speculative_ngram_min_match_window_size",
-            "speculative_ngram_max_match_window_size",
-            "speculative_disable_by_batch_size",
-            "cuda_graph_max_bs",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, not {value}")
+    def check(self) -> None:
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
             raise ValueError(
                 f"speculative_ngram_min_match_window_size ({self.speculative_ngram_min_match_window_size}) must not "
                 f"exceed speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
             )
-        builtin = self.model is None or Path(self.model).expanduser().resolve() == BUILTIN_MODEL
-        if self.speculative_algorithm is None and builtin:
-            # its trained draft makes its answers faster where decode steps are small (bench_speculative.py)
-            self.speculative_algorithm = "eagle3"
-            if self.speculative_disable_by_batch_size is None:
-                self.speculative_disable_by_batch_size = BUILTIN_DRAFT_MAX_BATCH
-        if self.speculative_algorithm == "eagle3" and self.speculative_draft_model_path is None and builtin:
-            self.speculative_draft_model_path = str(BUILTIN_DRAFT)  # the built-in model's own draft head
-        if (self.speculative_algorithm == "eagle3") != (self.speculative_draft_model_path is not None):
-            raise ValueError(
-                "speculative_algorithm eagle3 needs speculative_draft_model_path (the draft head's folder or id)"
-                if self.speculative_algorithm == "eagle3"
-                else "speculative_draft_model_path is for speculative_algorithm eagle3"
-            )
-        if self.responses_store_size < 0:
-            raise ValueError(f"responses_store_size must be >= 0, not {self.responses_store_size}")
-        if self.chunked_prefill_size not in (None, -1) and self.chunked_prefill_size < self.page_size:
-            raise ValueError(f"chunked_prefill_size must be -1 (off) or >= page_size, not {self.chunked_prefill_size}")
+
+    @property
+    def speculating(self) -> bool:
+        """Whether decode steps verify draft tokens (`speculative_algorithm` ngram or eagle3)."""
+        return self.speculative_algorithm in ("ngram", "eagle3")
+
+
+@dataclass(frozen=True)
+class ParallelSettings(Settings):
+    """Tensor and expert parallelism, over one machine or several."""
+
+    title: ClassVar[str] = "parallelism"
+    tp_size: int = 1  # tensor-parallel ranks (GPUs), one scheduler process each
+    ep_size: int = 1  # expert-parallel ranks among the TP ranks (MoE models; must divide tp_size)
+    nnodes: int = 1  # machines the TP ranks span (tp_size / nnodes ranks each)
+    node_rank: int = 0  # this machine's place; node 0 also runs the HTTP server and the encoder pool
+    dist_init_addr: str | None = None  # HOST:PORT where the ranks meet (node 0's); needed with nnodes > 1
+
+    def check(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), not {self.node_rank}")
         if self.tp_size % self.nnodes != 0:
@@ -238,33 +272,129 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"dist_init_addr must be HOST:PORT, not {self.dist_init_addr!r}")
-        if self.vit_dp is not None and self.vit_dp < 0:
-            raise ValueError(f"vit_dp must be >= 0 (0 runs the vision tower in the scheduler), not {self.vit_dp}")
-        if self.disaggregation_mode == "decode":
-            self.vit_dp = 0  # a decode server never encodes media (its KV comes from the prefill server)
-        if self.vit_dp is None:
-            self.vit_dp = 0 if self.resolved_device().type == "cpu" else 1
-        if self.mm_cache_mb < 0:
-            raise ValueError(f"mm_cache_mb must be >= 0 (0 disables the cache), not {self.mm_cache_mb}")
-        for name in ("port", "disaggregation_bootstrap_port"):
-            if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"{name} must be in [0, 65535], not {getattr(self, name)}")
-        for name in ("media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout", "disaggregation_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
-        if self.schedule_conservativeness <= 0:
-            raise ValueError(f"schedule_conservativeness must be > 0, not {self.schedule_conservativeness}")
-        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ValueError(f"max_total_tokens must hold at least one page, not {self.max_total_tokens}")
+
+    @property
+    def node_tp_ranks(self) -> range:
+        """The TP ranks this node runs."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+
+@dataclass(frozen=True)
+class DisaggregationSettings(Settings):
+    """This server's side of PD and how its KV moves."""
+
+    title: ClassVar[str] = "prefill/decode disaggregation"
+    # prefill/decode disaggregation (PD), behind sglang-router --pd-disaggregation
+    disaggregation_mode: str = "null"  # null: prefill and decode here; prefill / decode: this server's side of PD
+    disaggregation_bootstrap_port: int = 8998  # prefill side: where decode servers find its ranks
+    disaggregation_transfer_backend: str = "mooncake"  # how KV moves (fake: it does not; for tests)
+    disaggregation_ib_device: str | None = None  # RDMA device(s) for Mooncake, e.g. mlx5_0; none = TCP
+    disaggregation_timeout: float = 300.0  # seconds a PD request waits for its other side in each queue
+
+
+@dataclass(frozen=True)
+class HttpSettings(Settings):
+    """Where the HTTP server listens, who may call it, and its front end's work."""
+
+    title: ClassVar[str] = "HTTP server"
+    host: str = "127.0.0.1"  # address the HTTP server listens on (0.0.0.0: every interface)
+    port: int = 30000  # port the HTTP server listens on
+    # every endpoint but /health then needs "Authorization: Bearer <key>" (never logged)
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None  # a file holding the API key on one line (keeps it off the command line)
+    tokenizer_workers: int = 4  # threads rendering, loading and preprocessing requests in the HTTP process
+    reasoning_parser: str | None = None  # qwen3: split <think>...</think> into reasoning_content
+    responses_store_size: int = 1000  # /v1/responses kept in memory (store: true) for previous_response_id; 0 = none
+
+    def check(self) -> None:
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, not {self.responses_store_size}")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give the API key by api_key (--api-key) or by api_key_file (--api-key-file), not both")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
 
-    @property
-    def speculating(self) -> bool:
-        """Whether decode steps verify draft tokens (`speculative_algorithm` ngram or eagle3)."""
-        return self.speculative_algorithm in ("ngram", "eagle3")
+
+@dataclass(frozen=True)
+class GpuSettings(Settings):
+    """The attention backend and CUDA graphs."""
+
+    title: ClassVar[str] = "GPU only"
+    attention_backend: str = "auto"  # auto = flashinfer on CUDA, the C kernel (cpu) on CPU where it runs, else torch
+    disable_cuda_graph: bool = False  # on CUDA, run decode batches eagerly instead of replaying captured graphs
+    cuda_graph_max_bs: int = 160  # the largest decode batch replayed as a CUDA graph (larger ones run eagerly)
+
+
+@dataclass(frozen=True)
+class LogSettings(Settings):
+    """What the processes log."""
+
+    title: ClassVar[str] = "logging"
+    log_level: str = "warning"  # info shows the scheduler's log lines
+    log_interval: int = 40  # scheduler steps between log lines
+
+
+# the concerns, in the order --help shows them
+CONCERNS: tuple[type[Settings], ...] = (
+    ModelSettings, SchedulerSettings, EncoderSettings, MediaSettings, MediaLimitSettings, SpeculativeSettings,
+    ParallelSettings, DisaggregationSettings, HttpSettings, GpuSettings, LogSettings,
+)  # fmt: skip
+# What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the others are the HTTP
+# server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes, PD).
+ENGINE_CONCERNS: tuple[type[Settings], ...] = (
+    ModelSettings, SchedulerSettings, EncoderSettings, MediaSettings, SpeculativeSettings, GpuSettings, LogSettings
+)  # fmt: skip
+SETTING_GROUPS: dict[str, tuple[str, ...]] = {c.title: tuple(f.name for f in fields(c)) for c in CONCERNS}
+ENGINE_SETTINGS = tuple(f.name for c in ENGINE_CONCERNS for f in fields(c))
+
+
+@dataclass(frozen=True)
+class ServerArgs(
+    LogSettings,
+    GpuSettings,
+    HttpSettings,
+    DisaggregationSettings,
+    ParallelSettings,
+    SpeculativeSettings,
+    MediaLimitSettings,
+    MediaSettings,
+    EncoderSettings,
+    SchedulerSettings,
+    ModelSettings,
+):  # (CONCERNS, last first: a dataclass's fields are its last base's first)
+    """Everything a deployment can set: every concern's settings, flat. Field names are the command-line
+    flags (`--page-size` ...)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_setting(f.name, getattr(self, f.name))
+        for concern in CONCERNS:
+            concern.check(self)
+        # the rules across concerns, and what they resolve
+        builtin = self.model is None or Path(self.model).expanduser().resolve() == BUILTIN_MODEL
+        if self.speculative_algorithm is None and builtin:
+            # its trained draft makes its answers faster where decode steps are small (bench_speculative.py)
+            self._resolve("speculative_algorithm", "eagle3")
+            if self.speculative_disable_by_batch_size is None:
+                self._resolve("speculative_disable_by_batch_size", BUILTIN_DRAFT_MAX_BATCH)
+        if self.speculative_algorithm == "eagle3" and self.speculative_draft_model_path is None and builtin:
+            self._resolve("speculative_draft_model_path", str(BUILTIN_DRAFT))  # the built-in model's own draft head
+        if (self.speculative_algorithm == "eagle3") != (self.speculative_draft_model_path is not None):
+            raise ValueError(
+                "speculative_algorithm eagle3 needs speculative_draft_model_path (the draft head's folder or id)"
+                if self.speculative_algorithm == "eagle3"
+                else "speculative_draft_model_path is for speculative_algorithm eagle3"
+            )
+        if self.disaggregation_mode == "decode":
+            self._resolve("vit_dp", 0)  # a decode server never encodes media (its KV comes from the prefill server)
+        if self.vit_dp is None:
+            self._resolve("vit_dp", 0 if self.device == "cpu" else 1)
+        if self.chunked_prefill_size is None:
+            # 2048 on CPU, as vLLM's CPU build: a burst of prompts then reaches its first tokens one chunk after
+            # another instead of all at the end of one long prefill (mean TTFT of a 16-prompt burst 1.9 -> 1.5 s
+            # on the small MoE)
+            self._resolve("chunked_prefill_size", 2048 if self.device == "cpu" else 8192)
 
     def with_api_key(self, environ: Mapping[str, str]) -> ServerArgs:
         """These settings with the API key in `api_key`: as given, else read from `api_key_file`, else
@@ -288,63 +418,29 @@ class ServerArgs:
             return self
         return replace(self, api_key=key, api_key_file=None)
 
-    @property
-    def node_tp_ranks(self) -> range:
-        """The TP ranks this node runs."""
-        per_node = self.tp_size // self.nnodes
-        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
-
-    def resolved_device(self) -> torch.device:
-        import torch  # (here: the processes that never compute, the detokenizer, need not import it)
-
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolved_chunked_prefill_size(self) -> int | None:
-        """The longest prefill chunk in tokens, None for no chunking. By default 2048 on CPU, as vLLM's CPU
-        build: a burst of prompts then reaches its first tokens one chunk after another instead of all at
-        the end of one long prefill (mean TTFT of a 16-prompt burst 1.9 -> 1.5 s on the small MoE)."""
-        if self.chunked_prefill_size is None:
-            return 2048 if self.resolved_device().type == "cpu" else 8192
-        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
-
-    def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        """The dtype of activations, norms and the KV cache: `auto` is float32 on CPU and the checkpoint's
-        own dtype on GPU."""
-        import torch
-
-        if self.dtype == "auto" and self.resolved_device().type == "cpu":
-            return torch.float32
-        return self.resolved_weight_dtype(model_config)
-
-    def resolved_weight_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        """The dtype linear layers, experts and embeddings keep their weights in: `auto` is the checkpoint's
-        own (on CPU too: its kernels read bfloat16 weights as stored)."""
-        import torch
-
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        return getattr(torch, model_config.torch_dtype if model_config.torch_dtype in DTYPES else "bfloat16")
-
 
 def setting_docs() -> dict[str, str]:
     """Each `ServerArgs` field's meaning, read from its comments in this file (the lines just above it and
     the end of its own): the command line's help comes from here, so that it cannot drift from the code."""
-    lines = inspect.getsource(ServerArgs).splitlines()
-    comments = {}  # line number (0-based) -> comment text
-    for token in tokenize.generate_tokens(io.StringIO("\n".join(lines)).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0] - 1] = token.string.lstrip("#").strip()
     docs = {}
-    for node in ast.parse(textwrap.dedent("\n".join(lines))).body[0].body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        parts, line = [comments.get(node.end_lineno - 1, "")], node.lineno - 2
-        while line in comments and lines[line].lstrip().startswith("#"):
-            parts.insert(0, comments[line])
-            line -= 1
-        docs[node.target.id] = "; ".join(p for p in parts if p)
+    for concern in CONCERNS:
+        lines = inspect.getsource(concern).splitlines()
+        comments = {}  # line number (0-based) -> comment text
+        for token in tokenize.generate_tokens(io.StringIO("\n".join(lines)).readline):
+            if token.type == tokenize.COMMENT:
+                comments[token.start[0] - 1] = token.string.lstrip("#").strip()
+        names = {f.name for f in fields(concern)}
+        for node in ast.parse(textwrap.dedent("\n".join(lines))).body[0].body:
+            if (
+                not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name))
+                or node.target.id not in names
+            ):
+                continue
+            parts, line = [comments.get(node.end_lineno - 1, "")], node.lineno - 2
+            while line in comments and lines[line].lstrip().startswith("#"):
+                parts.insert(0, comments[line])
+                line -= 1
+            docs[node.target.id] = "; ".join(p for p in parts if p)
     return docs
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.config import ENGINE_CONCERNS, DisaggregationSettings, ModelConfig, ServerArgs
 from vlm_serve.encoder.pool import create_encoder
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut, BootstrapInfo, SpeculativeCounts
@@ -151,17 +151,20 @@ class Engine:
     """`Engine(model=path, dtype="float32").chat(messages, max_tokens=16, temperature=0).text`.
 
     `model` is a checkpoint folder or a Hugging Face model id (`model_source`); None uses the built-in
-    model (`vlm_serve.builtin`). Other keywords are `ServerArgs` fields
+    model (`vlm_serve.builtin`). Other keywords are the settings of `config.ENGINE_CONCERNS`
     (`chunked_prefill_size`, `schedule_policy`, `page_size`, `max_total_tokens`, ...). Sampling keywords
     are named as in the OpenAI API (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n`, ...);
     without `max_tokens` an answer may run to the context length, as in the server.
     """
 
     def __init__(self, model: str | Path | None = None, **options: Any) -> None:
-        known = {f.name for f in dataclasses.fields(ServerArgs)} - {"model"}
-        unknown = set(options) - known
+        concerns = (*ENGINE_CONCERNS, DisaggregationSettings)  # (an engine may be one side of PD: the tests' loopback)
+        unknown = set(options) - {f.name for concern in concerns for f in dataclasses.fields(concern)}
         if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+            raise TypeError(
+                f"unknown engine option(s): {', '.join(sorted(unknown))} (an Engine takes the settings of "
+                f"{', '.join(c.title for c in concerns)}; the HTTP server's and multi-rank ones are `vlm-serve serve`'s)"
+            )
         self.server_args = with_local_model(ServerArgs(model=None if model is None else str(model), **options))
         self.model_name = self.server_args.served_model_name
         path = Path(self.server_args.model)

@@ -11,13 +11,15 @@ import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from vlm_serve.builtin import BUILTIN_MODEL
-from vlm_serve.config import ServerArgs
+from vlm_serve.config import ModelSettings
 
 # what serving reads: config and processor JSON files, weights, the tokenizer (merges.txt), chat templates
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+S = TypeVar("S", bound=ModelSettings)  # ServerArgs, or the model's settings alone
 
 
 def resolve_model(
@@ -35,7 +37,7 @@ def resolve_model(
     return check_checkpoint(path, weights)
 
 
-def with_local_model(server_args: ServerArgs) -> ServerArgs:
+def with_local_model(server_args: S) -> S:
     """`server_args` with `model` the local checkpoint folder it names (`resolve_model`), served under
     its Hugging Face id as given (as vLLM does) or else the folder's name, unless a name is set."""
     model = server_args.model

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from vlm_serve.config import ServerArgs
+    from vlm_serve.config import EncoderSettings
 
 _PR_SET_NAME = 15
 IDLE_POLL_MS = 500  # an idle process waits this long for a message before checking on its parent
@@ -107,13 +107,13 @@ def exit_now(code: int) -> NoReturn:
 # ---- CPU threads of the LLM process and the encoder ranks beside it ------------------------------------
 
 
-def rank_threads(server_args: ServerArgs) -> int:
+def rank_threads(settings: EncoderSettings) -> int:
     """CPU threads of one rank: `vit_threads`, or an equal share of the cores with the LLM process."""
-    if server_args.vit_threads is not None:
-        return server_args.vit_threads
-    return max(1, len(os.sched_getaffinity(0)) // (server_args.vit_dp + 1))
+    if settings.vit_threads is not None:
+        return settings.vit_threads
+    return max(1, len(os.sched_getaffinity(0)) // (settings.vit_dp + 1))
 
 
-def llm_threads(server_args: ServerArgs) -> int:
+def llm_threads(settings: EncoderSettings) -> int:
     """CPU threads left to the LLM process next to the pool's ranks (at least one)."""
-    return max(1, len(os.sched_getaffinity(0)) - server_args.vit_dp * rank_threads(server_args))
+    return max(1, len(os.sched_getaffinity(0)) - settings.vit_dp * rank_threads(settings))

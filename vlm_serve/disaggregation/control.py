@@ -51,7 +51,7 @@ from vlm_serve.ipc import zmq_context
 from vlm_serve.messages.backend import BootstrapInfo
 
 if TYPE_CHECKING:
-    from vlm_serve.config import ServerArgs
+    from vlm_serve.config import DisaggregationSettings
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ class Timeouts:
     heartbeat: float = 10.0
 
     @classmethod
-    def of(cls, server_args: ServerArgs) -> Timeouts:
-        wait = server_args.disaggregation_timeout
+    def of(cls, settings: DisaggregationSettings) -> Timeouts:
+        wait = settings.disaggregation_timeout
         return cls(bootstrap=min(cls.bootstrap, wait), waiting=wait, heartbeat=min(cls.heartbeat, wait))
 
     @property

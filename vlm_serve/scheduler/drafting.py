@@ -9,7 +9,7 @@ those kept.
 
 from __future__ import annotations
 
-from vlm_serve.config import ServerArgs
+from vlm_serve.config import SpeculativeSettings
 from vlm_serve.llm.forward_batch import ForwardMode
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.speculative.draft_state import DraftState
@@ -24,18 +24,18 @@ class Drafting:
     """The drafts of each decode step (`--speculative-algorithm`): `ngram` proposes them, `eagle` (the
     EAGLE-3 worker) drafts them at forward time; neither without speculation."""
 
-    def __init__(self, server_args: ServerArgs, runner: ModelRunner) -> None:
-        self.num_draft_tokens = server_args.speculative_num_draft_tokens
-        self.disable_by_batch_size = server_args.speculative_disable_by_batch_size
+    def __init__(self, settings: SpeculativeSettings, runner: ModelRunner) -> None:
+        self.num_draft_tokens = settings.speculative_num_draft_tokens
+        self.disable_by_batch_size = settings.speculative_disable_by_batch_size
         self.context_len = runner.context_len
         self.ngram: NgramProposer | None = None
         self.eagle: Eagle3Worker | None = None
-        if server_args.speculative_algorithm == "ngram":
+        if settings.speculative_algorithm == "ngram":
             self.ngram = NgramProposer(
-                server_args.speculative_num_draft_tokens, server_args.speculative_ngram_min_match_window_size,
-                server_args.speculative_ngram_max_match_window_size, runner.model_config.text.vocab_size,
+                settings.speculative_num_draft_tokens, settings.speculative_ngram_min_match_window_size,
+                settings.speculative_ngram_max_match_window_size, runner.model_config.text.vocab_size,
             )  # fmt: skip
-        elif server_args.speculative_algorithm == "eagle3":
+        elif settings.speculative_algorithm == "eagle3":
             self.eagle = Eagle3Worker(runner)
 
     def enabled(self, decode_batch_size: int) -> bool:

@@ -15,7 +15,7 @@ from vlm_serve.disaggregation.transfer import KVPoll, TransferBackend
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 
 if TYPE_CHECKING:
-    from vlm_serve.config import ServerArgs
+    from vlm_serve.config import DisaggregationSettings
     from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
     from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
     from vlm_serve.llm.model_runner import ModelRunner
@@ -69,7 +69,7 @@ class PDScheduler(Protocol):
     """What the PD queues use of the scheduler that drives them (scheduler.Scheduler): its pools and
     cache, its batch, its limits, and the steps of a request's life they hand requests on to."""
 
-    server_args: ServerArgs
+    server_args: DisaggregationSettings
     runner: ModelRunner
     tree_cache: RadixCache
     req_to_token_pool: ReqToTokenPool

@@ -100,7 +100,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         self.max_total_tokens = runner.max_total_tokens
         self.max_running_requests = self.req_to_token_pool.size
         self.max_prefill_tokens = min(server_args.max_prefill_tokens, self.max_total_tokens)
-        chunk = server_args.resolved_chunked_prefill_size()
+        chunk = server_args.prefill_chunk
         self.chunked_prefill_size = None if chunk is None else min(chunk, self.max_prefill_tokens)
         self.enable_mixed_chunk = server_args.enable_mixed_chunk and self.chunked_prefill_size is not None
 

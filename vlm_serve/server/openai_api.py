@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from vlm_serve.config import ServerArgs
+from vlm_serve.config import MediaLimitSettings, ServerArgs
 from vlm_serve.errors import ApiError, InternalError, ModelNotFoundError
 from vlm_serve.messages.backend import SpeculativeCounts, TokenizedGenerateReq
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
@@ -450,7 +450,7 @@ async def errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
             yield "data: [DONE]\n\n"
 
 
-def check_media_parts(request: ChatPrompt, server_args: ServerArgs) -> None:
+def check_media_parts(request: ChatPrompt, limits: MediaLimitSettings) -> None:
     """At most `limit_mm_per_prompt` images and videos, each asking no more than the server's caps
     (with its own options, or else the request-wide ones)."""
     parts = [
@@ -460,14 +460,14 @@ def check_media_parts(request: ChatPrompt, server_args: ServerArgs) -> None:
         for part in message.content
         if isinstance(part, (ImagePart, VideoPart))
     ]
-    check_media_count(len(parts), server_args)
+    check_media_count(len(parts), limits)
     request_wide = request.media_options()
     for part in parts:
         kind = "image" if isinstance(part, ImagePart) else "video"
-        pixel_cap = server_args.mm_max_image_pixels if kind == "image" else server_args.mm_max_video_pixels
+        pixel_cap = limits.mm_max_image_pixels if kind == "image" else limits.mm_max_video_pixels
         caps = {"min_pixels": pixel_cap, "max_pixels": pixel_cap}
         if kind == "video":
-            caps.update(fps=server_args.mm_max_fps, max_frames=server_args.mm_max_frames)
+            caps.update(fps=limits.mm_max_fps, max_frames=limits.mm_max_frames)
         options = {**request_wide[kind], **part.model_dump(include=set(caps), exclude_none=True)}
         for name, cap in caps.items():
             value = options.get(name)
@@ -478,10 +478,10 @@ def check_media_parts(request: ChatPrompt, server_args: ServerArgs) -> None:
             raise ValueError(f"{kind} min_pixels={low} is larger than max_pixels={high}")
 
 
-def check_media_count(count: int, server_args: ServerArgs) -> None:
+def check_media_count(count: int, limits: MediaLimitSettings) -> None:
     """A prompt may bring at most `limit_mm_per_prompt` images and videos."""
-    if count > server_args.limit_mm_per_prompt:
+    if count > limits.limit_mm_per_prompt:
         raise ValueError(
             f"the request has {count} images and videos; this server accepts at most "
-            f"{server_args.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)"
+            f"{limits.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)"
         )
