@@ -1,4 +1,4 @@
-"""A soak of the combined-feature test's requests: what tests/test_combined_features.py sends and checks, for
+"""A soak of the combined-feature test's requests: what tests/deployments/test_combined_features.py sends and checks, for
 as long as asked, with several clients at once.
 
 For each set-up of `vlm_serve.testing.deployments.SETUPS` asked for (all by default), one after the other:

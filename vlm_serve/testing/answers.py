@@ -1,5 +1,5 @@
 """What a valid request (`vlm_serve.testing.requests.Call`) must get back, checked from outside as a client
-sees it: the oracles of the combined-feature test (tests/test_combined_features.py) and of
+sees it: the oracles of the combined-feature test (tests/deployments/test_combined_features.py) and of
 benchmarks/fuzz_soak.py. Needs the test extra (httpx, openai, jsonschema).
 
 `send` posts a call and reads its answer whole (a stream to its end). `problems` lists what is wrong with

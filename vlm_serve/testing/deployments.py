@@ -1,4 +1,4 @@
-"""The set-ups of the built-in model that the combined-feature test (tests/test_combined_features.py) and
+"""The set-ups of the built-in model that the combined-feature test (tests/deployments/test_combined_features.py) and
 benchmarks/fuzz_soak.py send requests to, each started as real processes: `vlm-serve serve`, or a prefill
 and a decode server behind sglang-router in PD mode (`pd`, which needs the pd extra). Each server's output
 goes to a log file.

@@ -1,6 +1,6 @@
 """Valid request bodies of every generating endpoint, as hypothesis strategies: what a real client may send
 to /v1/chat/completions, /v1/completions, /v1/responses and SGLang's /generate, with the features combined.
-The combined-feature test (tests/test_combined_features.py) and benchmarks/fuzz_soak.py draw from `calls()`.
+The combined-feature test (tests/deployments/test_combined_features.py) and benchmarks/fuzz_soak.py draw from `calls()`.
 Needs the test extra (hypothesis). `calls(router=True)` draws only what sglang-router's PD mode passes on whole
 (each strategy says what it leaves out then: the router refuses or drops some valid fields and values).
 

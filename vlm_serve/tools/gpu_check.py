@@ -55,9 +55,10 @@ FLOAT32_TOLERANCE = 1e-3  # of the largest |logit|: float32 kernels differ in su
 BFLOAT16_SLACK = 1.25
 BFLOAT16_ARGMAX_ERRORS = 2.0
 SUITE = [  # in order of value: a lent GPU's time may end before the last
-    "tests/test_cuda_paths.py", "tests/test_model_parity.py", "tests/test_server.py", "tests/test_encoder_pool.py",
-    "tests/test_fp8_triton.py", "tests/test_moe_layer.py", "tests/test_engine.py", "tests/test_builtin_model.py",
-    "tests/test_speculative.py", "tests/test_vision_passes.py", "tests/test_low_precision.py",
+    "tests/llm/test_cuda_paths.py", "tests/parity/test_model_parity.py", "tests/deployments/test_server.py",
+    "tests/encoder/test_encoder_pool.py", "tests/llm/test_fp8_triton.py", "tests/llm/test_moe_layer.py",
+    "tests/engine/test_engine.py", "tests/tools/test_builtin_model.py", "tests/scheduler/test_speculative.py",
+    "tests/llm/test_vision_passes.py", "tests/parity/test_low_precision.py",
 ]  # fmt: skip
 
 
@@ -513,10 +514,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown part(s) {', '.join(sorted(unknown))}; the parts are {', '.join(PARTS)}")
     suite = SUITE
     if args.suite_files is not None:
-        suite = [f"tests/{name}.py" for name in args.suite_files.split(",") if name]
-        unknown = [f for f in suite if f not in SUITE]
+        by_name = {Path(f).stem: f for f in SUITE}
+        names = [name for name in args.suite_files.split(",") if name]
+        unknown = [name for name in names if name not in by_name]
         if unknown:
-            parser.error(f"--suite-files: not in the suite: {', '.join(unknown)}; it has {', '.join(SUITE)}")
+            parser.error(f"--suite-files: not in the suite: {', '.join(unknown)}; it has {', '.join(by_name)}")
+        suite = [by_name[name] for name in names]
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"

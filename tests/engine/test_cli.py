@@ -89,7 +89,7 @@ def test_settings_come_from_the_config_file_and_command_line_flags_win(tmp_path)
 
 
 def test_every_shipped_config_file_is_valid():
-    configs = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
+    configs = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
     assert configs
     for config in configs:
         # as launched: a multi-node file gets each node's address of node 0 on the command line

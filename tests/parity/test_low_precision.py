@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
+from test_model_parity import _conversations, _hf_inputs
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from helpers import openai_client, running_server
-from test_model_parity import _conversations, _hf_inputs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.kernels import linear_cpu
 from vlm_serve.quantization import FP8_DTYPE, dequantize_fp8_blocks

@@ -17,7 +17,7 @@ from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serving.py"
 
 
 @pytest.fixture(scope="module")

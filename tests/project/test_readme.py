@@ -31,8 +31,8 @@ SKIPPED = {
         "serves until stopped, from a Hugging Face download, a /models folder and an 8-GPU config"
     ),
     ("bash", "sglang_router.launch_router"): (
-        "servers and a router that serve until stopped, on fixed ports (tests/test_router.py starts such a "
-        "set-up, tests/test_pd_serving.py runs the PD one on free ports)"
+        "servers and a router that serve until stopped, on fixed ports (tests/deployments/test_router.py starts such a "
+        "set-up, tests/disaggregation/test_pd_serving.py runs the PD one on free ports)"
     ),
 }
 _GENERATE_ANSWER = re.compile(r"^vlm-serve generate .*  # (.+)$", re.MULTILINE)

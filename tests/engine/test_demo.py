@@ -283,7 +283,7 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, im
 
 
 def test_installing_the_demo_keeps_the_pillow_the_package_installed():
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     ours = next(Requirement(d) for d in project["dependencies"] if Requirement(d).name == "pillow").specifier
     theirs = next(Requirement(r) for r in requires("gradio") if Requirement(r).name == "pillow").specifier
     releases = [f"{major}.{minor}.0" for major in range(10, 20) for minor in range(4)]

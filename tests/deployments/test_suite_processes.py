@@ -60,7 +60,7 @@ def test_a_failed_test_leaves_no_server_running_and_a_process_left_running_fails
     children) runs, and by the next test none of them is left; one leaves a process running that it
     started past the helpers, which fails the session at its end, named, and is stopped."""
     (tmp_path / "test_session.py").write_text(_SESSION)
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parent.parent)  # (the suite's conftest.py and helpers)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
            "MODEL": str(tiny_moe_dir), "OUT": str(tmp_path)}  # fmt: skip
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "test_session.py"]
