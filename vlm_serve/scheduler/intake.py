@@ -37,7 +37,8 @@ TRANSFER_WAIT_SECONDS = 0.002  # the same for KV transfers (PD)
 
 
 class SchedulerIntakeMixin:
-    """The scheduler's request intake (a part of `Scheduler`, which holds the state named here)."""
+    """The scheduler's request intake: a part of `Scheduler`, which holds the state named here and the steps of a
+    request's life it calls (`stop_request`, `finish`, `is_idle` ...)."""
 
     server_args: ServerArgs
     runner: ModelRunner

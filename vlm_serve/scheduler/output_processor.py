@@ -38,7 +38,8 @@ class LaunchedBatch:
 
 
 class SchedulerOutputProcessorMixin:
-    """The scheduler's result processing (a part of `Scheduler`, which holds the state named here)."""
+    """The scheduler's result processing: a part of `Scheduler`, which holds the state named here and the steps
+    of a request's life it calls (`finish`, `fail_request`)."""
 
     reqs: dict[str, Req]
     waiting_queue: list[Req]

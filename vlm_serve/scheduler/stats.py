@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerMetricsMixin:
-    """The scheduler's reports and health checks (a part of `Scheduler`, which holds the state named here)."""
+    """The scheduler's reports and health checks: a part of `Scheduler`, which holds the state named here."""
 
     tp_rank: int
     reqs: dict[str, Req]
