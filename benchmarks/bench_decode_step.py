@@ -53,8 +53,15 @@ def timed_calls(with_pointers):
 def decode(engine: Engine, batch: int, tokens: int) -> dict[str, float]:
     """ms per decode step: whole, in C, in the model's Python, in the rest of the engine."""
     conversation = [{"role": "user", "content": PROMPT}]
-    submissions = [engine.submit(engine.processor.process_messages(conversation, add_generation_prompt=True),
-                                 max_tokens=tokens, temperature=0, ignore_eos=True) for _ in range(batch)]  # fmt: skip
+    submissions = [
+        engine.submit(
+            engine.processor.process_messages(conversation, add_generation_prompt=True),
+            max_tokens=tokens,
+            temperature=0,
+            ignore_eos=True,
+        )
+        for _ in range(batch)
+    ]
     while not any(s.choices[0].outs for s in submissions):  # prefill, up to every first token
         engine.step()
     clock.update(c=0.0, forward=0.0)
@@ -105,15 +112,19 @@ def main() -> None:
                         for layer, f in zip(layers, fused):
                             layer.fused = f
                         runs[way, b].append(decode(engine, b, args.output_tokens))
-    print(f"\n{path.name if args.model else 'small MoE'}, {args.output_tokens} tokens per request, "
-          f"median of {args.repeats}, ms per decode step")  # fmt: skip
+    print(
+        f"\n{path.name if args.model else 'small MoE'}, {args.output_tokens} tokens per request, "
+        f"median of {args.repeats}, ms per decode step"
+    )
     print(f"{'batch':>5} {'layers':>8} | {'step':>6} {'C':>6} {'model py':>8} {'engine':>6} | {'not C':>6} | tokens/s")
     for b in batches:
         for way in ways:
             figures = {k: statistics.median(r[k] for r in runs[way, b]) for k in runs[way, b][0]}
             other = (figures["step"] - figures["c"]) / figures["step"]
-            print(f"{b:>5} {way:>8} | {figures['step']:6.2f} {figures['c']:6.2f} {figures['model python']:8.2f} "
-                  f"{figures['engine']:6.2f} | {other:6.1%} | {b / figures['step'] * 1e3:8.1f}")  # fmt: skip
+            print(
+                f"{b:>5} {way:>8} | {figures['step']:6.2f} {figures['c']:6.2f} {figures['model python']:8.2f} "
+                f"{figures['engine']:6.2f} | {other:6.1%} | {b / figures['step'] * 1e3:8.1f}"
+            )
         fused, modules = (statistics.median(r["step"] for r in runs[w, b]) for w in ways)
         print(f"{b:>5} fused / modules: {modules / fused:.2f}x tokens/s")
 

@@ -442,9 +442,23 @@ def measure_server_decode_latency(path: Path, vit_dp: int, args: argparse.Namesp
     tokens of the first stream. The ITL is the gap between a stream's chunks, as its client sees it."""
     port = _free_port()
     command = [
-        sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(path), "--port", str(port), "--tp-size", "2",
-        "--ep-size", "2", "--vit-dp", str(vit_dp), "--chunked-prefill-size", str(args.chunked_prefill_size),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vlm_serve.cli",
+        "serve",
+        "--model",
+        str(path),
+        "--port",
+        str(port),
+        "--tp-size",
+        "2",
+        "--ep-size",
+        "2",
+        "--vit-dp",
+        str(vit_dp),
+        "--chunked-prefill-size",
+        str(args.chunked_prefill_size),
+    ]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in server.stdout:
@@ -473,9 +487,12 @@ async def _stream_while_images_arrive(url: str, images: list[str], vit_dp: int, 
 
         async def stream(i: int) -> None:
             body = {
-                "messages": [{"role": "user", "content": f"Story {i}: a long tale of the sea."}], "stream": True,
-                "max_tokens": args.itl_max_tokens, "temperature": 0, "ignore_eos": True,
-            }  # fmt: skip
+                "messages": [{"role": "user", "content": f"Story {i}: a long tale of the sea."}],
+                "stream": True,
+                "max_tokens": args.itl_max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             async with client.stream("POST", url, json=body) as response:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: {"):

@@ -60,11 +60,13 @@ def main() -> None:
     if kernel is None:
         sys.exit("the CPU kernels did not build (see the warning above)")
     cpu, widest = describe_cpu()
-    print(f"CPU: {cpu} ({widest}), {args.threads} threads; kernels built for -march={march}: {kernel.isa}, "
-          f"{kernel.lanes} floats per vector, bfloat16 weights "
-          f"{'times x in bfloat16 (AVX-512-BF16 dot products)' if kernel.bf16_dot else 'widened to float32'}; "
-          f"torch/oneDNN/MKL: "
-          f"{'capped at AVX2' if args.isa == 'avx2' else 'their own choice'}")  # fmt: skip
+    print(
+        f"CPU: {cpu} ({widest}), {args.threads} threads; kernels built for -march={march}: {kernel.isa}, "
+        f"{kernel.lanes} floats per vector, bfloat16 weights "
+        f"{'times x in bfloat16 (AVX-512-BF16 dot products)' if kernel.bf16_dot else 'widened to float32'}; "
+        f"torch/oneDNN/MKL: "
+        f"{'capped at AVX2' if args.isa == 'avx2' else 'their own choice'}"
+    )
     fma, bandwidth = roofs(torch, march, args.threads)
     print(f"roofs: FMA {fma:.0f} GFLOP/s, memory read {bandwidth:.1f} GB/s\n")
     if "linear" in args.sections:
@@ -183,8 +185,10 @@ def bench_linear(torch, repeats: int, fma: float) -> None:
             t_theirs = timed(repeats, lambda i: onednn_linear(x, theirs[i % count]))
             flops, nbytes = 2 * rows * inp * out, 4 * inp * out
             cells = [f"{flops / t / 1e9:8.1f} ({nbytes / t / 1e9:5.1f})" for t in (t_ours, t_theirs)]
-            print(f"{f'{inp}x{out} {name}':<34}{rows:>5}{cells[0]:>18}{cells[1]:>18}{t_theirs / t_ours:>7.2f}x"
-                  f"{100 * flops / t_ours / 1e9 / fma:>11.0f}%")  # fmt: skip
+            print(
+                f"{f'{inp}x{out} {name}':<34}{rows:>5}{cells[0]:>18}{cells[1]:>18}{t_theirs / t_ours:>7.2f}x"
+                f"{100 * flops / t_ours / 1e9 / fma:>11.0f}%"
+            )
     print()
 
 
@@ -222,8 +226,10 @@ def bench_moe(torch, repeats: int, fma: float) -> None:
                     moe.w13.data, moe.w2.data = unpanel(moe.packed.w13, hidden), unpanel(moe.packed.w2, inter)
             flops, nbytes = 2 * tokens * TOP_K * 3 * hidden * inter, active * 3 * hidden * inter * 4
             cells = [f"{flops / t / 1e9:8.1f} ({nbytes / t / 1e9:5.1f})" for t in (t_ours, t_theirs)]
-            print(f"{f'{name} H {hidden} I {inter}':<34}{tokens:>6}{cells[0]:>18}{cells[1]:>18}"
-                  f"{t_theirs / t_ours:>7.2f}x{100 * flops / t_ours / 1e9 / fma:>11.0f}%")  # fmt: skip
+            print(
+                f"{f'{name} H {hidden} I {inter}':<34}{tokens:>6}{cells[0]:>18}{cells[1]:>18}"
+                f"{t_theirs / t_ours:>7.2f}x{100 * flops / t_ours / 1e9 / fma:>11.0f}%"
+            )
     print()
 
 
@@ -261,23 +267,28 @@ def in_format(torch, weight, name: str):
 def bench_formats(torch, repeats: int, bandwidth: float) -> None:
     from vlm_serve.llm.kernels import linear_cpu, moe_cpu
 
-    print("weight formats: ms per call (GB/s of weights read), speed-up over float32; the formats' calls "
-          "alternate, so that they share the machine's other load alike")  # fmt: skip
+    print(
+        "weight formats: ms per call (GB/s of weights read), speed-up over float32; the formats' calls "
+        "alternate, so that they share the machine's other load alike"
+    )
     print(f"{'':<40}{'rows':>5}" + "".join(f"{FORMAT_NAMES[name]:>24}" for name in FORMAT_NAMES))
     out = inp = 4096
     packed, sizes = {}, {}
     for name in FORMAT_NAMES:
         count = copies_for(out * inp * torch.empty(0, dtype=getattr(torch, name)).element_size())
-        packed[name] = [linear_cpu.pack(*in_format(torch, torch.randn(out, inp) * inp**-0.5, name))
-                        for _ in range(count)]  # fmt: skip
+        packed[name] = [
+            linear_cpu.pack(*in_format(torch, torch.randn(out, inp) * inp**-0.5, name)) for _ in range(count)
+        ]
         sizes[name] = nbytes(packed[name][0].weight, packed[name][0].layout.scale)
     for i, rows in enumerate(FORMAT_ROWS):
         x = torch.randn(rows, inp)
         calls = {name: (lambda i, p=p: linear_cpu.linear(x, p[i % len(p)], None)) for name, p in packed.items()}
         times = timed_together(repeats, calls)
         label = f"linear {out} x {inp}" if i == 0 else ""
-        print(f"{label:<40}{rows:>5}" + "".join(
-            format_cell(times[name], sizes[name], times["float32"]) for name in FORMAT_NAMES))  # fmt: skip
+        print(
+            f"{label:<40}{rows:>5}"
+            + "".join(format_cell(times[name], sizes[name], times["float32"]) for name in FORMAT_NAMES)
+        )
     print(f"{'  weights in memory, MB':<45}" + "".join(f"{sizes[name] / 1e6:>24.1f}" for name in FORMAT_NAMES))
     del packed
 
@@ -297,12 +308,16 @@ def bench_formats(torch, repeats: int, bandwidth: float) -> None:
         xs = [torch.randn(tokens, hidden) for _ in range(repeats + 3)]
         logits = [torch.randn(tokens, EXPERTS) for _ in range(repeats + 3)]
         active = sum(torch.topk(g, TOP_K).indices.unique().numel() for g in logits) / len(logits) / EXPERTS
-        calls = {name: (lambda i, e=e: moe_cpu.moe_forward(xs[i], logits[i], TOP_K, True, 0, e))
-                 for name, e in experts.items()}  # fmt: skip
+        calls = {
+            name: (lambda i, e=e: moe_cpu.moe_forward(xs[i], logits[i], TOP_K, True, 0, e))
+            for name, e in experts.items()
+        }
         times = timed_together(repeats, calls)
         label = f"MoE experts H {hidden} I {inter} x{EXPERTS}, top {TOP_K}" if i == 0 else ""
-        print(f"{label:<40}{tokens:>5}" + "".join(
-            format_cell(times[name], sizes[name] * active, times["float32"]) for name in FORMAT_NAMES))  # fmt: skip
+        print(
+            f"{label:<40}{tokens:>5}"
+            + "".join(format_cell(times[name], sizes[name] * active, times["float32"]) for name in FORMAT_NAMES)
+        )
     print(f"{'  weights in memory, MB':<45}" + "".join(f"{sizes[name] / 1e6:>24.1f}" for name in FORMAT_NAMES))
     print(f"(memory read roof: {bandwidth:.1f} GB/s)\n")
 

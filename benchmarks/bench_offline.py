@@ -147,10 +147,11 @@ def build_workload(
     prompt_lens = [len(x.input_ids) for x in inputs]
     image_tokens = [item.num_tokens(merge) for x in inputs for item in x.mm_items]
     outputs = (
-        f"x {output_tokens} output tokens" if output_sigma == 0 else
-        f"with log-normal output lengths (median {output_tokens}, sigma {output_sigma:g}: {min(max_tokens)}.."
+        f"x {output_tokens} output tokens"
+        if output_sigma == 0
+        else f"with log-normal output lengths (median {output_tokens}, sigma {output_sigma:g}: {min(max_tokens)}.."
         f"{max(max_tokens)}, mean {statistics.mean(max_tokens):.0f}, {sum(max_tokens)} in all)"
-    )  # fmt: skip
+    )
     description = (
         f"{requests} requests {outputs} (greedy, EOS ignored); each one image "
         f"({images} distinct, 64..256 px per side, {min(image_tokens)}..{max(image_tokens)} image tokens) + "
@@ -364,9 +365,12 @@ class HfSetting:
 
 
 def hf_settings(
-    inputs: list[ProcessedInput], max_tokens: list[int], batch_sizes: list[int], min_requests: int,
+    inputs: list[ProcessedInput],
+    max_tokens: list[int],
+    batch_sizes: list[int],
+    min_requests: int,
     token_ids: tuple[int, int, int],
-) -> list[HfSetting]:  # fmt: skip
+) -> list[HfSetting]:
     """Each batch size gets the first max(2 batches, `min_requests`) requests, left-padded per batch."""
     settings = []
     for size in batch_sizes:
@@ -416,9 +420,15 @@ class VllmOffline:
     and log live in a temporary directory, removed on exit."""
 
     def __init__(
-        self, python: Path, engine: Engine, model: Path, conversations: list[list[dict]], max_tokens: list[int],
-        threads: int, **llm_options: object,
-    ) -> None:  # fmt: skip
+        self,
+        python: Path,
+        engine: Engine,
+        model: Path,
+        conversations: list[list[dict]],
+        max_tokens: list[int],
+        threads: int,
+        **llm_options: object,
+    ) -> None:
         self._directory = tempfile.TemporaryDirectory(prefix="bench_offline_vllm_")
         directory = Path(self._directory.name)
         images: dict[int, str] = {}
@@ -439,9 +449,14 @@ class VllmOffline:
         command = [str(python), str(HERE / "vllm_offline.py"), str(directory / "requests.json")]
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                env=os.environ | vllm_env(python.parent.parent, threads), start_new_session=True,
-            )  # fmt: skip
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=os.environ | vllm_env(python.parent.parent, threads),
+                start_new_session=True,
+            )
         self._reply()  # {"ready": true}: loaded and warmed up
 
     def _reply(self) -> dict:
@@ -484,18 +499,26 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=16, help="distinct images, shared round-robin")
     parser.add_argument("--hf-batch-sizes", default="1,8,16,32,64", help="comma-separated")
     parser.add_argument("--hf-min-requests", type=int, default=16, help="requests timed per batch size (>= 2 batches)")
-    parser.add_argument("--output-len-sigma", type=float, default=0.0,
-                        help="log-normal shape of each request's output tokens around the median --output-tokens; "
-                             "0: all equal (0)")  # fmt: skip
-    parser.add_argument("--loop-batch-sizes", default="1,8,32",
-                        help="text-only batches run under both event loops; empty: none")  # fmt: skip
+    parser.add_argument(
+        "--output-len-sigma",
+        type=float,
+        default=0.0,
+        help="log-normal shape of each request's output tokens around the median --output-tokens; 0: all equal (0)",
+    )
+    parser.add_argument(
+        "--loop-batch-sizes", default="1,8,32", help="text-only batches run under both event loops; empty: none"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; each setting counts with its fastest")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
     parser.add_argument("--vit-dp", type=int, default=None, help="the engine's encoder processes (default: its own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="16 requests x 16 tokens, 8 images, 2 rounds")
-    parser.add_argument("--vllm-python", type=Path, default=None,
-                        help="python of a venv with vLLM's CPU build: also time vLLM's LLM.generate")  # fmt: skip
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="python of a venv with vLLM's CPU build: also time vLLM's LLM.generate",
+    )
     args = parser.parse_args()
     if not 0 <= args.output_len_sigma < math.inf:
         parser.error("--output-len-sigma must be finite and >= 0")
@@ -510,8 +533,10 @@ def main() -> None:
     path = args.model or BUILTIN_MODEL
     transformers.utils.logging.disable_progress_bar()
     began = time.perf_counter()
-    print(f"model {path}, float32, torch threads {threads}, engine options {engine_options or 'default'}, "
-          f"fastest of {args.repeats} rounds")  # fmt: skip
+    print(
+        f"model {path}, float32, torch threads {threads}, engine options {engine_options or 'default'}, "
+        f"fastest of {args.repeats} rounds"
+    )
 
     engine = cold_engine(path, None, **engine_options)
     workload = build_workload(engine, args.requests, args.images, args.output_tokens, args.output_len_sigma, args.seed)
@@ -529,7 +554,7 @@ def main() -> None:
         VllmOffline(args.vllm_python, engine, path, workload.conversations, workload.max_tokens, threads)
         if args.vllm_python
         else contextlib.nullcontext()
-    )  # fmt: skip
+    )
     torch.set_num_threads(threads)
     model = load_hf_model(path, engine.server_args.resolved_device())  # the engine's device
     hf_generate(model, hf_batch([warmup_input(engine)], *token_ids), 4, token_ids[0])

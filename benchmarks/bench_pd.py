@@ -66,11 +66,30 @@ def disaggregated(model: Path, name: str, logs: Path, timeout: float) -> Iterato
     prefill = on_cores(our_server(model, name, prefill_flags, "native"), CORES[:half])
     decode = on_cores(our_server(model, name, "--disaggregation-mode decode", "native"), CORES[half:] or CORES)
     port = free_port()
-    router = Server("router", [
-        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-port", str(free_port()), "--log-level", "warn", "--pd-disaggregation",
-        "--prefill", prefill.url, bootstrap, "--decode", decode.url,
-    ], {}, f"http://127.0.0.1:{port}")  # fmt: skip
+    router = Server(
+        "router",
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            bootstrap,
+            "--decode",
+            decode.url,
+        ],
+        {},
+        f"http://127.0.0.1:{port}",
+    )
     with (
         running(prefill, logs / "prefill.log", timeout),
         running(decode, logs / "decode.log", timeout),

@@ -52,8 +52,15 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
 def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, float]:
     """(seconds per decode step, output tokens/s) of `batch` requests decoding `tokens` tokens each."""
     conversation = [{"role": "user", "content": PROMPT}]
-    submissions = [engine.submit(engine.processor.process_messages(conversation, add_generation_prompt=True),
-                                 max_tokens=tokens, temperature=0, ignore_eos=True) for _ in range(batch)]  # fmt: skip
+    submissions = [
+        engine.submit(
+            engine.processor.process_messages(conversation, add_generation_prompt=True),
+            max_tokens=tokens,
+            temperature=0,
+            ignore_eos=True,
+        )
+        for _ in range(batch)
+    ]
     start = time.perf_counter()
     engine.step()
     while not any(s.choices[0].outs for s in submissions):  # prefill, up to every first token

@@ -178,8 +178,10 @@ def run_pixel_free(repeats: int) -> None:
         best = {label: (np.inf, processor.process_messages(messages)) for label, processor in processors.items()}
         expected, got = best["full"][1], best["pixel-free"][1]  # (the warm-up)
         if (got.input_ids, got.mm_items[0].grid_thw, got.mm_items[0].hash) != (
-            expected.input_ids, expected.mm_items[0].grid_thw, expected.mm_items[0].hash,
-        ):  # fmt: skip
+            expected.input_ids,
+            expected.mm_items[0].grid_thw,
+            expected.mm_items[0].hash,
+        ):
             raise SystemExit(f"{name}: the pixel-free path's ids, grid or hash differ from the full path's")
         for _ in range(repeats):
             for label, processor in processors.items():

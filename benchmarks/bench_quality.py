@@ -94,10 +94,14 @@ def held_out(scenes: int, name: str = "old") -> list[tuple[Example, Example]]:
 async def ask_server(url: str, name: str, examples: list[Example], concurrency: int) -> list[str]:
     """Every example's answer from the server, `concurrency` requests in flight."""
     bodies = [
-        {"model": name, "messages": [{"role": "user", "content": chat_content(e)}],
-         "temperature": 0, "max_tokens": MAX_TOKENS}
+        {
+            "model": name,
+            "messages": [{"role": "user", "content": chat_content(e)}],
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+        }
         for e in examples
-    ]  # fmt: skip
+    ]
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
 
@@ -112,8 +116,14 @@ async def ask_server(url: str, name: str, examples: list[Example], concurrency: 
 
 def server_counters(url: str) -> dict[str, float]:
     """The cache counters of the server's /metrics."""
-    wanted = ("prefix_cache_hit_rate", "embedding_cache_hits_total", "embedding_cache_misses_total",
-              "embedding_cache_inflight_hits_total", "media_items_total", "vit_items_total")  # fmt: skip
+    wanted = (
+        "prefix_cache_hit_rate",
+        "embedding_cache_hits_total",
+        "embedding_cache_misses_total",
+        "embedding_cache_inflight_hits_total",
+        "media_items_total",
+        "vit_items_total",
+    )
     found = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("#") or " " not in line:
@@ -143,8 +153,10 @@ def table(examples: list[Example], server: list[str], reference: list[str]) -> s
     for kind in sorted(rows) + ["all"]:
         marks = [m for k in rows for m in rows[k]] if kind == "all" else rows[kind]
         n = len(marks)
-        lines.append(f"{kind:<10} {n:>6} {100 * sum(m[0] for m in marks) / n:>7.1f}% "
-                     f"{100 * sum(m[1] for m in marks) / n:>12.1f}% {sum(m[2] for m in marks):>15}")  # fmt: skip
+        lines.append(
+            f"{kind:<10} {n:>6} {100 * sum(m[0] for m in marks) / n:>7.1f}% "
+            f"{100 * sum(m[1] for m in marks) / n:>12.1f}% {sum(m[2] for m in marks):>15}"
+        )
     return "\n".join(lines)
 
 
@@ -172,8 +184,10 @@ def main() -> int:
         for name, examples in sets.items():
             began = time.perf_counter()
             answers[name] = asyncio.run(ask_server(server.url, "builtin", examples, args.concurrency))
-            print(f"server ({shlex.join(server.command[3:])}), {name} set: {time.perf_counter() - began:.1f} s "
-                  f"at concurrency {args.concurrency}")  # fmt: skip
+            print(
+                f"server ({shlex.join(server.command[3:])}), {name} set: {time.perf_counter() - began:.1f} s "
+                f"at concurrency {args.concurrency}"
+            )
         counters = server_counters(server.url)
 
     for name, examples in sets.items():

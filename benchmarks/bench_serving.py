@@ -175,11 +175,17 @@ def moving_boxes(rng: np.random.Generator, num_frames: int, size: tuple[int, int
     left, right = rng.integers(0, 256, (2, 3))
     background = np.broadcast_to(left * (1 - ramp) + right * ramp, (height, width, 3)).astype(np.uint8)
     boxes = [
-        (rng.integers(0, 256, 3), rng.integers(width // 8, width // 3 + 1), rng.integers(height // 8, height // 3 + 1),
-         rng.uniform(0, width), rng.uniform(0, height), rng.uniform(-width / 8, width / 8),
-         rng.uniform(-height / 8, height / 8))
+        (
+            rng.integers(0, 256, 3),
+            rng.integers(width // 8, width // 3 + 1),
+            rng.integers(height // 8, height // 3 + 1),
+            rng.uniform(0, width),
+            rng.uniform(0, height),
+            rng.uniform(-width / 8, width / 8),
+            rng.uniform(-height / 8, height / 8),
+        )
         for _ in range(3)
-    ]  # fmt: skip
+    ]
     for t in range(num_frames):
         frame = background.copy()
         for color, w, h, x, y, dx, dy in boxes:
@@ -497,16 +503,22 @@ def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
         row("Output token throughput (tok/s):", summary["output_throughput"], ".2f"),
         row("Total token throughput (tok/s):", summary["total_token_throughput"], ".2f"),
     ]
-    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                       ("itl", "Inter-token Latency"), ("e2e", "End-to-end Latency")):  # fmt: skip
+    for key, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2e", "End-to-end Latency"),
+    ):
         lines.append(f"{' ' + title + ' ':-^53}")
         name = key.upper()
         for stat, label in (("mean_ms", "Mean"), ("median_ms", "Median"), ("p99_ms", "P99")):
             lines.append(row(f"{label} {name} (ms):", summary[key][stat], ".2f"))
     lines.append(f"{' Cache Hit Rates (/metrics delta) ':-^53}")
-    for key, label in (("embedding_cache_hit_rate", "Vision embedding cache:"),
-                       ("processor_cache_hit_rate", "Processor cache:"),
-                       ("prefix_cache_hit_rate", "Prefix cache (prompt tokens):")):  # fmt: skip
+    for key, label in (
+        ("embedding_cache_hit_rate", "Vision embedding cache:"),
+        ("processor_cache_hit_rate", "Processor cache:"),
+        ("prefix_cache_hit_rate", "Prefix cache (prompt tokens):"),
+    ):
         lines.append(row(label, summary[key], ".1%"))
     if "json_schema_cost" in summary:
         cost = summary["json_schema_cost"]

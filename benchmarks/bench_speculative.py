@@ -67,10 +67,17 @@ def picture_conversations(batch: int) -> list[list[dict]]:
     """A different picture of four shapes per request (the same ones on every call), to describe."""
     rng = random.Random(0)
     return [
-        [{"role": "user", "content": [{"type": "image", "image": render(random_scene(rng, count=4))},
-                                      {"type": "text", "text": "Describe the image."}]}]
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": render(random_scene(rng, count=4))},
+                    {"type": "text", "text": "Describe the image."},
+                ],
+            }
+        ]
         for _ in range(batch)
-    ]  # fmt: skip
+    ]
 
 
 def run(engine: Engine, conversations: list[list[dict]], **sampling) -> tuple[float, float, list[list[int]]]:
@@ -91,16 +98,24 @@ def run(engine: Engine, conversations: list[list[dict]], **sampling) -> tuple[fl
 
 
 def compare(
-    title: str, path: Path, conversations: Callable[[int], list[list[dict]]], batches: list[int], repeats: int,
-    variants: dict[str, dict], vllm_python: Path | None = None, **sampling,
-) -> None:  # fmt: skip
+    title: str,
+    path: Path,
+    conversations: Callable[[int], list[list[dict]]],
+    batches: list[int],
+    repeats: int,
+    variants: dict[str, dict],
+    vllm_python: Path | None = None,
+    **sampling,
+) -> None:
     """Prints a table of the engines' figures at each batch size: one without speculation ("off"), one
     per `variants` entry (its Engine settings), and vLLM's with `vllm_python` (n-gram at the first
     variant's draft length)."""
     common = {
-        "max_running_requests": max(batches), "vit_dp": 0, "disable_overlap_schedule": True,
+        "max_running_requests": max(batches),
+        "vit_dp": 0,
+        "disable_overlap_schedule": True,
         "speculative_algorithm": "none",  # (the built-in model's default is its draft)
-    }  # fmt: skip
+    }
     with ExitStack() as stack:
         engines = {
             name: stack.enter_context(Engine(path, **{**common, **settings}))
@@ -111,15 +126,25 @@ def compare(
             k = next(iter(variants.values()))["speculative_num_draft_tokens"]
             ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
             for name, options in [("vllm off", {}), ("vllm ngram", {"speculative_config": ngram})]:
-                vllm[name] = stack.enter_context(VllmOffline(
-                    vllm_python, engines["off"], path, conversations(max(batches)), [sampling["max_tokens"]] * max(batches),
-                    torch.get_num_threads(), dtype="bfloat16", **options,
-                ))  # fmt: skip
+                vllm[name] = stack.enter_context(
+                    VllmOffline(
+                        vllm_python,
+                        engines["off"],
+                        path,
+                        conversations(max(batches)),
+                        [sampling["max_tokens"]] * max(batches),
+                        torch.get_num_threads(),
+                        dtype="bfloat16",
+                        **options,
+                    )
+                )
         for engine in engines.values():
             run(engine, conversations(1), **sampling)  # warm-up
         print(f"\n{title}; median of {repeats}; the normal loop but where named (+overlap: the overlap loop)")
-        print(f"{'batch':>5} | {'spec':>16} | {'tok/s':>7} | {'TPOT ms':>8} | {'x off':>5} | drafts proposed | "
-              "accepted length | drafts kept")  # fmt: skip
+        print(
+            f"{'batch':>5} | {'spec':>16} | {'tok/s':>7} | {'TPOT ms':>8} | {'x off':>5} | drafts proposed | "
+            "accepted length | drafts kept"
+        )
         for batch in batches:
             figures = {name: [] for name in [*engines, *vllm]}
             answers = {}
@@ -163,9 +188,11 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--disable-by-batch-size", type=int, default=4,
+        "--disable-by-batch-size",
+        type=int,
+        default=4,
         help="the gated variants draft only in decode steps of at most this many requests (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument("--vllm-python", type=Path, default=None, help="the python of a venv with vLLM's CPU build")
     args = parser.parse_args()
     model, isa = describe_cpu()
@@ -173,24 +200,37 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     shared = {"batches": batches, "repeats": args.repeats}
     ngram = {"ngram": {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens}}
-    eagle3 = {"eagle3": {
-        "speculative_algorithm": "eagle3", "speculative_draft_model_path": str(BUILTIN_DRAFT),
-        "speculative_num_draft_tokens": args.draft_tokens,
-    }}  # fmt: skip
+    eagle3 = {
+        "eagle3": {
+            "speculative_algorithm": "eagle3",
+            "speculative_draft_model_path": str(BUILTIN_DRAFT),
+            "speculative_num_draft_tokens": args.draft_tokens,
+        }
+    }
     gate = args.disable_by_batch_size
     gated = {f"eagle3 <={gate}": {**eagle3["eagle3"], "speculative_disable_by_batch_size": gate}}
     overlap = {"overlap": {"disable_overlap_schedule": False}}
     compare(
-        "built-in model describing pictures, up to 64 tokens", BUILTIN_MODEL, picture_conversations,
-        variants=overlap | with_overlap(ngram) | with_overlap(eagle3) | with_overlap(gated), max_tokens=64, **shared,
-    )  # fmt: skip
+        "built-in model describing pictures, up to 64 tokens",
+        BUILTIN_MODEL,
+        picture_conversations,
+        variants=overlap | with_overlap(ngram) | with_overlap(eagle3) | with_overlap(gated),
+        max_tokens=64,
+        **shared,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = create_tiny_model(Path(tmp) / "model", arch=args.arch, size=args.size, dtype="bfloat16")
         title = f"random {args.size} {args.arch} model (bfloat16) asked to copy, {args.output_tokens} tokens"
         compare(
-            title, path, copy_conversations, variants=with_overlap(ngram) | overlap, max_tokens=args.output_tokens,
-            ignore_eos=True, vllm_python=args.vllm_python, **shared,
-        )  # fmt: skip
+            title,
+            path,
+            copy_conversations,
+            variants=with_overlap(ngram) | overlap,
+            max_tokens=args.output_tokens,
+            ignore_eos=True,
+            vllm_python=args.vllm_python,
+            **shared,
+        )
 
 
 def with_overlap(variants: dict[str, dict]) -> dict[str, dict]:

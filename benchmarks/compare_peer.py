@@ -135,17 +135,42 @@ def free_port() -> int:
 
 def our_server(model: Path, name: str, extra: str, isa: str) -> Server:
     port = free_port()
-    command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(model), "--port", str(port),
-               "--served-model-name", name, *shlex.split(extra)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_serve.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        name,
+        *shlex.split(extra),
+    ]
     return Server("ours", command, environment(isa), f"http://127.0.0.1:{port}")
 
 
 def vllm_server(venv: Path, model: Path, name: str, extra: str, isa: str, dtype: str) -> Server:
     """vLLM's CPU build as ../shared/PEERS.md runs it."""
     port = free_port()
-    command = [str(venv / "bin" / "python"), str(HERE / "vllm_launcher.py"), "serve", str(model),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "4096",
-               "--served-model-name", name, *shlex.split(extra)]  # fmt: skip
+    command = [
+        str(venv / "bin" / "python"),
+        str(HERE / "vllm_launcher.py"),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "4096",
+        "--served-model-name",
+        name,
+        *shlex.split(extra),
+    ]
     return Server("vllm", command, vllm_env(venv, CORES) | environment(isa), f"http://127.0.0.1:{port}")
 
 
@@ -165,8 +190,9 @@ def vllm_env(venv: Path, threads: int) -> dict[str, str]:
 def running(server: Server, log: Path, timeout: float) -> Iterator[int]:
     """Starts the server (its output into `log`), waits until it lists its model; yields its pid."""
     with open(log, "a") as out:
-        process = subprocess.Popen(server.command, env=os.environ | server.env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            server.command, env=os.environ | server.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -237,27 +263,74 @@ def run_client(command: list[str], server_pid: int, log: Path) -> float:
 
 def ours_client(url: str, name: str, workload: Workload, prompts: int, server_pid: int, log: Path) -> Figures:
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
-        command = [sys.executable, str(HERE / "bench_serving.py"), "--base-url", url, "--model", name,
-                   "--num-prompts", str(prompts), "--output-json", result.name, *shlex.split(workload.ours)]  # fmt: skip
+        command = [
+            sys.executable,
+            str(HERE / "bench_serving.py"),
+            "--base-url",
+            url,
+            "--model",
+            name,
+            "--num-prompts",
+            str(prompts),
+            "--output-json",
+            result.name,
+            *shlex.split(workload.ours),
+        ]
         foreign = run_client(command, server_pid, log)
         s = json.loads(Path(result.name).read_text())
-    return Figures(s["output_throughput"], s["ttft"]["mean_ms"], s["ttft"]["p99_ms"], s["tpot"]["mean_ms"],
-                   s["itl"]["p99_ms"], s["failed_requests"], foreign)  # fmt: skip
+    return Figures(
+        s["output_throughput"],
+        s["ttft"]["mean_ms"],
+        s["ttft"]["p99_ms"],
+        s["tpot"]["mean_ms"],
+        s["itl"]["p99_ms"],
+        s["failed_requests"],
+        foreign,
+    )
 
 
 def vllm_client(
     venv: Path, model: Path, url: str, name: str, workload: Workload, prompts: int, server_pid: int, log: Path
 ) -> Figures:
     with tempfile.TemporaryDirectory() as folder:
-        command = [str(venv / "bin" / "python"), str(HERE / "vllm_launcher.py"), "bench", "serve",
-                   "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
-                   "--model", name, "--tokenizer", str(model), "--num-prompts", str(prompts), "--ignore-eos",
-                   "--temperature", "0", "--save-result", "--result-dir", folder, "--result-filename", "r.json",
-                   *shlex.split(workload.peer)]  # fmt: skip
+        command = [
+            str(venv / "bin" / "python"),
+            str(HERE / "vllm_launcher.py"),
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--endpoint",
+            "/v1/chat/completions",
+            "--base-url",
+            url,
+            "--model",
+            name,
+            "--tokenizer",
+            str(model),
+            "--num-prompts",
+            str(prompts),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--save-result",
+            "--result-dir",
+            folder,
+            "--result-filename",
+            "r.json",
+            *shlex.split(workload.peer),
+        ]
         foreign = run_client(command, server_pid, log)
         s = json.loads((Path(folder) / "r.json").read_text())
-    return Figures(s["output_throughput"], s["mean_ttft_ms"], s["p99_ttft_ms"], s["mean_tpot_ms"], s["p99_itl_ms"],
-                   s["num_prompts"] - s["completed"], foreign)  # fmt: skip
+    return Figures(
+        s["output_throughput"],
+        s["mean_ttft_ms"],
+        s["p99_ttft_ms"],
+        s["mean_tpot_ms"],
+        s["p99_itl_ms"],
+        s["num_prompts"] - s["completed"],
+        foreign,
+    )
 
 
 # ---- the comparison ----------------------------------------------------------------------------------
@@ -293,9 +366,13 @@ def compare(args: argparse.Namespace) -> dict[Key, list[Figures]]:
 
 
 def report(workload: str, client: str, server: str, f: Figures) -> None:
-    print(f"  {workload:<14} {client:>4} client, {server:>4} server: {f.output_tps:8.1f} tok/s, TTFT "
-          f"{f.ttft_mean_ms:7.1f} ms, TPOT {f.tpot_mean_ms:6.1f} ms, ITL p99 {f.itl_p99_ms:6.1f} ms, "
-          f"{f.failed} failed, other load {f.foreign_cpu:.0%}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"  {workload:<14} {client:>4} client, {server:>4} server: {f.output_tps:8.1f} tok/s, TTFT "
+        f"{f.ttft_mean_ms:7.1f} ms, TPOT {f.tpot_mean_ms:6.1f} ms, ITL p99 {f.itl_p99_ms:6.1f} ms, "
+        f"{f.failed} failed, other load {f.foreign_cpu:.0%}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def medians(runs: list[Figures], max_foreign: float) -> tuple[dict[str, float], int]:
@@ -333,8 +410,12 @@ def main() -> int:
     parser.add_argument("--model", type=Path, required=True, help="checkpoint directory both servers load")
     parser.add_argument("--vllm", type=Path, default=None, help="the venv of vLLM's CPU build (none: ours alone)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
-    parser.add_argument("--isa", choices=ISAS, default="native",
-                        help="avx2: both servers run their AVX2 code on any x86 machine (cpu_isa.py)")  # fmt: skip
+    parser.add_argument(
+        "--isa",
+        choices=ISAS,
+        default="native",
+        help="avx2: both servers run their AVX2 code on any x86 machine (cpu_isa.py)",
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--prompts-scale", type=float, default=1.0, help="scales every workload's request count")
     parser.add_argument("--ours-args", default="", help="more flags for `vlm-serve serve`")

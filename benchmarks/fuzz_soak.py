@@ -60,8 +60,15 @@ class Tally:
         return sum(self.kinds.values())
 
 
-def soak(deployment: Deployment, reference: Deployment, tally: Tally, requests: int, seconds: float,
-         concurrency: int, run_seed: int) -> None:  # fmt: skip
+def soak(
+    deployment: Deployment,
+    reference: Deployment,
+    tally: Tally,
+    requests: int,
+    seconds: float,
+    concurrency: int,
+    run_seed: int,
+) -> None:
     """Sends requests to `deployment` until `requests` have gone or `seconds` have passed."""
     deadline = time.monotonic() + seconds
     client = httpx.Client(timeout=CLIENT_TIMEOUT, limits=httpx.Limits(max_connections=2 * concurrency))
@@ -90,9 +97,12 @@ def soak(deployment: Deployment, reference: Deployment, tally: Tally, requests: 
             tally.record(call, problems)
 
     @settings(
-        max_examples=requests, database=None, deadline=None, phases=[Phase.generate],
+        max_examples=requests,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    )
     @seed(run_seed)
     @given(call=calls(router=deployment.routed))
     def send(call: Call) -> None:
@@ -141,8 +151,10 @@ def main() -> int:
                 soak(deployment, reference, tally, max(1, counts[name]), seconds, args.concurrency, args.seed)
             tallies.append(tally)
             durations.append(time.monotonic() - start)
-            print(f"{name}: {tally.sent} requests, {tally.failures} failed {dict(tally.kinds)} "
-                  f"({durations[-1]:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"{name}: {tally.sent} requests, {tally.failures} failed {dict(tally.kinds)} ({durations[-1]:.0f} s)",
+                flush=True,
+            )
     print(f"\n{'set-up':<10} {'requests':>8} {'failed':>7} {'seconds':>8}  failures by kind")
     for tally, duration in zip(tallies, durations):
         kinds = ", ".join(f"{k}: {v}" for k, v in tally.kinds.most_common()) or "-"

@@ -68,9 +68,13 @@ def sizes() -> dict[str, float]:
     torch = closure("torch") - {"triton"}
     gb = lambda names: sum(size(n) for n in names) / GB  # noqa: E731
     return {
-        "base": gb(base), "torch": gb(torch), "triton": gb({"triton"} & base),
-        "transformers": gb({"transformers"} & base), "demo": gb(demo), "test": gb(test),
-    }  # fmt: skip
+        "base": gb(base),
+        "torch": gb(torch),
+        "triton": gb({"triton"} & base),
+        "transformers": gb({"transformers"} & base),
+        "demo": gb(demo),
+        "test": gb(test),
+    }
 
 
 if __name__ == "__main__":

@@ -64,11 +64,13 @@ def main() -> None:
         start = time.perf_counter()
         outputs = llm.generate(prompts[:n], sampling[:n], use_tqdm=False)
         seconds = time.perf_counter() - start
-        reply({
-            "seconds": seconds,
-            "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
-            "prompt_token_ids": [list(out.prompt_token_ids) for out in outputs],
-        })  # fmt: skip
+        reply(
+            {
+                "seconds": seconds,
+                "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
+                "prompt_token_ids": [list(out.prompt_token_ids) for out in outputs],
+            }
+        )
 
 
 if __name__ == "__main__":

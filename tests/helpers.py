@@ -285,9 +285,19 @@ def running_router(*args: str, workers: int = 2, timeout: float = 60) -> Iterato
     `workers` healthy workers. SIGTERM stops it at the end."""
     port = free_port()
     command = [
-        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-port", str(free_port()), "--log-level", "warn", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warn",
+        *args,
+    ]
     process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

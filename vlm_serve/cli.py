@@ -128,9 +128,16 @@ def cmd_caption(ns: argparse.Namespace) -> int:
     try:
         with Engine(ns.model, **server_args_from(ns)) as engine:
             summary = caption_images(
-                engine, paths, Path(ns.output), ns.prompt or DEFAULT_PROMPT, ns.batch_size, ns.resume,
-                ns.retry_failed, max_tokens=ns.max_tokens, temperature=ns.temperature,
-            )  # fmt: skip
+                engine,
+                paths,
+                Path(ns.output),
+                ns.prompt or DEFAULT_PROMPT,
+                ns.batch_size,
+                ns.resume,
+                ns.retry_failed,
+                max_tokens=ns.max_tokens,
+                temperature=ns.temperature,
+            )
     except KeyboardInterrupt:
         print(f"\nvlm-serve: interrupted; the lines in {ns.output} are complete (--resume goes on)", file=sys.stderr)
         return 130
@@ -179,9 +186,11 @@ def add_answer_args(parser: argparse.ArgumentParser, what: str) -> None:
     """`--max-tokens` and `--temperature` of an offline command that answers with `what`."""
     parser.add_argument("--max-tokens", type=int, default=64, help=f"longest {what} in tokens (default: %(default)s)")
     parser.add_argument(
-        "--temperature", type=float, default=None,
+        "--temperature",
+        type=float,
+        default=None,
         help="sampling temperature, 0 = greedy (default: the checkpoint's generation_config.json)",
-    )  # fmt: skip
+    )
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -258,9 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("out_dir", help="folder the checkpoint is written into (made if missing)")
     tiny.add_argument(
-        "--arch", choices=["moe", "dense"], default="moe",
+        "--arch",
+        choices=["moe", "dense"],
+        default="moe",
         help="Qwen3-VL-MoE (moe) or dense Qwen3-VL (dense) layers (default: %(default)s)",
-    )  # fmt: skip
+    )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     tiny.add_argument(
         "--size",
@@ -276,14 +287,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the config, tokenizer and processor only, to serve with --load-format dummy (random weights)",
     )
     tiny.add_argument(
-        "--dtype", choices=list(DTYPES), default=None,
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
         help="dtype of the weights (default: float32, or bfloat16 with --quantize, as the published checkpoints)",
-    )  # fmt: skip
+    )
     tiny.add_argument(
-        "--quantize", choices=["fp8"], default=None,
+        "--quantize",
+        choices=["fp8"],
+        default=None,
         help="fp8: the layout of Qwen's FP8 checkpoints (128 x 128 block-scaled e4m3 weights, the vision tower, "
         "routers and lm_head in bfloat16) (default: not quantized)",
-    )  # fmt: skip
+    )
     tiny.set_defaults(func=cmd_create_tiny_model, subparser=tiny)
     return parser
 

@@ -110,10 +110,15 @@ class _Choice:
     def completion(self) -> Completion:
         last = self.outs[-1]
         return Completion(
-            "".join(o.text for o in self.outs), [t for o in self.outs for t in o.new_ids], last.finish_reason,
-            last.matched_stop, [lp for o in self.outs for lp in o.logprobs] or None,
-            [top for o in self.outs for top in o.top_logprobs] or None, last.message, last.spec,
-        )  # fmt: skip
+            "".join(o.text for o in self.outs),
+            [t for o in self.outs for t in o.new_ids],
+            last.finish_reason,
+            last.matched_stop,
+            [lp for o in self.outs for lp in o.logprobs] or None,
+            [top for o in self.outs for top in o.top_logprobs] or None,
+            last.message,
+            last.spec,
+        )
 
 
 @dataclass(eq=False)
@@ -246,10 +251,12 @@ class Engine:
             raise failed.outs[-1].failure()
         first = submission.choices[0].outs[-1]
         return GenerateOutput(
-            [c.completion() for c in submission.choices], first.prompt_tokens,
-            max(c.outs[-1].cached_tokens for c in submission.choices), first.media_timings,
+            [c.completion() for c in submission.choices],
+            first.prompt_tokens,
+            max(c.outs[-1].cached_tokens for c in submission.choices),
+            first.media_timings,
             submission.choices[0].outs[0].prompt_logprobs,
-        )  # fmt: skip
+        )
 
     def abort(self, submission: Submission, message: str = "aborted") -> None:
         """Stops the submission's unfinished choices (they finish with "abort" at the next step)."""
@@ -277,9 +284,12 @@ class Engine:
                             self._io.inbox.append(AbortReq(out.rid, "it failed"))
         self._io.outbox.clear()
         stalled = (
-            scheduler.last_batch is None and not scheduler.result_queue and not len(scheduler.encoding)
-            and not scheduler.grammar_queue and not (scheduler.disagg is not None and len(scheduler.disagg))
-        )  # fmt: skip
+            scheduler.last_batch is None
+            and not scheduler.result_queue
+            and not len(scheduler.encoding)
+            and not scheduler.grammar_queue
+            and not (scheduler.disagg is not None and len(scheduler.disagg))
+        )
         if stalled and scheduler.reqs and not self._io.inbox:
             raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")
 

@@ -70,7 +70,7 @@ def _from_hub(repo_id: str, revision: str | None, cache_dir: str | None) -> Path
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
-    )  # fmt: skip
+    )
 
     # read here, not at huggingface_hub's import: a process may set it after importing transformers
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")

@@ -48,7 +48,7 @@ def ask(text: str, image=None) -> list[dict]:
 def server(tiny_moe_dir: Path):
     with running_server(
         tiny_moe_dir, "--api-key", API_KEY, "--served-model-name", SERVED, "--context-length", str(CONTEXT)
-    ) as srv:  # fmt: skip
+    ) as srv:
         yield srv
 
 
@@ -191,10 +191,16 @@ def test_tokenize_chat_messages_as_chat_completions_render_them(server, client):
         ("/detokenize", {"tokens": ["a"]}, "tokens"),
     ],
     ids=[
-        "neither prompt nor messages", "prompt not text", "no messages", "continue and generation prompt",
-        "nothing to continue", "id beyond the vocabulary", "negative id", "id not an integer",
+        "neither prompt nor messages",
+        "prompt not text",
+        "no messages",
+        "continue and generation prompt",
+        "nothing to continue",
+        "id beyond the vocabulary",
+        "negative id",
+        "id not an integer",
     ],
-)  # fmt: skip
+)
 def test_bad_tokenizer_requests_are_400s_naming_the_problem(server, path, body, fragment):
     out = post(server, path, body)
     assert out.status_code == 400, out.text

@@ -33,9 +33,14 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_moe_dir: Path, media_dir: Path):
     with running_server(
-        tiny_moe_dir, "--allowed-local-media-path", str(media_dir), "--mm-max-frames", str(MAX_FRAMES),
-        "--mm-max-image-pixels", str(MAX_IMAGE_PIXELS),
-    ) as srv:  # fmt: skip
+        tiny_moe_dir,
+        "--allowed-local-media-path",
+        str(media_dir),
+        "--mm-max-frames",
+        str(MAX_FRAMES),
+        "--mm-max-image-pixels",
+        str(MAX_IMAGE_PIXELS),
+    ) as srv:
         yield srv
 
 
@@ -138,9 +143,11 @@ def test_chat_template_kwargs_reach_the_template(client, model, theirs, media_di
     messages = with_image(media_dir)
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
     numbered = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=2,
+        model=model,
+        messages=messages,
+        max_tokens=2,
         extra_body={"chat_template_kwargs": {"add_vision_id": True, "enable_thinking": False}},
-    )  # fmt: skip
+    )
 
     def rendered_tokens(**extra) -> int:
         rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
@@ -175,9 +182,15 @@ def test_echo_starts_the_answer_with_the_final_assistant_message(client, model, 
         plain.usage.completion_tokens,
     )
     stream = client.chat.completions.create(
-        model=model, messages=CONTINUED["text"], max_tokens=8, temperature=0, stream=True, logprobs=True,
-        stream_options={"include_usage": True}, extra_body={"echo": True, **extra},
-    )  # fmt: skip
+        model=model,
+        messages=CONTINUED["text"],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        logprobs=True,
+        stream_options={"include_usage": True},
+        extra_body={"echo": True, **extra},
+    )
     chunks = list(stream)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant" and deltas[1].content == "Once upon a time"
@@ -211,8 +224,9 @@ def test_prompt_options_that_contradict_each_other_are_refused(server, model):
     assert_refused(post(server, {"messages": STORY, "continue_final_message": True}), "assistant", "'user'")
     assert_refused(
         post(server, {"messages": STORY, "chat_template_kwargs": {"add_generation_prompt": False}}),
-        "chat_template_kwargs", "add_generation_prompt",
-    )  # fmt: skip
+        "chat_template_kwargs",
+        "add_generation_prompt",
+    )
     # the same rules hold for /tokenize, which renders chat messages as a chat completion does
     assert_refused(post(server, {"messages": STORY, "continue_final_message": True}, "/tokenize"), "assistant")
 
@@ -381,16 +395,20 @@ def test_media_options_are_checked_against_the_server_caps(server, model, media_
 @pytest.mark.server
 def test_unknown_keys_of_content_parts_are_ignored(client, model, media_dir):
     plain = client.chat.completions.create(model=model, messages=with_image(media_dir), max_tokens=6, temperature=0)
-    extras = [{
-        "role": "user",
-        "content": [
-            {
-                "type": "image_url", "modalities": "image", "uuid": "cat-1",  # SGLang's and vLLM's
-                "image_url": {"url": str(media_dir / "cat.png"), "detail": "auto", "max_dynamic_patch": 4},
-            },
-            {"type": "text", "text": "What is it?", "cache_control": {"type": "ephemeral"}},
-        ],
-    }]  # fmt: skip
+    extras = [
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "image_url",
+                    "modalities": "image",
+                    "uuid": "cat-1",  # SGLang's and vLLM's
+                    "image_url": {"url": str(media_dir / "cat.png"), "detail": "auto", "max_dynamic_patch": 4},
+                },
+                {"type": "text", "text": "What is it?", "cache_control": {"type": "ephemeral"}},
+            ],
+        }
+    ]
     reply = client.chat.completions.create(model=model, messages=extras, max_tokens=6, temperature=0)
     assert reply.choices[0].message.content == plain.choices[0].message.content
     assert reply.usage.prompt_tokens == plain.usage.prompt_tokens

@@ -64,9 +64,13 @@ def test_litellm_responses_answers_as_the_server_does(server, client, model):
     # (LiteLLM raises max_output_tokens to OpenAI's least, 16)
     expected = client.responses.create(model=model, input=QUESTION, max_output_tokens=16, temperature=0).output_text
     answer = litellm.responses(
-        model=f"openai/{model}", api_base=server.url + "/v1", api_key="EMPTY", input=QUESTION, max_output_tokens=16,
+        model=f"openai/{model}",
+        api_base=server.url + "/v1",
+        api_key="EMPTY",
+        input=QUESTION,
+        max_output_tokens=16,
         temperature=0,
-    )  # fmt: skip
+    )
     texts = [part.text for item in answer.output if item.type == "message" for part in item.content]
     assert "".join(texts) == expected
 
@@ -74,6 +78,10 @@ def test_litellm_responses_answers_as_the_server_does(server, client, model):
 def test_litellm_raises_context_window_exceeded_for_a_prompt_over_the_context(server, model):
     with pytest.raises(litellm.ContextWindowExceededError):
         litellm.completion(
-            model=f"openai/{model}", api_base=server.url + "/v1", api_key="EMPTY", max_tokens=8, num_retries=0,
+            model=f"openai/{model}",
+            api_base=server.url + "/v1",
+            api_key="EMPTY",
+            max_tokens=8,
+            num_retries=0,
             messages=[{"role": "user", "content": TOO_LONG}],
-        )  # fmt: skip
+        )

@@ -147,9 +147,14 @@ def test_retracted_requests_keep_their_prompt_logprobs(tiny_moe_dir, inputs, ref
     max_tokens = 24
     pool = sum(len(x.input_ids) for x in inputs.values()) + max_tokens + 4
     with Engine(
-        tiny_moe_dir, dtype="float32", vit_dp=0, max_total_tokens=pool, schedule_conservativeness=0.05,
-        chunked_prefill_size=16, **LOOPS[loop],
-    ) as engine:  # fmt: skip
+        tiny_moe_dir,
+        dtype="float32",
+        vit_dp=0,
+        max_total_tokens=pool,
+        schedule_conservativeness=0.05,
+        chunked_prefill_size=16,
+        **LOOPS[loop],
+    ) as engine:
         jobs = [inputs["image"], inputs["text"]] * 2
         outs = engine.generate_processed(jobs, max_tokens=max_tokens, temperature=0, prompt_logprobs=1)
         engine.scheduler.check_memory()
@@ -277,11 +282,14 @@ def test_prompt_logprobs_in_vllms_shape(client, server, model, tokenizer):
     assert plain.model_extra.get("prompt_logprobs") is None
 
     messages = [
-        {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _png_base64()}},
-            {"type": "text", "text": "What is here?"},
-        ]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _png_base64()}},
+                {"type": "text", "text": "What is here?"},
+            ],
+        },
+    ]
     chat = client.chat.completions.create(model=model, messages=messages, extra_body={"prompt_logprobs": 1}, **GREEDY)
     body = chat.model_extra["prompt_logprobs"]
     assert len(body) == chat.usage.prompt_tokens and body[0] is None

@@ -171,14 +171,26 @@ def test_fields_that_change_nothing_in_the_answer_are_accepted(client, model):
     request = dict(model=model, messages=ASK, max_tokens=6, temperature=0)
     plain = client.chat.completions.create(**request).choices[0].message.content
     out = client.chat.completions.create(
-        **request, metadata={"team": "a"}, store=False, prompt_cache_key="k1", safety_identifier="user-1",
-        service_tier="auto", prediction={"type": "content", "content": "Hello"}, modalities=["text"], user="u",
+        **request,
+        metadata={"team": "a"},
+        store=False,
+        prompt_cache_key="k1",
+        safety_identifier="user-1",
+        service_tier="auto",
+        prediction={"type": "content", "content": "Hello"},
+        modalities=["text"],
+        user="u",
         reasoning_effort="low",
         extra_body={
-            "use_beam_search": False, "best_of": 1, "length_penalty": 1.0, "skip_special_tokens": True,
-            "include_stop_str_in_output": False, "guided_decoding_backend": "xgrammar", "request_id": "r1",
+            "use_beam_search": False,
+            "best_of": 1,
+            "length_penalty": 1.0,
+            "skip_special_tokens": True,
+            "include_stop_str_in_output": False,
+            "guided_decoding_backend": "xgrammar",
+            "request_id": "r1",
         },
-    )  # fmt: skip
+    )
     assert out.choices[0].message.content == plain
     stream = client.chat.completions.create(
         **request, stream=True, stream_options={"include_usage": True, "include_obfuscation": False}
@@ -214,9 +226,16 @@ def _forced(name: str, arguments: dict) -> str:
 
 def test_allowed_tools_required_calls_only_the_allowed_tools(client, model):
     out = client.chat.completions.create(
-        model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=allowed("required", "get_weather"),
-        n=4, temperature=1.0, seed=3, max_tokens=120, parallel_tool_calls=False,
-    )  # fmt: skip
+        model=model,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=allowed("required", "get_weather"),
+        n=4,
+        temperature=1.0,
+        seed=3,
+        max_tokens=120,
+        parallel_tool_calls=False,
+    )
     for choice in out.choices:
         calls = choice.message.tool_calls
         assert choice.finish_reason == "tool_calls" and [call.function.name for call in calls] == ["get_weather"]
@@ -227,9 +246,15 @@ def test_allowed_tools_auto_parses_calls_of_the_allowed_tools_only(client, model
     def answer(grammar: str | None = None):
         extra = {"ebnf": grammar} if grammar else {}
         out = client.chat.completions.create(
-            model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=allowed("auto", "get_weather"),
-            temperature=1.0, seed=5, max_tokens=120, extra_body=extra,
-        )  # fmt: skip
+            model=model,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=allowed("auto", "get_weather"),
+            temperature=1.0,
+            seed=5,
+            max_tokens=120,
+            extra_body=extra,
+        )
         return out.choices[0]
 
     called = answer(_forced("get_weather", {"city": "Rome"}))

@@ -43,9 +43,10 @@ def test_a_text_response_is_the_chat_completion_of_the_same_message(client, mode
         model=model, input="Tell me about the sea.", instructions="Be brief.", max_output_tokens=MAX, temperature=0
     )
     chat = chat_answer(
-        client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}],
+        client,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}],
         max_tokens=MAX,
-    )  # fmt: skip
+    )
     assert response.object == "response" and response.id.startswith("resp")
     assert response.output_text == chat.choices[0].message.content
     [message] = response.output
@@ -65,9 +66,19 @@ def test_an_image_in_the_input_is_seen_as_in_chat(client, model):
     response = client.responses.create(
         model=model, input=[{"role": "user", "content": content}], max_output_tokens=MAX, temperature=0
     )
-    chat = chat_answer(client, [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": circle_url()}}, {"type": "text", "text": "What is it?"},
-    ]}], max_tokens=MAX)  # fmt: skip
+    chat = chat_answer(
+        client,
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": circle_url()}},
+                    {"type": "text", "text": "What is it?"},
+                ],
+            }
+        ],
+        max_tokens=MAX,
+    )
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     details = response.model_dump()["usage"]["input_tokens_details"]
@@ -92,9 +103,12 @@ def test_responses_parse_with_a_pydantic_model_follows_its_schema(client, model)
 @pytest.mark.server
 def test_json_object_format_gives_a_json_object(client, model):
     response = client.responses.create(
-        model=model, input="Answer in JSON.", text={"format": {"type": "json_object"}}, max_output_tokens=64,
+        model=model,
+        input="Answer in JSON.",
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=64,
         temperature=0,
-    )  # fmt: skip
+    )
     if response.status == "completed":
         assert isinstance(json.loads(response.output_text), dict)
     else:  # cut short: what there is starts an object
@@ -112,9 +126,13 @@ def test_a_tool_round_trip_with_previous_response_id_is_the_chat_conversation(cl
     json.loads(calls[0].arguments)
     outputs = [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"} for call in calls]
     second = client.responses.create(
-        model=model, previous_response_id=first.id, input=outputs, tools=[WEATHER], max_output_tokens=MAX,
+        model=model,
+        previous_response_id=first.id,
+        input=outputs,
+        tools=[WEATHER],
+        max_output_tokens=MAX,
         temperature=0,
-    )  # fmt: skip
+    )
     assert second.previous_response_id == first.id
     # the same conversation, sent whole to chat completions
     tool_calls = [
@@ -122,17 +140,22 @@ def test_a_tool_round_trip_with_previous_response_id_is_the_chat_conversation(cl
         for call in calls
     ]
     messages = [
-        {"role": "user", "content": question}, {"role": "assistant", "content": None, "tool_calls": tool_calls},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": tool_calls},
         *({"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"} for call in calls),
-    ]  # fmt: skip
+    ]
     chat = chat_answer(client, messages, tools=[CHAT_WEATHER], max_tokens=MAX)
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.output_text == (chat.choices[0].message.content or "")
     # and the same conversation as explicit input items (what LangChain sends), without the store
     replayed = client.responses.create(
-        model=model, input=[{"role": "user", "content": question}, *[c.model_dump() for c in calls], *outputs],
-        tools=[WEATHER], max_output_tokens=MAX, temperature=0, store=False,
-    )  # fmt: skip
+        model=model,
+        input=[{"role": "user", "content": question}, *[c.model_dump() for c in calls], *outputs],
+        tools=[WEATHER],
+        max_output_tokens=MAX,
+        temperature=0,
+        store=False,
+    )
     assert (replayed.output_text, replayed.usage.input_tokens) == (second.output_text, second.usage.input_tokens)
 
 
@@ -140,9 +163,14 @@ def test_a_tool_round_trip_with_previous_response_id_is_the_chat_conversation(cl
 def test_a_named_tool_choice_calls_that_function(client, model):
     other = {**WEATHER, "name": "get_time", "description": "The time in a city."}
     response = client.responses.create(
-        model=model, input="Hi", tools=[WEATHER, other], tool_choice={"type": "function", "name": "get_time"},
-        parallel_tool_calls=False, max_output_tokens=200, temperature=0,
-    )  # fmt: skip
+        model=model,
+        input="Hi",
+        tools=[WEATHER, other],
+        tool_choice={"type": "function", "name": "get_time"},
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+        temperature=0,
+    )
     assert [item.name for item in response.output if item.type == "function_call"][:1] == ["get_time"]
 
 
@@ -165,10 +193,18 @@ def test_a_streamed_response_sends_typed_events_that_add_up_to_the_same_output(c
 
 @pytest.mark.server
 def test_a_streamed_tool_call_sends_its_arguments_events(client, model):
-    events = list(client.responses.create(
-        model=model, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required", max_output_tokens=200,
-        parallel_tool_calls=False, temperature=0, stream=True,
-    ))  # fmt: skip
+    events = list(
+        client.responses.create(
+            model=model,
+            input="Weather in Oslo?",
+            tools=[WEATHER],
+            tool_choice="required",
+            max_output_tokens=200,
+            parallel_tool_calls=False,
+            temperature=0,
+            stream=True,
+        )
+    )
     done = [event for event in events if event.type == "response.function_call_arguments.done"]
     assert done and done[0].name == "get_weather"
     deltas = "".join(
@@ -280,20 +316,40 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "ar
 @pytest.mark.parametrize(
     "options, param, fragment",
     [
-        ({"input": [{"role": "user", "content": [LOOK, {"type": "input_image", "image_url": JUNK}]}]},
-         "input[0].content[1]", "cannot decode image"),
-        ({"instructions": "Be brief.", "input": [
-            {"role": "user", "content": "Weather?"}, CALL,
-            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
-            {"role": "user", "content": [LOOK, LOOK, {"type": "input_image", "image_url": HUGE}]},
-        ]}, "input[3].content[2]", "image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485"),
-        ({"input": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": JUNK}}]}]},
-         "input[0].content[0]", "media type 'image/png' is not video/*"),
-        ({"stream": True, "input": [{"role": "user", "content": [LOOK, {"type": "input_image", "image_url": JUNK}]}]},
-         "input[0].content[1]", "cannot decode image"),
+        (
+            {"input": [{"role": "user", "content": [LOOK, {"type": "input_image", "image_url": JUNK}]}]},
+            "input[0].content[1]",
+            "cannot decode image",
+        ),
+        (
+            {
+                "instructions": "Be brief.",
+                "input": [
+                    {"role": "user", "content": "Weather?"},
+                    CALL,
+                    {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+                    {"role": "user", "content": [LOOK, LOOK, {"type": "input_image", "image_url": HUGE}]},
+                ],
+            },
+            "input[3].content[2]",
+            "image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": JUNK}}]}]},
+            "input[0].content[0]",
+            "media type 'image/png' is not video/*",
+        ),
+        (
+            {
+                "stream": True,
+                "input": [{"role": "user", "content": [LOOK, {"type": "input_image", "image_url": JUNK}]}],
+            },
+            "input[0].content[1]",
+            "cannot decode image",
+        ),
     ],
     ids=["second part", "after instructions and a tool call", "a video", "streamed"],
-)  # fmt: skip
+)
 def test_a_media_error_names_the_input_part_that_failed(server, client, model, options, param, fragment):
     body = {"model": model, "max_output_tokens": 2, **options}
     response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
@@ -308,9 +364,12 @@ def test_a_media_error_after_a_previous_response_names_the_new_input_part(client
     first = client.responses.create(model=model, input="Hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(
-            model=model, previous_response_id=first.id, instructions="Be brief.", max_output_tokens=2,
+            model=model,
+            previous_response_id=first.id,
+            instructions="Be brief.",
+            max_output_tokens=2,
             input=[{"role": "user", "content": [{"type": "input_image", "image_url": JUNK}, LOOK]}],
-        )  # fmt: skip
+        )
     assert caught.value.param == "input[0].content[0]" and "cannot decode image" in caught.value.message
 
 
@@ -328,15 +387,25 @@ def test_an_answer_in_pieces_becomes_items_and_events_in_order():
     events += builder.add(ChatDelta(content=" there", tool_calls=[ToolCall("f", "{}", "call_1")]))
     events += builder.finish("completed")
     assert [e["type"] for e in events] == [
-        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
-        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
         "response.output_item.done",
-        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
         "response.output_item.done",
-        "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.done", "response.output_item.done",
-    ]  # fmt: skip
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
     reasoning, message, call = builder.items
@@ -344,9 +413,11 @@ def test_an_answer_in_pieces_becomes_items_and_events_in_order():
     assert (call.call_id, call.name, call.arguments) == ("call_1", "f", "{}")
     assert all(item.status == "completed" for item in builder.items)
     assert assistant_message(builder.items) == {
-        "role": "assistant", "content": "Hello there", "reasoning_content": "Think more",
+        "role": "assistant",
+        "content": "Hello there",
+        "reasoning_content": "Think more",
         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-    }  # fmt: skip
+    }
 
 
 def test_an_empty_answer_cut_short_is_one_incomplete_empty_message():

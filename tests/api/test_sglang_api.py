@@ -131,14 +131,17 @@ def test_generate_takes_token_ids(server: ServerProcess, ours: Tokenizer) -> Non
 
 def test_generate_expands_each_placeholder_for_its_media_as_chat_does(
     server: ServerProcess, ours: Tokenizer, video_url: str
-) -> None:  # fmt: skip
+) -> None:
     """A text holding the chat template's placeholders, with `image_data` and `video_data`, is the
     same model input as the chat request (so the same greedy answer and prompt length)."""
     answer = chat(server, chat_messages(("image_url", image_url()), ("video_url", video_url)))
     out = generate(
-        server, text=templated(ours, "image", "video"), image_data=[image_url()], video_data=video_url,
+        server,
+        text=templated(ours, "image", "video"),
+        image_data=[image_url()],
+        video_data=video_url,
         sampling_params=GREEDY,
-    )  # fmt: skip
+    )
     assert out["text"] == answer["choices"][0]["message"]["content"]
     assert out["meta_info"]["prompt_tokens"] == answer["usage"]["prompt_tokens"]
 
@@ -148,7 +151,7 @@ def test_generate_batch_with_n_answers_prompt_by_prompt(server: ServerProcess, o
     prompts = [templated(ours, "image"), "A blue square"]
     outs = generate(
         server, text=prompts, image_data=[image_url(), None], rid=["a", "b"], sampling_params={**GREEDY, "n": 2}
-    )  # fmt: skip
+    )
     assert [out["meta_info"]["id"] for out in outs] == ["a-0", "a-1", "b-0", "b-1"]
     one_by_one = [generate(server, text=prompts[0], image_data=image_url(), sampling_params=GREEDY)]
     one_by_one.append(generate(server, text=prompts[1], sampling_params=GREEDY))
@@ -184,9 +187,14 @@ def test_generate_returns_sglang_logprobs(server: ServerProcess, ours: Tokenizer
     first prompt token has no logprob); top_logprobs_num alternatives each."""
     prompt_ids = ours.encode("A red circle on the left")
     out = generate(
-        server, input_ids=prompt_ids, sampling_params={**GREEDY, "max_new_tokens": 4}, return_logprob=True,
-        top_logprobs_num=2, logprob_start_len=0, return_text_in_logprobs=True,
-    )  # fmt: skip
+        server,
+        input_ids=prompt_ids,
+        sampling_params={**GREEDY, "max_new_tokens": 4},
+        return_logprob=True,
+        top_logprobs_num=2,
+        logprob_start_len=0,
+        return_text_in_logprobs=True,
+    )
     meta = out["meta_info"]
     assert [entry[1] for entry in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(entry[0] <= 0 and isinstance(entry[2], str) for entry in meta["output_token_logprobs"])
@@ -194,9 +202,12 @@ def test_generate_returns_sglang_logprobs(server: ServerProcess, ours: Tokenizer
     assert [entry[1] for entry in meta["input_token_logprobs"]] == prompt_ids
     assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
     from_third = generate(
-        server, input_ids=prompt_ids, sampling_params={**GREEDY, "max_new_tokens": 4}, return_logprob=True,
+        server,
+        input_ids=prompt_ids,
+        sampling_params={**GREEDY, "max_new_tokens": 4},
+        return_logprob=True,
         logprob_start_len=2,
-    )["meta_info"]  # fmt: skip
+    )["meta_info"]
     assert [entry[:2] for entry in from_third["input_token_logprobs"]] == [
         pytest.approx(entry[:2]) for entry in meta["input_token_logprobs"][2:]
     ]
@@ -225,7 +236,7 @@ def test_generate_returns_sglang_logprobs(server: ServerProcess, ours: Tokenizer
 )
 def test_generate_refuses_what_it_cannot_do_by_name(
     server: ServerProcess, body: dict, param: str | None, words: str
-) -> None:  # fmt: skip
+) -> None:
     response = post(server, "/generate", body)
     assert response.status_code == 400
     error = response.json()["error"]
@@ -238,7 +249,7 @@ HUGE = "data:image/png;base64," + base64.b64encode(png_stating(20000, 20000)).de
 
 def test_a_media_error_names_the_item_of_image_data_or_video_data_that_failed(
     server: ServerProcess, ours: Tokenizer
-) -> None:  # fmt: skip
+) -> None:
     one, two, video = templated(ours, "image"), templated(ours, "image", "image"), templated(ours, "image", "video")
     cases = [
         ({"text": two, "image_data": [image_url(), JUNK]}, "image_data[1]", "cannot decode image"),
@@ -284,7 +295,7 @@ def test_chat_without_a_model_through_sglang_router_is_served(server: ServerProc
 
 def test_bootstrap_fields_are_accepted_and_ignored_by_a_colocated_server(
     server: ServerProcess, ours: Tokenizer
-) -> None:  # fmt: skip
+) -> None:
     """As sglang-router's PD mode sends them: one room; one per choice of a chat request with n > 1; one
     per prompt of a batch (whatever its n)."""
     per_choice = {"bootstrap_host": ["h", "h"], "bootstrap_port": [8998, 8998], "bootstrap_room": [1, 2]}
@@ -318,7 +329,7 @@ def test_bootstrap_fields_are_accepted_and_ignored_by_a_colocated_server(
 )
 def test_malformed_bootstrap_fields_are_refused_by_name(
     server: ServerProcess, path: str, fields: dict, param: str | None, words: str
-) -> None:  # fmt: skip
+) -> None:
     prompt = {
         "/v1/chat/completions": {"messages": chat_messages(), "max_tokens": 2},
         "/v1/completions": {"prompt": "A", "max_tokens": 2},

@@ -71,16 +71,24 @@ def _ask(text: str, image=None) -> list[dict]:
 def test_sampled_answers_follow_a_json_schema_with_an_image_in_the_prompt(engine):
     out = engine.chat(
         _ask("Describe the picture as JSON.", make_image(64, 48, seed=3)),
-        json_schema=json.dumps(PERSON), temperature=1.0, n=8, seed=11, max_tokens=120,
-    )  # fmt: skip
+        json_schema=json.dumps(PERSON),
+        temperature=1.0,
+        n=8,
+        seed=11,
+        max_tokens=120,
+    )
     for choice in out.choices:
         assert choice.finish_reason == "stop", choice.text
         jsonschema.validate(json.loads(choice.text), PERSON)
     # the same request again: the compiled grammar is reused and the seeded answers repeat
     again = engine.chat(
         _ask("Describe the picture as JSON.", make_image(64, 48, seed=3)),
-        json_schema=json.dumps(PERSON), temperature=1.0, n=8, seed=11, max_tokens=120,
-    )  # fmt: skip
+        json_schema=json.dumps(PERSON),
+        temperature=1.0,
+        n=8,
+        seed=11,
+        max_tokens=120,
+    )
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
     assert list(engine.scheduler.grammar_queue.backend.cache) == [("json_schema", json.dumps(PERSON))]
 
@@ -173,9 +181,13 @@ def test_with_reasoning_the_grammar_starts_after_the_end_of_thinking(engine):
     assert not re.fullmatch("(left|right)", free.text)
     # pushed to close them at once: then the answer follows the grammar
     out = engine.chat(
-        _ask("Pick one."), regex="(left|right)", reasoning=True, max_tokens=8, temperature=0,
+        _ask("Pick one."),
+        regex="(left|right)",
+        reasoning=True,
+        max_tokens=8,
+        temperature=0,
         logit_bias={str(think_end): 100},
-    )  # fmt: skip
+    )
     assert out.token_ids[0] == think_end and out.finish_reason == "stop"
     assert engine.tokenizer.decode(out.token_ids[1:]) in ("left", "right")
 
@@ -292,9 +304,14 @@ def test_fifty_sampled_answers_follow_a_nested_json_schema(client):
     answers = []
     for seed in (1, 2):
         out = client.chat.completions.create(
-            model="default", messages=ASK, response_format=response_format, temperature=1.0, n=25, seed=seed,
+            model="default",
+            messages=ASK,
+            response_format=response_format,
+            temperature=1.0,
+            n=25,
+            seed=seed,
             max_tokens=150,
-        )  # fmt: skip
+        )
         answers += [choice.message.content for choice in out.choices]
         assert all(choice.finish_reason == "stop" for choice in out.choices)
     for answer in answers:
@@ -318,9 +335,14 @@ def test_a_streamed_answer_with_an_image_follows_the_schema(client):
         }
     ]
     stream = client.chat.completions.create(
-        model="default", messages=messages, temperature=0.9, seed=3, max_tokens=150, stream=True,
+        model="default",
+        messages=messages,
+        temperature=0.9,
+        seed=3,
+        max_tokens=150,
+        stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "scene", "schema": SCHEMA}},
-    )  # fmt: skip
+    )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
 
@@ -328,9 +350,13 @@ def test_a_streamed_answer_with_an_image_follows_the_schema(client):
 @pytest.mark.server
 def test_json_object_regex_and_ebnf(client):
     out = client.chat.completions.create(
-        model="default", messages=ASK, response_format={"type": "json_object"}, temperature=0, max_tokens=60,
+        model="default",
+        messages=ASK,
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=60,
         extra_body={"logit_bias": {}},
-    )  # fmt: skip
+    )
     if out.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(out.choices[0].message.content), dict)
     else:  # a random model may write one long string: what there is must be the start of an object
@@ -383,9 +409,13 @@ def test_bad_structured_output_requests_are_400s_naming_the_problem(server, body
 def test_logit_bias_steers_the_answer(client, tiny_moe_dir):
     token = Tokenizer.from_pretrained(tiny_moe_dir).encode(" cat")[0]
     out = client.chat.completions.create(
-        model="default", messages=ASK, max_tokens=3, temperature=0, logit_bias={str(token): 100},
+        model="default",
+        messages=ASK,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(token): 100},
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert out.choices[0].message.content == " cat cat cat"
 
 
@@ -422,9 +452,14 @@ def test_auto_parses_a_call_the_model_writes_and_keeps_the_text_before_it(client
     assert finish == "tool_calls"
     # tool_choice "none": the same text stays text
     out = client.chat.completions.create(
-        model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=150, temperature=0,
+        model="default",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=150,
+        temperature=0,
         extra_body={"ebnf": ebnf},
-    )  # fmt: skip
+    )
     assert (
         out.choices[0].message.tool_calls is None and out.choices[0].message.content == "Let me check.\n" + FORCED_CALL
     )
@@ -456,14 +491,22 @@ def test_a_multi_turn_tool_conversation_is_rendered_as_transformers_renders_it(c
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Weather in Paris and the time?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}},
-            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                },
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
         {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
         {"role": "user", "content": "Thanks. And tomorrow?"},
-    ]  # fmt: skip
+    ]
     theirs = transformers.AutoTokenizer.from_pretrained(tiny_moe_dir)
     expected = theirs.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     # what the server hands the template: the messages and tools as its request models keep them
@@ -471,7 +514,7 @@ def test_a_multi_turn_tool_conversation_is_rendered_as_transformers_renders_it(c
     ours = Tokenizer.from_pretrained(tiny_moe_dir).apply_chat_template(
         [m.model_dump(exclude_none=True) for m in request.messages],
         tools=[t.model_dump(exclude_none=True) for t in request.tools],
-    )  # fmt: skip
+    )
     assert ours == expected
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"' in expected
     out = client.chat.completions.create(model="default", messages=messages, tools=TOOLS, max_tokens=1)
@@ -520,9 +563,9 @@ def test_a_response_carries_the_reasoning_as_a_reasoning_item_whole_and_streamed
     assert reasoning.content[0].text == expected.reasoning_content and response.output[0] == reasoning
     assert response.output_text == (expected.content or "")
     assert response.usage.output_tokens_details.reasoning_tokens > 0
-    events = list(reasoning_client.responses.create(
-        model="default", input=ASK, max_output_tokens=8, temperature=0, stream=True
-    ))  # fmt: skip
+    events = list(
+        reasoning_client.responses.create(model="default", input=ASK, max_output_tokens=8, temperature=0, stream=True)
+    )
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == expected.reasoning_content == events[-1].response.output[0].content[0].text
 
@@ -544,9 +587,14 @@ def test_reasoning_then_a_tool_call(reasoning_client):
 def test_a_forced_tool_call_comes_after_the_reasoning(reasoning_client, tiny_moe_dir):
     think_end = Tokenizer.from_pretrained(tiny_moe_dir).token_to_id("</think>")
     out = reasoning_client.chat.completions.create(
-        model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0,
+        model="default",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
         logit_bias={str(think_end): 100},  # the random model closes its (empty) reasoning at once
-    )  # fmt: skip
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
@@ -561,9 +609,13 @@ def test_log_probs_of_tokens_a_grammar_rules_out_are_a_finite_floor_whole_and_st
     bodies = {
         "/v1/chat/completions": {"messages": ASK, "max_tokens": 2, "logprobs": True, "top_logprobs": 20, **greedy},
         "/v1/completions": {"prompt": "Say it:", "max_tokens": 2, "logprobs": 20, **greedy},
-        "/generate": {"text": "Say it:", "sampling_params": {"max_new_tokens": 2, **greedy}, "return_logprob": True,
-                      "top_logprobs_num": 20},
-    }  # fmt: skip
+        "/generate": {
+            "text": "Say it:",
+            "sampling_params": {"max_new_tokens": 2, **greedy},
+            "return_logprob": True,
+            "top_logprobs_num": 20,
+        },
+    }
     for path, body in bodies.items():
         for stream in (False, True):
             with httpx.stream("POST", server.url + path, json={**body, "stream": stream}, timeout=60) as response:

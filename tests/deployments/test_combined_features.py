@@ -71,9 +71,12 @@ def test_valid_requests_combining_features_are_answered_well_and_alike(deploymen
     client = httpx.Client(timeout=CLIENT_TIMEOUT)
 
     @settings(
-        max_examples=EXAMPLES.get(deployment.name, OTHER_EXAMPLES), derandomize=True, deadline=None, database=None,
+        max_examples=EXAMPLES.get(deployment.name, OTHER_EXAMPLES),
+        derandomize=True,
+        deadline=None,
+        database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
-    )  # fmt: skip
+    )
     @given(call=calls(router=deployment.routed))
     def answered_well(call: Call) -> None:
         found = judge(client, deployment.url, call, reference.url)
@@ -97,8 +100,14 @@ def test_a_seeded_answer_is_the_same_alone_and_among_other_requests(deployment):
     """What the soak found (benchmarks/fuzz_soak.py): a seeded request's tokens must not depend on the other
     requests in its batch; here ones without top_k, which change how the batch's probabilities are drawn."""
     client = httpx.Client(timeout=CLIENT_TIMEOUT)
-    seeded = {"model": "default", "prompt": "Tell me a story", "max_tokens": 24, "temperature": 1, "top_k": 20,
-              "seed": 1}  # fmt: skip
+    seeded = {
+        "model": "default",
+        "prompt": "Tell me a story",
+        "max_tokens": 24,
+        "temperature": 1,
+        "top_k": 20,
+        "seed": 1,
+    }
     other = {**seeded, "prompt": "Describe this image.", "top_k": -1, "seed": None, "ignore_eos": True}
 
     def text(body: dict) -> str:
@@ -135,8 +144,13 @@ def test_a_picture_arriving_while_others_decode_is_answered_as_when_it_comes_alo
             }
         ],
     }
-    running = {"model": "default", "prompt": "Tell me a long story", "max_tokens": 24, "ignore_eos": True,
-               "stream": True}  # fmt: skip
+    running = {
+        "model": "default",
+        "prompt": "Tell me a long story",
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     def answer() -> str:
         response = client.post(deployment.url + "/v1/chat/completions", json=picture)
@@ -172,10 +186,14 @@ def chat_answer(*contents: str, finish: str = "length", tokens: int = 2, logprob
     """A chat completion body as a server answers: one choice per content, `tokens` each."""
     entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
     choices = [
-        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-         "logprobs": {"content": [entry] * tokens} if logprobs else None}
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish,
+            "logprobs": {"content": [entry] * tokens} if logprobs else None,
+        }
         for i, text in enumerate(contents)
-    ]  # fmt: skip
+    ]
     completion = tokens * len(contents)
     usage = {"prompt_tokens": 5, "completion_tokens": completion, "total_tokens": 5 + completion}
     return {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": choices, "usage": usage}

@@ -166,9 +166,10 @@ def test_a_request_whose_own_path_raises_fails_alone_and_the_others_get_their_an
     want = _answers(engine, TOGETHER)
     request_faults.install(monkeypatch.setattr)
     faulty = {
-        "sampling": dict(stop=[request_faults.SAMPLE]), "output": dict(stop=[request_faults.OUTPUT]),
+        "sampling": dict(stop=[request_faults.SAMPLE]),
+        "output": dict(stop=[request_faults.OUTPUT]),
         "text": dict(logit_bias={engine.tokenizer.token_to_id(request_faults.DETOKENIZE): 100}),
-    }[fault]  # fmt: skip
+    }[fault]
     got = _answers(engine, [dict(temperature=0.5, **faulty), *TOGETHER])
     where = {"sampling": "sampling", "output": "its output was processed", "text": "its text was decoded"}[fault]
     assert isinstance(got[0], InternalError) and got[0].status == 500

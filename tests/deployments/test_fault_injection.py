@@ -55,9 +55,15 @@ def _image_chat(seed: int, width: int = 64) -> list[dict]:
     buffer = io.BytesIO()
     make_image(width, 48, seed=seed).save(buffer, "PNG")
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."},
-    ]}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "Describe it."},
+            ],
+        }
+    ]
 
 
 TEXT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -78,9 +84,13 @@ class Outcome:
 
 
 async def _chat(
-    http: httpx.AsyncClient, messages: list[dict], stream: bool, max_tokens: int = MAX_TOKENS,
-    leave: bool = False, words: asyncio.Event | None = None,
-) -> Outcome:  # fmt: skip
+    http: httpx.AsyncClient,
+    messages: list[dict],
+    stream: bool,
+    max_tokens: int = MAX_TOKENS,
+    leave: bool = False,
+    words: asyncio.Event | None = None,
+) -> Outcome:
     """One greedy chat request; a stream sets `words` at its first words, and leaves then if `leave`."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if max_tokens == LONG:
@@ -338,7 +348,7 @@ def _every_request_answered_or_visibly_failed(
 
 def test_killed_encoder_ranks_are_replaced_then_fail_visibly_and_a_killed_detokenizer_stops_the_server(
     tiny_moe_dir, tmp_path
-):  # fmt: skip
+):
     model = Path(shutil.copytree(tiny_moe_dir, tmp_path / "model"))  # its config is taken away later
     server = start_server(model, "--vit-dp", "2")
     try:
@@ -423,9 +433,12 @@ def test_a_request_whose_own_path_raises_fails_alone_on_the_default_server():
             ("/v1/chat/completions", {**chat, "stop": [request_faults.SAMPLE]}, "while sampling"),
             ("/v1/chat/completions", {**chat, "stop": [request_faults.OUTPUT]}, "while its output was processed"),
             ("/v1/chat/completions", {**chat, "stop": [request_faults.OUTPUT], "stream": True}, "while its output"),
-            ("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "logit_bias": {forced: 100}}},
-             "while its text was decoded"),
-        ]  # fmt: skip
+            (
+                "/generate",
+                {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "logit_bias": {forced: 100}}},
+                "while its text was decoded",
+            ),
+        ]
         with ThreadPoolExecutor(8) as pool:
             failures = [pool.submit(_error_message, server, path, body) for path, body, _ in faulty]
             answers = [pool.submit(client.chat.completions.create, **greedy) for _ in range(4)]

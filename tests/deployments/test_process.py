@@ -20,8 +20,9 @@ def test_children_started_in_the_block_ignore_ctrl_c_and_a_sigterm_waits_for_its
         with starting_children():
             child = subprocess.run(  # (not `run_process`, which gives the child Ctrl-C back)
                 [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
-                capture_output=True, text=True,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+            )
             os.kill(os.getpid(), signal.SIGTERM)
             assert terminated == []
         assert terminated == [signal.SIGTERM]

@@ -51,10 +51,22 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_moe_dir: Path, media_dir: Path):
     with running_server(
-        tiny_moe_dir, "--api-key", API_KEY, "--allowed-local-media-path", str(media_dir),
-        "--limit-mm-per-prompt", str(LIMIT_MM), "--max-media-mb", str(MAX_MEDIA_MB),
-        "--max-total-tokens", str(KV_TOKENS), "--context-length", "4096", "--mm-max-frames", "32",
-    ) as srv:  # fmt: skip
+        tiny_moe_dir,
+        "--api-key",
+        API_KEY,
+        "--allowed-local-media-path",
+        str(media_dir),
+        "--limit-mm-per-prompt",
+        str(LIMIT_MM),
+        "--max-media-mb",
+        str(MAX_MEDIA_MB),
+        "--max-total-tokens",
+        str(KV_TOKENS),
+        "--context-length",
+        "4096",
+        "--mm-max-frames",
+        "32",
+    ) as srv:
         yield srv
 
 
@@ -121,10 +133,14 @@ def test_streamed_video_answer_equals_the_whole_answer_and_the_engines(client, e
     messages = ask(video, text="What happens?")
     chunks = list(
         client.chat.completions.create(
-            model=model, messages=messages, max_tokens=10, temperature=0, stream=True,
+            model=model,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
@@ -206,11 +222,15 @@ def test_models_health_metrics_and_the_api_key(server, model, tiny_moe_dir):
     assert httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
     m = metrics(server)
     for name in (
-        "vlm_serve:embedding_cache_hit_rate", "vlm_serve:processor_cache_hit_rate", "vlm_serve:prefix_cache_hit_rate",
+        "vlm_serve:embedding_cache_hit_rate",
+        "vlm_serve:processor_cache_hit_rate",
+        "vlm_serve:prefix_cache_hit_rate",
         'vlm_serve:media_stage_seconds_count{stage="vit"}',
-        "vlm_serve:time_to_first_token_seconds_count", "vlm_serve:inter_token_latency_seconds_count",
-        "vlm_serve:e2e_request_latency_seconds_count", "vlm_serve:max_total_tokens",
-    ):  # fmt: skip
+        "vlm_serve:time_to_first_token_seconds_count",
+        "vlm_serve:inter_token_latency_seconds_count",
+        "vlm_serve:e2e_request_latency_seconds_count",
+        "vlm_serve:max_total_tokens",
+    ):
         assert name in m, name
     assert m["vlm_serve:max_total_tokens"] == KV_TOKENS
     assert not any(name.startswith("vlm_serve:encoder_load_patches") for name in m)  # on CPU: no encoder processes
@@ -314,9 +334,12 @@ def test_200_concurrent_streams_with_a_quarter_of_clients_leaving(server, model)
 
     async def one(http: httpx.AsyncClient, i: int) -> str:
         body = {
-            "model": model, "messages": ask(image_part(images[i % len(images)]), text=f"Request {i}."),
-            "max_tokens": 24, "ignore_eos": True, "stream": True,
-        }  # fmt: skip
+            "model": model,
+            "messages": ask(image_part(images[i % len(images)]), text=f"Request {i}."),
+            "max_tokens": 24,
+            "ignore_eos": True,
+            "stream": True,
+        }
         leaves = i % 4 == 0
         finish = None
         async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:

@@ -61,8 +61,12 @@ def test_a_failed_test_leaves_no_server_running_and_a_process_left_running_fails
     started past the helpers, which fails the session at its end, named, and is stopped."""
     (tmp_path / "test_session.py").write_text(_SESSION)
     tests = str(Path(__file__).parent.parent)  # (the suite's conftest.py and helpers)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
-           "MODEL": str(tiny_moe_dir), "OUT": str(tmp_path)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+        "MODEL": str(tiny_moe_dir),
+        "OUT": str(tmp_path),
+    }
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "test_session.py"]
     session = run_process(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     started = [int(pid) for name in ("server", "sleeper") for pid in (tmp_path / name).read_text().split()]

@@ -45,9 +45,13 @@ def _run(model_dir: str, tp_size: int, ep_size: int, overlap: bool) -> tuple[tor
     """Prefill logits of PROMPT and NEW_TOKENS greedy tokens after it (those on rank 0 only)."""
     config = ModelConfig.from_pretrained(model_dir)
     args = ServerArgs(
-        model=model_dir, tp_size=tp_size, ep_size=ep_size, max_total_tokens=1024, vit_dp=0,
+        model=model_dir,
+        tp_size=tp_size,
+        ep_size=ep_size,
+        max_total_tokens=1024,
+        vit_dp=0,
         disable_overlap_schedule=not overlap,
-    )  # fmt: skip
+    )
     runner = ModelRunner(args, config)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     io = _ListIO([TokenizedGenerateReq("gen", list(PROMPT), params)])
@@ -76,16 +80,27 @@ def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, ov
 @pytest.mark.parametrize(
     "arch,ep_size,overlap,weights",
     [
-        *((arch, ep, overlap, "float32") for overlap in (False, True) for arch, ep in (("dense", 1), ("moe", 1), ("moe", 2))),
+        *(
+            (arch, ep, overlap, "float32")
+            for overlap in (False, True)
+            for arch, ep in (("dense", 1), ("moe", 1), ("moe", 2))
+        ),
         # bfloat16 and FP8 weights (float32 activations) sharded: FP8 shards start inside scale blocks
-        ("dense", 1, False, "bf16"), ("moe", 2, False, "bf16"), ("dense", 1, False, "fp8"), ("moe", 1, False, "fp8"),
+        ("dense", 1, False, "bf16"),
+        ("moe", 2, False, "bf16"),
+        ("dense", 1, False, "fp8"),
+        ("moe", 1, False, "fp8"),
         ("moe", 2, False, "fp8"),
     ],
     ids=[
         *(f"{name}-{loop}" for loop in ("normal", "overlap") for name in ("dense-tp2", "moe-tp2", "moe-tp2-ep2")),
-        "dense-tp2-bf16", "moe-tp2-ep2-bf16", "dense-tp2-fp8", "moe-tp2-fp8", "moe-tp2-ep2-fp8",
+        "dense-tp2-bf16",
+        "moe-tp2-ep2-bf16",
+        "dense-tp2-fp8",
+        "moe-tp2-fp8",
+        "moe-tp2-ep2-fp8",
     ],
-)  # fmt: skip
+)
 def test_two_ranks_match_one(
     arch, ep_size, overlap, weights, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs, tiny_fp8_dirs
 ):

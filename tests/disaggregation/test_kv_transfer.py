@@ -43,9 +43,15 @@ class Side:
     side), a metadata buffer, a backend, and the senders or receivers of its rooms."""
 
     def __init__(
-        self, backend: str, mode: str, page_size: int = 1, bootstrap_port: int | None = None,
-        timeouts: Timeouts = Timeouts(), head_dim: int = HEAD_DIM, env: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        backend: str,
+        mode: str,
+        page_size: int = 1,
+        bootstrap_port: int | None = None,
+        timeouts: Timeouts = Timeouts(),
+        head_dim: int = HEAD_DIM,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.mode = mode
         self.pool = TokenToKVPool(POOL_SLOTS, page_size, LAYERS, KV_HEADS, head_dim, torch.float32, torch.device("cpu"))
         if mode == "prefill":
@@ -169,9 +175,14 @@ class Pair:
     """A prefill rank (in the peer process, registered with a bootstrap server here) and a decode rank."""
 
     def __init__(
-        self, peer: Peer, backend: str, page_size: int = 1, timeouts: Timeouts = Timeouts(),
-        env: dict[str, str] | None = None, decode_head_dim: int = HEAD_DIM,
-    ) -> None:  # fmt: skip
+        self,
+        peer: Peer,
+        backend: str,
+        page_size: int = 1,
+        timeouts: Timeouts = Timeouts(),
+        env: dict[str, str] | None = None,
+        decode_head_dim: int = HEAD_DIM,
+    ) -> None:
         self.server = BootstrapServer(HOST, 0).start()
         self.port = self.server.port
         self.prefill = peer.side(backend, "prefill", page_size, self.port, timeouts, env=env)

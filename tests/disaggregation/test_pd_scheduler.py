@@ -87,10 +87,17 @@ def test_the_decode_side_drafts_over_the_draft_kv_the_prefill_side_computed(monk
     draft KV stale it keeps half as many)."""
     rng = random.Random(5)
     conversations = [
-        [{"role": "user", "content": [{"type": "image", "image": render(random_scene(rng, count=1 + i % 4))},
-                                      {"type": "text", "text": "Describe the image."}]}]
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": render(random_scene(rng, count=1 + i % 4))},
+                    {"type": "text", "text": "Describe the image."},
+                ],
+            }
+        ]
         for i in range(4)
-    ]  # fmt: skip
+    ]
     with Engine(vit_dp=0) as colocated:
         want = [out.token_ids for out in colocated.chat_batch(conversations, max_tokens=48, temperature=0)]
         colocated_length = colocated.scheduler.metrics.spec.mean_accepted_length

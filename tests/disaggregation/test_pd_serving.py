@@ -36,7 +36,7 @@ from helpers import (
     running_server,
     start_process,
     start_server,
-)  # fmt: skip
+)
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.tokenizer import Tokenizer
 
@@ -164,9 +164,14 @@ def slow_pd_pair() -> Iterator[tuple[ServerProcess, ServerProcess, dict]]:
     server is stopped at the end, whether or not a test killed it."""
     port = free_port()
     prefill = start_server(
-        BUILTIN_MODEL, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port),
-        "--chunked-prefill-size", "8",
-    )  # fmt: skip
+        BUILTIN_MODEL,
+        "--disaggregation-mode",
+        "prefill",
+        "--disaggregation-bootstrap-port",
+        str(port),
+        "--chunked-prefill-size",
+        "8",
+    )
     try:
         decode = start_server(BUILTIN_MODEL, "--disaggregation-mode", "decode")
         try:

@@ -163,8 +163,23 @@ def test_ctrl_c_stops_quietly_leaving_whole_lines(folder, tiny_moe_dir, tmp_path
     reaches the encoder ranks too): exit code 130, and nothing on stderr but the progress bar and the
     line saying so (no traceback, from this process or one of its encoder ranks)."""
     output = tmp_path / "captions.jsonl"
-    command = [sys.executable, "-m", "vlm_serve.cli", "caption", str(folder), "--output", str(output), "--model",
-               str(tiny_moe_dir), "--dtype", "float32", "--max-tokens", "48", "--batch-size", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_serve.cli",
+        "caption",
+        str(folder),
+        "--output",
+        str(output),
+        "--model",
+        str(tiny_moe_dir),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "48",
+        "--batch-size",
+        "2",
+    ]
     process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not (output.is_file() and output.read_text().count("\n") >= 2) and time.monotonic() < deadline:

@@ -65,8 +65,22 @@ def test_ctrl_c_stops_generate_silently(tmp_path, tiny_moe_dir):
     GPU by default), while the model loads or answers: exit code 130, and not a line from it or its encoder rank."""
     image = tmp_path / "picture.png"
     make_image(64, 64).save(image)
-    command = [sys.executable, "-m", "vlm_serve.cli", "generate", "--model", str(tiny_moe_dir), "--image", str(image),
-               "--prompt", "Describe.", "--max-tokens", "4000", "--vit-dp", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_serve.cli",
+        "generate",
+        "--model",
+        str(tiny_moe_dir),
+        "--image",
+        str(image),
+        "--prompt",
+        "Describe.",
+        "--max-tokens",
+        "4000",
+        "--vit-dp",
+        "1",
+    ]
     process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not any(process_name(pid) == "vlm-encoder-0" for pid in descendants(process.pid)):
@@ -114,8 +128,12 @@ def test_a_wrong_model_is_one_line_naming_it_in_every_command(tmp_path):
     missing = str(tmp_path / "no-such-model")
     image = tmp_path / "picture.png"
     make_image(32, 32).save(image)
-    for command in (["serve", "--tp-size", "2"], ["serve"], ["generate", "--prompt", "hi"], ["caption", str(image),
-                    "--output", str(tmp_path / "c.jsonl")]):  # fmt: skip
+    for command in (
+        ["serve", "--tp-size", "2"],
+        ["serve"],
+        ["generate", "--prompt", "hi"],
+        ["caption", str(image), "--output", str(tmp_path / "c.jsonl")],
+    ):
         result = _vlm_serve(*command, "--model", missing)
         assert result.returncode == 2, result.stderr
         assert result.stderr == f"vlm-serve: error: model {missing}: no such folder\n"
@@ -156,9 +174,14 @@ def test_every_flag_and_argument_of_every_command_has_a_help_text():
 
 @pytest.mark.parametrize(
     "command",
-    [["serve"], ["demo"], ["generate", "--prompt", "hi"], ["caption", "x.png", "--output", "c.jsonl"],
-     ["create-tiny-model", "out"]],
-)  # fmt: skip
+    [
+        ["serve"],
+        ["demo"],
+        ["generate", "--prompt", "hi"],
+        ["caption", "x.png", "--output", "c.jsonl"],
+        ["create-tiny-model", "out"],
+    ],
+)
 def test_an_unknown_flag_is_refused_with_the_usage_of_its_command(command, capsys):
     with pytest.raises(SystemExit) as refused:
         main([*command, "--bogus", "1"])

@@ -33,7 +33,7 @@ from vlm_serve.demo import (
     single_turn_only,
     to_openai_messages,
     user_turn,
-)  # fmt: skip
+)
 from vlm_serve.testing.media import png_stating
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -151,9 +151,12 @@ def test_an_oversized_picture_is_refused_with_its_size_the_limit_and_the_flag(en
 
 def test_a_model_that_knows_single_questions_only_is_sent_the_latest_one_with_the_latest_pictures():
     def user(*parts: str) -> dict:
-        return {"role": "user", "content": [
-            {"type": "image", "image": p} if p.endswith(".png") else {"type": "text", "text": p} for p in parts
-        ]}  # fmt: skip
+        return {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": p} if p.endswith(".png") else {"type": "text", "text": p} for p in parts
+            ],
+        }
 
     first = [user("a.png", "What colour is the circle?"), {"role": "assistant", "content": "The circle is red."}]
     assert latest_question([*first, user("b.png", "c.png", "Which image has more shapes?")]) == [
@@ -310,8 +313,18 @@ def test_the_page_says_when_each_question_is_sent_alone(tiny_moe_dir):
 @pytest.mark.server
 def test_vlm_serve_demo_prints_its_address_and_nothing_else_until_stopped(tiny_moe_dir):
     port = free_port()
-    command = [sys.executable, "-m", "vlm_serve.cli", "demo", "--model", str(tiny_moe_dir), "--port", str(port),
-               "--vit-dp", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_serve.cli",
+        "demo",
+        "--model",
+        str(tiny_moe_dir),
+        "--port",
+        str(port),
+        "--vit-dp",
+        "0",
+    ]
     process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         first = process.stdout.readline()

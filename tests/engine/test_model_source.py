@@ -81,7 +81,13 @@ def test_only_the_files_serving_reads_are_downloaded(tiny_moe_dir):
         return any(fnmatch.fnmatch(name, pattern) for pattern in HUB_FILES)
 
     assert all(fetched(file.name) for file in tiny_moe_dir.iterdir())
-    published = ["model-00001-of-00004.safetensors", "model.safetensors.index.json", "merges.txt", "vocab.json",
-                 "chat_template.jinja", "video_preprocessor_config.json"]  # fmt: skip
+    published = [
+        "model-00001-of-00004.safetensors",
+        "model.safetensors.index.json",
+        "merges.txt",
+        "vocab.json",
+        "chat_template.jinja",
+        "video_preprocessor_config.json",
+    ]
     assert all(fetched(name) for name in published)
     assert not any(fetched(name) for name in ("README.md", ".gitattributes", "demo.png", "original/model.pth"))

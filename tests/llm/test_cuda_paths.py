@@ -100,10 +100,15 @@ def test_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(arch):
     for eager in (True, False):
         with Engine(path, device="cuda", disable_cuda_graph=eager, cuda_graph_max_bs=8) as engine:
             assert (engine.scheduler.runner.cuda_graphs is None) == eager
-            outs = [engine.submit(engine.processor.process_messages([{"role": "user", "content": p}],
-                                                                    add_generation_prompt=True),
-                                  max_tokens=6 + 3 * i, ignore_eos=True, temperature=0)
-                    for i, p in enumerate(prompts)]  # fmt: skip
+            outs = [
+                engine.submit(
+                    engine.processor.process_messages([{"role": "user", "content": p}], add_generation_prompt=True),
+                    max_tokens=6 + 3 * i,
+                    ignore_eos=True,
+                    temperature=0,
+                )
+                for i, p in enumerate(prompts)
+            ]
             while not all(o.done for o in outs):
                 engine.step()
             answers[eager] = [engine.result(o).token_ids for o in outs]

@@ -51,8 +51,9 @@ def text_model_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: i
     text = config.text
     g = torch.Generator().manual_seed(seed)
     slots = 4 * sum(seq_lens) + 16
-    pool = TokenToKVPool(slots, 1, text.num_hidden_layers, text.num_key_value_heads, text.head_dim, torch.float32,
-                         torch.device("cpu"))  # fmt: skip
+    pool = TokenToKVPool(
+        slots, 1, text.num_hidden_layers, text.num_key_value_heads, text.head_dim, torch.float32, torch.device("cpu")
+    )
     for buffer in (*pool.k_buffer, *pool.v_buffer):
         buffer.copy_(torch.randn(buffer.shape, generator=g))
     rows = (torch.randperm(slots - 1, generator=g)[: len(seq_lens) * max(seq_lens)] + 1).view(len(seq_lens), -1).int()

@@ -28,10 +28,16 @@ def matrix() -> list:
     pairs = [(x86, level) for level in ("x86-64-v2", "x86-64-v3", "x86-64-v4")]
     pairs += [(arm, "armv8-a"), (arm, "armv8.2-a+sve")]  # (with SVE enabled, the NEON code still builds)
     return [
-        pytest.param(compiler, march, id=march, marks=[] if shutil.which(compiler) else
-                     [pytest.mark.skip(reason=f"{compiler} not installed (apt-get install gcc-aarch64-linux-gnu)")])
+        pytest.param(
+            compiler,
+            march,
+            id=march,
+            marks=[]
+            if shutil.which(compiler)
+            else [pytest.mark.skip(reason=f"{compiler} not installed (apt-get install gcc-aarch64-linux-gnu)")],
+        )
         for compiler, march in pairs
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.slow
@@ -41,10 +47,14 @@ def test_every_kernel_builds_for_every_isa_without_a_warning(compiler, march, tm
     warnings are bugs waiting for another ISA."""
     target = Target(compiler, march, str(tmp_path))
     running = {
-        name: start_process(target.command(SOURCES / f"{name}.c", str(tmp_path / f"{name}.so")),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        name: start_process(
+            target.command(SOURCES / f"{name}.c", str(tmp_path / f"{name}.so")),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for name in KERNELS
-    }  # fmt: skip
+    }
     for name, process in running.items():
         output = process.communicate()[0]
         assert process.returncode == 0 and output == "", f"{name} for -march={march}:\n{output}"

@@ -42,8 +42,9 @@ def reference(moe: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     return experts_reference(x, x @ moe.gate.weight.T, moe.w13, moe.w2)
 
 
-def experts_reference(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      read: Callable = lambda t: t) -> torch.Tensor:  # fmt: skip
+def experts_reference(
+    x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, read: Callable = lambda t: t
+) -> torch.Tensor:
     """(Equal logits, as bfloat16 ones often are: the lower-numbered expert first, as the kernel takes them.)
     `read`: what the product's inputs (x, then silu(gate) * up) are as the weights multiply them."""
     probs = F.softmax(logits, dim=-1)
@@ -107,8 +108,10 @@ def tp_shard_experts(dtype: torch.dtype, intermediate: int, generator: torch.Gen
     gate and up rows and down columns `intermediate` ... 2 * `intermediate` - 1, which start inside a
     scale block. Returns pack_experts' arguments and the shard's float32 w13 and w2."""
     full, rows = 4 * intermediate, (intermediate, 2 * intermediate)
-    weights = [torch.randn(EXPERTS, *shape, generator=generator) * shape[1] ** -0.5
-               for shape in [(full, HIDDEN), (full, HIDDEN), (HIDDEN, full)]]  # fmt: skip
+    weights = [
+        torch.randn(EXPERTS, *shape, generator=generator) * shape[1] ** -0.5
+        for shape in [(full, HIDDEN), (full, HIDDEN), (HIDDEN, full)]
+    ]
     if dtype != E4M3:
         gate, up, down = (w.to(dtype) for w in weights)
         w13, w2 = torch.cat([gate[:, slice(*rows)], up[:, slice(*rows)]], 1), down[:, :, slice(*rows)].contiguous()

@@ -136,8 +136,9 @@ def test_every_value_of_a_format_is_read_exactly(dtype, kernel_target):
     expected = dequantize(weight, scale).T
     if dtype == torch.bfloat16 and kernel.bf16_dot:
         expected = torch.where(expected.abs() < torch.finfo(torch.bfloat16).tiny, 0.0, expected)
-    assert torch.equal(torch.cat([linear_cpu.linear(one_hot[r : r + 4], packed, None) for r in range(0, 256, 4)]),
-                       expected)  # fmt: skip
+    assert torch.equal(
+        torch.cat([linear_cpu.linear(one_hot[r : r + 4], packed, None) for r in range(0, 256, 4)]), expected
+    )
     assert torch.equal(linear_cpu.linear(one_hot, packed, None), expected)
 
 
@@ -201,8 +202,12 @@ def test_fp8_without_scales_is_scale_one_and_scales_must_fit(native_kernels):
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
     # float32 sums of terms up to 448 x |x| in another order: rounding relative to the terms' magnitude
     magnitude = (x.abs() @ weight.float().abs().T).max().item()
-    torch.testing.assert_close(linear_cpu.linear(x, linear_cpu.pack(weight), None), float32_product(x, weight.float()),
-                               rtol=1e-5, atol=1e-6 * magnitude)  # fmt: skip
+    torch.testing.assert_close(
+        linear_cpu.linear(x, linear_cpu.pack(weight), None),
+        float32_product(x, weight.float()),
+        rtol=1e-5,
+        atol=1e-6 * magnitude,
+    )
     with pytest.raises(ValueError, match=r"expected \(1, 3\)"):
         linear_cpu.pack(weight, torch.ones(1, 2), offset=(0, 100))
     with pytest.raises(ValueError, match="float8_e4m3fn"):

@@ -249,8 +249,12 @@ def assert_same_layout(got: ProcessedInput, expected: ProcessedInput) -> None:
     assert len(got.mm_items) == len(expected.mm_items) > 0
     for item, reference in zip(got.mm_items, expected.mm_items):
         assert (item.modality, item.grid_thw, item.spans, item.timestamps, item.hash) == (
-            reference.modality, reference.grid_thw, reference.spans, reference.timestamps, reference.hash,
-        )  # fmt: skip
+            reference.modality,
+            reference.grid_thw,
+            reference.spans,
+            reference.timestamps,
+            reference.hash,
+        )
         assert item.pixel_values.is_meta
         assert (item.pixel_values.shape, item.pixel_values.dtype) == (reference.pixel_values.shape, torch.float32)
 

@@ -196,10 +196,23 @@ def hf_video_inputs(path: Path) -> tuple[np.ndarray, VideoMetadata]:
 @pytest.mark.parametrize(
     "height, width",
     [
-        (1, 1), (5, 7), (31, 33), (32, 32), (64, 64), (100, 150), (101, 203), (333, 517), (512, 512),
-        (600, 700), (1500, 2000), (2, 399), (1000, 5), (40, 1000), (7, 1001),
+        (1, 1),
+        (5, 7),
+        (31, 33),
+        (32, 32),
+        (64, 64),
+        (100, 150),
+        (101, 203),
+        (333, 517),
+        (512, 512),
+        (600, 700),
+        (1500, 2000),
+        (2, 399),
+        (1000, 5),
+        (40, 1000),
+        (7, 1001),
     ],
-)  # fmt: skip
+)
 def test_image_sizes_match_transformers(hf_image, image_processor, height, width):
     image = noise_image(height, width, seed=height * 7 + width)
     assert_same_image(image_processor.preprocess(image), hf_image(image, return_tensors="np"))
@@ -222,7 +235,7 @@ def test_image_sizes_match_transformers(hf_image, image_processor, height, width
         "F",
         "YCbCr",
         "RGBX",
-    ],  # fmt: skip
+    ],
 )
 def test_image_modes_match_transformers(hf_image, image_processor, mode):
     image = noise_image(90, 130, mode, seed=3)

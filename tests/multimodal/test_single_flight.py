@@ -129,9 +129,11 @@ def engine(request, tiny_moe_dir):
 def stage_counts(engine: Engine) -> dict[str, int]:
     stage = engine.scheduler.encoding
     return {
-        "vit": stage.encoder.num_items, "misses": stage.cache.misses, "hits": stage.cache.hits,
+        "vit": stage.encoder.num_items,
+        "misses": stage.cache.misses,
+        "hits": stage.cache.hits,
         "inflight": stage.inflight_hits,
-    }  # fmt: skip
+    }
 
 
 def counts_since(engine: Engine, before: dict[str, int]) -> dict[str, int]:
@@ -261,10 +263,19 @@ def test_40_concurrent_requests_with_one_new_image_run_the_vision_tower_once(ser
 
     async def one(http: httpx.AsyncClient, model: str) -> str:
         body = {
-            "model": model, "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."},
-            ]}], "max_tokens": 3, "temperature": 0,
-        }  # fmt: skip
+            "model": model,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "Describe."},
+                    ],
+                }
+            ],
+            "max_tokens": 3,
+            "temperature": 0,
+        }
         response = await http.post(server.url + "/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["message"]["content"]

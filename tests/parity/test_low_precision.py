@@ -127,9 +127,12 @@ def bf16_everywhere(name: str) -> bool:
 
 
 def assert_computes_as_transformers_in_float32(
-    engine: Engine, hf_class: type, reference: Path, conversation: list,
+    engine: Engine,
+    hf_class: type,
+    reference: Path,
+    conversation: list,
     stored_bf16: Callable[[str], bool] | None = bf16_everywhere,
-) -> None:  # fmt: skip
+) -> None:
     """Prefill logits to float32 rounding, and 16 greedy tokens, as transformers' model of `reference`
     (a checkpoint holding the same real weights) computes them in float32. Where bfloat16 weights
     (`stored_bf16`, None: none) meet AVX-512-BF16's dot products: as it computes them with
@@ -146,9 +149,13 @@ def assert_computes_as_transformers_in_float32(
         with our_vision_tower(exact, engine) if dot else contextlib.nullcontext():
             ref = exact(**inputs).logits[0]
             generated = exact.generate(
-                **inputs, max_new_tokens=16, do_sample=False, min_new_tokens=16, output_logits=True,
+                **inputs,
+                max_new_tokens=16,
+                do_sample=False,
+                min_new_tokens=16,
+                output_logits=True,
                 return_dict_in_generate=True,
-            )  # fmt: skip
+            )
     tolerance = (2**-6 if dot else 1e-4) * ref.abs().max()
     assert (ours - ref).abs().max() < tolerance
     out = engine.generate_processed([processed], max_tokens=16, temperature=0, ignore_eos=True)[0]
@@ -220,9 +227,12 @@ def test_the_server_answers_as_the_engine(tiny_bf16_dirs, video_path):
         url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
         content = [{"type": "image_url", "image_url": {"url": url}}, text]
         answer = openai_client(server).chat.completions.create(
-            model="default", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0,
+            model="default",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=8,
+            temperature=0,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
     assert answer.choices[0].message.content == expected
 
 

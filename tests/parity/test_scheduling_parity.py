@@ -193,9 +193,14 @@ def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference
     high-priority copies of the same prompts need memory of their own.)"""
     longest = max(len(x.input_ids) for x in inputs) + MAX_TOKENS
     engine = Engine(
-        tiny_moe_dir, dtype="float32", max_total_tokens=longest * 2, enable_priority_scheduling=True,
-        priority_scheduling_preemption_threshold=0, disable_radix_cache=True, **loop,
-    )  # fmt: skip
+        tiny_moe_dir,
+        dtype="float32",
+        max_total_tokens=longest * 2,
+        enable_priority_scheduling=True,
+        priority_scheduling_preemption_threshold=0,
+        disable_radix_cache=True,
+        **loop,
+    )
     sampling = {"max_tokens": MAX_TOKENS, "temperature": 0}
     low = [engine.submit(x, priority=0, **sampling) for x in inputs]
     for _ in range(3):

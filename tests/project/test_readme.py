@@ -96,8 +96,11 @@ def test_the_test_count_the_readme_states_is_the_suites():
     assert stated, "the README no longer states the suite's test count"
     collected = run_process(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
-        cwd=README.parent, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=README.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     count = re.search(r"^(\d+) tests collected", collected.stdout, re.M)
     assert count, collected.stdout[-2000:] + collected.stderr[-2000:]
     assert int(stated.group(1).replace(",", "")) == int(count.group(1)), "update the README's test count"

@@ -91,8 +91,9 @@ def verified(keep, logits: torch.Tensor, seeded: bool) -> list[list[int]]:
     seeds = range(TRIALS) if seeded else [None] * TRIALS
     rows = [
         SampleRow(SamplingParams(temperature=1.0, seed=seed), [], [], j, None, draft)
-        for seed in seeds for j, draft in enumerate([*DRAFT, None])
-    ]  # fmt: skip
+        for seed in seeds
+        for j, draft in enumerate([*DRAFT, None])
+    ]
     sampled = Sampler([])(logits.repeat(TRIALS, 1), rows).next_token_ids.view(TRIALS, -1).tolist()
     return [keep(tokens, DRAFT) for tokens in sampled]
 
@@ -310,7 +311,7 @@ def test_the_server_speculates_and_reports_the_drafts_of_each_answer_and_in_all(
         metrics = httpx.get(server.url + "/metrics").text
         native = httpx.post(
             server.url + "/generate", json={"text": "one two one two one two", "sampling_params": {"max_new_tokens": 8}}
-        ).json()  # fmt: skip
+        ).json()
     assert answer["choices"][0]["message"]["content"] == want
     spec = answer["usage"]["speculative"]
     assert spec["verify_steps"] > 0 and spec["draft_tokens"] >= spec["accepted_tokens"]
@@ -540,10 +541,17 @@ def test_the_built_in_model_drafts_with_its_own_trained_head_and_keeps_most_draf
     assert ServerArgs(speculative_algorithm="eagle3").speculative_draft_model_path == str(BUILTIN_DRAFT)
     rng = random.Random(7)
     conversations = [
-        [{"role": "user", "content": [{"type": "image", "image": render(random_scene(rng, count=3))},
-                                      {"type": "text", "text": "Describe the image."}]}]
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": render(random_scene(rng, count=3))},
+                    {"type": "text", "text": "Describe the image."},
+                ],
+            }
+        ]
         for _ in range(4)
-    ]  # fmt: skip
+    ]
     with Engine(vit_dp=0, speculative_algorithm="none") as plain:
         want = [out.token_ids for out in plain.chat_batch(conversations, max_tokens=48, temperature=0)]
     with Engine(vit_dp=0) as speculative:  # (by default)
@@ -579,10 +587,17 @@ def test_the_trained_draft_keeps_answers_exact_through_every_scheduler_path(sett
     ending inside pictures, pages, retraction and mixed batches, answers stay those without drafts."""
     rng = random.Random(11)
     conversations = [
-        [{"role": "user", "content": [{"type": "image", "image": render(random_scene(rng, count=1 + i % 4))},
-                                      {"type": "text", "text": "Describe the image."}]}]
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": render(random_scene(rng, count=1 + i % 4))},
+                    {"type": "text", "text": "Describe the image."},
+                ],
+            }
+        ]
         for i in range(5)
-    ] + [[{"role": "user", "content": "What can you do?"}]]  # fmt: skip
+    ] + [[{"role": "user", "content": "What can you do?"}]]
     settings = {"vit_dp": 0, **TRAINED_DRAFT_SETTINGS[setting]}
     with Engine(speculative_algorithm="none", **settings) as plain:
         want = [out.token_ids for out in plain.chat_batch(conversations, max_tokens=40, temperature=0)]
@@ -604,16 +619,29 @@ def test_two_tp_ranks_draft_with_the_built_in_head_and_answer_as_one_engine_with
     conversations = [
         [{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "Describe the image."}]}]
         for p in pictures
-    ]  # fmt: skip
+    ]
     with Engine(vit_dp=0, speculative_algorithm="none") as plain:
         want = [out.text for out in plain.chat_batch(conversations, max_tokens=40, temperature=0)]
     for i, picture in enumerate(pictures):
         picture.save(tmp_path / f"{i}.png")
-    with running_server(BUILTIN_MODEL, "--tp-size", "2", "--ep-size", str(ep_size), "--speculative-algorithm", "eagle3",
-                        "--vit-dp", "0", "--allowed-local-media-path", str(tmp_path)) as server:  # fmt: skip
+    with running_server(
+        BUILTIN_MODEL,
+        "--tp-size",
+        "2",
+        "--ep-size",
+        str(ep_size),
+        "--speculative-algorithm",
+        "eagle3",
+        "--vit-dp",
+        "0",
+        "--allowed-local-media-path",
+        str(tmp_path),
+    ) as server:
         for i, text in enumerate(want):
-            content = [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/{i}.png"}},
-                       {"type": "text", "text": "Describe the image."}]  # fmt: skip
+            content = [
+                {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/{i}.png"}},
+                {"type": "text", "text": "Describe the image."},
+            ]
             body = {"messages": [{"role": "user", "content": content}], "max_tokens": 40, "temperature": 0}
             answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
             assert answer["choices"][0]["message"]["content"] == text

@@ -21,10 +21,13 @@ from vlm_serve.testing.media import write_video
 
 RED_CIRCLE = Scene([Shape("circle", "red", "large", 1, 1)], background_seed=3)
 THREE_SHAPES = Scene(
-    [Shape("square", "blue", "large", 0, 0), Shape("star", "yellow", "small", 1, 1),
-     Shape("triangle", "green", "large", 2, 2)],
+    [
+        Shape("square", "blue", "large", 0, 0),
+        Shape("star", "yellow", "small", 1, 1),
+        Shape("triangle", "green", "large", 2, 2),
+    ],
     background_seed=11,
-)  # fmt: skip
+)
 TO_THE_RIGHT = Motion(Shape("square", "green", "large", 1, 0), "from left to right", frames=6, background_seed=5)
 
 
@@ -118,16 +121,22 @@ def test_the_server_answers_truly_about_simple_scenes(builtin_server, media, que
         ({"image_url": png_url(PINK_CIRCLE)}, "What shape is in the image?", "A pink circle."),
         ({"image_url": png_url(BROWN_TRIANGLE)}, "What color is the triangle", "The triangle is brown."),
         ({"image_url": png_url(BROWN_TRIANGLE)}, "Which shape do you see?", "A brown triangle."),
-        ({"image_url": png_url(TWO_DRAWN)}, "Describe this image.",
-         "A large blue circle at the top left and a large orange square at the bottom right."),
+        (
+            {"image_url": png_url(TWO_DRAWN)},
+            "Describe this image.",
+            "A large blue circle at the top left and a large orange square at the bottom right.",
+        ),
         ({"image_url": png_url(DIAMOND_AND_CIRCLE)}, "Where is the diamond?", "The diamond is on the right."),
         ({"image_url": png_url(DIAMOND_AND_CIRCLE)}, "What is the capital of France?", OTHER_ANSWER),
         ({"video_url": mp4_url(SLIDING_SQUARE)}, "Describe the video.", "A green square moves from left to right."),
-        ({"video_url": mp4_url(RISING_BALL)}, "Which way does the ball move?",
-         "A blue circle moves from bottom to top."),
+        (
+            {"video_url": mp4_url(RISING_BALL)},
+            "Which way does the ball move?",
+            "A blue circle moves from bottom to top.",
+        ),
     ],
     ids=["pink", "one-shape", "brown", "which-shape", "caption", "place", "outside-its-skills", "motion", "motion-up"],
-)  # fmt: skip
+)
 def test_the_server_answers_truly_about_pictures_drawn_off_its_grid(builtin_server, media, question, answer):
     assert ask(builtin_server, media, question) == answer
 

@@ -13,8 +13,12 @@ from helpers import run_process
 
 @pytest.mark.slow
 def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
-    result = run_process([sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--device", "cpu"],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    result = run_process(
+        [sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[suite] skipped: on CPU the test suite itself runs these files" in result.stdout
     summary = (tmp_path / "summary.txt").read_text()
@@ -29,22 +33,37 @@ def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
         "streaming",
     ]
     figures = json.loads((tmp_path / "figures.json").read_text())
-    assert set(figures["dense tiny"]) == {"decode_tok_s_batch_1", "tpot_ms_batch_1", "decode_tok_s_batch_4",
-                                          "ttft_ms_1024px_picture"}  # fmt: skip
+    assert set(figures["dense tiny"]) == {
+        "decode_tok_s_batch_1",
+        "tpot_ms_batch_1",
+        "decode_tok_s_batch_4",
+        "ttft_ms_1024px_picture",
+    }
     for name in ("dense tiny ITL, encoder pool", "dense tiny ITL, inline"):
         assert figures[name]["itl_p99_ms"] >= figures[name]["itl_p50_ms"] > 0
     assert "aten::" in (tmp_path / "profile-cpu.txt").read_text()
 
 
 def test_the_kit_refuses_an_unknown_part(tmp_path):
-    result = run_process([sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--parts", "speed"],
-                         capture_output=True, text=True)  # fmt: skip
+    result = run_process(
+        [sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--parts", "speed"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "unknown part(s) speed" in result.stderr
 
 
 def test_the_kit_refuses_a_suite_file_it_does_not_have(tmp_path):
     """A misspelt name would otherwise leave that file unrun on a lent GPU, unsaid."""
-    command = [sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--parts", "suite",
-               "--suite-files", "test_engine,test_engin"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_serve.tools.gpu_check",
+        str(tmp_path),
+        "--parts",
+        "suite",
+        "--suite-files",
+        "test_engine,test_engin",
+    ]
     result = run_process(command, capture_output=True, text=True)
     assert result.returncode == 2 and "--suite-files: not in the suite: test_engin;" in result.stderr

@@ -44,7 +44,7 @@ from vlm_serve.builtin.scenes import (
     render_motion,
     scene_example,
     shape_answer,
-)  # fmt: skip
+)
 from vlm_serve.tools.builtin_train import (
     IGNORE,
     Batches,
@@ -60,7 +60,7 @@ from vlm_serve.tools.builtin_train import (
     published_layout,
     train_tower,
     training_layout,
-)  # fmt: skip
+)
 
 SCENE = Scene([Shape("circle", "red", "large", 1, 0), Shape("triangle", "blue", "small", 2, 2)], background_seed=3)
 
@@ -117,21 +117,41 @@ def test_the_first_models_distribution_is_kept_as_it_was():
     drawn = [random_example(random.Random(seed)) for seed in (1, 2, 5, 6)]
     assert [(e.kind, e.question, e.answer) for e in drawn] == [
         ("caption", "What shapes are in this image?", "A large brown star in the center."),
-        ("compare", "Compare the number of shapes in the two images.",
-         "The first image has one shape and the second has two, so the second has more."),
+        (
+            "compare",
+            "Compare the number of shapes in the two images.",
+            "The first image has one shape and the second has two, so the second has more.",
+        ),
         ("presence", "Is there a square in the picture?", "Yes, there are two squares."),
         ("presence", "Is there a star in the picture?", "No, there is no star."),
-    ]  # fmt: skip
+    ]
     assert all(s.x is None and s.rgb is None for e in drawn for scene in e.scenes for s in scene.shapes)
 
 
 def test_named_colours_map_to_the_nearest_of_the_eight_names_and_greys_to_none():
     named = {
-        "pink": "pink", "hotpink": "pink", "lightpink": "pink", "brown": "brown", "saddlebrown": "brown",
-        "sienna": "brown", "red": "red", "crimson": "red", "orange": "orange", "gold": "yellow", "yellow": "yellow",
-        "lime": "green", "darkgreen": "green", "navy": "blue", "royalblue": "blue", "purple": "purple",
-        "indigo": "purple", "white": None, "black": None, "gray": None, "silver": None,
-    }  # fmt: skip
+        "pink": "pink",
+        "hotpink": "pink",
+        "lightpink": "pink",
+        "brown": "brown",
+        "saddlebrown": "brown",
+        "sienna": "brown",
+        "red": "red",
+        "crimson": "red",
+        "orange": "orange",
+        "gold": "yellow",
+        "yellow": "yellow",
+        "lime": "green",
+        "darkgreen": "green",
+        "navy": "blue",
+        "royalblue": "blue",
+        "purple": "purple",
+        "indigo": "purple",
+        "white": None,
+        "black": None,
+        "gray": None,
+        "silver": None,
+    }
     assert {name: colour_name(ImageColor.getrgb(name)) for name in named} == named
     assert all(colour_name(rgb) == name for name, rgb in COLOURS.items())
     assert colour_name((255, 190, 0)) is None  # (halfway between orange and gold: a boundary shade, never drawn)
@@ -263,8 +283,17 @@ def test_a_share_of_the_training_examples_come_from_the_first_models_distributio
     wide_weights = TrainingArgs(kind_weights="caption=40").wide_weights()
     for old_share in (0.0, 0.5):
         drawn.clear()
-        batches = list(Batches(tiny_moe_dir, seed=0, steps=2, single_steps=0, batch_size=16, old_share=old_share,
-                               wide_weights=wide_weights))  # fmt: skip
+        batches = list(
+            Batches(
+                tiny_moe_dir,
+                seed=0,
+                steps=2,
+                single_steps=0,
+                batch_size=16,
+                old_share=old_share,
+                wide_weights=wide_weights,
+            )
+        )
         assert len(batches) == 2 and all(len(batch["input_ids"]) == 16 for batch in batches)
         assert len(drawn) == 32
         old = [weights for wide, weights in drawn if not wide]

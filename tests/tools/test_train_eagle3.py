@@ -28,9 +28,15 @@ def test_ttt_shows_each_step_the_target_fed_prefix_of_its_chain_and_the_chain_it
 def test_the_trained_draft_is_the_served_one(tmp_path):
     target = json.loads((BUILTIN_MODEL / "config.json").read_text())["text_config"]
     draft = TrainableDraft(
-        target["hidden_size"], target["intermediate_size"], target["num_attention_heads"], target["num_key_value_heads"],
-        target["head_dim"], target["vocab_size"], target["rms_norm_eps"], target["rope_theta"],
-    )  # fmt: skip
+        target["hidden_size"],
+        target["intermediate_size"],
+        target["num_attention_heads"],
+        target["num_key_value_heads"],
+        target["head_dim"],
+        target["vocab_size"],
+        target["rms_norm_eps"],
+        target["rope_theta"],
+    )
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.1 * torch.randn_like(p)).copy_(p.bfloat16())  # (as shipped: bfloat16)

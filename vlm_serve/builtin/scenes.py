@@ -624,8 +624,9 @@ def compare_example(
     rng: random.Random, first: Scene, second: Scene, images: list[Image.Image], wide: bool = False
 ) -> Example:
     """Which of two scenes, drawn as `images`, has more shapes."""
-    return Example("compare", _prompt(rng, "compare", wide), comparison_answer(first, second), images,
-                   scenes=[first, second])  # fmt: skip
+    return Example(
+        "compare", _prompt(rng, "compare", wide), comparison_answer(first, second), images, scenes=[first, second]
+    )
 
 
 def other_example(rng: random.Random, scene: Scene | None) -> Example:

@@ -154,9 +154,11 @@ class _Handler(BaseHTTPRequestHandler):
 def register_rank(server: Address, info: RankInfo, timeout: float) -> None:
     """Registers a prefill rank, retrying while the bootstrap server starts (it may be on another node)."""
     request = urllib.request.Request(
-        _url(server, "/route"), data=json.dumps(info.to_json()).encode(), method="PUT",
+        _url(server, "/route"),
+        data=json.dumps(info.to_json()).encode(),
+        method="PUT",
         headers={"Content-Type": "application/json"},
-    )  # fmt: skip
+    )
     _retry(server, f"could not register prefill rank {info.tp_rank}", timeout, None, lambda t: _call(request, t))
 
 

@@ -158,9 +158,11 @@ class EncoderRanks:
         # resource tracker when the server ends through os._exit)
         loaded, tells_loaded = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
-            target=rank_main, args=(self.server_args, index, self.addresses, tells_loaded), name=f"vit-rank-{index}",
+            target=rank_main,
+            args=(self.server_args, index, self.addresses, tells_loaded),
+            name=f"vit-rank-{index}",
             daemon=True,
-        )  # fmt: skip
+        )
         # A stop signal waits for the fork server's answer: a rank forked for a start cut short would run
         # unknown to us, and so unstopped.
         with _main_module_hidden(), stop_signals_deferred():
@@ -269,9 +271,12 @@ class EncoderPool(VisionEncoder):
     `EncoderPool.start`); in the server the launcher owns them."""
 
     def __init__(
-        self, server_args: ServerArgs, device: torch.device, addresses: PoolAddresses,
+        self,
+        server_args: ServerArgs,
+        device: torch.device,
+        addresses: PoolAddresses,
         supervisor: EncoderRanks | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.server_args = server_args
         self.device = device

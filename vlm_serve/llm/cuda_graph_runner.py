@@ -69,12 +69,19 @@ class CudaGraphRunner:
         (the attention reads its wrapper's own; the request rows and lengths are only placeholders)."""
         placeholder = torch.ones(size, dtype=torch.int64, device=self.device)
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, input_ids=self.input_ids[:size], positions=self.positions[:, :size],
-            req_pool_indices=placeholder, seq_lens=placeholder,
-            out_cache_loc=self.out_cache_loc[:size], seq_lens_cpu=[1] * size, prefix_lens_cpu=[0] * size,
-            extend_lens_cpu=[1] * size, attn_backend=self.attn_backend,
-            attn_metadata=self.attn_backend.cuda_graph_metadata(size), keep_aux=False,
-        )  # fmt: skip
+            forward_mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:, :size],
+            req_pool_indices=placeholder,
+            seq_lens=placeholder,
+            out_cache_loc=self.out_cache_loc[:size],
+            seq_lens_cpu=[1] * size,
+            prefix_lens_cpu=[0] * size,
+            extend_lens_cpu=[1] * size,
+            attn_backend=self.attn_backend,
+            attn_metadata=self.attn_backend.cuda_graph_metadata(size),
+            keep_aux=False,
+        )
 
     def _capture(self, size: int, pool):
         batch = self.batches[size]
@@ -96,9 +103,11 @@ class CudaGraphRunner:
         nor those with pictures' embeddings)."""
         keeps_aux = batch.keep_aux and bool(self.model.model.language_model.aux_layers)
         return (
-            batch.forward_mode.is_decode() and batch.batch_size <= self.sizes[-1] and not keeps_aux
+            batch.forward_mode.is_decode()
+            and batch.batch_size <= self.sizes[-1]
+            and not keeps_aux
             and batch.mm_indices is None
-        )  # fmt: skip
+        )
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden states of `batch` (a decode batch `can_run` accepts), from its graph."""

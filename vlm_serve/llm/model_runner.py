@@ -57,9 +57,14 @@ class ModelRunner:
         self._init_memory_pools()
         attn = self.model.model.language_model.layers[0].self_attn
         self.attn_backend = create_attention_backend(
-            server_args.attention_backend, self.req_to_token_pool, self.token_to_kv_pool,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling,
-        )  # fmt: skip
+            server_args.attention_backend,
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.scaling,
+        )
         self.cuda_graphs = self._capture_cuda_graphs() if self._uses_cuda_graphs() else None
         self.sampler = Sampler(model_config.eos_token_ids)
         # a batch has at most one row per request, and the chunked request's on top in a mixed batch
@@ -97,9 +102,11 @@ class ModelRunner:
         """Decode runs as CUDA graphs on a GPU unless disabled, where the attention backend can be captured
         (FlashInfer) and on one rank (collectives inside graphs are not captured here yet)."""
         return (
-            self.device.type == "cuda" and not self.server_args.disable_cuda_graph
-            and self.attn_backend.supports_cuda_graph and get_parallel_state().tp_size == 1
-        )  # fmt: skip
+            self.device.type == "cuda"
+            and not self.server_args.disable_cuda_graph
+            and self.attn_backend.supports_cuda_graph
+            and get_parallel_state().tp_size == 1
+        )
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
         """The decode graphs; if capturing fails, a warning naming why, and decode runs eagerly (a server
@@ -108,8 +115,11 @@ class ModelRunner:
             max_batch_size = min(self.server_args.cuda_graph_max_bs, self.req_to_token_pool.size)
             return CudaGraphRunner(self.model, self.attn_backend, max_batch_size)
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager path, which works
-            logger.warning("CUDA graphs could not be captured (%s: %s); decode runs eagerly (--disable-cuda-graph "
-                           "silences this)", type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "CUDA graphs could not be captured (%s: %s); decode runs eagerly (--disable-cuda-graph silences this)",
+                type(exc).__name__,
+                exc,
+            )
             return None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

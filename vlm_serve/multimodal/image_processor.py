@@ -133,8 +133,14 @@ class ImageProcessorConfig:
         reject_disabled_steps(data, ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"))
         min_pixels, max_pixels = read_pixel_limits(data, cls.min_pixels, cls.max_pixels)
         known = (
-            "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor", "resample",
-        )  # fmt: skip
+            "patch_size",
+            "temporal_patch_size",
+            "merge_size",
+            "image_mean",
+            "image_std",
+            "rescale_factor",
+            "resample",
+        )
         fields = {k: data[k] for k in known if data.get(k) is not None}
         return cls(min_pixels=min_pixels, max_pixels=max_pixels, **fields)
 

@@ -208,9 +208,11 @@ class MultimodalProcessor:
                 options = _part_options(part, _IMAGE_OPTIONS if modality == "image" else _VIDEO_OPTIONS)
                 media[modality].append(MediaInput(source, options, _part_uuid(part), param))
         prompt = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             **(chat_template_kwargs or {}),
-        )  # fmt: skip
+        )
         return self.process(prompt, media["image"], media["video"], **overrides)
 
     # -- internals -----------------------------------------------------------------------------------
@@ -272,9 +274,9 @@ class MultimodalProcessor:
             timings.probe = time.perf_counter() - start
             return self.image_processor.describe(width, height, **item.options)
 
-        return self._remember(item.uuid, settings, self._cached(
-            data, "image", settings, timings, preprocess if self.pixels else describe
-        ))  # fmt: skip
+        return self._remember(
+            item.uuid, settings, self._cached(data, "image", settings, timings, preprocess if self.pixels else describe)
+        )
 
     def _video_item(self, item: MediaInput) -> MultimodalItem:
         settings = self.video_processor.config.with_overrides(**item.options)

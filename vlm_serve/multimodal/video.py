@@ -98,9 +98,18 @@ class VideoProcessorConfig:
             raise ValueError("a fixed num_frames in the video config is not supported; frames are sampled by fps")
         min_pixels, max_pixels = read_pixel_limits(data, cls.min_pixels, cls.max_pixels)
         known = (
-            "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
-            "fps", "min_frames", "max_frames", "cap_pixels_per_frame", "max_video_tokens",
-        )  # fmt: skip
+            "patch_size",
+            "temporal_patch_size",
+            "merge_size",
+            "image_mean",
+            "image_std",
+            "rescale_factor",
+            "fps",
+            "min_frames",
+            "max_frames",
+            "cap_pixels_per_frame",
+            "max_video_tokens",
+        )
         fields = {k: data[k] for k in known if data.get(k) is not None}
         return cls(min_pixels=min_pixels, max_pixels=max_pixels, **fields)
 
@@ -124,10 +133,13 @@ class VideoProcessorConfig:
         changes = {
             name: value
             for name, value in (
-                ("min_pixels", min_pixels), ("max_pixels", max_pixels), ("fps", fps), ("max_frames", max_frames)
+                ("min_pixels", min_pixels),
+                ("max_pixels", max_pixels),
+                ("fps", fps),
+                ("max_frames", max_frames),
             )
             if value is not None
-        }  # fmt: skip
+        }
         return replace(self, **changes) if changes else self
 
     def clip_max_pixels(self, num_frames: int) -> int:
@@ -207,10 +219,16 @@ def patchify_video(
     num_frames, channels, height, width = frames.shape
     grid_t, grid_h, grid_w = num_frames // temporal_patch_size, height // patch_size, width // patch_size
     patches = frames.view(
-        grid_t, temporal_patch_size, channels,
-        grid_h // merge_size, merge_size, patch_size,
-        grid_w // merge_size, merge_size, patch_size,
-    ).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # fmt: skip
+        grid_t,
+        temporal_patch_size,
+        channels,
+        grid_h // merge_size,
+        merge_size,
+        patch_size,
+        grid_w // merge_size,
+        merge_size,
+        patch_size,
+    ).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     num_patches = grid_t * grid_h * grid_w
     out = torch.from_numpy(np.empty((num_patches, channels, temporal_patch_size * patch_size**2), dtype=np.float32))
     out.view(patches.shape).copy_(patches)
@@ -378,9 +396,14 @@ class VideoProcessor:
     def _target_size(self, num_frames: int, height: int, width: int, config: VideoProcessorConfig) -> tuple[int, int]:
         clip_frames = max(num_frames, config.temporal_patch_size)
         return smart_resize_video(
-            clip_frames, height, width, config.temporal_patch_size, config.factor,
-            config.min_pixels, config.clip_max_pixels(clip_frames),
-        )  # fmt: skip
+            clip_frames,
+            height,
+            width,
+            config.temporal_patch_size,
+            config.factor,
+            config.min_pixels,
+            config.clip_max_pixels(clip_frames),
+        )
 
     def _decode(
         self, data: bytes | Path | FrameList, indices: list[int], size: tuple[int, int]

@@ -32,9 +32,11 @@ class Drafting:
         self.eagle: Eagle3Worker | None = None
         if settings.speculative_algorithm == "ngram":
             self.ngram = NgramProposer(
-                settings.speculative_num_draft_tokens, settings.speculative_ngram_min_match_window_size,
-                settings.speculative_ngram_max_match_window_size, runner.model_config.text.vocab_size,
-            )  # fmt: skip
+                settings.speculative_num_draft_tokens,
+                settings.speculative_ngram_min_match_window_size,
+                settings.speculative_ngram_max_match_window_size,
+                runner.model_config.text.vocab_size,
+            )
         elif settings.speculative_algorithm == "eagle3":
             self.eagle = Eagle3Worker(runner)
 

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from vlm_serve.config import ModelConfig
 from vlm_serve.llm.constrained.grammar_backend import GrammarBackend, GrammarError, grammar_key
+from vlm_serve.llm.distributed import ParallelState
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req, request_failure
 from vlm_serve.tokenizer import Tokenizer
 
@@ -41,12 +43,12 @@ class GrammarQueue:
     which timed out) and every rank takes its own compiled grammar, waiting for it if needed."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int], timeout: float, tp_rank: int,
-        tp_size: int, tp_cpu_group: dist.ProcessGroup | None,
-    ) -> None:  # fmt: skip
-        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self, tokenizer: Tokenizer, model_config: ModelConfig, timeout: float, parallel: ParallelState
+    ) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, model_config.text.vocab_size
+        self.eos_token_ids = sorted(set(model_config.eos_token_ids))
         self.timeout = timeout  # --grammar-compile-timeout
-        self.tp_rank, self.tp_size, self.tp_cpu_group = tp_rank, tp_size, tp_cpu_group
+        self.tp_rank, self.tp_size, self.tp_cpu_group = parallel.tp_rank, parallel.tp_size, parallel.tp_cpu_group
         self._backend: GrammarBackend | None = None  # made for the first structured-output request
         self.pending: list[PendingGrammar] = []
 

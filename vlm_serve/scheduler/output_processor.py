@@ -7,7 +7,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vlm_serve.llm.forward_batch import ForwardMode, ForwardOutput, sample_groups
+from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput, sample_groups
 from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
@@ -19,7 +19,7 @@ from vlm_serve.scheduler.output_streamer import OutputStreamer
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
 from vlm_serve.scheduler.radix_cache import RadixCache
-from vlm_serve.scheduler.schedule_batch import Req
+from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
 
 
 @dataclass
@@ -35,6 +35,22 @@ class LaunchedBatch:
     result: Future[ForwardOutput]
     num_drafts: list[int] | None = None  # TARGET_VERIFY: each row's draft tokens
     keep_aux: bool = False  # whether the EAGLE-3 draft ran after it (else its requests draft no more)
+
+    @classmethod
+    def of(cls, batch: ScheduleBatch, forward_batch: ForwardBatch) -> LaunchedBatch:
+        """What to keep of a batch about to be launched (its result is set when the forward has run)."""
+        verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
+        return cls(
+            reqs=list(batch.reqs),
+            forward_mode=batch.forward_mode,
+            num_prefill_reqs=batch.num_prefill_reqs,
+            samples=list(batch.samples),
+            kv_ends=list(forward_batch.seq_lens_cpu),
+            future_start=forward_batch.future_start,
+            result=Future(),
+            num_drafts=[len(d) for d in forward_batch.draft_ids] if verify else None,
+            keep_aux=forward_batch.keep_aux,
+        )
 
 
 class SchedulerOutputProcessorMixin:

@@ -80,9 +80,12 @@ class OutputStreamer:
         start, req.send_token_offset = req.send_token_offset, len(req.output_ids)
         params = req.sampling_params
         out = TokenIdOut(
-            req.rid, req.output_ids[start:], stop_holdback=stop_holdback(params.stop),
-            prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_tokens,
-        )  # fmt: skip
+            req.rid,
+            req.output_ids[start:],
+            stop_holdback=stop_holdback(params.stop),
+            prompt_tokens=len(req.origin_input_ids),
+            cached_tokens=req.cached_tokens,
+        )
         if params.logprobs:
             out.logprobs = req.output_logprobs[start:]
             out.top_logprobs = req.output_top_logprobs[start:]

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vlm_serve.llm.model_runner import ModelRunner
     from vlm_serve.scheduler.metrics import SchedulerMetrics
     from vlm_serve.scheduler.radix_cache import RadixCache
+    from vlm_serve.scheduler.schedule_policy import NewTokenRatio
 
 META_SLOT_BYTES = 4096  # one record; a request's record (its first token's top log-probs at most) is far smaller
 
@@ -82,7 +83,7 @@ class PDScheduler(Protocol):
     merge_size: int
     max_total_tokens: int
     max_running_requests: int
-    new_token_ratio: float
+    new_token_ratio: NewTokenRatio
 
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch: ...
 

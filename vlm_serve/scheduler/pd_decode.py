@@ -1,4 +1,5 @@
-"""The decode side of PD (seed 000 §8.3): `prealloc_queue` → `transfer_queue` → `running_batch`.
+"""The decode side of PD, as SGLang's disaggregation/decode.py lays it out: `prealloc_queue` →
+`transfer_queue` → `running_batch`.
 
 A request that came with bootstrap info gets a KV receiver for its room and waits in the prealloc queue
 until its prefill rank is found and the KV pool can take it: its request row and the slots of its whole
@@ -98,7 +99,7 @@ class DecodeDisaggregation(Disaggregation):
         """The scheduler's own KV budget, with the requests whose KV is arriving counted as running."""
         s = self.scheduler
         running = s.new_batch(s.running_batch.reqs + self.transfer_queue)
-        return PrefillAdder(s.tree_cache, running, s.new_token_ratio, s.max_total_tokens, None)
+        return PrefillAdder(s.tree_cache, running, s.new_token_ratio.value, s.max_total_tokens, None)
 
     def _preallocate(self, req: Req, adder: PrefillAdder) -> bool:
         """The request row and the prompt's KV slots, if the budget and the pools hold them."""

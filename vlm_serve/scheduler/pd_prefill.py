@@ -1,5 +1,5 @@
-"""The prefill side of PD (seed 000 §8.2): `bootstrap_queue` → the usual way (encoding stage,
-`waiting_queue`, chunked prefill) → `inflight_queue`.
+"""The prefill side of PD, as SGLang's disaggregation/prefill.py lays it out: `bootstrap_queue` → the usual way
+(encoding stage, `waiting_queue`, chunked prefill) → `inflight_queue`.
 
 A request that came with bootstrap info gets a KV sender for its room and waits in the bootstrap queue
 until its decode server has said where its KV goes. After each of its chunks runs, the KV of the whole
@@ -97,12 +97,14 @@ class PrefillDisaggregation(Disaggregation):
         s, params = self.scheduler, req.sampling_params
         req.output_ids.append(token)
         record = PrefillRecord(
-            prompt_len=len(req.origin_input_ids), first_token=token,
+            prompt_len=len(req.origin_input_ids),
+            first_token=token,
             logprob=out.logprobs[row] if params.logprobs else None,
             top_logprobs=out.top_logprobs[row] if params.logprobs and params.top_logprobs else None,
-            cached_tokens=req.cached_tokens, media_tokens=[it.num_tokens(s.merge_size) for it in req.mm_items],
+            cached_tokens=req.cached_tokens,
+            media_tokens=[it.num_tokens(s.merge_size) for it in req.mm_items],
             mrope_delta=req.mrope_delta,
-        )  # fmt: skip
+        )
         if params.logprobs:  # (the token's answer here, which the router drops, still has its log-probs)
             req.output_logprobs.append(record.logprob)
             if params.top_logprobs:

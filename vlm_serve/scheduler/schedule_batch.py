@@ -421,7 +421,7 @@ class ScheduleBatch:
             batch.chain = [
                 ChainRequest(r.draft_state, r.req_pool_idx, start, r.mrope_delta, len(d))
                 for r, start, d in zip(self.reqs, prefix_lens, self.draft_ids)
-            ]  # fmt: skip
+            ]
         return batch
 
     def draft_next_ids(self, batch: ForwardBatch) -> list[int]:

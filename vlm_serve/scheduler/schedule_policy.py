@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from vlm_serve.config import SCHEDULE_POLICIES
@@ -19,6 +20,36 @@ LPM_FALLBACK_QUEUE_LEN = 128
 # DEPRIORITIZE uncached tokens with a request picked this round waits one round, then hits the cache.
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
+
+
+INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens running requests are assumed to still use
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # the ratio decays to this fraction of its initial value
+NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minimum
+
+
+@dataclass
+class NewTokenRatio:
+    """The share of their remaining `max_new_tokens` that running requests are assumed to still generate
+    when a prefill is admitted (`PrefillAdder`): high at first (times `--schedule-conservativeness`), lower
+    with every decode step that finds room, and set from the running requests after a retraction."""
+
+    conservativeness: float = 1.0
+    value: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.init = min(INIT_NEW_TOKEN_RATIO * self.conservativeness, 1.0)
+        self.min = self.init * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.value = self.init
+
+    def decay(self) -> None:
+        self.value = max(self.value - (self.init - self.min) / NEW_TOKEN_RATIO_DECAY_STEPS, self.min)
+
+    def after_retraction(self, running: list[Req], steps: int) -> None:
+        """What the requests left running will use: what they decoded plus `steps` more each, of their
+        max_new_tokens."""
+        total_max_new = sum(r.sampling_params.max_new_tokens for r in running)
+        decoded = sum(len(r.output_ids) for r in running)
+        self.value = min(1.0, (decoded + steps * len(running)) / max(total_max_new, 1))
 
 
 class SchedulePolicy:

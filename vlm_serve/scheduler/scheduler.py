@@ -24,7 +24,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import torch
 
@@ -56,6 +55,7 @@ from vlm_serve.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
     IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
     AddReqResult,
+    NewTokenRatio,
     PrefillAdder,
     SchedulePolicy,
 )
@@ -65,9 +65,6 @@ from vlm_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens running requests are assumed to still use
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # the ratio decays to this fraction of its initial value
-NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from initial to minimum
 RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
 
 
@@ -111,30 +108,23 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
         )
         self.encoding = EncodingStage(encoder, server_args.mm_cache_mb << 20)
-        self.grammar_queue = GrammarQueue(
-            tokenizer, self.vocab_size, sorted(self.eos_token_ids), server_args.grammar_compile_timeout, self.tp_rank,
-            self.tp_size, self.tp_cpu_group,
-        )  # fmt: skip
+        self.grammar_queue = GrammarQueue(tokenizer, runner.model_config, server_args.grammar_compile_timeout, parallel)
         self.waiting_queue: list[Req] = []
         self.running_batch = self.new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
         self.reqs: dict[str, Req] = {}  # every unfinished request, by id
 
-        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
-        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (
-            self.init_new_token_ratio - self.min_new_token_ratio
-        ) / NEW_TOKEN_RATIO_DECAY_STEPS
-        self.new_token_ratio = self.init_new_token_ratio
+        self.new_token_ratio = NewTokenRatio(server_args.schedule_conservativeness)
 
         self.enable_overlap = not server_args.disable_overlap_schedule
         self.drafting = Drafting(server_args, runner)
         # what runs a launched batch: the runner's forward, or around it the drafts' verification and draft
         self.forward: Callable[[ForwardBatch], ForwardOutput] = (
             SpeculativeWorker(runner, self.drafting.eagle).forward_batch_generation
-            if server_args.speculating else runner.forward_batch_generation
-        )  # fmt: skip
+            if server_args.speculating
+            else runner.forward_batch_generation
+        )
         if encoder is not None and encoder.cores is not None:
             self.forward = encoder.cores.llm_side(self.forward)
         self.forward_thread = ForwardThread(runner, self.forward) if self.enable_overlap else None
@@ -287,9 +277,10 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         if self.last_batch is not None and self.last_batch.forward_mode.extends_prompts():
             # the last prefill's requests (but the one still being chunked) start decoding
             joined = [
-                r for r in self.last_batch.reqs
+                r
+                for r in self.last_batch.reqs
                 if not r.finished and r is not self.chunked_req and r.transfer is None  # (PD prefill: none decode here)
-            ]  # fmt: skip
+            ]
             self.running_batch.reqs = self.running_batch.reqs + joined
         self._release_stopped()
         batch = self.get_new_batch_prefill()
@@ -320,9 +311,13 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         prefixes_matched = self.policy.calc_priority(self.waiting_queue)
         mixed = [r for r in self.running_batch.reqs if r.needs_decode] if self.enable_mixed_chunk else []
         adder = PrefillAdder(
-            self.tree_cache, self.running_batch, self.new_token_ratio, self.max_prefill_tokens,
-            self.chunked_prefill_size, len(mixed),
-        )  # fmt: skip
+            self.tree_cache,
+            self.running_batch,
+            self.new_token_ratio.value,
+            self.max_prefill_tokens,
+            self.chunked_prefill_size,
+            len(mixed),
+        )
         if self.chunked_req is not None:
             self.chunked_req.extend_len = self.chunked_req.seq_len - self.chunked_req.kv_len
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
@@ -340,9 +335,10 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
                 self.waiting_queue.remove(req)  # its cached prefix shrank: it needs embeddings after all
                 continue
             if (
-                not self.tree_cache.disable and not req.prompt_logprobs_pending
+                not self.tree_cache.disable
+                and not req.prompt_logprobs_pending
                 and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
-            ):  # fmt: skip
+            ):
                 uncached = req.fill_ids[len(req.prefix_indices) :]
                 if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                     continue  # it will hit the cache next round
@@ -390,15 +386,14 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             if isinstance(self.disagg, DecodeDisaggregation):
                 retracted = self.disagg.requeue(retracted)
             self.waiting_queue = retracted + self.waiting_queue
-            total_max_new = sum(r.sampling_params.max_new_tokens for r in batch.reqs)
-            decoded = sum(len(r.output_ids) for r in batch.reqs)
-            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(batch.reqs)) / max(total_max_new, 1))
+            self.new_token_ratio.after_retraction(batch.reqs, RETRACT_DECODE_STEPS)
             logger.warning(
                 "KV cache full: retracted %d request(s); new_token_ratio is now %.2f",
-                len(retracted), self.new_token_ratio,
-            )  # fmt: skip
+                len(retracted),
+                self.new_token_ratio.value,
+            )
         else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            self.new_token_ratio.decay()
         decoding = [r for r in batch.reqs if r.needs_decode]  # the others' last token is in flight
         drafting = self.drafting.enabled(len(decoding))
         if drafting:  # drafts follow the tokens kept: those with tokens in flight wait for them
@@ -440,11 +435,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         for req in batch.reqs[: batch.num_prefill_reqs]:
             # share the prompt (or chunk) at once: every forward that could read its KV runs after this one
             self.tree_cache.cache_unfinished_req(req)
-        launched = LaunchedBatch(
-            list(batch.reqs), batch.forward_mode, batch.num_prefill_reqs, list(batch.samples),
-            list(forward_batch.seq_lens_cpu), forward_batch.future_start, Future(),
-            [len(d) for d in forward_batch.draft_ids] if verify else None, forward_batch.keep_aux,
-        )  # fmt: skip
+        launched = LaunchedBatch.of(batch, forward_batch)
         t1 = time.perf_counter()
         self.metrics.time_schedule += t1 - t0
         if self.forward_thread is not None:

@@ -58,20 +58,30 @@ class SchedulerMetricsMixin:
         if encoder is not None and not len(self.encoding):  # (else it is polled every iteration) the encoder's news
             self.encoding.poll()
         stats = StatsOut(
-            num_running=len(self.running_batch.reqs), num_waiting=len(self.waiting_queue),
-            num_encoding=len(self.encoding), kv_usage=self.num_used_tokens / self.max_total_tokens,
-            max_total_tokens=self.max_total_tokens, prefix_cache_hit_rate=m.cache_hit_rate,
-            cached_prompt_tokens=m.cached_prompt_tokens, computed_prompt_tokens=m.computed_prompt_tokens,
-            generated_tokens=m.generated_tokens, num_retractions=m.num_retractions,
+            num_running=len(self.running_batch.reqs),
+            num_waiting=len(self.waiting_queue),
+            num_encoding=len(self.encoding),
+            kv_usage=self.num_used_tokens / self.max_total_tokens,
+            max_total_tokens=self.max_total_tokens,
+            prefix_cache_hit_rate=m.cache_hit_rate,
+            cached_prompt_tokens=m.cached_prompt_tokens,
+            computed_prompt_tokens=m.computed_prompt_tokens,
+            generated_tokens=m.generated_tokens,
+            num_retractions=m.num_retractions,
             spec=dataclasses.replace(m.spec),
             embedding_cache={
-                "hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "usage_bytes": cache.usage_bytes,
+                "hits": cache.hits,
+                "misses": cache.misses,
+                "evictions": cache.evictions,
+                "usage_bytes": cache.usage_bytes,
                 "inflight_hits": self.encoding.inflight_hits,
             },
-            encoder_load=encoder.load if encoder else [], encoder_restarts=encoder.num_restarts if encoder else 0,
-            media_items=m.media_items, media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
+            encoder_load=encoder.load if encoder else [],
+            encoder_restarts=encoder.num_restarts if encoder else 0,
+            media_items=m.media_items,
+            media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
             vit_items=encoder.num_items if encoder else 0,
-        )  # fmt: skip
+        )
         if self.disagg is not None:
             stats.disaggregation_queues = self.disagg.queue_sizes()
             stats.kv_transfer_bytes = m.kv_transfer_bytes
@@ -108,7 +118,14 @@ class SchedulerMetricsMixin:
         logger.info(
             "%s batch: %d reqs, %d new tokens, KV usage %.2f, cache hit rate %.2f, running %d, queued %d, "
             "encoding %d, embedding cache hit rate %.2f (%.1f MiB)",
-            mode.name.lower(), num_reqs, new_tokens, self.num_used_tokens / self.max_total_tokens,
-            self.metrics.cache_hit_rate, len(self.running_batch.reqs), len(self.waiting_queue), len(self.encoding),
-            embeddings.hit_rate, embeddings.usage_bytes / 2**20,
-        )  # fmt: skip
+            mode.name.lower(),
+            num_reqs,
+            new_tokens,
+            self.num_used_tokens / self.max_total_tokens,
+            self.metrics.cache_hit_rate,
+            len(self.running_batch.reqs),
+            len(self.waiting_queue),
+            len(self.encoding),
+            embeddings.hit_rate,
+            embeddings.usage_bytes / 2**20,
+        )

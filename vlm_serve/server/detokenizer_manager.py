@@ -80,10 +80,22 @@ class DetokenizerManager:
         logprobs, top_logprobs = stream.logprobs[:count], stream.top_logprobs[:count]
         del stream.logprobs[:count], stream.top_logprobs[:count]
         return StrOut(
-            out.rid, text, new_ids, logprobs, top_logprobs, out.finish_reason, out.matched_stop,
-            out.message, out.prompt_tokens, out.cached_tokens, out.media_timings, out.status, out.code,
-            out.prompt_logprobs, out.spec,
-        )  # fmt: skip
+            out.rid,
+            text,
+            new_ids,
+            logprobs,
+            top_logprobs,
+            out.finish_reason,
+            out.matched_stop,
+            out.message,
+            out.prompt_tokens,
+            out.cached_tokens,
+            out.media_timings,
+            out.status,
+            out.code,
+            out.prompt_logprobs,
+            out.spec,
+        )
 
 
 @exits_at_once

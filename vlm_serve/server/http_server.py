@@ -170,9 +170,13 @@ def _as_api_error(request: Request, exc: Exception) -> ApiError:
         return _FRAMEWORK_ERRORS[exc.status_code](_framework_message(request, exc))
     request_id = REQUEST_ID.get()
     logger.error(
-        "internal error (request id %s) in %s %s", request_id, request.method, request.url.path, exc_info=exc,
+        "internal error (request id %s) in %s %s",
+        request_id,
+        request.method,
+        request.url.path,
+        exc_info=exc,
         extra={"request_id": request_id},  # (named in the message already)
-    )  # fmt: skip
+    )
     return InternalError(f"internal error (request id {request_id})")
 
 
@@ -385,10 +389,17 @@ def _model_info(tm: TokenizerManager, serving: OpenAIServing) -> dict[str, Any]:
     path = str(Path(tm.server_args.model).resolve())
     config = json.loads((Path(path) / "config.json").read_text())
     return {
-        "model_path": path, "tokenizer_path": path, "served_model_name": serving.model_name, "is_generation": True,
-        "has_image_understanding": True, "has_audio_understanding": False, "model_type": config.get("model_type"),
-        "architectures": config.get("architectures"), "preferred_sampling_params": None, "weight_version": "default",
-    }  # fmt: skip
+        "model_path": path,
+        "tokenizer_path": path,
+        "served_model_name": serving.model_name,
+        "is_generation": True,
+        "has_image_understanding": True,
+        "has_audio_understanding": False,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+    }
 
 
 def _server_info(tm: TokenizerManager, serving: OpenAIServing) -> dict[str, Any]:
@@ -397,10 +408,15 @@ def _server_info(tm: TokenizerManager, serving: OpenAIServing) -> dict[str, Any]
     settings = {k: v for k, v in asdict(tm.server_args).items() if k not in ("api_key", "model")}
     limits = tm.limits
     return {
-        **settings, **_model_info(tm, serving), "dp_size": 1, "context_length": limits.context_length,
-        "max_total_num_tokens": limits.max_total_tokens, "max_running_requests": limits.max_running_requests,
-        "max_req_input_len": limits.max_sequence_tokens - 1, "version": importlib.metadata.version("vlm_serve"),
-    }  # fmt: skip
+        **settings,
+        **_model_info(tm, serving),
+        "dp_size": 1,
+        "context_length": limits.context_length,
+        "max_total_num_tokens": limits.max_total_tokens,
+        "max_running_requests": limits.max_running_requests,
+        "max_req_input_len": limits.max_sequence_tokens - 1,
+        "version": importlib.metadata.version("vlm_serve"),
+    }
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Any:
@@ -460,9 +476,12 @@ async def warmup(tm: TokenizerManager) -> None:
 
 
 def serve_http(
-    server_args: ServerArgs, port_args: PortArgs, limits: SchedulerLimits, children: ServerProcesses,
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    limits: SchedulerLimits,
+    children: ServerProcesses,
     sock: socket.socket,
-) -> str:  # fmt: skip
+) -> str:
     """Serves HTTP on `sock` (bound to the host and port) in this process until SIGTERM / Ctrl-C or a
     child's death; returns why it stopped unhealthily ('' after a clean stop)."""
     tm = TokenizerManager(server_args, port_args, limits)
@@ -470,9 +489,13 @@ def serve_http(
     state = ServerState()
     app = create_app(tm, serving, state, server_args.api_key)
     config = uvicorn.Config(
-        app, host=server_args.host, port=server_args.port, log_level="warning", timeout_graceful_shutdown=5,
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
         lifespan="on",
-    )  # fmt: skip
+    )
     logging.getLogger("uvicorn.error").addFilter(_quiet_about_non_http)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_RequestIdInLogs())

@@ -51,9 +51,11 @@ def start_processes(children: ServerProcesses, server_args: ServerArgs, port_arg
     for rank in server_args.node_tp_ranks:
         reader, writer = ctx.Pipe(duplex=False)
         process = ctx.Process(
-            target=run_scheduler_process, args=(server_args, port_args, rank, init_addr, writer),
-            name=f"scheduler TP{rank}", daemon=True,
-        )  # fmt: skip
+            target=run_scheduler_process,
+            args=(server_args, port_args, rank, init_addr, writer),
+            name=f"scheduler TP{rank}",
+            daemon=True,
+        )
         with starting_children():
             process.start()
             children.schedulers.append(process)

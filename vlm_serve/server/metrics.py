@@ -64,67 +64,92 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
     out.counter("spec_decode_num_draft_tokens", stats.spec.draft_tokens, "Speculative draft tokens verified.")
     out.counter("spec_decode_num_accepted_tokens", stats.spec.accepted_tokens, "Speculative draft tokens kept.")
     out.gauge(
-        "spec_decode_mean_accepted_length", stats.spec.mean_accepted_length,
+        "spec_decode_mean_accepted_length",
+        stats.spec.mean_accepted_length,
         "Tokens per speculative verify step, the step's own included (0 before the first).",
-    )  # fmt: skip
+    )
     embeddings = stats.embedding_cache
     for cache_name, counters in (
         ("embedding_cache", embeddings),
-        ("processor_cache", {
-            "hits": processor_cache.hits, "misses": processor_cache.misses,
-            "evictions": processor_cache.evictions, "usage_bytes": processor_cache.usage_bytes,
-            "inflight_hits": processor_cache.inflight_hits,
-        }),
-    ):  # fmt: skip
+        (
+            "processor_cache",
+            {
+                "hits": processor_cache.hits,
+                "misses": processor_cache.misses,
+                "evictions": processor_cache.evictions,
+                "usage_bytes": processor_cache.usage_bytes,
+                "inflight_hits": processor_cache.inflight_hits,
+            },
+        ),
+    ):
         what = "vision embeddings" if cache_name == "embedding_cache" else "preprocessed images/videos"
         lookups = counters["hits"] + counters["misses"]
         out.counter(f"{cache_name}_hits", counters["hits"], f"Lookups of {what} that hit.")
         out.counter(f"{cache_name}_misses", counters["misses"], f"Lookups of {what} that missed.")
         out.counter(
-            f"{cache_name}_inflight_hits", counters["inflight_hits"],
+            f"{cache_name}_inflight_hits",
+            counters["inflight_hits"],
             f"Lookups of {what} that waited for the same item, already being computed (neither hit nor miss).",
-        )  # fmt: skip
+        )
         out.counter(f"{cache_name}_evictions", counters["evictions"], f"Cached {what} evicted.")
         out.gauge(f"{cache_name}_usage_bytes", counters["usage_bytes"], f"Bytes of cached {what}.")
         out.gauge(
             f"{cache_name}_hit_rate", counters["hits"] / lookups if lookups else 0.0, f"Hit rate of cached {what}."
         )
     out.labelled(
-        "encoder_load_patches", "gauge", {str(i): load for i, load in enumerate(stats.encoder_load)}, "rank",
+        "encoder_load_patches",
+        "gauge",
+        {str(i): load for i, load in enumerate(stats.encoder_load)},
+        "rank",
         "Patches in flight per encoder pool rank.",
-    )  # fmt: skip
+    )
     out.counter("encoder_restarts", stats.encoder_restarts, "Encoder pool ranks restarted after dying.")
     out.counter("media_items", stats.media_items, "Images and videos that passed the encoding stage.")
     out.counter("vit_items", stats.vit_items, "Images and videos run through a vision tower (once per item in flight).")
     out.histograms(
-        "media_stage_seconds", {k: Histogram(**v) for k, v in stats.media_seconds.items()}, "stage",
+        "media_stage_seconds",
+        {k: Histogram(**v) for k, v in stats.media_seconds.items()},
+        "stage",
         f"Time per image/video in each stage: {', '.join(MEDIA_STAGES)}.",
-    )  # fmt: skip
+    )
     if stats.kv_transfer_seconds is not None:  # a PD server
         out.labelled(
-            "disaggregation_queue_size", "gauge", stats.disaggregation_queues, "queue",
+            "disaggregation_queue_size",
+            "gauge",
+            stats.disaggregation_queues,
+            "queue",
             "Requests in each prefill/decode queue (bootstrap, inflight; prealloc, transfer).",
-        )  # fmt: skip
+        )
         out.counter("kv_transfer_bytes", stats.kv_transfer_bytes, "KV bytes of finished transfers (sent or received).")
         out.histograms(
-            "kv_transfer_request_bytes", {"": Histogram(**stats.kv_transfer_request_bytes)}, "",
+            "kv_transfer_request_bytes",
+            {"": Histogram(**stats.kv_transfer_request_bytes)},
+            "",
             "KV bytes per request's transfer.",
-        )  # fmt: skip
+        )
         out.histograms(
-            "kv_transfer_seconds", {"": Histogram(**stats.kv_transfer_seconds)}, "",
+            "kv_transfer_seconds",
+            {"": Histogram(**stats.kv_transfer_seconds)},
+            "",
             "Time from a request's first KV sent (prefill) or destination given (decode) to the end of its transfer.",
-        )  # fmt: skip
+        )
         out.labelled(
-            "kv_transfer_failures_total", "counter", stats.kv_transfer_failures, "stage",
+            "kv_transfer_failures_total",
+            "counter",
+            stats.kv_transfer_failures,
+            "stage",
             "KV transfers that failed, by the stage they failed at (bootstrap, transfer, mismatch).",
-        )  # fmt: skip
+        )
     out.counter("requests", server.num_requests, "Requests received (a request with n choices counts once).")
     out.labelled("requests_finished_total", "counter", server.num_finished, "reason", "Choices finished, by reason.")
     out.counter("requests_rejected", server.num_rejected, "Requests that failed by their own fault (400).")
     out.labelled(
-        "request_failure_total", "counter", server.num_failed, "reason",
+        "request_failure_total",
+        "counter",
+        server.num_failed,
+        "reason",
         "Requests the server could not serve (5xx), by cause; not counting client aborts.",
-    )  # fmt: skip
+    )
     out.counter("prompt_tokens", server.prompt_tokens, "Prompt tokens of finished choices.")
     out.histograms("time_to_first_token_seconds", {"": server.ttft}, "", "Time to the first generated token.")
     out.histograms("inter_token_latency_seconds", {"": server.itl}, "", "Time between generated tokens.")

@@ -95,10 +95,14 @@ class OpenAIServing:
         video = {f"video_{k}" if k.endswith("_pixels") else k: v for k, v in media["video"].items()}
         template_kwargs = dict(request.chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
         return await self.tm.process_messages(
-            messages, add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message, chat_template_kwargs=template_kwargs,
-            part_param=part_param, **media["image"], **video,
-        )  # fmt: skip
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=template_kwargs,
+            part_param=part_param,
+            **media["image"],
+            **video,
+        )
 
     async def start_chat(self, request: ChatCompletionRequest, part_param: PartParam = chat_part_param) -> ChatRun:
         """A chat request as model input and scheduler messages (the chat completions and responses
@@ -135,24 +139,36 @@ class OpenAIServing:
                 content=content if content or not (answer.reasoning or answer.tool_calls) else None,
                 reasoning_content=answer.reasoning or None,
                 tool_calls=[_tool_call(call) for call in answer.tool_calls] or None,
-            )  # fmt: skip
-            choices.append(ChatChoice(
-                index=i, message=message, logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
-                finish_reason=_finish_reason(outs[-1].finish_reason, answer.tool_calls), matched_stop=outs[-1].matched_stop,
-            ))  # fmt: skip
+            )
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
+                    finish_reason=_finish_reason(outs[-1].finish_reason, answer.tool_calls),
+                    matched_stop=outs[-1].matched_stop,
+                )
+            )
         return ChatCompletionResponse(
-            id=new_id("chatcmpl"), created=now(), model=self.model_name, choices=choices,
+            id=new_id("chatcmpl"),
+            created=now(),
+            model=self.model_name,
+            choices=choices,
             usage=self._usage([x], per_choice),
             prompt_logprobs=(
                 self._prompt_logprobs(per_choice[0][0].prompt_logprobs, params.prompt_logprobs)
-                if params.prompt_logprobs is not None else None
+                if params.prompt_logprobs is not None
+                else None
             ),
-        )  # fmt: skip
+        )
 
     async def _chat_stream(
-        self, request: ChatCompletionRequest, x: ProcessedInput, choices: list[TokenizedGenerateReq],
+        self,
+        request: ChatCompletionRequest,
+        x: ProcessedInput,
+        choices: list[TokenizedGenerateReq],
         parsers: list[ChatOutput],
-    ) -> AsyncIterator[str]:  # fmt: skip
+    ) -> AsyncIterator[str]:
         rid, created, params = new_id("chatcmpl"), now(), choices[0].sampling_params
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
@@ -188,9 +204,11 @@ class OpenAIServing:
                 if parsed or out.finish_reason is not None:
                     first_call = parsers[i].num_tool_calls - len(parsed.tool_calls)
                     delta = DeltaMessage(
-                        content=parsed.content or None, reasoning_content=parsed.reasoning or None,
-                        tool_calls=[_tool_call_delta(first_call + k, call) for k, call in enumerate(parsed.tool_calls)] or None,
-                    )  # fmt: skip
+                        content=parsed.content or None,
+                        reasoning_content=parsed.reasoning or None,
+                        tool_calls=[_tool_call_delta(first_call + k, call) for k, call in enumerate(parsed.tool_calls)]
+                        or None,
+                    )
                     logprobs = ChoiceLogprobs(content=held[i]) if params.logprobs else None
                     held[i] = []
                     finish = _finish_reason(out.finish_reason, parsers[i].num_tool_calls)
@@ -229,19 +247,31 @@ class OpenAIServing:
             prompt_logprobs = None
             if request.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_logprobs(outs[0].prompt_logprobs, request.prompt_logprobs)
-            choices.append(CompletionChoice(
-                index=i, text=text, logprobs=logprobs, finish_reason=outs[-1].finish_reason,
-                matched_stop=outs[-1].matched_stop, prompt_logprobs=prompt_logprobs,
-            ))  # fmt: skip
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=outs[-1].finish_reason,
+                    matched_stop=outs[-1].matched_stop,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
         return CompletionResponse(
-            id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices,
+            id=new_id("cmpl"),
+            created=now(),
+            model=self.model_name,
+            choices=choices,
             usage=self._usage(inputs, per_choice),
-        )  # fmt: skip
+        )
 
     async def _completion_stream(
-        self, request: CompletionRequest, inputs: list[ProcessedInput], echoes: list[str | None],
+        self,
+        request: CompletionRequest,
+        inputs: list[ProcessedInput],
+        echoes: list[str | None],
         choices: list[TokenizedGenerateReq],
-    ) -> AsyncIterator[str]:  # fmt: skip
+    ) -> AsyncIterator[str]:
         rid, created, n = new_id("cmpl"), now(), len(choices) // len(inputs)
         per_choice: list[list[StrOut]] = [[] for _ in choices]
         offsets = [0] * len(choices)
@@ -256,9 +286,11 @@ class OpenAIServing:
                     offsets[i] += len(text)
                     choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason)
                     usage = self._usage([inputs[i // n]], [per_choice[i]]) if continuous_usage else None  # so far
-                    yield sse(CompletionResponse(
-                        id=rid, created=created, model=self.model_name, choices=[choice], usage=usage
-                    ))  # fmt: skip
+                    yield sse(
+                        CompletionResponse(
+                            id=rid, created=created, model=self.model_name, choices=[choice], usage=usage
+                        )
+                    )
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = self._usage(inputs, per_choice)
             yield sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
@@ -308,11 +340,12 @@ class OpenAIServing:
             for i in range(0, len(outputs), n)
         )
         return Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, media=media),
             speculative=_speculative_usage([outs[-1].spec for outs in outputs if outs and outs[-1].spec is not None]),
-        )  # fmt: skip
+        )
 
     def _token_text(self, token_id: int) -> str:
         return self.tm.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -351,9 +384,13 @@ class OpenAIServing:
         self._add_logprobs(logprobs, prompt_ids, [None, *scores.logprobs, *missing], tops, 0)
 
     def _add_logprobs(
-        self, logprobs: CompletionLogprobs, token_ids: list[int], token_logprobs: list[float | None],
-        tops: list[list[tuple[int, float]] | None], offset: int,
-    ) -> None:  # fmt: skip
+        self,
+        logprobs: CompletionLogprobs,
+        token_ids: list[int],
+        token_logprobs: list[float | None],
+        tops: list[list[tuple[int, float]] | None],
+        offset: int,
+    ) -> None:
         """Appends the tokens' entries to the legacy logprobs lists; their text starts at `offset`."""
         for token_id, token_logprob, top in zip(token_ids, token_logprobs, tops):
             text = self._token_text(token_id)
@@ -417,9 +454,11 @@ def _speculative_usage(counts: list[SpeculativeCounts]) -> SpeculativeUsage | No
         *(sum(getattr(c, f) for c in counts) for f in ("verify_steps", "draft_tokens", "accepted_tokens"))
     )
     return SpeculativeUsage(
-        verify_steps=total.verify_steps, draft_tokens=total.draft_tokens, accepted_tokens=total.accepted_tokens,
+        verify_steps=total.verify_steps,
+        draft_tokens=total.draft_tokens,
+        accepted_tokens=total.accepted_tokens,
         mean_accepted_length=total.mean_accepted_length,
-    )  # fmt: skip
+    )
 
 
 def sse(body: BaseModel | dict | list) -> str:

@@ -34,7 +34,7 @@ from vlm_serve.sampling_params import (
     SEED_MAX,
     SEED_MIN,
     check_stop_regex,
-)  # fmt: skip
+)
 
 
 class _Strict(BaseModel):
@@ -631,8 +631,9 @@ class _SamplingRequest(BootstrapFields, SamplingSettings):
         if len(found) > 1:
             raise BadRequest(
                 f"`{found[0].field}` and `{found[1].field}` cannot both be given: an answer follows at most one "
-                "constraint", param=found[1].field,
-            )  # fmt: skip
+                "constraint",
+                param=found[1].field,
+            )
         return found[0] if found else None
 
     def sampling(self) -> dict[str, Any]:

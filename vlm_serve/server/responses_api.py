@@ -138,10 +138,13 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> C
     logprobs = LOGPROBS in (request.include or [])
     body: dict[str, Any] = {
         **{name: getattr(request, name) for name in SamplingSettings.model_fields},
-        "model": request.model, "max_tokens": request.max_output_tokens, "priority": request.priority,
-        "logprobs": logprobs, "top_logprobs": request.top_logprobs if logprobs else None,
+        "model": request.model,
+        "max_tokens": request.max_output_tokens,
+        "priority": request.priority,
+        "logprobs": logprobs,
+        "top_logprobs": request.top_logprobs if logprobs else None,
         "parallel_tool_calls": request.parallel_tool_calls,
-    }  # fmt: skip
+    }
     system = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
     body["messages"] = system + messages
     if request.tools:
@@ -362,8 +365,9 @@ class ResponsesServing:
                 raise BadRequest(
                     f"Previous response with id {request.previous_response_id!r} not found (responses are kept "
                     "in memory, the most recent --responses-store-size of them).",
-                    param="previous_response_id", code="previous_response_not_found",
-                )  # fmt: skip
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
             if previous.response.status in ("queued", "in_progress"):
                 raise BadRequest(
                     f"response {request.previous_response_id!r} is still {previous.response.status}",
@@ -435,16 +439,26 @@ class ResponsesServing:
         text = request.text.model_dump(exclude_none=True, by_alias=True) if request.text is not None else None
         tool_choice = request.tool_choice
         return ResponseObject(
-            id=_new_id("resp"), created_at=now(), status="in_progress", model=self.serving.model_name,
-            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
-            metadata=request.metadata or {}, parallel_tool_calls=request.parallel_tool_calls,
+            id=_new_id("resp"),
+            created_at=now(),
+            status="in_progress",
+            model=self.serving.model_name,
+            instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens,
+            metadata=request.metadata or {},
+            parallel_tool_calls=request.parallel_tool_calls,
             previous_response_id=request.previous_response_id,
             reasoning=request.reasoning.model_dump(exclude_none=True) if request.reasoning is not None else None,
-            store=request.store, background=request.background, temperature=request.temperature,
-            top_p=request.top_p, top_logprobs=request.top_logprobs, text=text or {"format": {"type": "text"}},
+            store=request.store,
+            background=request.background,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_logprobs=request.top_logprobs,
+            text=text or {"format": {"type": "text"}},
             tool_choice=tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
-            tools=request.tools, user=request.user,
-        )  # fmt: skip
+            tools=request.tools,
+            user=request.user,
+        )
 
     def _answer(self, run: ChatRun, outs: list[StrOut]) -> ChatDelta:
         return run.parsers[0].parse("".join(out.text for out in outs))
@@ -469,16 +483,19 @@ class ResponsesServing:
         )
         details = usage.prompt_tokens_details
         response.usage = ResponseUsage(
-            input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
             input_tokens_details=InputTokensDetails(
-                cached_tokens=details.cached_tokens, cache_write_tokens=usage.prompt_tokens - details.cached_tokens,
+                cached_tokens=details.cached_tokens,
+                cache_write_tokens=usage.prompt_tokens - details.cached_tokens,
                 media=[m.model_dump() for m in details.media],
             ),
             # the reasoning text's tokens (the answer's tokens are not split where the text is)
             output_tokens_details=OutputTokensDetails(
                 reasoning_tokens=len(self.serving.tm.tokenizer.encode(reasoning)) if reasoning else 0
             ),
-        )  # fmt: skip
+        )
         stored.messages = stored.messages + [assistant_message(builder.items)]
         return events
 

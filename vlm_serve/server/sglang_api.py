@@ -155,10 +155,13 @@ class GenerateRequest(BootstrapFields):
         if not isinstance(data, list) or len(data) != count:
             raise BadRequest(f"{field} of a batch of {count} prompts must be a list with one entry per prompt", field)
         return [
-            [] if entry is None else [MediaInput(entry, param=f"{field}[{p}]")] if isinstance(entry, str)
+            []
+            if entry is None
+            else [MediaInput(entry, param=f"{field}[{p}]")]
+            if isinstance(entry, str)
             else [MediaInput(item, param=f"{field}[{p}][{k}]") for k, item in enumerate(entry)]
             for p, entry in enumerate(data)
-        ]  # fmt: skip
+        ]
 
     def rids(self) -> list[str]:
         """Each prompt's request id, as `meta_info.id` reports it (a new one where none is given)."""
@@ -253,9 +256,13 @@ class _Answer:
     """Builds SGLang's result of each of a request's choices (choice i reported as `ids[i]`)."""
 
     def __init__(
-        self, serving: GenerateServing, request: GenerateRequest, choices: list[TokenizedGenerateReq],
-        ids: list[str], start: float,
-    ) -> None:  # fmt: skip
+        self,
+        serving: GenerateServing,
+        request: GenerateRequest,
+        choices: list[TokenizedGenerateReq],
+        ids: list[str],
+        start: float,
+    ) -> None:
         self.serving, self.request, self.choices, self.ids, self.start = serving, request, choices, ids, start
 
     def result(self, i: int, outs: list[StrOut]) -> dict[str, Any]:

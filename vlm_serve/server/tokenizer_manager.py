@@ -91,10 +91,13 @@ class TokenizerManager:
             fetch_timeout=server_args.media_fetch_timeout,
         )
         self.processor = MultimodalProcessor.from_pretrained(
-            path, self.tokenizer, max_image_pixels=server_args.max_image_pixels, access=access,
+            path,
+            self.tokenizer,
+            max_image_pixels=server_args.max_image_pixels,
+            access=access,
             cache_mb=server_args.mm_cache_mb,
             pixels=server_args.disaggregation_mode != "decode",  # a PD decode server never runs the vision tower
-        )  # fmt: skip
+        )
         self.default_sampling = generation_defaults(path)
         self.executor = ThreadPoolExecutor(server_args.tokenizer_workers, thread_name_prefix="preprocess")
         self.send_to_scheduler = zmq.Context.instance().socket(zmq.PUSH)  # sends never wait: no high-water mark

@@ -133,7 +133,7 @@ def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool
         TagFormat,
         TagsWithSeparatorFormat,
         TriggeredTagsFormat,
-    )  # fmt: skip
+    )
 
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if name is not None and name not in functions:

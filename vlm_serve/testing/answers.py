@@ -117,9 +117,11 @@ def read(call: Call, answer: Answer) -> Reading:
     try:
         if answer.events is None:
             readers = {
-                CHAT: _whole(ChatCompletion, _chat_choice), COMPLETIONS: _whole(Completion, _completion_choice),
-                RESPONSES: _response, GENERATE: _generated,
-            }  # fmt: skip
+                CHAT: _whole(ChatCompletion, _chat_choice),
+                COMPLETIONS: _whole(Completion, _completion_choice),
+                RESPONSES: _response,
+                GENERATE: _generated,
+            }
             readers[call.endpoint](call, answer.body, reading)
         else:
             _stream(call, answer.events, reading)
@@ -456,9 +458,10 @@ def _stream(call: Call, events: list[Any], reading: Reading) -> None:
         reading.problems.append("an empty stream")
         return
     bad = [
-        event for event in events
+        event
+        for event in events
         if not isinstance(event, dict) and event != DONE or isinstance(event, dict) and _is_error(event)
-    ]  # fmt: skip
+    ]
     if bad:
         reading.problems.append(f"stream events {bad[:2]}")
         return

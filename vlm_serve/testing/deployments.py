@@ -120,11 +120,26 @@ class Deployment:
         decode = self._serve("decode", ("--disaggregation-mode", "decode", *pd_flags))
         port = free_port()
         command = [
-            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-port", str(free_port()), "--log-level", "warn", "--pd-disaggregation",
-            "--prefill", prefill.url, bootstrap, "--decode", decode.url,
-            "--disable-retries", "--disable-circuit-breaker",  # (a failure is the client's to see, at once)
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            bootstrap,
+            "--decode",
+            decode.url,
+            "--disable-retries",
+            "--disable-circuit-breaker",  # (a failure is the client's to see, at once)
+        ]
         router = self._spawn("router", command, f"http://127.0.0.1:{port}")
         self._wait(router, lambda: _healthy_workers(router.url) >= 2)
         self.url, self.servers = router.url, [prefill.url, decode.url]

@@ -15,9 +15,13 @@ from safetensors.torch import save_file
 
 
 def create_eagle3_draft(
-    out_dir: str | os.PathLike, target_dir: str | os.PathLike, seed: int = 0, draft_vocab_size: int | None = None,
-    own_embeddings: bool = False, aux_layer_ids: list[int] | None = None,
-) -> Path:  # fmt: skip
+    out_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    seed: int = 0,
+    draft_vocab_size: int | None = None,
+    own_embeddings: bool = False,
+    aux_layer_ids: list[int] | None = None,
+) -> Path:
     """Writes a draft for the checkpoint in `target_dir` into `out_dir` (returned): the target's hidden
     size, heads and KV geometry; a draft vocabulary of the target's first `draft_vocab_size` ids
     (default: all of them)."""
@@ -59,14 +63,24 @@ def create_eagle3_draft(
         {k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
     )
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
-        "rms_norm_eps": target["rms_norm_eps"], "rope_theta": target["rope_theta"],
-        "max_position_embeddings": target["max_position_embeddings"], "vocab_size": vocab,
-        "draft_vocab_size": draft_vocab, "target_hidden_size": hidden, "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target["rms_norm_eps"],
+        "rope_theta": target["rope_theta"],
+        "max_position_embeddings": target["max_position_embeddings"],
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": hidden,
+        "tie_word_embeddings": False,
         "torch_dtype": "float32",
-    }  # fmt: skip
+    }
     if aux_layer_ids is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -183,16 +183,18 @@ def sampling_settings(router: bool = False, seed_name: str = "seed") -> st.Searc
     """Temperature, top-p/top-k/min-p, penalties and a seed, each given or not (OpenAI's names, with vLLM's
     and SGLang's extras; `seed_name` is /generate's `sampling_seed`; behind sglang-router, seeds >= 0, the
     only ones it takes)."""
-    return _optional(**{
-        "temperature": st.one_of(st.just(0), _floats(0, 2, router)),
-        "top_p": _floats(0, 1, router, exclude_min=True),
-        "top_k": st.one_of(st.just(-1), st.integers(1, 50), st.integers(1, 2 * VOCAB_SIZE)),
-        "min_p": _floats(0, 1, router),
-        "frequency_penalty": _floats(-2, 2, router),
-        "presence_penalty": _floats(-2, 2, router),
-        "repetition_penalty": _floats(0, 2, router, exclude_min=True),
-        seed_name: st.integers(0 if router else SEED_MIN, SEED_MAX),
-    })  # fmt: skip
+    return _optional(
+        **{
+            "temperature": st.one_of(st.just(0), _floats(0, 2, router)),
+            "top_p": _floats(0, 1, router, exclude_min=True),
+            "top_k": st.one_of(st.just(-1), st.integers(1, 50), st.integers(1, 2 * VOCAB_SIZE)),
+            "min_p": _floats(0, 1, router),
+            "frequency_penalty": _floats(-2, 2, router),
+            "presence_penalty": _floats(-2, 2, router),
+            "repetition_penalty": _floats(0, 2, router, exclude_min=True),
+            seed_name: st.integers(0 if router else SEED_MIN, SEED_MAX),
+        }
+    )
 
 
 def ids() -> st.SearchStrategy[list[int]]:
@@ -209,9 +211,13 @@ def stops(router: bool = False) -> st.SearchStrategy[dict[str, Any]]:
     """Stop strings (one, or a list of up to 4), stop token ids and SGLang's stop regular expressions (but
     behind sglang-router), each given or not."""
     stop_string = st.one_of(st.sampled_from(STOP_STRINGS), st.text(min_size=1, max_size=3))
-    regexes = {} if router else {"stop_regex": st.one_of(
-        st.sampled_from(STOP_REGEXES), st.lists(st.sampled_from(STOP_REGEXES), max_size=3)
-    )}  # fmt: skip
+    regexes = (
+        {}
+        if router
+        else {
+            "stop_regex": st.one_of(st.sampled_from(STOP_REGEXES), st.lists(st.sampled_from(STOP_REGEXES), max_size=3))
+        }
+    )
     return _optional(
         stop=st.one_of(stop_string, st.lists(stop_string, max_size=4)),
         stop_token_ids=st.lists(token_ids(), max_size=3),
@@ -244,9 +250,11 @@ def stream_fields(router: bool = False) -> st.SearchStrategy[dict[str, Any]]:
     continuous = {} if router else {"continuous_usage_stats": st.booleans()}
     options = _optional(include_usage=st.booleans(), **continuous)
     return st.one_of(
-        st.just({}), st.just({"stream": False}), st.just({"stream": True}),
+        st.just({}),
+        st.just({"stream": False}),
+        st.just({"stream": True}),
         options.map(lambda o: {"stream": True, "stream_options": o}),
-    )  # fmt: skip
+    )
 
 
 # ---- structured output and tools -----------------------------------------------------------------------
@@ -256,15 +264,19 @@ def constraints(router: bool = False) -> st.SearchStrategy[dict[str, Any]]:
     """At most one constraint of the answer, in any peer's spelling: OpenAI's `response_format`, vLLM's
     `structured_outputs` (but in a chat behind sglang-router, which drops it), SGLang's `regex`."""
     response_format = st.one_of(
-        st.just({"type": "text"}), st.just({"type": "json_object"}),
+        st.just({"type": "text"}),
+        st.just({"type": "json_object"}),
         st.just({"type": "json_schema", "json_schema": {"name": "scene", "schema": SCHEMA}}),
         st.just({"type": "json_schema", "json_schema": {"name": "scene", "schema": SCHEMA, "strict": True}}),
-    )  # fmt: skip
+    )
     structured_outputs = st.one_of(
-        st.just({"json": SCHEMA}), st.just({"json": json.dumps(SCHEMA)}), st.just({"json_object": True}),
-        st.sampled_from(REGEXES).map(lambda r: {"regex": r}), st.sampled_from(CHOICES).map(lambda c: {"choice": c}),
+        st.just({"json": SCHEMA}),
+        st.just({"json": json.dumps(SCHEMA)}),
+        st.just({"json_object": True}),
+        st.sampled_from(REGEXES).map(lambda r: {"regex": r}),
+        st.sampled_from(CHOICES).map(lambda c: {"choice": c}),
         st.sampled_from(list(GRAMMARS)).map(lambda g: {"grammar": g}),
-    )  # fmt: skip
+    )
     return st.one_of(
         st.just({}),
         response_format.map(lambda f: {"response_format": f}),
@@ -293,7 +305,7 @@ def chat_tools(draw: st.DrawFn, constrained: bool, router: bool = False) -> dict
         lambda mode, tools: {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}},
         st.sampled_from(["auto"] if constrained else ["auto", "required"]),
         st.lists(st.sampled_from(named), min_size=1, unique_by=lambda t: t["function"]["name"]),
-    )  # fmt: skip
+    )
     choices = [st.just("none"), st.just("auto"), *([] if router else [allowed])]
     if not constrained:
         choices += [st.just("required"), st.sampled_from(named)]
@@ -317,10 +329,15 @@ def chat_calls(draw: st.DrawFn, router: bool = False) -> Call:
     question = draw(texts())
     text = {"type": "text", "text": question}
     content = [*parts, text] if parts else draw(st.sampled_from([question, [text]]))
-    messages = draw(st.sampled_from([
-        [], [{"role": "system", "content": "You are a helpful assistant."}],
-        [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"}],
-    ])) + [{"role": "user", "content": content}]  # fmt: skip
+    messages = draw(
+        st.sampled_from(
+            [
+                [],
+                [{"role": "system", "content": "You are a helpful assistant."}],
+                [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+            ]
+        )
+    ) + [{"role": "user", "content": content}]
     body: dict[str, Any] = {"messages": messages, **draw(st.sampled_from([{}, {"model": "default"}]))}
     # (sglang-router refuses a chat's min_tokens of 0)
     body |= draw(lengths(draw(st.sampled_from(["max_tokens", "max_completion_tokens"])), lowest=int(router)))
@@ -368,9 +385,16 @@ def responses_calls(draw: st.DrawFn) -> Call:
     body |= draw(_optional(instructions=st.just("Answer briefly."), store=st.booleans()))
     streams = [{}, {"stream": True}, {"stream": True, "stream_options": {"include_obfuscation": False}}]
     body |= draw(st.sampled_from(streams))
-    text_format = draw(st.sampled_from([
-        None, {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "name": "scene", "schema": SCHEMA},
-    ]))  # fmt: skip
+    text_format = draw(
+        st.sampled_from(
+            [
+                None,
+                {"type": "text"},
+                {"type": "json_object"},
+                {"type": "json_schema", "name": "scene", "schema": SCHEMA},
+            ]
+        )
+    )
     if text_format is not None:
         body["text"] = {"format": text_format}
     if draw(st.booleans()):
@@ -416,15 +440,22 @@ def generate_calls(draw: st.DrawFn, router: bool = False) -> Call:
     params = draw(lengths("max_new_tokens", "min_new_tokens"))
     params |= draw(sampling_settings(router, "sampling_seed"))
     params |= draw(stops(router)) | draw(extras(router, bias=not router)) | draw(_optional(n=st.integers(1, MAX_N)))
-    constraint = draw(st.sampled_from([
-        {}, {"json_schema": json.dumps(SCHEMA)}, *({"regex": r} for r in REGEXES), *({"ebnf": g} for g in GRAMMARS),
-    ]))  # fmt: skip
+    constraint = draw(
+        st.sampled_from(
+            [
+                {},
+                {"json_schema": json.dumps(SCHEMA)},
+                *({"regex": r} for r in REGEXES),
+                *({"ebnf": g} for g in GRAMMARS),
+            ]
+        )
+    )
     body["sampling_params"] = params | constraint
     body |= draw(_optional(stream=st.booleans()))
     if draw(st.booleans()):
-        body |= {"return_logprob": True} | draw(_optional(
-            top_logprobs_num=st.integers(0, MAX_TOP_LOGPROBS), return_text_in_logprobs=st.booleans()
-        ))  # fmt: skip
+        body |= {"return_logprob": True} | draw(
+            _optional(top_logprobs_num=st.integers(0, MAX_TOP_LOGPROBS), return_text_in_logprobs=st.booleans())
+        )
     return Call(GENERATE, body)
 
 

@@ -87,8 +87,10 @@ def cell_labels(scene: Scene, rows: int, columns: int) -> list[list[int]]:
     for s in sorted(scene.shapes, key=lambda s: s.extent or 0):
         x, y = (s.x, s.y) if s.x is not None else ((s.column + 0.5) / 3, (s.row + 0.5) / 3)
         cells[int(y * rows) * columns + int(x * columns)] = [
-            list(COLOURS).index(s.colour), KINDS.index(s.kind), SIZES.index(s.size)
-        ]  # fmt: skip
+            list(COLOURS).index(s.colour),
+            KINDS.index(s.kind),
+            SIZES.index(s.size),
+        ]
     return cells
 
 
@@ -107,7 +109,7 @@ def encode(processor: MultimodalProcessor, example: Example) -> dict:
             cell
             for scene, item in zip(example.scenes, pictures, strict=True)
             for cell in cell_labels(scene, item.grid_thw[1] // merge, item.grid_thw[2] // merge)
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -121,9 +123,11 @@ def collate(encoded: list[dict], pad_id: int, image_id: int, video_id: int) -> d
         n = len(e["input_ids"])
         ids[row, :n], labels[row, :n], mask[row, :n] = torch.tensor(e["input_ids"]), torch.tensor(e["labels"]), 1
     batch = {
-        "input_ids": ids, "labels": labels, "attention_mask": mask,
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": mask,
         "mm_token_type_ids": (ids == image_id).int() + 2 * (ids == video_id).int(),
-    }  # fmt: skip
+    }
     items = [item for e in encoded for item in e["items"]]
     for modality, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
         chosen = [it for it in items if it.modality == modality]
@@ -144,10 +148,24 @@ class Batches(torch.utils.data.IterableDataset):
 
     POOL = 8
 
-    def __init__(self, out_dir: Path, seed: int, steps: int, single_steps: int, batch_size: int, old_share: float,
-                 wide_weights: dict[str, float]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        out_dir: Path,
+        seed: int,
+        steps: int,
+        single_steps: int,
+        batch_size: int,
+        old_share: float,
+        wide_weights: dict[str, float],
+    ) -> None:
         self.out_dir, self.seed, self.steps, self.single_steps, self.batch_size, self.old_share = (
-            out_dir, seed, steps, single_steps, batch_size, old_share)  # fmt: skip
+            out_dir,
+            seed,
+            steps,
+            single_steps,
+            batch_size,
+            old_share,
+        )
         self.wide_weights = wide_weights
 
     def __iter__(self):
@@ -248,8 +266,10 @@ class CellProbe(torch.nn.Module):
         loss = functional.binary_cross_entropy_with_logits(present_logit.squeeze(-1), centred.float())
         weights = (1.0, self.KIND_WEIGHT, 1.0)
         if centred.any():
-            loss = loss + sum(w * functional.cross_entropy(p[centred], cells[centred, k])
-                              for k, (w, p) in enumerate(zip(weights, parts)))  # fmt: skip
+            loss = loss + sum(
+                w * functional.cross_entropy(p[centred], cells[centred, k])
+                for k, (w, p) in enumerate(zip(weights, parts))
+            )
         return loss / (1 + sum(weights))
 
 
@@ -426,8 +446,11 @@ def train_tower(model: torch.nn.Module, probe_cells: CellProbe, out_dir: Path, a
         loss = probe_cells.loss(batch["image_grid_thw"], batch["cell_labels"])
         optimizer.step(loss)
         if step % 25 == 0:
-            print(f"vision step {step}/{args.vision_steps}: cells {loss.item():.4f} ({probe_cells.read()}) "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"vision step {step}/{args.vision_steps}: cells {loss.item():.4f} ({probe_cells.read()}) "
+                f"({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
 
 
 def train(out_dir: Path, args: TrainingArgs) -> None:
@@ -460,16 +483,26 @@ def train(out_dir: Path, args: TrainingArgs) -> None:
     optimizer = Optimizer(parameter_groups(model, probe_cells, args), args.lr, args.steps)
     probe = [random_example(held_out, wide=True) for _ in range(48)]
     single_probe = [random_example(held_out, most=1, wide=True) for _ in range(48)]
-    batches = Batches(out_dir, args.seed, args.steps, round(args.single_share * args.steps), args.batch_size,
-                      args.old_share, args.wide_weights())  # fmt: skip
+    batches = Batches(
+        out_dir,
+        args.seed,
+        args.steps,
+        round(args.single_share * args.steps),
+        args.batch_size,
+        args.old_share,
+        args.wide_weights(),
+    )
     for step, batch in enumerate(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1), 1):
         cells, labels = batch.pop("cell_labels", None), batch.pop("labels")
         loss = answer_loss(model(**batch).logits, labels)
         cell_loss = probe_cells.loss(batch.get("image_grid_thw"), cells)
         optimizer.step(loss + args.cell_weight * cell_loss)
         if step % 25 == 0:
-            print(f"step {step}/{args.steps}: loss {loss.item():.4f}, cells {cell_loss.item():.4f} "
-                  f"({probe_cells.read()}) ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"step {step}/{args.steps}: loss {loss.item():.4f}, cells {cell_loss.item():.4f} "
+                f"({probe_cells.read()}) ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
         if args.eval_every and step % args.eval_every == 0:
             print(f"  exact match on held-out examples: {exact_match(model, processor, probe)}", flush=True)
             if step <= args.single_share * args.steps:
@@ -508,8 +541,12 @@ def main() -> None:
     }
     for field in fields(TrainingArgs):
         kind = Path if field.name == "init_from" else type(getattr(defaults, field.name))
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=getattr(defaults, field.name),
-                            help=helps.get(field.name))  # fmt: skip
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            type=kind,
+            default=getattr(defaults, field.name),
+            help=helps.get(field.name),
+        )
     args = vars(parser.parse_args())
     out_dir = args.pop("out_dir")
     training = TrainingArgs(**args)

@@ -100,8 +100,12 @@ class TrainableDraft(nn.Module):
         return self.lm_head(rms_norm(prenorm, self.norm, self.eps)), prenorm
 
     def published(self) -> dict[str, torch.Tensor]:
-        names = {"midlayer.input_layernorm": "midlayer.input_layernorm.weight", "midlayer.hidden_norm": "midlayer.hidden_norm.weight",
-                 "midlayer.post_attention_layernorm": "midlayer.post_attention_layernorm.weight", "norm": "norm.weight"}  # fmt: skip
+        names = {
+            "midlayer.input_layernorm": "midlayer.input_layernorm.weight",
+            "midlayer.hidden_norm": "midlayer.hidden_norm.weight",
+            "midlayer.post_attention_layernorm": "midlayer.post_attention_layernorm.weight",
+            "norm": "norm.weight",
+        }
         return {names.get(k, k): v.detach().to(SHIPPED_DTYPE).contiguous() for k, v in self.state_dict().items()}
 
 
@@ -189,9 +193,11 @@ def batches(data: list[dict], size: int, rng: random.Random):
         for row, d in enumerate(chosen):
             ids[row, : len(d["ids"])], aux[row, : len(d["ids"])] = d["ids"], d["aux"]
         yield {
-            "ids": ids, "aux": aux, "lengths": torch.tensor([len(d["ids"]) for d in chosen]),
+            "ids": ids,
+            "aux": aux,
+            "lengths": torch.tensor([len(d["ids"]) for d in chosen]),
             "first": torch.tensor([d["first"] for d in chosen]),
-        }  # fmt: skip
+        }
 
 
 def write(draft: TrainableDraft, out: Path, target: dict, meta: dict) -> None:
@@ -203,15 +209,25 @@ def write(draft: TrainableDraft, out: Path, target: dict, meta: dict) -> None:
     tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": target["hidden_size"], "intermediate_size": target["intermediate_size"],
-        "num_attention_heads": target["num_attention_heads"], "num_key_value_heads": target["num_key_value_heads"],
-        "head_dim": target["head_dim"], "num_hidden_layers": 1, "rms_norm_eps": target["rms_norm_eps"],
-        "rope_theta": target["rope_theta"], "max_position_embeddings": target["max_position_embeddings"],
-        "vocab_size": vocab, "draft_vocab_size": vocab, "target_hidden_size": target["hidden_size"],
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": target["intermediate_size"],
+        "num_attention_heads": target["num_attention_heads"],
+        "num_key_value_heads": target["num_key_value_heads"],
+        "head_dim": target["head_dim"],
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target["rms_norm_eps"],
+        "rope_theta": target["rope_theta"],
+        "max_position_embeddings": target["max_position_embeddings"],
+        "vocab_size": vocab,
+        "draft_vocab_size": vocab,
+        "target_hidden_size": target["hidden_size"],
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_LAYER_IDS},
-    }  # fmt: skip
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -233,9 +249,15 @@ def main() -> None:
     weights = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(BUILTIN_MODEL, dtype=torch.float32)
     embed = weights.model.language_model.embed_tokens.weight.detach()
     draft = TrainableDraft(
-        target["hidden_size"], target["intermediate_size"], target["num_attention_heads"], target["num_key_value_heads"],
-        target["head_dim"], target["vocab_size"], target["rms_norm_eps"], target["rope_theta"],
-    )  # fmt: skip
+        target["hidden_size"],
+        target["intermediate_size"],
+        target["num_attention_heads"],
+        target["num_key_value_heads"],
+        target["head_dim"],
+        target["vocab_size"],
+        target["rms_norm_eps"],
+        target["rope_theta"],
+    )
     draft.lm_head.weight.data.copy_(weights.lm_head.weight.detach())
     draft.norm.data.copy_(weights.model.language_model.norm.weight.detach())
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0)
@@ -256,8 +278,16 @@ def main() -> None:
                 flush=True,
             )
     seconds = time.monotonic() - began
-    meta = {"examples": args.examples, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-            "seed": args.seed, "depth": DEPTH, "last_top1_by_step": accuracies, "seconds": round(seconds)}  # fmt: skip
+    meta = {
+        "examples": args.examples,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "depth": DEPTH,
+        "last_top1_by_step": accuracies,
+        "seconds": round(seconds),
+    }
     write(draft, args.out_dir, target, meta)
     print(f"wrote {args.out_dir} after {seconds / 60:.1f} min", flush=True)
 

@@ -86,9 +86,11 @@ class Check:
 
 def environment(device: torch.device) -> dict:
     info = {
-        "python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(device),
         "flashinfer": importlib.util.find_spec("flashinfer") is not None,
-    }  # fmt: skip
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
@@ -107,8 +109,18 @@ def run_suite(check: Check, timeout: int, files: list[str]) -> None:
         check.record("suite", False, "no tests/ folder here: run the kit from the repository's root")
         return
     for file in files:
-        command = [sys.executable, "-m", "pytest", file, "-q", "--tb=line", "-rfE", "-p", "no:cacheprovider",
-                   f"--timeout={timeout}"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            file,
+            "-q",
+            "--tb=line",
+            "-rfE",
+            "-p",
+            "no:cacheprovider",
+            f"--timeout={timeout}",
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         with open(check.out / "suite.log", "a") as log:
             log.write(f"==== {file}\n{result.stdout[-20000:]}{result.stderr[-5000:]}\n")
@@ -144,11 +156,12 @@ def _transformers_reference(path: Path, arch: str, processed) -> tuple[torch.Ten
     for dtype in (torch.float32, torch.bfloat16):
         hf = cls.from_pretrained(path, dtype=dtype).eval()
         inputs = {
-            "input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
             "pixel_values": torch.cat([it.pixel_values for it in items]).to(dtype),
             "image_grid_thw": torch.tensor([it.grid_thw for it in items]),
             "mm_token_type_ids": (ids == hf.config.image_token_id).int(),
-        }  # fmt: skip
+        }
         with torch.no_grad():
             outputs.append(hf(**inputs).logits[0].float())
             if dtype == torch.float32:
@@ -180,8 +193,10 @@ def logits_error(ours: torch.Tensor, reference: torch.Tensor, dtype: str, rounde
 
     (error, agreement), (theirs, their_agreement) = distance(ours), distance(rounded)
     positions = reference.shape[0]
-    said = (f"mean logit difference {error:.3f} of a standard deviation, argmax agreement {agreement:.0%} of "
-            f"{positions} positions (transformers in bfloat16: {theirs:.3f}, {their_agreement:.0%})")  # fmt: skip
+    said = (
+        f"mean logit difference {error:.3f} of a standard deviation, argmax agreement {agreement:.0%} of "
+        f"{positions} positions (transformers in bfloat16: {theirs:.3f}, {their_agreement:.0%})"
+    )
     standard_error = (their_agreement * (1 - their_agreement) / positions) ** 0.5
     if error > BFLOAT16_SLACK * theirs + 0.01 or agreement < their_agreement - BFLOAT16_ARGMAX_ERRORS * standard_error:
         raise AssertionError(said)
@@ -198,8 +213,10 @@ def graphs_as_eager(path: Path, device: torch.device) -> str:
         with Engine(path, device=device.type, dtype="bfloat16", disable_cuda_graph=eager, vit_dp=0) as engine:
             if not eager and engine.scheduler.runner.cuda_graphs is None:
                 raise AssertionError("no CUDA graphs were captured (the log's warning says why)")
-            submissions = [engine.submit(p, max_tokens=8 + 4 * i, ignore_eos=True, temperature=0)
-                           for i, p in enumerate(_text_prompts(engine, 5))]  # fmt: skip
+            submissions = [
+                engine.submit(p, max_tokens=8 + 4 * i, ignore_eos=True, temperature=0)
+                for i, p in enumerate(_text_prompts(engine, 5))
+            ]
             while not all(s.done for s in submissions):
                 engine.step()
             answers[eager] = [engine.result(s).token_ids for s in submissions]
@@ -277,8 +294,18 @@ def run_server(check: Check, device: torch.device) -> None:
     with Engine(None, device="cpu", dtype="float32", vit_dp=0) as engine:
         expected = [engine.chat(messages(e), max_tokens=48, temperature=0).text for e in examples]
     port = free_port()
-    command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--port", str(port), "--vit-dp", "1",
-               "--device", device.type]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_serve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--vit-dp",
+        "1",
+        "--device",
+        device.type,
+    ]
     log = open(check.out / "server.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -301,12 +328,16 @@ def run_server(check: Check, device: torch.device) -> None:
         check.run("server starts (built-in model, --vit-dp 1)", start)
         if process.poll() is not None:
             return
-        bodies = [{"messages": [{"role": "user", "content": chat_content(e)}], "temperature": 0, "max_tokens": 48}
-                  for e in examples]  # fmt: skip
+        bodies = [
+            {"messages": [{"role": "user", "content": chat_content(e)}], "temperature": 0, "max_tokens": 48}
+            for e in examples
+        ]
 
         def answers() -> str:
-            got = [httpx.post(url + "/v1/chat/completions", json=b, timeout=120).json()["choices"][0]["message"]["content"]
-                   for b in bodies]  # fmt: skip
+            got = [
+                httpx.post(url + "/v1/chat/completions", json=b, timeout=120).json()["choices"][0]["message"]["content"]
+                for b in bodies
+            ]
             wrong = [(e.kind, a, b) for e, a, b in zip(examples, got, expected) if a != b]
             if wrong:
                 raise AssertionError(f"{len(wrong)} answers differ from the engine's on CPU, e.g. {wrong[0]}")
@@ -393,8 +424,9 @@ def decode_figures(engine, batches: tuple[int, ...], tokens: int) -> dict:
 def itl_while_pictures_arrive(engine, decoding: int = 8, pictures: int = 6, tokens: int = 160) -> dict:
     """Gaps between the decode steps of `decoding` text requests while `pictures` 1024 x 1024 pictures
     arrive (one each 16 steps): their p50 and p99 in ms."""
-    submissions = [engine.submit(p, max_tokens=tokens, ignore_eos=True, temperature=0)
-                   for p in _text_prompts(engine, decoding)]  # fmt: skip
+    submissions = [
+        engine.submit(p, max_tokens=tokens, ignore_eos=True, temperature=0) for p in _text_prompts(engine, decoding)
+    ]
     while not all(c.outs for s in submissions for c in s.choices):  # every request decoding
         engine.step()
     gaps, step, last, sent = [], 0, time.perf_counter(), 0
@@ -413,8 +445,11 @@ def itl_while_pictures_arrive(engine, decoding: int = 8, pictures: int = 6, toke
     while not engine.scheduler.is_idle():
         engine.step()
     gaps.sort()
-    return {"itl_p50_ms": round(statistics.median(gaps), 2), "itl_p99_ms": round(gaps[int(0.99 * (len(gaps) - 1))], 2),
-            "steps": len(gaps)}  # fmt: skip
+    return {
+        "itl_p50_ms": round(statistics.median(gaps), 2),
+        "itl_p99_ms": round(gaps[int(0.99 * (len(gaps) - 1))], 2),
+        "steps": len(gaps),
+    }
 
 
 def run_figures(check: Check, device: torch.device, size: str) -> None:
@@ -459,8 +494,9 @@ def run_profile(check: Check, device: torch.device, size: str) -> None:
     from vlm_serve.engine import Engine
     from vlm_serve.testing.tiny_model import create_tiny_model
 
-    path = create_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-profile-")), arch="dense", size=size,
-                             weights=False, dtype="bfloat16")  # fmt: skip
+    path = create_tiny_model(
+        Path(tempfile.mkdtemp(prefix="gpu-check-profile-")), arch="dense", size=size, weights=False, dtype="bfloat16"
+    )
     config = json.loads((path / "config.json").read_text())["text_config"]
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
@@ -468,8 +504,9 @@ def run_profile(check: Check, device: torch.device, size: str) -> None:
 
         def measure(backend=backend) -> str:
             # the normal loop: the forward runs on this thread, where the profiler sees its operators
-            options = dict(device=device.type, dtype=dtype, attention_backend=backend, vit_dp=0,
-                           disable_overlap_schedule=True)  # fmt: skip
+            options = dict(
+                device=device.type, dtype=dtype, attention_backend=backend, vit_dp=0, disable_overlap_schedule=True
+            )
             with Engine(path, load_format="dummy", **options) as engine:
                 engine.generate_processed(_text_prompts(engine, 16), max_tokens=4, ignore_eos=True, temperature=0)
                 prompts = _text_prompts(engine, 16, 16)
@@ -552,8 +589,10 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(check)
     results = [r for c in checks for r in c.results]
     failed = [f"{c.part}: {r['name']}: {r['detail']}" for c in checks for r in c.results if not r["ok"]]
-    summary = [f"device: {env.get('gpu', env['device'])}; {len(results) - len(failed)} passed, {len(failed)} failed",
-               *(f"FAIL {line}" for line in failed)]  # fmt: skip
+    summary = [
+        f"device: {env.get('gpu', env['device'])}; {len(results) - len(failed)} passed, {len(failed)} failed",
+        *(f"FAIL {line}" for line in failed),
+    ]
     (args.out / "summary.txt").write_text("\n".join(summary) + "\n")
     print("\n".join(summary))
     return 1 if failed else 0

@@ -67,13 +67,26 @@ class Target(NamedTuple):
 
     @classmethod
     def from_env(cls) -> Target:
-        return cls(os.environ.get("CC") or "cc", os.environ.get(MARCH_ENV) or "native", os.environ.get(CACHE_ENV, ""),
-                   os.environ.get(BF16_DOT_ENV, "1") != "0")  # fmt: skip
+        return cls(
+            os.environ.get("CC") or "cc",
+            os.environ.get(MARCH_ENV) or "native",
+            os.environ.get(CACHE_ENV, ""),
+            os.environ.get(BF16_DOT_ENV, "1") != "0",
+        )
 
     def command(self, source: Path, output: str) -> list[str]:
         dot = ["-DVLM_SERVE_BF16_DOT"] if self.bf16_dot else []
-        return [self.compiler, f"-march={self.march}", *FLAGS, *dot, f"-I{source.parent}", str(source), "-o", output,
-                "-lm"]  # fmt: skip
+        return [
+            self.compiler,
+            f"-march={self.march}",
+            *FLAGS,
+            *dot,
+            f"-I{source.parent}",
+            str(source),
+            "-o",
+            output,
+            "-lm",
+        ]
 
     def open(self, path: Path, signatures: dict[str, tuple]) -> CpuKernel:
         return CpuKernel(ctypes.CDLL(str(path)), signatures)
@@ -212,8 +225,9 @@ def _outputs(file: str, texts: dict[str, bytes], target: Target, compiler: str, 
 
 
 def _compile(target: Target, outputs: dict[str, tuple[Path, Path]], texts: dict[str, bytes], folder: Path) -> None:
-    logger.warning("building the CPU kernels for this machine (-march=%s), once: they are kept in %s",
-                   target.march, folder)  # fmt: skip
+    logger.warning(
+        "building the CPU kernels for this machine (-march=%s), once: they are kept in %s", target.march, folder
+    )
     # built in a folder of their own and renamed into place: a reader never sees half a file
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         for file, text in texts.items():

@@ -15,11 +15,32 @@ LIBRARY = KernelLibrary(
     {
         "attention_scratch_floats": (I64, I64),
         "paged_attention_f32": (
-            None, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, PTR, I64, PTR, I64, PTR, I64, PTR,
-            PTR, I32,
+            None,
+            PTR,
+            PTR,
+            PTR,
+            PTR,
+            I64,
+            PTR,
+            PTR,
+            PTR,
+            I64,
+            I64,
+            I64,
+            I64,
+            F32,
+            PTR,
+            I64,
+            PTR,
+            I64,
+            PTR,
+            I64,
+            PTR,
+            PTR,
+            I32,
         ),
     },
-)  # fmt: skip
+)
 
 
 def supported(dtype: torch.dtype, head_dim: int) -> bool:
@@ -82,10 +103,28 @@ def paged_attention(
     out = torch.empty_like(q)
     tokens, heads, head_dim = q.shape
     batch.kernel.paged_attention_f32(
-        q, k_cache, v_cache, batch.kv_slots, batch.kv_slots.stride(0), batch.seq_lens, batch.ext_lens,
-        batch.q_starts, batch.seq_lens.numel(), heads, k_cache.shape[1], head_dim, scale, k_new, k_new.stride(0),
-        v_new, v_new.stride(0), batch.new_slots, tokens, out, *batch.work(head_dim),
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        batch.kv_slots,
+        batch.kv_slots.stride(0),
+        batch.seq_lens,
+        batch.ext_lens,
+        batch.q_starts,
+        batch.seq_lens.numel(),
+        heads,
+        k_cache.shape[1],
+        head_dim,
+        scale,
+        k_new,
+        k_new.stride(0),
+        v_new,
+        v_new.stride(0),
+        batch.new_slots,
+        tokens,
+        out,
+        *batch.work(head_dim),
+    )
     return out
 
 

@@ -24,14 +24,41 @@ LIBRARY = KernelLibrary(
     "decoder_cpu",
     {  # (the layer's weights; the call's own tensors; the step's)
         "attention_block_f32": (
-            None, PTR, PTR, PTR, PTR, F32, *LINEAR, *LINEAR, I64, I64, I64, I64, F32,
-            PTR, PTR, PTR, PTR, I32,
-            I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, PTR, *[PTR] * 7, I32,
+            None,
+            PTR,
+            PTR,
+            PTR,
+            PTR,
+            F32,
+            *LINEAR,
+            *LINEAR,
+            I64,
+            I64,
+            I64,
+            I64,
+            F32,
+            PTR,
+            PTR,
+            PTR,
+            PTR,
+            I32,
+            I64,
+            PTR,
+            PTR,
+            PTR,
+            I64,
+            PTR,
+            PTR,
+            PTR,
+            I64,
+            PTR,
+            *[PTR] * 7,
+            I32,
         ),
         "mlp_block_f32": (None, *LINEAR, *LINEAR, I64, I64, PTR, PTR, PTR, PTR, I32),
         "moe_block_f32": (None, *LINEAR, I64, I64, I32, I64, I64, *EXPERTS, I64, *[PTR] * 12, I32),
     },
-)  # fmt: skip
+)
 
 
 def linear_args(panels: Panels, bias: torch.Tensor | None) -> tuple:
@@ -75,9 +102,15 @@ class DecoderLayerCalls:
         router, num_experts, self.top_k, renormalize, expert_start, self.experts = moe
         self.router_n = router[6]  # (its outputs: the experts, and zero rows up to whole vectors)
         self.mlp_call = kernel.bind(
-            "moe_block_f32", *router, num_experts, self.top_k, renormalize, expert_start, self.experts.w13.shape[0],
+            "moe_block_f32",
+            *router,
+            num_experts,
+            self.top_k,
+            renormalize,
+            expert_start,
+            self.experts.w13.shape[0],
             *self.experts.args,
-        )  # fmt: skip
+        )
 
 
 class DecoderStep:
@@ -116,12 +149,24 @@ class DecoderStep:
             _scratch(tokens * hidden, name, (tokens, hidden)) for name in ("h", "out", "residual")
         )
         args = (
-            tokens, self.cos, self.sin, batch.kv_slots, batch.kv_slots.stride(0), batch.seq_lens, batch.ext_lens,
-            batch.q_starts, batch.seq_lens.numel(), batch.new_slots, self.h,
-            _scratch(tokens * (heads + 2 * kv_heads) * head_dim, "qkv"), _scratch(tokens * heads * head_dim, "q"),
-            _scratch(tokens * kv_heads * head_dim, "k"), _scratch(tokens * heads * head_dim, "attn"),
-            _scratch(tokens * hidden, "o"), *batch.work(head_dim),
-        )  # fmt: skip
+            tokens,
+            self.cos,
+            self.sin,
+            batch.kv_slots,
+            batch.kv_slots.stride(0),
+            batch.seq_lens,
+            batch.ext_lens,
+            batch.q_starts,
+            batch.seq_lens.numel(),
+            batch.new_slots,
+            self.h,
+            _scratch(tokens * (heads + 2 * kv_heads) * head_dim, "qkv"),
+            _scratch(tokens * heads * head_dim, "q"),
+            _scratch(tokens * kv_heads * head_dim, "k"),
+            _scratch(tokens * heads * head_dim, "attn"),
+            _scratch(tokens * hidden, "o"),
+            *batch.work(head_dim),
+        )
         self.attention_args = self.kernel.c_values("attention_block_f32", 33, args)
 
     def _mlp_args(self, calls: DecoderLayerCalls) -> None:
@@ -134,13 +179,26 @@ class DecoderStep:
             args = self.kernel.c_values("mlp_block_f32", 19, (tokens, self.h, gate_up, act, self.out, threads))
         else:
             pairs, local, hidden = tokens * calls.top_k, calls.experts.w13.shape[0], calls.shape.hidden
-            args = self.kernel.c_values("moe_block_f32", 29, (
-                tokens, self.h, _scratch(tokens * calls.router_n, "logits"), _scratch(pairs, "weights"),
-                _indices(pairs, "expert"), _indices(pairs, "order"), _indices(local + 2, "starts"),
-                _indices(pairs + local, "task_expert"), _indices(pairs + local, "task_row"), _indices(pairs, "pos"),
-                _scratch(pairs * hidden, "ys"),
-                _scratch(threads * CHUNK * 2 * calls.experts.intermediate, "experts"), self.out, threads,
-            ))  # fmt: skip
+            args = self.kernel.c_values(
+                "moe_block_f32",
+                29,
+                (
+                    tokens,
+                    self.h,
+                    _scratch(tokens * calls.router_n, "logits"),
+                    _scratch(pairs, "weights"),
+                    _indices(pairs, "expert"),
+                    _indices(pairs, "order"),
+                    _indices(local + 2, "starts"),
+                    _indices(pairs + local, "task_expert"),
+                    _indices(pairs + local, "task_row"),
+                    _indices(pairs, "pos"),
+                    _scratch(pairs * hidden, "ys"),
+                    _scratch(threads * CHUNK * 2 * calls.experts.intermediate, "experts"),
+                    self.out,
+                    threads,
+                ),
+            )
         self.mlp_args[calls.intermediate] = args
 
 

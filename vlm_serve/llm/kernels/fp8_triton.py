@@ -25,10 +25,29 @@ if triton is not None:
 
     @triton.jit
     def _fp8_gemm_kernel(
-        x_ptr, w_ptr, s_ptr, y_ptr, tile_expert_ptr, tile_row0_ptr, ends_ptr, M, N, K, offset, stride_xm,
-        stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-        GROUPED: tl.constexpr, BLOCK_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        tile_expert_ptr,
+        tile_row0_ptr,
+        ends_ptr,
+        M,
+        N,
+        K,
+        offset,
+        stride_xm,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_ym,
+        GROUPED: tl.constexpr,
+        BLOCK_COLS: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         # a tile of BM rows of x: of one expert's rows where GROUPED (tile t: expert tile_expert[t], rows
         # from tile_row0[t] up to that expert's end), else rows t * BM ... of the one weight
         k_end = K
@@ -69,9 +88,13 @@ def available() -> bool:
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor, block_cols: int, offset: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    row_scales: torch.Tensor,
+    block_cols: int,
+    offset: int,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """x (..., K) @ the real weight (N, K).T + bias, in x's dtype: `weight` float8_e4m3fn, its real value
     `weight * row_scales[n, (k + offset) // block_cols]`."""
     lead, (n, k) = x.shape[:-1], weight.shape
@@ -80,9 +103,29 @@ def fp8_linear(
     bm = _tile_rows(x2.shape[0])
     grid = (triton.cdiv(x2.shape[0], bm), triton.cdiv(n, BN))
     _fp8_gemm_kernel[grid](
-        x2, weight, row_scales, y, None, None, None, x2.shape[0], n, k, offset, x2.stride(0), 0, weight.stride(0), 0,
-        row_scales.stride(0), y.stride(0), GROUPED=False, BLOCK_COLS=block_cols, BM=bm, BN=BN, BK=BK,
-    )  # fmt: skip
+        x2,
+        weight,
+        row_scales,
+        y,
+        None,
+        None,
+        None,
+        x2.shape[0],
+        n,
+        k,
+        offset,
+        x2.stride(0),
+        0,
+        weight.stride(0),
+        0,
+        row_scales.stride(0),
+        y.stride(0),
+        GROUPED=False,
+        BLOCK_COLS=block_cols,
+        BM=bm,
+        BN=BN,
+        BK=BK,
+    )
     if bias is not None:
         y += bias
     return y.reshape(*lead, n)
@@ -102,10 +145,29 @@ def fp8_grouped_linear(
     tile_expert, tile_row0 = _expert_tiles(ends, bm, triton.cdiv(xs.shape[0], bm) + experts)
     grid = (tile_expert.shape[0], triton.cdiv(n, BN))
     _fp8_gemm_kernel[grid](
-        xs, weights, row_scales, y, tile_expert, tile_row0, ends, xs.shape[0], n, k, offset, xs.stride(0),
-        weights.stride(0), weights.stride(1), row_scales.stride(0), row_scales.stride(1), y.stride(0), GROUPED=True,
-        BLOCK_COLS=block_cols, BM=bm, BN=BN, BK=BK,
-    )  # fmt: skip
+        xs,
+        weights,
+        row_scales,
+        y,
+        tile_expert,
+        tile_row0,
+        ends,
+        xs.shape[0],
+        n,
+        k,
+        offset,
+        xs.stride(0),
+        weights.stride(0),
+        weights.stride(1),
+        row_scales.stride(0),
+        row_scales.stride(1),
+        y.stride(0),
+        GROUPED=True,
+        BLOCK_COLS=block_cols,
+        BM=bm,
+        BN=BN,
+        BK=BK,
+    )
     return y
 
 

@@ -129,8 +129,10 @@ def check_scale(
         raise ValueError(f"offset {offset} is not inside a block of {block}")
     blocks = [-(-(o + n) // b) for o, n, b in zip(offset, (out, inp), block, strict=True)]
     if list(scale.shape) != [*stack, *blocks]:
-        raise ValueError(f"scale of shape {tuple(scale.shape)} for a weight {tuple(weight.shape)} in blocks of "
-                         f"{block} from {offset}: expected {tuple([*stack, *blocks])}")  # fmt: skip
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)} for a weight {tuple(weight.shape)} in blocks of "
+            f"{block} from {offset}: expected {tuple([*stack, *blocks])}"
+        )
 
 
 def panel_layout(

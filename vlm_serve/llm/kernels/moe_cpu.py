@@ -18,11 +18,37 @@ LIBRARY = KernelLibrary(
     {
         "moe_route_f32": (None, PTR, I64, I64, I64, I32, I64, I64, PTR, PTR, PTR, PTR, I32),
         "moe_forward": (
-            None, PTR, I64, I64, PTR, PTR, I64, PTR, I32, PTR, PTR, I64, I64, I64, I32, PTR, PTR, I64, I64, I64, I32,
-            I64, I64, PTR, PTR, PTR, PTR, I32,
+            None,
+            PTR,
+            I64,
+            I64,
+            PTR,
+            PTR,
+            I64,
+            PTR,
+            I32,
+            PTR,
+            PTR,
+            I64,
+            I64,
+            I64,
+            I32,
+            PTR,
+            PTR,
+            I64,
+            I64,
+            I64,
+            I32,
+            I64,
+            I64,
+            PTR,
+            PTR,
+            PTR,
+            PTR,
+            I32,
         ),
     },
-)  # fmt: skip
+)
 
 
 @dataclass
@@ -41,9 +67,16 @@ class PackedExperts:
         l13, l2 = self.layout13, self.layout2
         # the kernel's weight arguments, read once, not at every call
         self.args = (
-            FORMATS[self.w13.dtype], self.w13, *l13.args(), l13.width, self.w2, *l2.args(), l2.width, self.hidden,
+            FORMATS[self.w13.dtype],
+            self.w13,
+            *l13.args(),
+            l13.width,
+            self.w2,
+            *l2.args(),
+            l2.width,
+            self.hidden,
             self.intermediate,
-        )  # fmt: skip
+        )
 
 
 def pack_experts(
@@ -96,9 +129,19 @@ def moe_forward(
     starts, weights = scratch(experts + 2, torch.int64, "starts"), scratch(pairs, torch.float32, "weights")
     logits = _float32(router_logits)
     kernel.moe_route_f32(
-        logits, tokens, logits.shape[1], top_k, renormalize, expert_start, experts, weights, order, starts, chosen,
+        logits,
+        tokens,
+        logits.shape[1],
+        top_k,
+        renormalize,
+        expert_start,
+        experts,
+        weights,
+        order,
+        starts,
+        chosen,
         threads,
-    )  # fmt: skip
+    )
     out = torch.empty(x.shape, dtype=torch.float32)
     ys, pos = scratch(pairs * packed.hidden, torch.float32), scratch(pairs, torch.int64)
     gate_up = scratch(threads * CHUNK * 2 * packed.intermediate, torch.float32, "gate_up")

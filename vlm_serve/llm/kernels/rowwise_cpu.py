@@ -80,9 +80,21 @@ def qk_norm_rope(
         qkv = qkv.contiguous()
     q, k = torch.empty(tokens, heads, n), torch.empty(tokens, kv_heads, n)
     kernel.qk_norm_rope_f32(
-        qkv, tokens, qkv.stride(0), heads, kv_heads, n, q_weight, k_weight, eps, cos.contiguous(), sin.contiguous(),
-        q, k, torch.get_num_threads(),
-    )  # fmt: skip
+        qkv,
+        tokens,
+        qkv.stride(0),
+        heads,
+        kv_heads,
+        n,
+        q_weight,
+        k_weight,
+        eps,
+        cos.contiguous(),
+        sin.contiguous(),
+        q,
+        k,
+        torch.get_num_threads(),
+    )
     return q, k
 
 

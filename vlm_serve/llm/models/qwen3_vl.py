@@ -106,9 +106,16 @@ class Qwen3VLDecoderLayer(nn.Module):
         if moe:
             moe_args = (args[2], mlp.num_experts, mlp.top_k, mlp.norm_topk_prob, mlp.expert_start, mlp.packed)
         self.fused = decoder_cpu.DecoderLayerCalls(
-            kernel, [n.weight for n in norms], norms[0].eps, args[0], args[1], shape, attn.scaling,
-            mlp=None if moe else (args[2], args[3]), moe=moe_args if moe else None,
-        )  # fmt: skip
+            kernel,
+            [n.weight for n in norms],
+            norms[0].eps,
+            args[0],
+            args[1],
+            shape,
+            attn.scaling,
+            mlp=None if moe else (args[2], args[3]),
+            moe=moe_args if moe else None,
+        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch

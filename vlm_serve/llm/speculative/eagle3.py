@@ -64,14 +64,18 @@ class Eagle3Config:
         heads = raw["num_attention_heads"]
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return cls(
-            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_attention_heads=heads,
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", 10000.0), vocab_size=raw["vocab_size"],
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta", 10000.0),
+            vocab_size=raw["vocab_size"],
             draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
             target_hidden_size=raw.get("target_hidden_size") or raw["hidden_size"],
             aux_layer_ids=tuple(ids) if ids else None,
-        )  # fmt: skip
+        )
 
     def aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """The target's layers whose *input* (the residual stream before them) the draft reads."""
@@ -203,9 +207,13 @@ class Eagle3Draft(nn.Module):
 
 
 def load_eagle3_draft(
-    path: str | Path, target: TextConfig, kv_layer: int, device: torch.device, dtype: torch.dtype,
+    path: str | Path,
+    target: TextConfig,
+    kv_layer: int,
+    device: torch.device,
+    dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
-) -> Eagle3Draft:  # fmt: skip
+) -> Eagle3Draft:
     """The draft in the folder `path`, checked against the target it serves, computing in `dtype` (its
     linear weights stored in `weight_dtype`), its KV in layer `kv_layer` of the paged pool. Without
     embeddings of its own it still needs the target's (`share_embeddings`)."""

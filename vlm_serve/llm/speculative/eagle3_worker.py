@@ -71,11 +71,16 @@ class Eagle3Worker:
             batch = ForwardBatch(
                 forward_mode=ForwardMode.DECODE,
                 input_ids=torch.tensor([drafts[i][-1] for i in active], dtype=torch.int64, device=device),
-                positions=torch.tensor([p + reqs[i].mrope_delta for i, p in zip(active, positions)], device=device).expand(3, -1),
-                req_pool_indices=pool_idx, seq_lens=torch.tensor(seq_lens, device=device),
+                positions=torch.tensor(
+                    [p + reqs[i].mrope_delta for i, p in zip(active, positions)], device=device
+                ).expand(3, -1),
+                req_pool_indices=pool_idx,
+                seq_lens=torch.tensor(seq_lens, device=device),
                 out_cache_loc=req_to_token[pool_idx, torch.tensor(positions, device=device)].long(),
-                seq_lens_cpu=seq_lens, prefix_lens_cpu=positions, extend_lens_cpu=[1] * len(active),
-            )  # fmt: skip
+                seq_lens_cpu=seq_lens,
+                prefix_lens_cpu=positions,
+                extend_lens_cpu=[1] * len(active),
+            )
             self.runner.init_forward_metadata(batch)
             self.runner.attn_backend.begin_forward(batch)
             normed, prenorm = self.draft(batch.input_ids, hidden[active], batch.positions, batch)

@@ -36,7 +36,7 @@ class SpeculativeWorker:
             out.accepted = [
                 verify_drafts(tokens[rows.start : rows.stop], drafts)
                 for rows, drafts in zip(batch.sample_groups(), batch.draft_ids)
-            ]  # fmt: skip
+            ]
         if self.eagle is not None and batch.keep_aux:
             out.draft_states = self._extend(batch, out)
         out.aux_hidden = None  # (read: its memory goes)

@@ -75,13 +75,15 @@ class FlashInferAttnBackend(AttentionBackend):
         slots = torch.zeros(self.token_to_kv_pool.size + 1 + max(batch_sizes), dtype=torch.int32, device=device)
         self.graph_decode = {
             size: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True,
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
                 paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
                 paged_kv_indices_buffer=slots,
                 paged_kv_last_page_len_buffer=torch.ones(size, dtype=torch.int32, device=device),
             )
             for size in batch_sizes
-        }  # fmt: skip
+        }
 
     def cuda_graph_metadata(self, batch_size: int) -> _Metadata:
         """The metadata of a captured graph's batch: its decode wrapper, planned by `plan_cuda_graph`."""

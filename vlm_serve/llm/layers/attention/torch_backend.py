@@ -89,8 +89,12 @@ class TorchAttnBackend(AttentionBackend):
         valid = torch.arange(max_len, device=device)[None, :] < batch.seq_lens[:, None]
         return _DecodeMetadata(
             (torch.arange(len(rows), device=device), torch.tensor(held, device=device)),
-            max_len, valid[:, None, None, :], plan.capacity, build_slots, keep,
-        )  # fmt: skip
+            max_len,
+            valid[:, None, None, :],
+            plan.capacity,
+            build_slots,
+            keep,
+        )
 
     def begin_forward(self, batch: ForwardBatch) -> None:
         meta = batch.attn_metadata
