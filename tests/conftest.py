@@ -1,5 +1,5 @@
-"""Session-wide tiny Qwen3-VL checkpoints, tokenizers and a server shared by the test files; and the rule
-that a test leaves no process running."""
+"""Session-wide tiny Qwen3-VL checkpoints, tokenizers and a server shared by the test files; and the rules
+that a test leaves no process running and a test file leaves torch's thread count as it found it."""
 
 from __future__ import annotations
 
@@ -45,6 +45,20 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if left := stop_started():
         pytest.fail("the test left running: " + "; ".join(left), pytrace=False)
     return result
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads_kept() -> Iterator[None]:
+    """A test file leaves torch's thread count as it found it: an Engine beside an encoder pool runs on
+    fewer threads until it is shut down, and one left running would put every later test on fewer cores
+    (and skip those that share them)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if (found := torch.get_num_threads()) != threads:
+        torch.set_num_threads(threads)
+        pytest.fail(f"the test file left torch with {found} threads, not {threads} (an Engine not shut down?)")
 
 
 @pytest.hookimpl(trylast=True)

@@ -52,8 +52,8 @@ def _workload() -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def inputs(tiny_moe_dir):
-    engine = Engine(tiny_moe_dir, dtype="float32")
-    return [engine.processor.process_messages(c, add_generation_prompt=True) for c in _workload()]
+    with Engine(tiny_moe_dir, dtype="float32") as engine:
+        return [engine.processor.process_messages(c, add_generation_prompt=True) for c in _workload()]
 
 
 @pytest.fixture(scope="module")
@@ -135,34 +135,34 @@ SETTINGS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_every_setting_matches_transformers(tiny_moe_dir, inputs, reference, name, loop):
-    engine = Engine(tiny_moe_dir, dtype="float32", **SETTINGS[name], **loop)
-    first = _run(engine, inputs)
-    assert [o.token_ids for o in first] == reference
-    # the same prompts again: served from the prefix cache, same tokens
-    second = _run(engine, inputs)
-    assert [o.token_ids for o in second] == reference
-    if not engine.server_args.disable_radix_cache:
-        page = engine.server_args.page_size  # only whole pages are cached
-        assert all(o.cached_tokens > 0 for o, x in zip(second, inputs) if len(x.input_ids) > page)
-        assert engine.scheduler.metrics.cached_prompt_tokens > 0
-    else:
-        assert engine.scheduler.metrics.cached_prompt_tokens == 0
+    with Engine(tiny_moe_dir, dtype="float32", **SETTINGS[name], **loop) as engine:
+        first = _run(engine, inputs)
+        assert [o.token_ids for o in first] == reference
+        # the same prompts again: served from the prefix cache, same tokens
+        second = _run(engine, inputs)
+        assert [o.token_ids for o in second] == reference
+        if not engine.server_args.disable_radix_cache:
+            page = engine.server_args.page_size  # only whole pages are cached
+            assert all(o.cached_tokens > 0 for o, x in zip(second, inputs) if len(x.input_ids) > page)
+            assert engine.scheduler.metrics.cached_prompt_tokens > 0
+        else:
+            assert engine.scheduler.metrics.cached_prompt_tokens == 0
 
 
 def test_small_chunks_cut_through_images(tiny_moe_dir, inputs, reference, loop):
     """With 16-token chunks every image (more than 16 tokens) is split across prefill chunks."""
-    engine = Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=16, **loop)
-    longest = max(len(x.input_ids) for x in inputs)
-    assert any(end - start > 16 for x in inputs for it in x.mm_items for start, end in it.spans)
-    outs = _run(engine, inputs)
-    assert [o.token_ids for o in outs] == reference
-    assert engine.scheduler.metrics.num_prefill_batches >= longest // 16
+    with Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=16, **loop) as engine:
+        longest = max(len(x.input_ids) for x in inputs)
+        assert any(end - start > 16 for x in inputs for it in x.mm_items for start, end in it.spans)
+        outs = _run(engine, inputs)
+        assert [o.token_ids for o in outs] == reference
+        assert engine.scheduler.metrics.num_prefill_batches >= longest // 16
 
 
 def test_mixed_chunk_runs_decodes_inside_prefill_chunks(tiny_moe_dir, inputs, reference, loop):
-    engine = Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=32, enable_mixed_chunk=True, **loop)
-    assert [o.token_ids for o in _run(engine, inputs)] == reference
-    assert engine.scheduler.metrics.num_mixed_batches > 0
+    with Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=32, enable_mixed_chunk=True, **loop) as engine:
+        assert [o.token_ids for o in _run(engine, inputs)] == reference
+        assert engine.scheduler.metrics.num_mixed_batches > 0
 
 
 @pytest.mark.slow
@@ -173,18 +173,18 @@ def test_tiny_kv_pool_retracts_and_still_matches(tiny_moe_dir, inputs, long_refe
     and still produce their own tokens."""
     longest = max(len(x.input_ids) for x in inputs) + RETRACT_MAX_TOKENS
     pool = (longest // page_size + 4) * page_size
-    engine = Engine(
+    with Engine(
         tiny_moe_dir,
         dtype="float32",
         max_total_tokens=pool,
         page_size=page_size,
         schedule_conservativeness=0.05,
         **loop,
-    )
-    outs = engine.generate_processed(inputs * 2, max_tokens=RETRACT_MAX_TOKENS, temperature=0)
-    engine.scheduler.check_memory()
-    assert [o.token_ids for o in outs] == long_reference * 2
-    assert engine.scheduler.metrics.num_retractions > 0
+    ) as engine:
+        outs = engine.generate_processed(inputs * 2, max_tokens=RETRACT_MAX_TOKENS, temperature=0)
+        engine.scheduler.check_memory()
+        assert [o.token_ids for o in outs] == long_reference * 2
+        assert engine.scheduler.metrics.num_retractions > 0
 
 
 def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference, loop):
@@ -192,7 +192,7 @@ def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference
     preempted, requeued, and still finish with their own tokens. (No prefix cache, so the
     high-priority copies of the same prompts need memory of their own.)"""
     longest = max(len(x.input_ids) for x in inputs) + MAX_TOKENS
-    engine = Engine(
+    with Engine(
         tiny_moe_dir,
         dtype="float32",
         max_total_tokens=longest * 2,
@@ -200,17 +200,17 @@ def test_priority_preemption_keeps_outputs_exact(tiny_moe_dir, inputs, reference
         priority_scheduling_preemption_threshold=0,
         disable_radix_cache=True,
         **loop,
-    )
-    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0}
-    low = [engine.submit(x, priority=0, **sampling) for x in inputs]
-    for _ in range(3):
-        engine.step()
-    high = [engine.submit(x, priority=10, **sampling) for x in inputs]
-    while not all(job.done for job in low + high):
-        engine.step()
-    while not engine.scheduler.is_idle():
-        engine.step()
-    engine.scheduler.check_memory()
-    assert engine.scheduler.metrics.num_preemptions > 0
-    assert [engine.result(job).token_ids for job in low] == reference
-    assert [engine.result(job).token_ids for job in high] == reference
+    ) as engine:
+        sampling = {"max_tokens": MAX_TOKENS, "temperature": 0}
+        low = [engine.submit(x, priority=0, **sampling) for x in inputs]
+        for _ in range(3):
+            engine.step()
+        high = [engine.submit(x, priority=10, **sampling) for x in inputs]
+        while not all(job.done for job in low + high):
+            engine.step()
+        while not engine.scheduler.is_idle():
+            engine.step()
+        engine.scheduler.check_memory()
+        assert engine.scheduler.metrics.num_preemptions > 0
+        assert [engine.result(job).token_ids for job in low] == reference
+        assert [engine.result(job).token_ids for job in high] == reference
