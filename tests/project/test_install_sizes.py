@@ -29,6 +29,7 @@ def measured() -> dict[str, float]:
     return module.sizes()
 
 
+@pytest.mark.slow  # (measuring takes a few seconds)
 @pytest.mark.parametrize("name", list(FIGURES))
 def test_the_stated_size_is_the_measured_one(name, measured):
     found = re.search(FIGURES[name], (ROOT / "docs" / "cpu.md").read_text())
