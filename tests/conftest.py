@@ -13,15 +13,27 @@ from pathlib import Path
 import pytest
 
 from cpu_targets import DRIVERS, LIBRARIES, require_kernels, targets
-from helpers import STARTED, ServerProcess, descendants, openai_client, running_server, stop_processes, stop_started
+from helpers import (
+    COLLECTED,
+    STARTED,
+    ServerProcess,
+    descendants,
+    openai_client,
+    running_server,
+    stop_processes,
+    stop_started,
+)
 from vlm_serve.llm.kernels import Target
 from vlm_serve.testing.eagle3_draft import create_eagle3_draft
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests are skipped, saying why, where torch sees no CUDA device."""
+    """Counts the tests collected (`COLLECTED`, before `-m` and `-k` deselect any); `gpu` tests are skipped,
+    saying why, where torch sees no CUDA device."""
+    config.stash[COLLECTED] = len(items)
     import torch
 
     if not torch.cuda.is_available():

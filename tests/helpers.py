@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from PIL import Image, ImageDraw
 
 from vlm_serve.testing.media import write_video
@@ -418,6 +419,7 @@ def deployment_answers(url: str, tokenizer: Tokenizer, cached_tokens: bool = Tru
 # ---- the README's code blocks ------------------------------------------------------------------------
 
 README = Path(__file__).parent.parent / "README.md"
+COLLECTED = pytest.StashKey[int]()  # the session's tests as collected, before -m and -k deselect any (conftest)
 README_URL = "http://127.0.0.1:30000"  # where the README's examples find the server
 
 

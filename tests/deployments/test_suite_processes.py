@@ -54,7 +54,7 @@ def test_leaves_running_a_process_started_without_the_helpers():
 """
 
 
-@pytest.mark.slow
+@pytest.mark.server  # (its inner session starts one)
 def test_a_failed_test_leaves_no_server_running_and_a_process_left_running_fails_the_session(tiny_moe_dir, tmp_path):
     """A session of three tests under this suite's conftest.py: one fails while its server (with its
     children) runs, and by the next test none of them is left; one leaves a process running that it
