@@ -39,6 +39,8 @@ from bench_serving import benchmark, build_parser, check_args
 from compare_peer import Server, free_port, our_server, running
 from cpu_isa import describe_cpu
 
+from vlm_serve.testing.deployments import router_command
+
 CORES = sorted(os.sched_getaffinity(0))
 
 
@@ -68,25 +70,7 @@ def disaggregated(model: Path, name: str, logs: Path, timeout: float) -> Iterato
     port = free_port()
     router = Server(
         "router",
-        [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            "warn",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill.url,
-            bootstrap,
-            "--decode",
-            decode.url,
-        ],
+        router_command(port, "--pd-disaggregation", "--prefill", prefill.url, bootstrap, "--decode", decode.url),
         {},
         f"http://127.0.0.1:{port}",
     )

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import openai
 import pytest
 from PIL import Image, ImageDraw
 
+from vlm_serve.testing.deployments import free_port, router_command
 from vlm_serve.testing.media import write_video
 from vlm_serve.tokenizer import Tokenizer
 
@@ -145,12 +145,6 @@ def stop_started() -> list[str]:
 
 
 # ---- a real `vlm-serve serve` subprocess ------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -285,21 +279,7 @@ def running_router(*args: str, workers: int = 2, timeout: float = 60) -> Iterato
     """`python -m sglang_router.launch_router ARGS` on a free loopback port: its URL once it reports
     `workers` healthy workers. SIGTERM stops it at the end."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "sglang_router.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-port",
-        str(free_port()),
-        "--log-level",
-        "warn",
-        *args,
-    ]
-    process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = start_process(router_command(port, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

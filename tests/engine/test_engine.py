@@ -251,6 +251,14 @@ def test_a_rejected_input_in_a_batch_leaves_nothing_queued(engine):
     assert engine.scheduler.is_idle()
 
 
+@pytest.mark.parametrize("option", ["tp_size", "port", "api_key", "limit_mm_per_prompt", "not_a_setting"])
+def test_a_setting_an_engine_cannot_use_is_refused_by_name(tiny_moe_dir, option):
+    """The HTTP server's, its requests' limits and multi-rank settings are `vlm-serve serve`'s: an Engine
+    refuses them before it loads anything, naming them and the concerns it takes."""
+    with pytest.raises(TypeError, match=f"unknown engine option\\(s\\): {option} .*cache and scheduling"):
+        vlm_serve.Engine(model=tiny_moe_dir, **{option: 2})
+
+
 def test_log_line_and_counters(tiny_moe_dir, caplog):
     engine = vlm_serve.Engine(model=tiny_moe_dir, dtype="float32", log_interval=1)
     with caplog.at_level(logging.INFO, logger="vlm_serve.scheduler.stats"):

@@ -52,6 +52,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def router_command(port: int, *args: str) -> list[str]:
+    """sglang-router on loopback `port` with `args` (its metrics on a free port, warnings only)."""
+    return [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warn",
+        *args,
+    ]
+
+
 def _in_child() -> None:
     """In a started process before exec: Ctrl-C's default action (a caller that ignores SIGINT must not
     pass that on), and SIGTERM when the starting process dies (so none is left behind)."""
@@ -119,18 +137,8 @@ class Deployment:
         prefill = self._serve("prefill", (*prefill_flags, *pd_flags))
         decode = self._serve("decode", ("--disaggregation-mode", "decode", *pd_flags))
         port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            "warn",
+        command = router_command(
+            port,
             "--pd-disaggregation",
             "--prefill",
             prefill.url,
@@ -139,7 +147,7 @@ class Deployment:
             decode.url,
             "--disable-retries",
             "--disable-circuit-breaker",  # (a failure is the client's to see, at once)
-        ]
+        )
         router = self._spawn("router", command, f"http://127.0.0.1:{port}")
         self._wait(router, lambda: _healthy_workers(router.url) >= 2)
         self.url, self.servers = router.url, [prefill.url, decode.url]
