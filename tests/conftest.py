@@ -1,12 +1,16 @@
 """Session-wide tiny Qwen3-VL checkpoints, tokenizers and a server shared by the test files; and the rules
-that a test leaves no process running and a test file leaves torch's thread count as it found it."""
+that a test not marked `server` starts no process, a test leaves no process running and a test file leaves
+torch's thread count as it found it."""
 
 from __future__ import annotations
 
 import gc
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.resource_tracker
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from helpers import (
     stop_processes,
     stop_started,
 )
+from vlm_serve.llm import kernels
 from vlm_serve.llm.kernels import Target
 from vlm_serve.testing.eagle3_draft import create_eagle3_draft
 from vlm_serve.testing.tiny_model import create_tiny_model
@@ -43,19 +48,73 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+class InProcessRule:
+    """A test not marked `server` runs inside pytest's process: it and its fixtures start no process (a
+    server, a rank, an encoder pool, a command, a script, a compiler, an emulator), which keeps
+    `-m "not server"` the quick loop. Every process start is watched (`subprocess.Popen`, which
+    `subprocess.run` and asyncio's subprocesses use, and `multiprocessing`'s); the one exception is the
+    CPU kernels' first build, which any engine may need on a machine that has not built them yet."""
+
+    checking = False
+    started: list[str] = []
+
+    @classmethod
+    def install(cls) -> None:
+        popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+        def watched_popen(popen: subprocess.Popen, args, *more, **options) -> None:
+            cls.saw(f"the command {args if isinstance(args, str) else ' '.join(map(str, args))!r}"[:200])
+            popen_init(popen, args, *more, **options)
+
+        def watched_start(process: multiprocessing.process.BaseProcess) -> None:
+            cls.saw(f"the {type(process).__name__} {process.name!r}")
+            process_start(process)
+
+        subprocess.Popen.__init__ = watched_popen
+        multiprocessing.process.BaseProcess.start = watched_start
+
+    @classmethod
+    def saw(cls, what: str) -> None:
+        if cls.checking and not cls.building_kernels():
+            cls.started.append(what)
+
+    @staticmethod
+    def building_kernels() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_globals.get("__name__") != kernels.__name__:
+            frame = frame.f_back
+        return frame is not None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    InProcessRule.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    InProcessRule.started.clear()
+    InProcessRule.checking = item.get_closest_marker("server") is None
+    return (yield)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     """What a test started (`helpers.start_process`) and left running, after a failed assertion say, is
     stopped as the test ends, with every process below it; a test that passed fails for it. (What its
-    fixtures started is theirs to stop.)"""
+    fixtures started is theirs to stop.) A test not marked `server` that started a process fails."""
     STARTED.clear()  # (what its fixtures started)
     try:
         result = yield
     except BaseException:
         stop_started()
         raise
+    finally:
+        InProcessRule.checking = False
     if left := stop_started():
         pytest.fail("the test left running: " + "; ".join(left), pytrace=False)
+    if InProcessRule.started:
+        started = "; ".join(dict.fromkeys(InProcessRule.started))
+        pytest.fail(f"the test started {started} but is not marked `server` (pyproject.toml's markers)", pytrace=False)
     return result
 
 

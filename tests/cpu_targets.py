@@ -199,7 +199,9 @@ def targets() -> list:
         params.append(pytest.param(Target.from_env()._replace(march="x86-64-v3"), id="x86-64-v3"))
     if platform.machine() != "aarch64":
         missing = [tool for tool in CROSS if shutil.which(tool) is None]
-        marks = [pytest.mark.skip(reason=f"{' and '.join(missing)} not installed")] if missing else []
+        marks = [pytest.mark.server]  # (its kernels run in a driver process under qemu)
+        if missing:
+            marks.append(pytest.mark.skip(reason=f"{' and '.join(missing)} not installed"))
         emulated = EmulatedTarget(CROSS[0], "armv8-a", Target.from_env().cache)
         params.append(pytest.param(emulated, id="aarch64-qemu", marks=marks))
     return params

@@ -13,14 +13,14 @@ one transformers 5 writes (`rope_parameters`, `num_local_experts`).
 from __future__ import annotations
 
 import ast
-import inspect
+import functools
 import io
 import json
-import textwrap
 import tokenize
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
@@ -419,29 +419,34 @@ class ServerArgs(
         return replace(self, api_key=key, api_key_file=None)
 
 
-def setting_docs() -> dict[str, str]:
+@functools.cache
+def setting_docs() -> Mapping[str, str]:
     """Each `ServerArgs` field's meaning, read from its comments in this file (the lines just above it and
     the end of its own): the command line's help comes from here, so that it cannot drift from the code."""
+    source = Path(__file__).read_text()
+    lines = source.splitlines()
+    comments = {  # line number (0-based) -> comment text
+        token.start[0] - 1: token.string.lstrip("#").strip()
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
+    concerns = {concern.__name__: concern for concern in CONCERNS}
     docs = {}
-    for concern in CONCERNS:
-        lines = inspect.getsource(concern).splitlines()
-        comments = {}  # line number (0-based) -> comment text
-        for token in tokenize.generate_tokens(io.StringIO("\n".join(lines)).readline):
-            if token.type == tokenize.COMMENT:
-                comments[token.start[0] - 1] = token.string.lstrip("#").strip()
-        names = {f.name for f in fields(concern)}
-        for node in ast.parse(textwrap.dedent("\n".join(lines))).body[0].body:
-            if (
-                not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name))
-                or node.target.id not in names
-            ):
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.ClassDef) and node.name in concerns):
+            continue
+        names = {f.name for f in fields(concerns[node.name])}
+        for setting in node.body:
+            if not (isinstance(setting, ast.AnnAssign) and isinstance(setting.target, ast.Name)):
                 continue
-            parts, line = [comments.get(node.end_lineno - 1, "")], node.lineno - 2
+            if setting.target.id not in names:
+                continue
+            parts, line = [comments.get(setting.end_lineno - 1, "")], setting.lineno - 2
             while line in comments and lines[line].lstrip().startswith("#"):
                 parts.insert(0, comments[line])
                 line -= 1
-            docs[node.target.id] = "; ".join(p for p in parts if p)
-    return docs
+            docs[setting.target.id] = "; ".join(p for p in parts if p)
+    return MappingProxyType(docs)
 
 
 @dataclass

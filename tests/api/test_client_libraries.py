@@ -9,14 +9,6 @@ import os
 
 import pytest
 
-langchain_openai = pytest.importorskip(
-    "langchain_openai", reason="langchain-openai is not installed (pip install -e '.[clients]')"
-)
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM would fetch its price list from the internet
-litellm = pytest.importorskip("litellm", reason="litellm is not installed (pip install -e '.[clients]')")
-
-from langchain_core.exceptions import ContextOverflowError  # noqa: E402
-
 pytestmark = pytest.mark.server  # every test here starts a real server
 
 QUESTION = "Tell me about the sea."
@@ -30,7 +22,21 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def chat_model(server, model):
+def langchain_openai():
+    """(Imported by the tests that use it, so that collecting the suite does not import it.)"""
+    return pytest.importorskip(
+        "langchain_openai", reason="langchain-openai is not installed (pip install -e '.[clients]')"
+    )
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else it fetches its price list from the internet
+    return pytest.importorskip("litellm", reason="litellm is not installed (pip install -e '.[clients]')")
+
+
+@pytest.fixture(scope="module")
+def chat_model(server, model, langchain_openai):
     def make(**options):
         return langchain_openai.ChatOpenAI(
             model=model, base_url=server.url + "/v1", api_key="EMPTY", temperature=0, max_retries=0, **options
@@ -55,12 +61,14 @@ def test_langchain_on_the_responses_api_gets_tool_calls(chat_model):
 
 
 def test_langchain_raises_context_overflow_for_a_prompt_over_the_context(chat_model):
+    from langchain_core.exceptions import ContextOverflowError
+
     for use_responses_api in (False, True):
         with pytest.raises(ContextOverflowError):
             chat_model(use_responses_api=use_responses_api, max_tokens=8).invoke(TOO_LONG)
 
 
-def test_litellm_responses_answers_as_the_server_does(server, client, model):
+def test_litellm_responses_answers_as_the_server_does(server, client, model, litellm):
     # (LiteLLM raises max_output_tokens to OpenAI's least, 16)
     expected = client.responses.create(model=model, input=QUESTION, max_output_tokens=16, temperature=0).output_text
     answer = litellm.responses(
@@ -75,7 +83,7 @@ def test_litellm_responses_answers_as_the_server_does(server, client, model):
     assert "".join(texts) == expected
 
 
-def test_litellm_raises_context_window_exceeded_for_a_prompt_over_the_context(server, model):
+def test_litellm_raises_context_window_exceeded_for_a_prompt_over_the_context(server, model, litellm):
     with pytest.raises(litellm.ContextWindowExceededError):
         litellm.completion(
             model=f"openai/{model}",

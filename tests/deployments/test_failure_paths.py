@@ -31,6 +31,7 @@ TEXT = [{"role": "user", "content": "Tell me about the sea."}]
 # ---- the encoder pool ----------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_work_never_goes_to_a_rank_known_to_be_dead(tiny_moe_dir):
     """A rank whose process has exited gets no new work, even before the pool has taken its old work
     back, so no attempt is wasted on it."""

@@ -83,6 +83,7 @@ def test_a_stop_wins_over_the_failed_read_it_came_with(channel, stop_signals_rai
         recv_pyobj(pull)
 
 
+@pytest.mark.server
 def test_a_process_ends_although_its_last_message_was_never_read(tmp_path):
     """A server's child that stops while a peer that has gone is sent to (an encoder rank whose pool's
     scheduler was killed): the context is collected as the function returns, and the process ends."""

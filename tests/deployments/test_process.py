@@ -8,8 +8,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from helpers import run_process
 from vlm_serve.process import starting_children
+
+pytestmark = pytest.mark.server  # every test here starts processes
 
 
 def test_children_started_in_the_block_ignore_ctrl_c_and_a_sigterm_waits_for_its_end():

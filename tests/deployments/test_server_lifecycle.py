@@ -103,6 +103,7 @@ def test_a_child_that_dies_makes_the_server_unhealthy_then_stops_it(tiny_moe_dir
     assert survivors(children) == []
 
 
+@pytest.mark.server
 def test_an_unknown_setting_in_the_config_file_is_refused_before_anything_starts(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("max_running_requests: 8\nno_such_setting: 1\n")

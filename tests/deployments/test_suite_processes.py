@@ -13,6 +13,8 @@ import pytest
 
 from helpers import run_process, stop_processes, survivors
 
+pytestmark = pytest.mark.server  # every test here starts processes (an inner pytest session, its children)
+
 _CHILD = """
 import ctypes, signal
 PR_GET_PDEATHSIG = 2
@@ -34,11 +36,13 @@ def test_a_process_a_test_starts_takes_ctrl_c_though_pytest_ignores_it_and_gets_
 _SESSION = """
 import os, subprocess
 from pathlib import Path
+import pytest
 from helpers import descendants, start_server, survivors
 
 OUT = Path(os.environ["OUT"])
 
 
+@pytest.mark.server
 def test_fails_while_its_server_runs():
     server = start_server(Path(os.environ["MODEL"]), "--vit-dp", "1")
     (OUT / "server").write_text(" ".join(map(str, [server.process.pid, *descendants(server.process.pid)])))
@@ -49,17 +53,23 @@ def test_next_finds_none_of_its_processes_running():
     assert survivors([int(pid) for pid in (OUT / "server").read_text().split()], timeout=0) == []
 
 
+@pytest.mark.server
 def test_leaves_running_a_process_started_without_the_helpers():
     (OUT / "sleeper").write_text(str(subprocess.Popen(["sleep", "300"]).pid))
+
+
+def test_runs_a_command_though_not_marked_server():
+    subprocess.run(["true"], check=True)
 """
 
 
-@pytest.mark.server  # (its inner session starts one)
 def test_a_failed_test_leaves_no_server_running_and_a_process_left_running_fails_the_session(tiny_moe_dir, tmp_path):
-    """A session of three tests under this suite's conftest.py: one fails while its server (with its
+    """A session of four tests under this suite's conftest.py: one fails while its server (with its
     children) runs, and by the next test none of them is left; one leaves a process running that it
-    started past the helpers, which fails the session at its end, named, and is stopped."""
+    started past the helpers, which fails the session at its end, named, and is stopped; one not marked
+    `server` runs a command, which fails it."""
     (tmp_path / "test_session.py").write_text(_SESSION)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    server: starts processes\n")
     tests = str(Path(__file__).parent.parent)  # (the suite's conftest.py and helpers)
     env = {
         **os.environ,
@@ -72,8 +82,10 @@ def test_a_failed_test_leaves_no_server_running_and_a_process_left_running_fails
     started = [int(pid) for name in ("server", "sleeper") for pid in (tmp_path / name).read_text().split()]
     try:
         summary = session.stdout.strip().splitlines()[-1]
-        assert summary.startswith("1 failed, 2 passed, 1 error"), session.stdout
+        assert summary.startswith("2 failed, 2 passed, 1 error"), session.stdout
         assert "AssertionError: failed with its server up" in session.stdout
+        assert "FAILED test_session.py::test_runs_a_command_though_not_marked_server" in session.stdout
+        assert "the test started the command 'true' but is not marked `server`" in session.stdout
         sleeper = (tmp_path / "sleeper").read_text()
         assert f"processes left running by the tests (now stopped):\n{sleeper} sleep: sleep 300\n" in session.stdout
         assert survivors(started, timeout=0) == []

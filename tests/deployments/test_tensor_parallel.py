@@ -22,6 +22,8 @@ from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.testing.logits import prefill_logits
 from vlm_serve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.server  # every test here starts tensor-parallel ranks
+
 PROMPT = [5, 17, 300, 42, 7, 901, 66, 12, 450, 3, 88, 1000, 23]
 NEW_TOKENS = 8
 ITERATIONS = NEW_TOKENS + 6  # every rank runs the same number of loop iterations; the last ones idle

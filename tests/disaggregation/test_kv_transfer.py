@@ -28,6 +28,8 @@ from vlm_serve.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSe
 from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
 from vlm_serve.messages.backend import BootstrapInfo
 
+pytestmark = pytest.mark.server  # the two sides of a transfer run in two processes
+
 HOST = "127.0.0.1"
 POOL_SLOTS, LAYERS, KV_HEADS, HEAD_DIM = 128, 2, 2, 16  # 4 buffers of 128 bytes per slot
 SLOT_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4

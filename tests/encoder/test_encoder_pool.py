@@ -69,6 +69,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool((a - b).abs().max() <= 1e-5 * b.abs().max())
 
 
+@pytest.mark.server
 def test_one_and_two_ranks_give_the_single_process_embeddings(tiny_moe_dir, media):
     visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), CPU, torch.float32)
     reference = {r.hash: r.output for r in encode_tasks(visual, _tasks(media), 10**9)}
@@ -90,6 +91,7 @@ def test_one_and_two_ranks_give_the_single_process_embeddings(tiny_moe_dir, medi
         assert ranks == set(range(dp))
 
 
+@pytest.mark.server
 def test_work_is_balanced_by_patch_count_not_item_count(tiny_moe_dir):
     """A 512-patch video outweighs three 64-patch images together: it gets a rank to itself."""
     grids = [(8, 8, 8), (1, 8, 8), (1, 8, 8), (1, 8, 8)]
@@ -107,6 +109,7 @@ def test_work_is_balanced_by_patch_count_not_item_count(tiny_moe_dir):
     assert ranks.count(ranks[0]) == 1 and len(set(ranks)) == 2
 
 
+@pytest.mark.server
 def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_dir):
     images = [make_image(64 + 32 * i, 96, seed=10 + i) for i in range(6)]
     convs = [
@@ -137,6 +140,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_d
         scheduler.check_memory()
 
 
+@pytest.mark.server
 def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, media):
     """Killed while encoding it, twice: the task is given up (a rank that never began a job is not
     charged for it), and the pool still works."""
@@ -164,6 +168,7 @@ def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, medi
         pool.shutdown()
 
 
+@pytest.mark.server
 def test_a_pool_shut_down_while_its_ranks_read_their_jobs_says_nothing(tiny_moe_dir, capfd):
     """A rank reading a job fetches its pixels' file descriptors from this process (multiprocessing's
     resource sharer): stopped in the middle, it left this process printing the broken handshake."""
@@ -175,6 +180,7 @@ def test_a_pool_shut_down_while_its_ranks_read_their_jobs_says_nothing(tiny_moe_
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.server
 def test_a_hung_rank_is_killed_and_replaced(tiny_moe_dir, media, monkeypatch):
     monkeypatch.setattr(encoder_pool, "STALL_TIMEOUT", 1.0)
     pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
@@ -199,6 +205,7 @@ def test_two_concurrent_requests_with_one_new_image_encode_it_once(tiny_moe_dir)
         assert [o.media_timings[0].embedding_source for o in outs] == ["encoder", "encoder"]
 
 
+@pytest.mark.server
 def test_an_engine_beside_an_encoder_pool_gives_the_process_its_threads_back_at_shutdown(tiny_moe_dir):
     """Its LLM computes with the cores the pool's ranks leave; afterwards the process has them all again
     (else every engine and torch op after it in the process ran on fewer cores)."""
@@ -208,6 +215,7 @@ def test_an_engine_beside_an_encoder_pool_gives_the_process_its_threads_back_at_
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_script_without_a_main_guard_can_start_the_pool(tiny_moe_dir, tmp_path):
     """Spawned ranks do not re-run the user's script (which would start engines recursively)."""

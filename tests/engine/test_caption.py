@@ -156,6 +156,7 @@ def test_resume_knows_images_however_they_are_named_and_retries_failed_ones(
     assert retried[str(folder / "img01.jpg")] == first[str(folder / "img01.jpg")]  # kept as it was
 
 
+@pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.parametrize("group", [False, True], ids=["sigint", "ctrl-c-to-the-group"])
 def test_ctrl_c_stops_quietly_leaving_whole_lines(folder, tiny_moe_dir, tmp_path, group):

@@ -28,6 +28,7 @@ def _vlm_serve(*args: str) -> subprocess.CompletedProcess:
     return run_process([sys.executable, "-m", "vlm_serve.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.server
 def test_create_tiny_model_writes_a_hugging_face_checkpoint(tmp_path):
     out = tmp_path / "dense"
     result = _vlm_serve("create-tiny-model", str(out), "--arch", "dense", "--seed", "3")
@@ -44,6 +45,7 @@ def test_create_tiny_model_writes_a_hugging_face_checkpoint(tmp_path):
         assert (out / name).is_file()
 
 
+@pytest.mark.server
 def test_generate_answers_about_an_image_with_the_built_in_model(tmp_path):
     image = tmp_path / "picture.png"
     render(Scene([Shape("star", "blue", "large", 0, 2)], background_seed=4)).save(image)
@@ -53,12 +55,14 @@ def test_generate_answers_about_an_image_with_the_built_in_model(tmp_path):
     assert "prompt tokens" in result.stderr and "generated" in result.stderr
 
 
+@pytest.mark.server
 def test_generate_reports_a_missing_image_clearly(tmp_path):
     result = _vlm_serve("generate", "--image", str(tmp_path / "nope.png"), "--prompt", "hi")
     assert result.returncode == 2
     assert "nope.png" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_ctrl_c_stops_generate_silently(tmp_path, tiny_moe_dir):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) once the encoder rank runs (one, as on a
@@ -123,6 +127,7 @@ def test_prefill_chunks_default_to_2048_tokens_on_cpu_and_8192_on_gpu():
     assert chunk("--chunked-prefill-size", "-1") is None
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_wrong_model_is_one_line_naming_it_in_every_command(tmp_path):
     missing = str(tmp_path / "no-such-model")
@@ -139,6 +144,7 @@ def test_a_wrong_model_is_one_line_naming_it_in_every_command(tmp_path):
         assert result.stderr == f"vlm-serve: error: model {missing}: no such folder\n"
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, tiny_moe_dir):
     # weights that cannot load: had the model been loaded first, the error would be about them
@@ -154,6 +160,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, tiny_moe_dir)
     assert result.stderr == f"vlm-serve: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
 
 
+@pytest.mark.server
 def test_serve_help_shows_every_setting_with_its_meaning_default_and_choices():
     help_text = " ".join(_vlm_serve("serve", "--help").stdout.split())  # argparse wraps lines
     docs = setting_docs()
@@ -220,6 +227,7 @@ def test_version_prints_the_installed_version(capsys):
     assert capsys.readouterr().out.strip() == f"vlm-serve {importlib.metadata.version('vlm_serve')}"
 
 
+@pytest.mark.server
 def test_a_bad_choice_names_the_choices():
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16, not 'float8'"):
         ServerArgs(dtype="float8")

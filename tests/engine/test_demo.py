@@ -229,6 +229,7 @@ def browser() -> Iterator:
         driver.quit()
 
 
+@pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated")  # pandas 3, in Gradio's queue
 @pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")

@@ -375,6 +375,7 @@ def test_an_engine_shut_down_leaves_its_model_runner_to_one_garbage_collection(t
     assert runner() is None
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_script_that_never_shuts_its_engine_down_exits_cleanly(tiny_moe_dir, tmp_path):
     """As most scripts are written: the engine is left to the interpreter's exit. Its forward thread, which

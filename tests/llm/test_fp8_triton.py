@@ -13,6 +13,8 @@ import torch
 
 from helpers import run_process
 
+pytestmark = pytest.mark.server  # every test here runs its kernel in a process of its own
+
 pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
 
 # what the scripts share: a TP shard of an FP8 weight, as `LinearBase` keeps it

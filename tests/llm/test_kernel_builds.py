@@ -40,6 +40,7 @@ def matrix() -> list:
     ]
 
 
+@pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.parametrize("compiler,march", matrix())
 def test_every_kernel_builds_for_every_isa_without_a_warning(compiler, march, tmp_path):
@@ -125,6 +126,7 @@ def test_a_build_this_cpu_cannot_run_is_not_used(tmp_path, monkeypatch, native_k
     assert isinstance(reason, Unavailable) and "which this CPU cannot run" in str(reason)
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_processes_starting_together_build_the_kernels_once(tmp_path, compiler_log, native_kernels):
     real = shutil.which(Target.from_env().compiler)

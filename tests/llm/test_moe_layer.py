@@ -182,6 +182,7 @@ def test_without_a_c_compiler_the_experts_run_through_torch(monkeypatch, tmp_pat
     torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_broken_kernel_in_the_cache_falls_back_to_torch(monkeypatch, tmp_path, native_kernels):
     good, broken = tmp_path / "good", tmp_path / "broken"

@@ -73,6 +73,7 @@ print(grew)
 """
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_long_video_in_frame_groups_takes_less_peak_memory(tiny_moe_dir, tmp_path):
     """All 300 groups at once vs passes of 8 groups: equal embeddings, and the peak grows far less."""

@@ -120,7 +120,7 @@ def test_concurrent_first_requests_for_one_image_preprocess_it_once(tiny_moe_dir
 # ---- the encoding stage: pool and inline tower ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["inline", "pool"])
+@pytest.fixture(scope="module", params=[0, pytest.param(1, marks=pytest.mark.server)], ids=["inline", "pool"])
 def engine(request, tiny_moe_dir):
     with Engine(tiny_moe_dir, dtype="float32", vit_dp=request.param) as engine:
         yield engine
@@ -231,6 +231,7 @@ def _tp_worker(rank: int, port: int, model_dir: str, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_with_two_tp_ranks_rank_0_encodes_the_shared_image_once(tiny_moe_dir):
     reference = _run_same_image(str(tiny_moe_dir), 1)

@@ -115,7 +115,7 @@ def _run(engine: Engine, inputs, **kwargs):
 
 
 SETTINGS = {
-    "default": {},  # one encoder pool process
+    "default": {},  # (on CPU the vision tower runs in the scheduler's process, on CUDA in one encoder process)
     "encoder_pool_2": {"vit_dp": 2},
     "vit_inline": {"vit_dp": 0},  # the vision tower in the scheduler's process
     "small_chunks": {"chunked_prefill_size": 16},
@@ -133,7 +133,10 @@ SETTINGS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=pytest.mark.server) if SETTINGS[name].get("vit_dp") else name for name in SETTINGS],
+)
 def test_every_setting_matches_transformers(tiny_moe_dir, inputs, reference, name, loop):
     with Engine(tiny_moe_dir, dtype="float32", **SETTINGS[name], **loop) as engine:
         first = _run(engine, inputs)

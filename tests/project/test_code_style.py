@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.server  # every test here runs ruff
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -10,8 +10,9 @@ import pytest
 
 from helpers import run_process
 
+pytestmark = pytest.mark.server  # every test here runs the kit as a command
 
-@pytest.mark.server  # (its server part serves the built-in model)
+
 def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
     result = run_process(
         [sys.executable, "-m", "vlm_serve.tools.gpu_check", str(tmp_path), "--device", "cpu"],

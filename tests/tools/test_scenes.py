@@ -459,6 +459,7 @@ def test_pictures_come_with_what_each_of_their_tokens_is_taught(tiny_moe_dir):
     assert (batch["cell_labels"][:, 1] != len(KINDS)).sum() >= 3  # each picture holds a shape
 
 
+@pytest.mark.server
 def test_the_vision_tower_can_train_alone_first_leaving_the_language_model_as_it_was(tiny_moe_dir):
     model = _training_model(tiny_moe_dir)
     before = {name: t.clone() for name, t in model.state_dict().items()}
@@ -481,6 +482,7 @@ def test_the_whole_models_steps_can_train_the_vision_tower_at_a_lower_rate(tiny_
     assert sorted(map(id, rest["params"] + tower["params"])) == sorted(map(id, every))  # each once
 
 
+@pytest.mark.server
 def test_a_run_that_goes_on_from_another_records_the_runs_it_came_from(tmp_path):
     """A shipped model trained in parts (runs longer than a session) says every part's settings."""
     from vlm_serve.tools.builtin_train import train
