@@ -117,6 +117,7 @@ def suite_size(config: pytest.Config) -> int:
     return int(count.group(1))
 
 
+@pytest.mark.server  # (run on part of the suite, it collects the whole in a pytest process of its own)
 def test_the_test_count_the_readme_states_is_the_suites(request):
     stated = re.search(r"\(([\d,]+) tests,\s+\d+\s+of\s+which\s+skip", README.read_text())
     assert stated, "the README no longer states the suite's test count"
