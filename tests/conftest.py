@@ -53,7 +53,8 @@ class InProcessRule:
     server, a rank, an encoder pool, a command, a script, a compiler, an emulator), which keeps
     `-m "not server"` the quick loop. Every process start is watched (`subprocess.Popen`, which
     `subprocess.run` and asyncio's subprocesses use, and `multiprocessing`'s); the one exception is the
-    CPU kernels' first build, which any engine may need on a machine that has not built them yet."""
+    CPU kernels' first build, which any engine may need on a machine that has not built them yet. Held
+    where torch sees no CUDA device: on one, an engine starts an encoder process by default (`vit_dp` 1)."""
 
     checking = False
     started: list[str] = []
@@ -87,7 +88,10 @@ class InProcessRule:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    InProcessRule.install()
+    import torch
+
+    if not torch.cuda.is_available():
+        InProcessRule.install()
 
 
 @pytest.hookimpl(wrapper=True)
