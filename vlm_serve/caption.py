@@ -4,17 +4,19 @@ The in-process engine does the work. Images are preprocessed one by one and subm
 ready, keeping up to `batch_size` in flight, so the scheduler batches them continuously. Each finished
 image becomes one JSON line: `{"path", "caption", "tokens", "time"}` (the image's absolute path), plus
 `"error"` when it could not be captioned (an unreadable image is reported in its line and the run goes
-on). With `resume`, images already in the output file (by resolved path, however they were named) are
-skipped and new lines are appended; `retry_failed` resumes too, and captions again the images whose line
-holds an error, replacing that line.
+on). What a run will do is decided before a model loads (`plan_captions`): an output that holds captions
+is never written over unless asked (`overwrite`); with `resume`, images already in it (by resolved path,
+however they were named) are skipped and new lines are appended; `retry_failed` resumes too, and
+captions again the images whose line holds an error, replacing that line.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,6 +34,18 @@ class CaptionSummary:
     captioned: int = 0
     failed: int = 0
     skipped: int = 0  # already in the output (resume)
+
+
+@dataclass
+class CaptionPlan:
+    """What a caption run will do, decided before a model loads: the images left to caption, and the
+    earlier run's lines that stay in `output` (with `resume`)."""
+
+    output: Path
+    todo: list[Path]
+    kept: list[dict] = field(default_factory=list)
+    skipped: int = 0
+    resume: bool = False
 
 
 def collect_images(inputs: Sequence[str]) -> list[Path]:
@@ -67,32 +81,42 @@ def read_lines(output: Path) -> list[dict]:
     return records
 
 
+def plan_captions(
+    paths: Sequence[Path], output: Path, resume: bool = False, retry_failed: bool = False, overwrite: bool = False
+) -> CaptionPlan:
+    """The images of `paths` left to caption into `output`. An output that holds captions is refused
+    unless the run resumes from it or `overwrite` starts it again: a run repeated by mistake must not
+    lose what the first one did."""
+    paths = list(dict.fromkeys(p.resolve() for p in paths))
+    resume = resume or retry_failed
+    records = read_lines(output) if resume or not overwrite else []
+    if records and not resume:
+        raise FileExistsError(
+            f"{output} already holds {len(records)} captions: --resume goes on from them, --overwrite starts again"
+        )
+    kept = [r for r in records if not (retry_failed and "error" in r)]
+    done = {Path(r["path"]).resolve() for r in kept}
+    todo = [p for p in paths if p not in done]
+    return CaptionPlan(output, todo, kept, len(paths) - len(todo), resume)
+
+
 def caption_images(
     engine: Engine,
-    paths: Sequence[Path],
-    output: Path,
+    plan: CaptionPlan,
     prompt: str = DEFAULT_PROMPT,
     batch_size: int = 64,
-    resume: bool = False,
-    retry_failed: bool = False,
     progress: bool = True,
     **sampling: Any,
 ) -> CaptionSummary:
-    """Captions `paths` into the JSON-lines file `output` (see the module docstring)."""
+    """Captions the images of `plan` into its output (see the module docstring)."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, not {batch_size}")
     engine.sampling_params(**sampling)  # bad sampling arguments fail before any work
-    paths = list(dict.fromkeys(p.resolve() for p in paths))
-    done: set[Path] = set()
-    resume = resume or retry_failed
-    if resume:  # the earlier lines kept: whole ones only (an interrupted run may have cut the last one)
-        records = [r for r in read_lines(output) if not (retry_failed and "error" in r)]
-        _rewrite(output, records)
-        done = {Path(r["path"]).resolve() for r in records}
-    todo = [p for p in paths if p not in done]
-    summary = CaptionSummary(skipped=len(paths) - len(todo))
+    if plan.resume:  # the earlier lines kept: whole ones only (an interrupted run may have cut the last one)
+        _rewrite(plan.output, plan.kept)
+    summary = CaptionSummary(skipped=plan.skipped)
     pending: dict[Submission, tuple[Path, float]] = {}
-    with output.open("a" if resume else "w") as out, tqdm(total=len(todo), unit="img", disable=not progress) as bar:
+    with plan.output.open("a" if plan.resume else "w") as out, progress_bar(len(plan.todo), progress) as bar:
 
         def write(path: Path, start: float, caption: str | None, tokens: int, error: str | None) -> None:
             seconds = round(time.perf_counter() - start, 4)
@@ -117,7 +141,7 @@ def caption_images(
                         continue
                     write(path, start, result.text, len(result.token_ids), None)
 
-        for path in todo:
+        for path in plan.todo:
             drain(batch_size - 1)
             start = time.perf_counter()
             content = [{"type": "image", "image": str(path)}, {"type": "text", "text": prompt}]
@@ -128,6 +152,44 @@ def caption_images(
                 write(path, start, None, 0, str(exc))
         drain(0)
     return summary
+
+
+def progress_bar(total: int, enabled: bool = True, every: float = 10.0):
+    """tqdm's bar (rate, ETA) on a terminal; elsewhere (a log file, a job's output) a plain line every
+    `every` seconds and at the end, as a bar's redraws would be noise there."""
+    if enabled and sys.stderr.isatty():
+        return tqdm(total=total, unit="img")
+    return ProgressLines(total, enabled, every)
+
+
+class ProgressLines:
+    """Progress as plain lines on stderr: done/total, the rate and the time left."""
+
+    def __init__(self, total: int, enabled: bool, every: float) -> None:
+        self.total, self.enabled, self.every = total, enabled, every
+        self.done, self.start = 0, time.monotonic()
+        self.last = self.start
+
+    def __enter__(self) -> ProgressLines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.done:
+            self.line()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self.last >= self.every:
+            self.line()
+
+    def line(self) -> None:
+        self.last = time.monotonic()
+        if not self.enabled:
+            return
+        rate = self.done / max(self.last - self.start, 1e-9)
+        left = (self.total - self.done) / rate if rate else float("inf")
+        eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left != float("inf") else "?"
+        print(f"{self.done}/{self.total} images, {rate:.2f} img/s, {eta} left", file=sys.stderr, flush=True)
 
 
 def _rewrite(output: Path, records: list[dict]) -> None:

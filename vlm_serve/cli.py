@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from vlm_serve.config import CHOICES, DTYPES, ENGINE_SETTINGS, SETTING_GROUPS, ServerArgs, setting_docs
+from vlm_serve.errors import MediaError
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
 SERVER_SETTINGS = tuple(f.name for f in dataclasses.fields(ServerArgs))
@@ -101,7 +102,12 @@ def server_args_of(ns: argparse.Namespace) -> ServerArgs:
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     from vlm_serve.engine import Engine
+    from vlm_serve.multimodal.media import read_media
 
+    for kind, sources in (("image", ns.image), ("video", ns.video)):
+        for source in sources:  # a missing file is said at once, before the model loads
+            if not source.startswith(("http://", "https://", "data:")):
+                read_media(source, kind)
     engine = Engine(ns.model, **server_args_from(ns))
     content: list[dict] = [{"type": "image", "image": path} for path in ns.image]
     content += [{"type": "video", "video": path} for path in ns.video]
@@ -121,28 +127,23 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_caption(ns: argparse.Namespace) -> int:
-    from vlm_serve.caption import DEFAULT_PROMPT, caption_images, collect_images
+    from vlm_serve.caption import DEFAULT_PROMPT, CaptionSummary, caption_images, collect_images, plan_captions
     from vlm_serve.engine import Engine
 
-    paths = collect_images(ns.inputs)
+    output = Path(ns.output)
+    plan = plan_captions(collect_images(ns.inputs), output, ns.resume, ns.retry_failed, ns.overwrite)
+    summary = CaptionSummary(skipped=plan.skipped)
     try:
-        with Engine(ns.model, **server_args_from(ns)) as engine:
-            summary = caption_images(
-                engine,
-                paths,
-                Path(ns.output),
-                ns.prompt or DEFAULT_PROMPT,
-                ns.batch_size,
-                ns.resume,
-                ns.retry_failed,
-                max_tokens=ns.max_tokens,
-                temperature=ns.temperature,
-            )
+        if plan.todo:  # (with nothing left, no model loads)
+            with Engine(ns.model, **server_args_from(ns)) as engine:
+                sampling = {"max_tokens": ns.max_tokens, "temperature": ns.temperature}
+                summary = caption_images(engine, plan, ns.prompt or DEFAULT_PROMPT, ns.batch_size, **sampling)
     except KeyboardInterrupt:
-        print(f"\nvlm-serve: interrupted; the lines in {ns.output} are complete (--resume goes on)", file=sys.stderr)
+        kept = f"the lines in {output} are complete (--resume goes on)" if output.is_file() else "nothing was written"
+        print(f"\nvlm-serve: interrupted; {kept}", file=sys.stderr)
         return 130
     print(
-        f"{summary.captioned} captioned, {summary.failed} failed, {summary.skipped} already in {ns.output}",
+        f"{summary.captioned} captioned, {summary.failed} failed, {summary.skipped} already in {output}",
         file=sys.stderr,
     )
     return 0
@@ -257,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_answer_args(cap, "caption")
     cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
     cap.add_argument("--retry-failed", action="store_true", help="--resume, and caption failed images again")
+    cap.add_argument(
+        "--overwrite", action="store_true", help="start the output again (else one with captions is refused)"
+    )
     add_server_args(cap, ENGINE_SETTINGS)  # (after its own flags, which --help shows first)
     cap.set_defaults(func=cmd_caption, subparser=cap)
 
@@ -315,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, MediaError) as e:
         print(f"vlm-serve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C (while loading, say): the stop needs no traceback

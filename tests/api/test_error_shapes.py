@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from helpers import ServerProcess, descendants, openai_client, start_server
-from vlm_serve.caption import caption_images
+from vlm_serve.caption import caption_images, plan_captions
 from vlm_serve.cli import main
 from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.engine import Engine
@@ -518,5 +518,5 @@ def test_the_engine_and_captioning_refuse_max_tokens_0_as_the_server_does(tiny_m
         with pytest.raises(ValueError, match=r"max_tokens\) must be >= 1, not 0"):
             engine.chat(HI, max_tokens=0)
         with pytest.raises(ValueError, match="max_tokens"):
-            caption_images(engine, [image], tmp_path / "captions.jsonl", progress=False, max_tokens=0)
+            caption_images(engine, plan_captions([image], tmp_path / "captions.jsonl"), progress=False, max_tokens=0)
         assert len(engine.chat(HI, max_tokens=1, temperature=0).token_ids) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from helpers import start_process
-from vlm_serve.caption import collect_images
+from vlm_serve.caption import collect_images, progress_bar
 from vlm_serve.cli import main
 from vlm_serve.testing.media import jpeg_stating, make_image
 
@@ -156,12 +157,60 @@ def test_resume_knows_images_however_they_are_named_and_retries_failed_ones(
     assert retried[str(folder / "img01.jpg")] == first[str(folder / "img01.jpg")]  # kept as it was
 
 
+def test_an_output_with_captions_is_never_written_over_unless_asked(folder, tiny_moe_dir, tmp_path, capsys):
+    output = tmp_path / "captions.jsonl"
+    image = str(folder / "img02.png")
+    options = ["--output", str(output), "--model", str(tiny_moe_dir), "--max-tokens", "2", "--temperature", "0"]
+    assert main(["caption", image, *options]) == 0
+    before = output.read_text()
+    capsys.readouterr()
+    assert main(["caption", image, *options]) == 2  # the same command again, by mistake
+    assert capsys.readouterr().err == (
+        f"vlm-serve: error: {output} already holds 1 captions: --resume goes on from them, --overwrite starts again\n"
+    )
+    assert output.read_text() == before
+    assert main(["caption", str(folder / "img04.png"), *options, "--overwrite"]) == 0
+    assert [r["path"] for r in _lines(output)] == [str(folder / "img04.png")]
+
+
+def test_what_is_wrong_or_left_to_do_is_said_before_a_model_loads(folder, tmp_path, capsys):
+    """A model that is not there shows that none loads: a missing input, a run with nothing left."""
+    output = tmp_path / "captions.jsonl"
+    output.write_text(json.dumps({"path": str(folder / "img02.png"), "caption": "a", "tokens": 1, "time": 0}) + "\n")
+    nowhere = ["--model", str(tmp_path / "no-model")]
+    assert main(["caption", str(folder / "img02.png"), "--output", str(output), "--resume", *nowhere]) == 0
+    assert capsys.readouterr().err == f"0 captioned, 0 failed, 1 already in {output}\n"
+    assert main(["caption", str(tmp_path / "nosuch"), "--output", str(output), *nowhere]) == 2
+    assert capsys.readouterr().err == f"vlm-serve: error: {tmp_path / 'nosuch'}: no such file or folder\n"
+    assert main(["generate", "--prompt", "hi", "--image", str(tmp_path / "nosuch.png"), *nowhere]) == 2
+    assert capsys.readouterr().err == f"vlm-serve: error: image file '{tmp_path / 'nosuch.png'}' does not exist\n"
+
+
+def test_an_interrupted_run_names_only_files_that_exist(folder, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("vlm_serve.engine.Engine.__init__", interrupted)  # (Ctrl-C while the model loads)
+    output = tmp_path / "captions.jsonl"
+    assert main(["caption", str(folder / "img02.png"), "--output", str(output)]) == 130
+    assert capsys.readouterr().err == "\nvlm-serve: interrupted; nothing was written\n"
+
+
+def test_progress_off_a_terminal_is_plain_lines_with_the_rate_and_time_left(capsys):
+    with progress_bar(4, every=0) as bar:  # (pytest's stderr is no terminal)
+        bar.update(1)
+        bar.update(3)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["1/4 images", "4/4 images", "4/4 images"]
+    assert all(re.fullmatch(r"\d/4 images, [\d.]+ img/s, (\d\d:\d\d:\d\d|\?) left", line) for line in lines)
+
+
 @pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.parametrize("group", [False, True], ids=["sigint", "ctrl-c-to-the-group"])
 def test_ctrl_c_stops_quietly_leaving_whole_lines(folder, tiny_moe_dir, tmp_path, group):
     """SIGINT to the process (`kill -INT`), or to its whole process group (a terminal's Ctrl-C, which
-    reaches the encoder ranks too): exit code 130, and nothing on stderr but the progress bar and the
+    reaches the encoder ranks too): exit code 130, and nothing on stderr but the progress lines and the
     line saying so (no traceback, from this process or one of its encoder ranks)."""
     output = tmp_path / "captions.jsonl"
     command = [
@@ -191,7 +240,7 @@ def test_ctrl_c_stops_quietly_leaving_whole_lines(folder, tiny_moe_dir, tmp_path
         process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
-    said = [line for line in stderr.splitlines() if line.strip() and "img/s]" not in line]  # but the progress bar
+    said = [line for line in stderr.splitlines() if line.strip() and "img/s" not in line]  # but the progress lines
     assert said == [f"vlm-serve: interrupted; the lines in {output} are complete (--resume goes on)"]
     lines = output.read_text().splitlines(keepends=True)
     assert 2 <= len(lines) < 50 and all(line.endswith("\n") and json.loads(line)["path"] for line in lines)
