@@ -60,7 +60,6 @@ import base64
 import io
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -86,6 +85,7 @@ from vlm_serve.llm.layers.linear import LinearBase
 from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, Qwen3VLVisionModel, load_vision_model
 from vlm_serve.multimodal.items import MEDIA_STAGES, MediaTimings, MultimodalItem
 from vlm_serve.multimodal.processor import MultimodalProcessor
+from vlm_serve.server.ports import free_port
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
@@ -440,7 +440,7 @@ def measure_server_decode_latency(path: Path, vit_dp: int, args: argparse.Namesp
     """The same through a real server with `--tp-size 2 --ep-size 2` (the target deployment's shape):
     text requests stream; an image request (its PNG as a data URL) is sent every `args.itl_every`
     tokens of the first stream. The ITL is the gap between a stream's chunks, as its client sees it."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -526,12 +526,6 @@ async def _stream_while_images_arrive(url: str, images: list[str], vit_dp: int, 
     finished = sum(t.done() and not t.cancelled() and t.exception() is None for t in image_tasks)
     label = f"TP2 pool (vit_dp={vit_dp})" if vit_dp else "TP2 inline (vit_dp=0)"
     return DecodeRun(label, 1, baseline, window, finished, len(images))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print_decode_run(run: DecodeRun) -> None:

@@ -39,7 +39,6 @@ import os
 import resource
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,8 @@ from pathlib import Path
 
 import httpx
 from cpu_isa import ISAS, environment
+
+from vlm_serve.server.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 CORES = len(os.sched_getaffinity(0))
@@ -125,12 +126,6 @@ class Server:
     command: list[str]
     env: dict[str, str]
     url: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def our_server(model: Path, name: str, extra: str, isa: str) -> Server:

@@ -24,7 +24,8 @@ import openai
 import pytest
 from PIL import Image, ImageDraw
 
-from vlm_serve.testing.deployments import free_port, router_command
+from vlm_serve.server.ports import free_port
+from vlm_serve.testing.deployments import router_command
 from vlm_serve.testing.media import write_video
 from vlm_serve.tokenizer import Tokenizer
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import socket
 import sys
 import time
 import uuid
@@ -27,6 +26,7 @@ from vlm_serve.disaggregation.mooncake import MooncakeBackend, contiguous_runs, 
 from vlm_serve.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender
 from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
 from vlm_serve.messages.backend import BootstrapInfo
+from vlm_serve.server.ports import free_port
 
 pytestmark = pytest.mark.server  # the two sides of a transfer run in two processes
 
@@ -246,12 +246,6 @@ def scattered_slots(seed: int, page_size: int) -> list[int]:
     cut = len(pages) // 2
     pages = pages[cut:] + pages[:cut]  # (two sorted runs: consecutive pages, and a jump back)
     return [page * page_size + i for page in pages for i in range(page_size)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 # -- moving the KV

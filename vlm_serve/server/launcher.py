@@ -29,24 +29,18 @@ from vlm_serve.model_source import with_local_model
 from vlm_serve.process import starting_children
 from vlm_serve.server.detokenizer_manager import run_detokenizer_process
 from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
-from vlm_serve.server.ports import PortArgs
+from vlm_serve.server.ports import PortArgs, free_port
 from vlm_serve.server.processes import ServerProcesses
 from vlm_serve.server.scheduler_process import run_scheduler_process
 
 STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint takes minutes)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_processes(children: ServerProcesses, server_args: ServerArgs, port_args: PortArgs | None) -> list[Connection]:
     """Starts this node's children into `children` (so that those started are stopped should this be
     interrupted); returns a pipe per local TP rank on which it reports that it is ready."""
     ctx = mp.get_context("spawn")
-    init_addr = server_args.dist_init_addr or f"127.0.0.1:{_free_port()}"
+    init_addr = server_args.dist_init_addr or f"127.0.0.1:{free_port()}"
     readies = []
     for rank in server_args.node_tp_ranks:
         reader, writer = ctx.Pipe(duplex=False)

@@ -1,7 +1,8 @@
-"""The ZMQ addresses of the server's channels."""
+"""The ZMQ addresses of the server's channels, and free TCP ports."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,3 +18,10 @@ class PortArgs:
     detokenizer_input: str  # scheduler rank 0 -> detokenizer
     tokenizer_input: str  # detokenizer -> HTTP process
     encoder: PoolAddresses | None = None  # the encoder pool (scheduler rank 0 <-> encoder ranks)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -15,7 +15,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.server.ports import free_port
 
 NO_DRAFTS = ("--speculative-algorithm", "none")
 SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags (None: a PD pair, default flags)
@@ -44,12 +44,6 @@ STOP_TIMEOUT = 60.0
 CLIENT_TIMEOUT = 60.0  # for one request (up to 24 tokens): a longer wait is a failure
 # a PD request whose other side is gone fails after this (the default, 300 s, outlasts a client's patience)
 PD_TIMEOUT = "30"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def router_command(port: int, *args: str) -> list[str]:

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from vlm_serve.llm.layers.attention import FLASHINFER_HEAD_DIMS
+from vlm_serve.server.ports import free_port
 
 FLOAT32_TOLERANCE = 1e-3  # of the largest |logit|: float32 kernels differ in summation order only
 # bfloat16 (8 bits of mantissa) against float32: random models amplify the rounding, and a token whose
@@ -365,14 +366,6 @@ def run_server(check: Check, device: torch.device) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- figures ---------------------------------------------------------------------------------------
