@@ -26,7 +26,8 @@ LAYERS: list[set[str]] = [
     {"scheduler"},  # the control plane
     {"server"},  # the HTTP server and its processes
     {"engine"},  # the in-process engine
-    {"caption", "demo", "testing"},  # front ends on the engine; test checkpoints and deployments
+    {"engine_thread"},  # the engine driven by a thread of its own
+    {"caption", "demo", "batch", "testing"},  # front ends on the engine; test checkpoints and deployments
     {"tools"},  # training the built-in model, the GPU kit
     {"cli", "__init__"},  # the entry points
 ]
