@@ -87,6 +87,8 @@ def plan_captions(
     """The images of `paths` left to caption into `output`. An output that holds captions is refused
     unless the run resumes from it or `overwrite` starts it again: a run repeated by mistake must not
     lose what the first one did."""
+    if output.is_dir():
+        raise FileExistsError(f"{output} is a folder (a --ray job's output?), not the JSON-lines file captions go to")
     paths = list(dict.fromkeys(p.resolve() for p in paths))
     resume = resume or retry_failed
     records = read_lines(output) if resume or not overwrite else []

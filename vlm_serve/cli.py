@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import logging
+import os
 import sys
 import textwrap
 import time
@@ -126,10 +127,18 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+DATASET_SUFFIXES = (".parquet", ".jsonl", ".json")  # inputs of `caption --ray` read as rows (`batch.job`)
+
+
 def cmd_caption(ns: argparse.Namespace) -> int:
     from vlm_serve.caption import DEFAULT_PROMPT, CaptionSummary, caption_images, collect_images, plan_captions
     from vlm_serve.engine import Engine
 
+    if ns.ray is not None:
+        return caption_on_ray(ns)
+    datasets = [path for path in ns.inputs if Path(path).suffix in DATASET_SUFFIXES]
+    if datasets:
+        raise ValueError(f"{datasets[0]} is a dataset file: its rows are captioned with --ray (local or a cluster)")
     output = Path(ns.output)
     plan = plan_captions(collect_images(ns.inputs), output, ns.resume, ns.retry_failed, ns.overwrite)
     summary = CaptionSummary(skipped=plan.skipped)
@@ -146,6 +155,45 @@ def cmd_caption(ns: argparse.Namespace) -> int:
         f"{summary.captioned} captioned, {summary.failed} failed, {summary.skipped} already in {output}",
         file=sys.stderr,
     )
+    return 0
+
+
+def caption_on_ray(ns: argparse.Namespace) -> int:
+    """`caption --ray`: the job on a Ray cluster (`vlm_serve.batch.job`)."""
+    from vlm_serve.batch.job import caption_dataset, start_ray
+    from vlm_serve.batch.pipeline import check_output
+    from vlm_serve.caption import DEFAULT_PROMPT, collect_images
+
+    if ns.retry_failed:
+        raise ValueError("--retry-failed is for JSON lines written without --ray; a Ray job resumes with --resume")
+    if ns.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, not {ns.replicas}")
+    output = check_output(ns.output, ns.resume, ns.overwrite)  # (before Ray starts)
+    datasets = [Path(path) for path in ns.inputs if Path(path).suffix in DATASET_SUFFIXES]
+    images = collect_images([path for path in ns.inputs if Path(path).suffix not in DATASET_SUFFIXES])
+    threads = max(1, len(os.sched_getaffinity(0)) // ns.replicas) if ns.ray == "local" else None
+    start_ray(ns.ray, ns.replicas)
+    try:
+        summary = caption_dataset(
+            datasets,
+            images,
+            output,
+            resume=ns.resume,
+            overwrite=ns.overwrite,
+            model=ns.model,
+            replicas=ns.replicas,
+            prompt=ns.prompt or DEFAULT_PROMPT,
+            sampling={"max_tokens": ns.max_tokens, "temperature": ns.temperature},
+            settings=server_args_from(ns),
+            batch_size=max(1, ns.batch_size // 4),  # (and 4 batches in flight: --batch-size images in all)
+            pending_batches=4,
+            preprocess_workers=ns.replicas,
+            threads_per_replica=threads,
+        )
+    except KeyboardInterrupt:
+        print(f"\nvlm-serve: interrupted; --resume goes on from what {output} holds", file=sys.stderr)
+        return 130
+    print(f"{summary.answered} answered, {summary.failed} failed in {output}", file=sys.stderr)
     return 0
 
 
@@ -249,17 +297,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="caption every image of files, folders or path lists into JSON lines",
         description="Caption every image of files, folders or path lists into JSON lines.",
     )
-    cap.add_argument("inputs", nargs="+", metavar="INPUT", help="image file, folder (recursive) or text file of paths")
-    cap.add_argument("--output", required=True, help="JSON-lines file: path, caption, tokens, time (and error)")
+    cap.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="image file, folder (recursive) or text file of paths; with --ray also dataset files (.parquet, "
+        ".jsonl) with an id and an image, video or messages column",
+    )
+    cap.add_argument(
+        "--output",
+        required=True,
+        help="JSON-lines file: path, caption, tokens, time (and error); with --ray a folder of .jsonl, .parquet "
+        "or .tar (WebDataset) files, by its extension: id, answer, token counts, stage times, error",
+    )
     cap.add_argument(
         "--prompt", default=None, help="what to ask about each image (default: a one-sentence description)"
     )
-    cap.add_argument("--batch-size", type=int, default=64, help="images in flight at once (default: %(default)s)")
+    cap.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="images in flight at once (with --ray: per replica) (default: %(default)s)",
+    )
     add_answer_args(cap, "caption")
     cap.add_argument("--resume", action="store_true", help="skip images already in the output; append the rest")
     cap.add_argument("--retry-failed", action="store_true", help="--resume, and caption failed images again")
     cap.add_argument(
         "--overwrite", action="store_true", help="start the output again (else one with captions is refused)"
+    )
+    cap.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run the job on Ray Data (pip install vlm_serve[batch]): on the cluster at ADDRESS (auto: the one "
+        "`ray start` started here) or, without one, on a Ray started on this machine for the job",
+    )
+    cap.add_argument(
+        "--replicas", type=int, default=1, help="with --ray: engines, each a Ray actor (default: %(default)s)"
     )
     add_server_args(cap, ENGINE_SETTINGS)  # (after its own flags, which --help shows first)
     cap.set_defaults(func=cmd_caption, subparser=cap)

@@ -18,25 +18,30 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
 import time
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import torch
 
 from vlm_serve.engine import Engine
 from vlm_serve.engine_thread import EngineThread
 from vlm_serve.errors import ApiError, MediaError
+from vlm_serve.model_source import resolve_model
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "Describe this image in one sentence."
-COUNTS = ["prompt_tokens", "media_tokens", "completion_tokens"]
-OUTPUT_COLUMNS = [
-    "id", "answer", "finish_reason", "prompt_tokens", "media_tokens", "completion_tokens",
-    "preprocess_s", "generate_s", "error",
-]  # fmt: skip
+# the columns out beside `id` (whose type is the rows'), typed: a batch whose rows all lack a value would
+# otherwise write a column of nulls, and Parquet files of one output would not read back as one table
+OUTPUT_TYPES = {
+    "answer": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(), "media_tokens": pa.int64(),
+    "completion_tokens": pa.int64(), "preprocess_s": pa.float64(), "generate_s": pa.float64(), "error": pa.string(),
+}  # fmt: skip
+OUTPUT_COLUMNS = ["id", *OUTPUT_TYPES]
 
 
 def conversation(row: dict[str, Any], prompt: str = DEFAULT_PROMPT) -> list[dict]:
@@ -67,9 +72,9 @@ class Preprocess:
     """Rows to processed prompts: `id`, `processed` (a pickled `ProcessedInput`), `sampling` (JSON),
     `preprocess_s` and `error`."""
 
-    def __init__(self, model: str, prompt: str = DEFAULT_PROMPT, sampling: dict | None = None, **media: Any):
-        tokenizer = Tokenizer.from_pretrained(Path(model))
-        self.processor = MultimodalProcessor.from_pretrained(Path(model), tokenizer, **media)
+    def __init__(self, model: str | None, prompt: str = DEFAULT_PROMPT, sampling: dict | None = None, **media: Any):
+        folder = resolve_model(model, weights=False)  # (None: the built-in model)
+        self.processor = MultimodalProcessor.from_pretrained(folder, Tokenizer.from_pretrained(folder), **media)
         self.prompt, self.sampling = prompt, sampling or {}
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
@@ -95,16 +100,20 @@ class Preprocess:
 
 
 class Generate:
-    """Processed prompts to answers (`OUTPUT_COLUMNS`), on one in-process engine made with `settings`."""
+    """Processed prompts to answers (`OUTPUT_COLUMNS`), on one in-process engine made with `settings`,
+    running `threads` CPU threads (default: every core this process may use, as an engine alone does;
+    Ray would leave it one thread per CPU it reserved)."""
 
-    def __init__(self, model: str, **settings: Any) -> None:
+    def __init__(self, model: str | None, threads: int | None = None, **settings: Any) -> None:
+        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
         self.engine = Engine(model, **settings)
         self.thread = EngineThread(self.engine)
 
-    async def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        rows = batch.to_dict("records")
-        out = pd.DataFrame(await asyncio.gather(*(self.answer(row) for row in rows)), columns=OUTPUT_COLUMNS)
-        return out.astype(dict.fromkeys(COUNTS, "Int64"))  # (counts stay integers beside a failed row's None)
+    async def __call__(self, batch: pd.DataFrame) -> pa.Table:
+        out = await asyncio.gather(*(self.answer(row) for row in batch.to_dict("records")))
+        columns = {"id": pa.array([row["id"] for row in out])}
+        columns |= {name: pa.array([row[name] for row in out], kind) for name, kind in OUTPUT_TYPES.items()}
+        return pa.table(columns)
 
     async def answer(self, row: dict[str, Any]) -> dict[str, Any]:
         out = {column: None for column in OUTPUT_COLUMNS}
