@@ -440,4 +440,5 @@ def block_command(block: Block, replacements: dict[str, str]) -> tuple[list[str]
         code = code.replace(old, new)
     interpreter = {"python": [sys.executable, "-c"], "bash": ["bash", "-e", "-o", "pipefail", "-c"]}[block.language]
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    return [*interpreter, code], {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}  # (no network)
+    return [*interpreter, code], env
