@@ -71,12 +71,18 @@ def answered(written: list[dict]) -> dict[str, tuple]:
     return {r["id"]: (r["answer"], r["prompt_tokens"], r["completion_tokens"]) for r in written if r["error"] is None}
 
 
-def test_every_id_comes_back_once_with_the_engines_answer_or_its_error(ray, rows, expected):
-    """The same answers and token counts as one engine without Ray (greedy). (The built-in model: its
-    confident answers do not hang on the last bits of a batch's arithmetic.)"""
+# the replicas' engine settings: the default, and features users combine with it
+COMBINED = {"chunked_prefill_size": 64, "speculative_algorithm": "ngram", "schedule_policy": "lpm"}
+
+
+@pytest.mark.parametrize("settings", [{}, COMBINED], ids=["default", "chunked-ngram-lpm"])
+def test_every_id_comes_back_once_with_the_engines_answer_or_its_error(ray, rows, expected, settings):
+    """The same answers and token counts as one engine of the default settings without Ray (greedy).
+    (The built-in model: its confident answers do not hang on the last bits of a batch's arithmetic.)"""
     from vlm_serve.batch.pipeline import answer_rows
 
-    out = answer_rows(ray.data.from_items(rows), str(BUILTIN_MODEL), sampling=SAMPLING, batch_size=8)
+    dataset = ray.data.from_items(rows)
+    out = answer_rows(dataset, str(BUILTIN_MODEL), sampling=SAMPLING, settings=settings, batch_size=8)
     results = out.take_all()
     assert sorted(r["id"] for r in results) == sorted(r["id"] for r in rows)
     assert all(set(r) == set(OUTPUT_COLUMNS) for r in results)

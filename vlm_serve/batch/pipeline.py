@@ -63,6 +63,9 @@ def answer_rows(
     media = {
         name: settings[name] for name in ("max_image_pixels",) if settings.get(name) is not None
     }  # as the engine's
+    # a block per batch: each is a task of its own, so that the engines hold several at once and begin on
+    # the first while the CPU stage prepares the next (a file is read as one block, a task of the whole file)
+    rows = rows.repartition(target_num_rows_per_block=batch_size)
     processed = rows.map_batches(
         Preprocess,
         fn_constructor_kwargs={"model": model, "prompt": prompt, "sampling": sampling or {}, **media},

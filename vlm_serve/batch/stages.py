@@ -10,7 +10,7 @@ row that fails gets its error and the job goes on.
 `Preprocess` runs on CPUs of its own (fetch, decode, resize, patchify, hash), so that engines never
 wait on image decoding; its rows carry the processed prompt, pickled. `Generate` holds an in-process
 `Engine` driven by its own thread (`EngineThread`): its `__call__` is a coroutine, so an actor given
-several batches at once (Ray's `max_concurrency`) keeps all their rows in flight together, and the
+several batches at once (Ray's `max_concurrent_calls_per_actor`) keeps all their rows in flight together, and the
 scheduler's continuous batching stays full between batches.
 """
 
