@@ -1,11 +1,12 @@
 """The two stages of a batch job, as Ray Data callable classes (each actor builds one and calls it on
 batches of rows; nothing here imports Ray).
 
-Rows in: an `id`; an `image` or a `video` (a path, URL or bytes) or whole chat `messages` (a list, or
-its JSON); optionally a `prompt` (the question about the image or video) and `sampling` (OpenAI-named
-settings such as `max_tokens`, `temperature`, `seed`: a dict, or its JSON). Rows out (`OUTPUT_COLUMNS`):
-the `id`, the `answer`, its token counts, the time of each stage, and an `error`, None when it worked. A
-row that fails gets its error and the job goes on.
+Rows in: an `id`; an `image` or a `video` (a path, URL or bytes, or a Hugging Face datasets struct of
+`bytes` and `path`) or whole chat `messages` (a list, or its JSON); optionally a `prompt` (the question
+about the image or video) and `sampling` (OpenAI-named settings such as `max_tokens`, `temperature`,
+`seed`: a dict, or its JSON). Rows out (`OUTPUT_COLUMNS`): the `id`, the `answer`, its token counts, the
+time of each stage, and an `error`, None when it worked. A row that fails gets its error and the job goes
+on.
 
 `Preprocess` runs on CPUs of its own (fetch, decode, resize, patchify, hash), so that engines never
 wait on image decoding; its rows carry the processed prompt, pickled. `Generate` holds an in-process
@@ -52,8 +53,11 @@ def conversation(row: dict[str, Any], prompt: str = DEFAULT_PROMPT) -> list[dict
     kinds = [kind for kind in ("image", "video") if _given(row.get(kind))]
     if len(kinds) != 1:
         raise ValueError("a row needs one of image, video or messages")
+    kind, media = kinds[0], row[kinds[0]]
+    if isinstance(media, dict):  # a Hugging Face datasets Image or Video in Parquet: its bytes, else its path
+        media = media.get("bytes") or media.get("path")
     text = row["prompt"] if _given(row.get("prompt")) else prompt
-    return [{"role": "user", "content": [{"type": kinds[0], kinds[0]: row[kinds[0]]}, {"type": "text", "text": text}]}]
+    return [{"role": "user", "content": [{"type": kind, kind: media}, {"type": "text", "text": text}]}]
 
 
 def sampling_of(row: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
