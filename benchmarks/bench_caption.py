@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ sys.path.insert(0, str(HERE))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from bench_offline import cold_engine  # noqa: E402
-from compare_peer import vllm_env  # noqa: E402
+from compare_peer import VllmScript  # noqa: E402
 from cpu_isa import describe_cpu  # noqa: E402
 
 from vlm_serve.builtin import BUILTIN_MODEL  # noqa: E402
@@ -107,36 +106,15 @@ class VllmCaption:
             "max_tokens": max_tokens,
         }
         (directory / "vllm_spec.json").write_text(json.dumps(spec))
-        self.log = directory / "vllm.log"
-        with open(self.log, "w") as log:
-            self.process = subprocess.Popen(
-                [str(python), str(HERE / "vllm_caption.py"), str(directory / "vllm_spec.json")],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=os.environ | vllm_env(python.parent.parent, threads),
-                start_new_session=True,
-            )
+        self.vllm = VllmScript(python, "vllm_caption.py", directory / "vllm_spec.json", directory / "vllm.log", threads)
         self.images = images
 
     def run(self) -> tuple[float, dict[str, str]]:
-        self.process.stdin.write("run\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-30:])
-            raise SystemExit(f"vLLM exited (status {self.process.wait()}); the end of {self.log}:\n{tail}")
-        reply = json.loads(line)
+        reply = self.vllm.ask("run")
         return reply["seconds"], {str(p.resolve()): c for p, c in zip(self.images, reply["captions"])}
 
     def close(self) -> None:
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
+        self.vllm.close()
 
 
 def ray_job(images: list[Path], directory: Path, replicas: int, max_tokens: int, batch_size: int) -> tuple[float, list]:

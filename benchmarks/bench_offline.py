@@ -58,10 +58,7 @@ import contextlib
 import copy
 import json
 import math
-import os
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -72,7 +69,7 @@ import numpy as np
 import torch
 import transformers
 from bench_serving import lognormal_lengths  # benchmarks/, next to this script
-from compare_peer import vllm_env
+from compare_peer import VllmScript
 
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.engine import Engine
@@ -445,46 +442,20 @@ class VllmOffline:
             "llm_options": llm_options,
         }
         (directory / "requests.json").write_text(json.dumps(spec))
-        self.log = directory / "vllm.log"
-        command = [str(python), str(HERE / "vllm_offline.py"), str(directory / "requests.json")]
-        with open(self.log, "w") as log:
-            self.process = subprocess.Popen(
-                command,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=os.environ | vllm_env(python.parent.parent, threads),
-                start_new_session=True,
-            )
-        self._reply()  # {"ready": true}: loaded and warmed up
-
-    def _reply(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-30:])
-            raise SystemExit(f"vLLM exited (status {self.process.wait()}); the end of {self.log}:\n{tail}")
-        return json.loads(line)
+        self.vllm = VllmScript(python, "vllm_offline.py", directory / "requests.json", directory / "vllm.log", threads)
+        self.vllm.reply()  # {"ready": true}: loaded and warmed up
 
     def run(self, count: int | None = None) -> VllmRun:
         """One timed round: every request, or the first `count`."""
-        self.process.stdin.write("run\n" if count is None else f"run {count}\n")
-        self.process.stdin.flush()
-        reply = self._reply()
+        reply = self.vllm.ask("run" if count is None else f"run {count}")
         return VllmRun(reply["seconds"], reply["token_ids"], reply["prompt_token_ids"])
 
     def __enter__(self) -> VllmOffline:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        """Ends the subprocess (it exits at the end of its stdin; its process group is killed if it
-        has not after a minute) and removes the directory."""
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        """Ends the subprocess and removes the directory."""
+        self.vllm.close()
         self._directory.cleanup()
 
 

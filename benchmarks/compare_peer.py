@@ -181,6 +181,47 @@ def vllm_env(venv: Path, threads: int) -> dict[str, str]:
     }
 
 
+class VllmScript:
+    """One of our scripts run by the vLLM venv's `python` (benchmarks/vllm_offline.py, vllm_caption.py) on a
+    spec file: it loads vLLM once and answers each line sent to its stdin with one JSON line; vLLM's own
+    output goes to `log`. It runs in a session of its own, its OpenMP threads bound to `threads` cores."""
+
+    def __init__(self, python: Path, script: str, spec_file: Path, log: Path, threads: int) -> None:
+        self.log = log
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(
+                [str(python), str(Path(__file__).parent / script), str(spec_file)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                text=True,
+                env=os.environ | vllm_env(python.parent.parent, threads),
+                start_new_session=True,
+            )
+
+    def reply(self) -> dict:
+        """Its next JSON line; if it exited instead, the end of its log (SystemExit)."""
+        line = self.process.stdout.readline()
+        if not line:
+            tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-30:])
+            raise SystemExit(f"vLLM exited (status {self.process.wait()}); the end of {self.log}:\n{tail}")
+        return json.loads(line)
+
+    def ask(self, line: str) -> dict:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self.reply()
+
+    def close(self) -> None:
+        """Ends it: it exits at the end of its stdin; its process group is killed if it has not after a minute."""
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
 @contextlib.contextmanager
 def running(server: Server, log: Path, timeout: float) -> Iterator[int]:
     """Starts the server (its output into `log`), waits until it lists its model; yields its pid."""

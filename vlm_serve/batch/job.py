@@ -9,12 +9,12 @@ Ray resumes only rows it reads from files, so the paths are written as rows besi
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import ray
 import ray.data
 
@@ -34,7 +34,6 @@ def start_ray(address: str, replicas: int) -> None:
     `local` starts one in this process for this job, with a CPU of Ray's for each replica and
     preprocessing worker and for reading, resuming and writing beside them (the cores themselves go to
     the replicas' engines: `threads_per_replica`)."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if address == "local":
         ray.init(num_cpus=2 * replicas + 2, include_dashboard=False)
     else:
@@ -71,6 +70,9 @@ def caption_dataset(
     """Runs the job on the connected cluster (`start_ray`) and counts what its output holds."""
     rows = read_rows(datasets, images, output)
     write_answers(rows, output, resume=resume, overwrite=overwrite, **options)
-    answers = read_answers(output)
-    failed = answers.filter(lambda row: row["error"] is not None).count()
-    return JobSummary(answered=answers.count() - failed, failed=failed)
+    counts = read_answers(output).map_batches(_counts, batch_format="pandas").sum(["rows", "failed"])
+    return JobSummary(answered=counts["sum(rows)"] - counts["sum(failed)"], failed=counts["sum(failed)"])
+
+
+def _counts(batch: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({"rows": [len(batch)], "failed": [int(batch["error"].notna().sum())]})
