@@ -209,10 +209,9 @@ def test_a_job_killed_midway_resumes_with_no_id_twice_and_none_lost(ray, rows, e
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
     )
     wait_for(lambda: output.is_dir() and any(output.iterdir()) or driver.poll() is not None)
-    driver.kill()
+    assert driver.poll() is None, "the job ended before it could be killed midway"
+    driver.kill()  # (a block being written now is left cut short: the resumed job drops it, Ray's commit undone)
     driver.wait()
-    first = len(read_back(ray, output))
-    assert 0 < first < len(rows)
     write_answers(dataset, output, resume=True, model=str(BUILTIN_MODEL), sampling=SAMPLING, batch_size=4)
     written = read_back(ray, output)
     assert sorted(r["id"] for r in written) == sorted(r["id"] for r in rows)
