@@ -46,6 +46,8 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "disaggregation_mode": ("null", "prefill", "decode"),
     "disaggregation_transfer_backend": ("mooncake", "fake"),
     "speculative_algorithm": ("ngram", "eagle3", "none"),
+    "hicache_write_policy": ("write_through", "write_through_selective", "write_back"),
+    "hicache_io_backend": ("direct",),
 }
 OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, the ones that may also be None
 POSITIVE = {  # the settings that count something: at least 1 (where set)
@@ -173,6 +175,29 @@ class SchedulerSettings(Settings):
         """The longest prefill chunk in tokens; None for no chunking (-1, or unset outside `ServerArgs`,
         which sets the device's default)."""
         return None if self.chunked_prefill_size in (None, -1) else self.chunked_prefill_size
+
+
+@dataclass(frozen=True)
+class HiCacheSettings(Settings):
+    """The prefix cache's tiers below the KV pool (SGLang's HiCache)."""
+
+    title: ClassVar[str] = "hierarchical cache"
+    # keep prefixes evicted from the KV pool in a host-memory pool and load them back on a hit
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # the host pool's size as a multiple of the KV pool's (at least 1)
+    hicache_size: float = 0  # the host pool's size in GB (overrides hicache_ratio); 0 = by the ratio
+    # when a prefix gets its host copy: write_through when it is cached, write_through_selective when a second
+    # request uses it, write_back when it leaves the KV pool
+    hicache_write_policy: str = "write_through"
+    hicache_io_backend: str = "direct"  # how pages are copied between the pools (direct: torch gathers/scatters)
+
+    def check(self) -> None:
+        if self.hicache_ratio < 1:
+            raise ValueError(
+                f"hicache_ratio must be >= 1 (the host pool holds the KV pool's prefixes too), not {self.hicache_ratio}"
+            )
+        if self.hicache_size < 0:
+            raise ValueError(f"hicache_size must be >= 0 GB (0: sized by hicache_ratio), not {self.hicache_size}")
 
 
 @dataclass(frozen=True)
@@ -337,13 +362,14 @@ class LogSettings(Settings):
 
 # the concerns, in the order --help shows them
 CONCERNS: tuple[type[Settings], ...] = (
-    ModelSettings, SchedulerSettings, EncoderSettings, MediaSettings, MediaLimitSettings, SpeculativeSettings,
-    ParallelSettings, DisaggregationSettings, HttpSettings, GpuSettings, LogSettings,
+    ModelSettings, SchedulerSettings, HiCacheSettings, EncoderSettings, MediaSettings, MediaLimitSettings,
+    SpeculativeSettings, ParallelSettings, DisaggregationSettings, HttpSettings, GpuSettings, LogSettings,
 )  # fmt: skip
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the others are the HTTP
 # server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes, PD).
 ENGINE_CONCERNS: tuple[type[Settings], ...] = (
-    ModelSettings, SchedulerSettings, EncoderSettings, MediaSettings, SpeculativeSettings, GpuSettings, LogSettings
+    ModelSettings, SchedulerSettings, HiCacheSettings, EncoderSettings, MediaSettings, SpeculativeSettings,
+    GpuSettings, LogSettings,
 )  # fmt: skip
 SETTING_GROUPS: dict[str, tuple[str, ...]] = {c.title: tuple(f.name for f in fields(c)) for c in CONCERNS}
 ENGINE_SETTINGS = tuple(f.name for c in ENGINE_CONCERNS for f in fields(c))
@@ -360,6 +386,7 @@ class ServerArgs(
     MediaLimitSettings,
     MediaSettings,
     EncoderSettings,
+    HiCacheSettings,
     SchedulerSettings,
     ModelSettings,
 ):  # (CONCERNS, last first: a dataclass's fields are its last base's first)

@@ -152,6 +152,38 @@ def test_every_setting_matches_transformers(tiny_moe_dir, inputs, reference, nam
             assert engine.scheduler.metrics.cached_prompt_tokens == 0
 
 
+HOST_TIER = {
+    "write_through": {},
+    "write_back, pages of 4, small chunks": {
+        "hicache_write_policy": "write_back",
+        "page_size": 4,
+        "chunked_prefill_size": 16,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_TIER))
+def test_a_host_tier_under_a_small_pool_serves_evicted_prefixes_exactly(tiny_moe_dir, inputs, reference, name, loop):
+    """The KV pool holds about two requests: the prompts of a second round were evicted to the host tier,
+    from where they are loaded back (cut by chunks where chunks are small), giving the same tokens."""
+    longest = max(len(x.input_ids) for x in inputs) + MAX_TOKENS
+    settings = {
+        "enable_hierarchical_cache": True,
+        "hicache_ratio": 8,
+        "max_total_tokens": 2 * longest,
+        **HOST_TIER[name],
+    }
+    with Engine(tiny_moe_dir, dtype="float32", **settings, **loop) as engine:
+        assert [o.token_ids for o in _run(engine, inputs)] == reference
+        tree, metrics = engine.scheduler.tree_cache, engine.scheduler.metrics
+        cached_before, loaded_before = metrics.cached_prompt_tokens, tree.host_hit_tokens
+        second = _run(engine, inputs)
+        assert [o.token_ids for o in second] == reference
+        assert tree.host_hit_tokens > loaded_before and tree.evicted_tokens > 0
+        # the tokens loaded back count as cached, as the usage reports them
+        assert sum(o.cached_tokens for o in second) == metrics.cached_prompt_tokens - cached_before
+
+
 def test_small_chunks_cut_through_images(tiny_moe_dir, inputs, reference, loop):
     """With 16-token chunks every image (more than 16 tokens) is split across prefill chunks."""
     with Engine(tiny_moe_dir, dtype="float32", chunked_prefill_size=16, **loop) as engine:

@@ -86,6 +86,18 @@ class GetStatsReq:
 
 
 @dataclass
+class HiCacheStats:
+    """The prefix cache's tiers (--enable-hierarchical-cache): prompt tokens each served, what was copied
+    between them and how long the copies took, and each tier's usage."""
+
+    hit_tokens: dict[str, int]  # tier (device, host, storage) -> prompt tokens served from it
+    copied_bytes: dict[str, int]  # copy (device_to_host, host_to_device, ...) -> bytes
+    copy_seconds: dict[str, float]  # copy -> seconds spent copying
+    usage_tokens: dict[str, int]  # tier below the device (host, storage) -> tokens held
+    capacity_tokens: dict[str, int]  # tier -> tokens it can hold
+
+
+@dataclass
 class SpeculativeCounts:
     """Speculative decoding's tally, for one request or the whole server: verify steps that had drafts,
     draft tokens verified, and of those the ones kept."""
@@ -132,6 +144,7 @@ class StatsOut:
     kv_transfer_request_bytes: dict[str, Any] | None = None  # a Histogram's fields
     kv_transfer_seconds: dict[str, Any] | None = None
     kv_transfer_failures: dict[str, int] = field(default_factory=dict)  # by the stage they failed at
+    hicache: HiCacheStats | None = None  # with --enable-hierarchical-cache
 
 
 @dataclass

@@ -157,7 +157,7 @@ class SchedulerIntakeMixin:
     def to_waiting_queue(self, req: Req) -> None:
         """A request to `waiting_queue`, through the encoding stage if its media need it."""
         if req.mm_items:
-            covered = len(self.tree_cache.match_prefix(req.origin_input_ids[:-1]).indices)
+            covered = self.tree_cache.match_prefix(req.origin_input_ids[:-1]).covered
             if req.prompt_logprobs_pending:  # it computes its whole prompt: no cached prefix covers an item
                 covered = 0
             if self.encoding.add(req, covered):

@@ -33,20 +33,30 @@ class CachedReq(Protocol):
     fill_ids: list[int]  # its prompt and output ids so far (image tokens as their pad values)
     prefix_indices: torch.Tensor  # the KV slots of its prefix shared with the tree
     last_node: TreeNode  # where that prefix ends (locked for the request)
+    last_host_node: TreeNode | None  # where the match ends in the host tier (HiRadixCache), if it goes on there
+    host_hit_length: int
 
     def reset_kv(self) -> None: ...
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "host_value", "lock_ref", "host_ref", "hit_count", "last_access")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None) -> None:
         self.children: dict[object, TreeNode] = {}
         self.parent = parent
         self.key = key
-        self.value = value  # KV slots of `key`, int64
+        self.value = value  # KV slots of `key` in the device pool, int64; None once evicted to the host tier
+        self.host_value: torch.Tensor | None = None  # its slots in the host pool (HiRadixCache), if backed up
         self.lock_ref = 0
+        self.host_ref = 0  # (HiRadixCache) held in the host pool while its KV is on its way to the device
+        self.hit_count = 0
         self.last_access = next(_clock)
+
+    @property
+    def evicted(self) -> bool:
+        """Its KV is no longer in the device pool (only in the host tier)."""
+        return self.value is None
 
     def __lt__(self, other: TreeNode) -> bool:
         return self.last_access < other.last_access
@@ -54,8 +64,15 @@ class TreeNode:
 
 @dataclass
 class MatchResult:
-    indices: torch.Tensor  # KV slots of the matched prefix (a whole number of pages)
-    last_node: TreeNode  # deepest node of the match; lock it to keep the prefix
+    indices: torch.Tensor  # KV slots of the matched prefix in the device pool (a whole number of pages)
+    last_node: TreeNode  # deepest node of the match on the device; lock it to keep the prefix
+    last_host_node: TreeNode | None = None  # (HiRadixCache) deepest node of the match in the host tier
+    host_hit_length: int = 0  # tokens after `indices` whose KV the host tier holds (loaded back before use)
+
+    @property
+    def covered(self) -> int:
+        """Tokens of the prompt whose KV some tier holds: no vision tower runs for a picture inside them."""
+        return len(self.indices) + self.host_hit_length
 
 
 class RadixCache:
@@ -78,6 +95,7 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
+        self.evicted_tokens = 0  # device slots freed by `evict` so far (a match made before it may be stale)
 
     # ---- sizes -------------------------------------------------------------------------------------
 
@@ -107,7 +125,13 @@ class RadixCache:
     def match_prefix(self, key: list[int]) -> MatchResult:
         """The longest cached prefix of `key` (whole pages), splitting a node where the match ends
         inside it so that `last_node` covers exactly the match."""
-        node, values = self.root, []
+        path = self._match_path(key)
+        indices = torch.cat([n.value for n in path]) if path else self.root.value
+        return MatchResult(indices, path[-1] if path else self.root)
+
+    def _match_path(self, key: list[int]) -> list[TreeNode]:
+        """The nodes the longest cached prefix of `key` runs through, the last one split to end with it."""
+        node, path = self.root, []
         if not self.disable:
             key = key[: len(key) - len(key) % self.page_size]
             while key:
@@ -118,26 +142,30 @@ class RadixCache:
                 n = self._match_len(child.key, key)
                 if n < len(child.key):
                     child = self._split(child, n)
-                values.append(child.value)
+                path.append(child)
                 node, key = child, key[n:]
-        indices = torch.cat(values) if values else self.root.value
-        return MatchResult(indices, node)
+        return path
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
-        """Cuts `node` after `n` ids; returns the new upper part (which keeps the lock count)."""
-        upper = TreeNode(node.key[:n], node.value[:n], node.parent)
-        upper.lock_ref = node.lock_ref
+        """Cuts `node` after `n` ids; returns the new upper part (which keeps the lock counts)."""
+        upper = TreeNode(node.key[:n], None if node.value is None else node.value[:n], node.parent)
+        upper.lock_ref, upper.host_ref, upper.hit_count = node.lock_ref, node.host_ref, node.hit_count
+        if node.host_value is not None:
+            upper.host_value, node.host_value = node.host_value[:n], node.host_value[n:]
         upper.children = {self._child_key(node.key[n:]): node}
         node.parent.children[self._child_key(node.key)] = upper
-        node.parent, node.key, node.value = upper, node.key[n:], node.value[n:]
+        node.parent, node.key = upper, node.key[n:]
+        if node.value is not None:
+            node.value = node.value[n:]
         return upper
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Adds `key` with KV slots `value` (both whole pages). Returns how many leading tokens were
-        already cached: the caller's own slots for those are duplicates it must free."""
+        already cached: the caller's own slots for those are duplicates it must free. (A node evicted to
+        the host tier takes the caller's slots back: only its ancestors' are duplicates.)"""
         if self.disable:
             return 0
-        node, done = self.root, 0
+        node, done, cached = self.root, 0, None
         while done < len(key):
             rest = key[done:]
             child = node.children.get(self._child_key(rest))
@@ -145,13 +173,17 @@ class RadixCache:
                 new = TreeNode(rest, value[done:].clone(), node)
                 node.children[self._child_key(rest)] = new
                 self._evictable += len(rest)
-                return done
+                break
             child.last_access = next(_clock)
             n = self._match_len(child.key, rest)
             if n < len(child.key):
                 child = self._split(child, n)
+            if child.evicted:  # (the device nodes of a path come before its evicted ones)
+                cached = done if cached is None else cached
+                child.value = value[done : done + n].clone()
+                self._evictable += n
             node, done = child, done + n
-        return done
+        return done if cached is None else cached
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -191,6 +223,9 @@ class RadixCache:
         self.req_to_token_pool.free(row)
         req.reset_kv()
 
+    def after_launch(self) -> None:
+        """Called after each forward is launched: a tier below may now copy the KV it computes."""
+
     # ---- locks and eviction ------------------------------------------------------------------------
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -224,7 +259,12 @@ class RadixCache:
             del parent.children[self._child_key(leaf.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
+        self.evicted_tokens += freed
         return freed
+
+    def evict_all(self) -> None:
+        """Empties the cache (nothing may be locked)."""
+        self.evict(self.evictable_size())
 
     def _nodes(self) -> list[TreeNode]:
         out, stack = [], [self.root]
@@ -237,3 +277,9 @@ class RadixCache:
     def lock_counts(self) -> list[int]:
         """Lock count of every node but the root (all zero when no request is running)."""
         return [n.lock_ref for n in self._nodes()]
+
+    def idle_problems(self) -> list[str]:
+        """What is wrong with the cache when no request is running (nothing, unless a bug leaked a lock)."""
+        if self.protected_size() != 0 or any(self.lock_counts()):
+            return [f"{self.protected_size()} tokens still locked in the prefix cache"]
+        return []

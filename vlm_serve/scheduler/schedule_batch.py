@@ -78,6 +78,9 @@ class Req:
     # prefix match: slots shared with the RadixCache, kept alive by a lock on `last_node`
     prefix_indices: torch.Tensor = _EMPTY
     last_node: TreeNode | None = None
+    # and after it, the part of the match in the host tier (HiRadixCache): loaded back when admitted
+    last_host_node: TreeNode | None = None
+    host_hit_length: int = 0
     # KV state: the request's row in req_to_token_pool holds `kv_len` computed tokens of `fill_ids`
     req_pool_idx: int | None = None
     kv_len: int = 0
@@ -214,6 +217,7 @@ class Req:
         limit = self.prompt_logprob_start if self.prompt_logprobs_pending else self.seq_len - 1
         match = tree_cache.match_prefix(self.fill_ids[:limit])
         self.prefix_indices, self.last_node = match.indices, match.last_node
+        self.last_host_node, self.host_hit_length = match.last_host_node, match.host_hit_length
         self.extend_len = self.seq_len - len(self.prefix_indices)
 
     def check_inputs(self, vocab_size: int) -> None:
@@ -265,6 +269,7 @@ class Req:
 
     def reset_kv(self) -> None:
         self.prefix_indices, self.last_node = _EMPTY, None
+        self.last_host_node, self.host_hit_length = None, 0
         self.req_pool_idx, self.kv_len, self.extend_len = None, 0, 0
 
 

@@ -198,6 +198,11 @@ class PrefillAdder:
         if total_tokens > self.rem_total_tokens:
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddReqResult.NO_TOKEN
+        if req.host_hit_length:  # the rest of its prefix is in the host tier: back to the device before it runs
+            if not self.tree_cache.load_back_for(req):
+                self.tree_cache.dec_lock_ref(req.last_node)
+                return AddReqResult.NO_TOKEN
+            req.extend_len = input_tokens = req.seq_len - len(req.prefix_indices)
         if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
             self._take(req, input_tokens, self._new_tokens_estimate(req))
         else:

@@ -33,15 +33,18 @@ from vlm_serve.disaggregation.transfer import KVLayout
 from vlm_serve.encoder.encoder import VisionEncoder
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
+from vlm_serve.llm.mem_cache.memory_pool_host import TokenToKVPoolHost
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
 from vlm_serve.llm.speculative.worker import SpeculativeWorker
 from vlm_serve.messages.backend import (
     SchedulerLimits,
 )
+from vlm_serve.scheduler.cache_controller import HiCacheController, run_inline
 from vlm_serve.scheduler.drafting import Drafting
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.grammar_queue import GrammarQueue
+from vlm_serve.scheduler.hiradix_cache import HiRadixCache
 from vlm_serve.scheduler.intake import SchedulerIntakeMixin
 from vlm_serve.scheduler.metrics import SchedulerMetrics
 from vlm_serve.scheduler.output_processor import LaunchedBatch, SchedulerOutputProcessorMixin
@@ -101,16 +104,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         self.chunked_prefill_size = None if chunk is None else min(chunk, self.max_prefill_tokens)
         self.enable_mixed_chunk = server_args.enable_mixed_chunk and self.chunked_prefill_size is not None
 
-        self.tree_cache = RadixCache(
-            self.req_to_token_pool, self.allocator, self.page_size, disable=server_args.disable_radix_cache
-        )
-        self.policy = SchedulePolicy(
-            server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
-        )
         self.encoding = EncodingStage(encoder, server_args.mm_cache_mb << 20)
         self.grammar_queue = GrammarQueue(tokenizer, runner.model_config, server_args.grammar_compile_timeout, parallel)
         self.waiting_queue: list[Req] = []
-        self.running_batch = self.new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
         self.reqs: dict[str, Req] = {}  # every unfinished request, by id
@@ -132,6 +128,11 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             if encoder is not None:
                 encoder.run_on(self.forward_thread)  # an inline vision tower runs in order with the forwards
             weakref.finalize(self, self.forward_thread.shutdown)  # dropped or left without shutdown()
+        self.tree_cache = self._init_tree_cache()
+        self.policy = SchedulePolicy(
+            server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
+        )
+        self.running_batch = self.new_batch([])
         self.result_queue: deque[LaunchedBatch] = deque()  # launched, result not processed yet
         self.event_loop: Callable[[], None] = self.event_loop_overlap if self.enable_overlap else self.event_loop_normal
         self.run_iteration: Callable[[], None] = (
@@ -142,6 +143,32 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         self._idle_checked = True
         self.outputs = OutputStreamer(io, self.tp_rank, server_args.speculating)
         self.disagg = self._init_disaggregation()
+
+    def _init_tree_cache(self) -> RadixCache:
+        """The prefix cache; with --enable-hierarchical-cache over a host-memory tier, whose copies run in
+        order with the forwards (not on PD's decode side, which keeps requests' KV only while they run)."""
+        args = self.server_args
+        if not args.enable_hierarchical_cache or args.disable_radix_cache or args.disaggregation_mode == "decode":
+            return RadixCache(self.req_to_token_pool, self.allocator, self.page_size, disable=args.disable_radix_cache)
+        device_pool = self.runner.token_to_kv_pool
+        per_token = device_pool.size_per_token
+        size = (
+            int(args.hicache_size * 1e9) // per_token
+            if args.hicache_size
+            else int(args.hicache_ratio * device_pool.size)
+        )
+        if size < device_pool.size:
+            raise ValueError(
+                f"hicache_size {args.hicache_size} GB holds {size} tokens, fewer than the KV pool's {device_pool.size}: "
+                "the host pool keeps a copy of the KV pool's prefixes and the ones evicted from it"
+            )
+        host_pool = TokenToKVPoolHost(device_pool, size)
+        logger.info("host KV pool: %d tokens (%.1f MiB)", host_pool.size, host_pool.size * per_token / 2**20)
+        submit = self.forward_thread.submit if self.forward_thread is not None else run_inline
+        controller = HiCacheController(device_pool, host_pool, submit)
+        return HiRadixCache(
+            self.req_to_token_pool, self.allocator, controller, self.page_size, args.hicache_write_policy
+        )
 
     def _init_disaggregation(self) -> PrefillDisaggregation | DecodeDisaggregation | None:
         """This rank's side of PD (`--disaggregation-mode`): its transfer backend, with the KV pool and a
@@ -322,6 +349,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             self.chunked_req.extend_len = self.chunked_req.seq_len - self.chunked_req.kv_len
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         in_batch = RadixCache(None, None)  # ids of requests picked this round, for in-batch sharing
+        evicted = self.tree_cache.evicted_tokens  # (loading a host hit back evicts: later matches are redone)
         for req in list(self.waiting_queue):
             if (
                 running + len(adder.can_run_list) >= self.max_running_requests
@@ -329,9 +357,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
                 or self.chunked_req
             ):
                 break
-            if not prefixes_matched:
+            if not prefixes_matched or self.tree_cache.evicted_tokens != evicted:
                 req.match_prefix(self.tree_cache)
-            if req.mm_items and self.encoding.add(req, len(req.prefix_indices)):
+            if req.mm_items and self.encoding.add(req, len(req.prefix_indices) + req.host_hit_length):
                 self.waiting_queue.remove(req)  # its cached prefix shrank: it needs embeddings after all
                 continue
             if (
@@ -443,6 +471,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         else:
             launched.result.set_result(self.forward(forward_batch))
             self.metrics.time_forward += time.perf_counter() - t1
+        self.tree_cache.after_launch()
         self.forward_ct += 1
         if self.forward_ct % self.server_args.log_interval == 0:
             self.log_stats(batch.forward_mode, len(batch.reqs), len(forward_batch.input_ids))

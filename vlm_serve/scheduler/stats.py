@@ -12,6 +12,7 @@ from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.messages.backend import FlushCacheOut, StatsOut
 from vlm_serve.scheduler.encoding_stage import EncodingStage
+from vlm_serve.scheduler.hiradix_cache import HiRadixCache
 from vlm_serve.scheduler.metrics import SchedulerMetrics
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
@@ -41,7 +42,7 @@ class SchedulerMetricsMixin:
         """Empties the prefix cache and the embedding cache; refused while requests are in flight."""
         if not self.is_idle():
             return FlushCacheOut(False, f"{len(self.reqs)} request(s) in flight; flush when idle")
-        self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.tree_cache.evict_all()
         self.encoding.cache.clear()
         return FlushCacheOut(True)
 
@@ -82,6 +83,8 @@ class SchedulerMetricsMixin:
             media_seconds={k: asdict(h) for k, h in m.media_seconds.items()},
             vit_items=encoder.num_items if encoder else 0,
         )
+        if isinstance(self.tree_cache, HiRadixCache):
+            stats.hicache = self.tree_cache.stats(m.cached_prompt_tokens)
         if self.disagg is not None:
             stats.disaggregation_queues = self.disagg.queue_sizes()
             stats.kv_transfer_bytes = m.kv_transfer_bytes
@@ -104,8 +107,7 @@ class SchedulerMetricsMixin:
         )
         if leaked != 0:
             problems.append(f"{leaked} KV slots leaked")
-        if self.tree_cache.protected_size() != 0 or any(self.tree_cache.lock_counts()):
-            problems.append(f"{self.tree_cache.protected_size()} tokens still locked in the prefix cache")
+        problems += self.tree_cache.idle_problems()
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             problems.append(
                 f"{self.req_to_token_pool.size - self.req_to_token_pool.available_size()} request rows leaked"

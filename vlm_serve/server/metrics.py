@@ -112,6 +112,27 @@ def render_metrics(server: ServerMetrics, stats: StatsOut, processor_cache: Mult
         "stage",
         f"Time per image/video in each stage: {', '.join(MEDIA_STAGES)}.",
     )
+    if stats.hicache is not None:
+        tiers = stats.hicache
+        out.labelled(
+            "hicache_hit_tokens_total",
+            "counter",
+            tiers.hit_tokens,
+            "tier",
+            "Prompt tokens served from each cache tier.",
+        )
+        out.labelled(
+            "hicache_copied_bytes_total", "counter", tiers.copied_bytes, "copy", "KV bytes copied between cache tiers."
+        )
+        out.labelled(
+            "hicache_copy_seconds_total",
+            "counter",
+            tiers.copy_seconds,
+            "copy",
+            "Time spent copying between cache tiers.",
+        )
+        out.labelled("hicache_usage_tokens", "gauge", tiers.usage_tokens, "tier", "Tokens held by each lower tier.")
+        out.labelled("hicache_capacity_tokens", "gauge", tiers.capacity_tokens, "tier", "Tokens each lower tier holds.")
     if stats.kv_transfer_seconds is not None:  # a PD server
         out.labelled(
             "disaggregation_queue_size",

@@ -28,14 +28,16 @@ from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.server.ports import free_port
 
 NO_DRAFTS = ("--speculative-algorithm", "none")
+# prefixes overflow a small KV pool into a host-memory tier, and come back from it
+HOST_TIER = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "4")
 SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags (None: a PD pair, default flags)
     "default": (),
     "eagle3-normal": ("--disable-overlap-schedule",),
     "ngram": ("--speculative-algorithm", "ngram"),
     "overlap": NO_DRAFTS,
     "normal": (*NO_DRAFTS, "--disable-overlap-schedule", "--vit-dp", "1"),  # (a GPU's default encoder process)
-    "chunked": ("--chunked-prefill-size", "16", "--page-size", "4"),
-    "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2"),
+    "chunked": ("--chunked-prefill-size", "16", "--page-size", "4", *HOST_TIER, "--hicache-write-policy", "write_back"),
+    "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2", *HOST_TIER),
     "pd": None,
 }
 REFERENCE = "overlap"

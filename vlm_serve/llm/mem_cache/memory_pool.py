@@ -67,6 +67,12 @@ class TokenToKVPool:
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    @property
+    def size_per_token(self) -> int:
+        """Bytes of K and V one token takes in this pool (every layer)."""
+        _, heads, dim = self.k_buffer[0].shape
+        return self.bytes_per_token(len(self.k_buffer), heads, dim, self.dtype)
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

@@ -1,0 +1,233 @@
+"""HiRadixCache: the RadixCache extended over a host-memory tier (`--enable-hierarchical-cache`).
+
+A node's KV lives in the device pool (`value`), in the host pool (`host_value`) or both. A node evicted from
+the device keeps its place in the tree with only `host_value`: a later match runs through it, and the
+request that matched it has it loaded back (`load_back`) before its prefill, instead of computing it again.
+On a path from the root the nodes on the device come first: a node leaves the device only after its
+children have, and comes back only after its parent.
+
+When a node gets its host copy is the write policy:
+- `write_through`: when it enters the tree (the copy runs right after the forward computing its KV);
+- `write_through_selective`: when a second request has used it;
+- `write_back`: when it is evicted from the device.
+The host copy of a node on the device is kept; host eviction drops, least recently used first, leaves held
+only by the host. A node evicted from the device whose backup finds no room in the host pool is dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
+from vlm_serve.messages.backend import HiCacheStats
+from vlm_serve.scheduler.cache_controller import HiCacheController
+from vlm_serve.scheduler.radix_cache import CachedReq, MatchResult, RadixCache, TreeNode
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2}  # uses before a node is backed up
+
+
+class HiRadixCache(RadixCache):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        controller: HiCacheController,
+        page_size: int = 1,
+        write_policy: str = "write_through",
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}, not {write_policy!r}")
+        self.controller = controller
+        self.host_allocator = controller.host_pool.allocator
+        self.write_threshold = WRITE_THRESHOLD.get(write_policy)
+        self.host_hit_tokens = 0  # tokens loaded back from the host tier for requests
+        super().__init__(req_to_token_pool, allocator, page_size)
+
+    # ---- sizes -------------------------------------------------------------------------------------
+
+    def host_size(self) -> int:
+        """Tokens whose KV the host tier holds."""
+        return self.host_allocator.size - self.host_allocator.available_size()
+
+    # ---- lookup ------------------------------------------------------------------------------------
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """The cached prefix on the device, and after it the part of the match held by the host tier."""
+        path = self._match_path(key)
+        on_device = [n for n in path if not n.evicted]
+        indices = torch.cat([n.value for n in on_device]) if on_device else self.root.value
+        last_node = on_device[-1] if on_device else self.root
+        host_hit = sum(len(n.key) for n in path[len(on_device) :])
+        return MatchResult(indices, last_node, path[-1] if host_hit else None, host_hit)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        cached = super().insert(key, value)
+        if self.write_threshold is not None:
+            for node in self._match_path(key):
+                node.hit_count += 1
+                if node.host_value is None and node.hit_count >= self.write_threshold:
+                    self.write_backup(node, deferred=True)  # (its KV's forward may not be launched yet)
+        return cached
+
+    # ---- between the tiers -------------------------------------------------------------------------
+
+    def write_backup(self, node: TreeNode, deferred: bool = False) -> bool:
+        """Gives `node` a host copy of its KV, evicting host-only leaves for room. False if there is none."""
+        slots = self._alloc_host(len(node.key))
+        if slots is None:
+            return False
+        node.host_value = slots
+        self.controller.write(slots, node.value, deferred=deferred)
+        return True
+
+    def load_back(self, last_host_node: TreeNode) -> TreeNode | None:
+        """Brings the evicted nodes on the path to `last_host_node` back to the device: slots for them
+        (evicting other nodes), and their copy queued before any later forward. Returns the path's last
+        node, now on the device, or None (nothing changed) when the device pool cannot hold them."""
+        nodes = []
+        node = last_host_node
+        while node.evicted:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        ancestor = node
+        for n in nodes:
+            n.host_ref += 1  # (evicting for their device slots may back up others and evict host leaves)
+        self.inc_lock_ref(ancestor)
+        try:
+            need = sum(len(n.key) for n in nodes)
+            if need > self.allocator.available_size():
+                self.evict(need - self.allocator.available_size())
+            slots = self.allocator.alloc(need)
+        finally:
+            self.dec_lock_ref(ancestor)
+            for n in nodes:
+                n.host_ref -= 1
+        if slots is None:
+            return None
+        self.controller.load(slots, torch.cat([n.host_value for n in nodes]))
+        offset = 0
+        for n in nodes:
+            n.value = slots[offset : offset + len(n.key)]
+            offset += len(n.key)
+            self._evictable += len(n.key)
+        self.host_hit_tokens += need
+        return last_host_node
+
+    def load_back_for(self, req: CachedReq) -> bool:
+        """`req`'s prefix extended by the host part of its match (whose device part it holds locked):
+        loaded back, locked, and set as its prefix. False (nothing changed) if the device cannot hold it."""
+        node = self.load_back(req.last_host_node)
+        if node is None:
+            return False
+        self.dec_lock_ref(req.last_node)
+        self.inc_lock_ref(node)
+        values = []
+        while node is not self.root:
+            values.append(node.value)
+            node = node.parent
+        req.prefix_indices, req.last_node = torch.cat(values[::-1]), req.last_host_node
+        req.last_host_node, req.host_hit_length = None, 0
+        return True
+
+    # ---- eviction ----------------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least `num_tokens` device slots (if that many are evictable), least recently used
+        first: each node goes to the host tier (backed up first if it was not) or, without room there,
+        out of the tree. Returns the number freed."""
+        self.controller.flush()
+        leaves = [n for n in self._nodes() if self._device_evictable(n)]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            node = heapq.heappop(leaves)
+            if not self._device_evictable(node):  # (a backup's host eviction may have changed it)
+                continue
+            parent = node.parent
+            if node.host_value is None and not self.write_backup(node):
+                self._drop(node)
+            else:
+                self.allocator.free(node.value)
+                node.value = None
+            freed += len(node.key)
+            self._evictable -= len(node.key)
+            if self._device_evictable(parent):
+                heapq.heappush(leaves, parent)
+        self.evicted_tokens += freed
+        return freed
+
+    def _device_evictable(self, node: TreeNode) -> bool:
+        return (
+            node is not self.root
+            and not node.evicted
+            and node.lock_ref == 0
+            and all(c.evicted for c in node.children.values())
+        )
+
+    def _drop(self, node: TreeNode) -> None:
+        """Takes `node` (on the device, its children evicted) and its subtree out of the tree."""
+        self.allocator.free(node.value)
+        del node.parent.children[self._child_key(node.key)]
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            self.host_allocator.free(child.host_value)
+            stack.extend(child.children.values())
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Frees at least `num_tokens` host slots (if that many are held by evicted leaves), least
+        recently used first. Returns the number freed."""
+        leaves = [n for n in self._nodes() if self._host_evictable(n)]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            node = heapq.heappop(leaves)
+            self.host_allocator.free(node.host_value)
+            freed += len(node.key)
+            parent = node.parent
+            del parent.children[self._child_key(node.key)]
+            if self._host_evictable(parent):
+                heapq.heappush(leaves, parent)
+        return freed
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return node is not self.root and node.evicted and not node.children and node.host_ref == 0
+
+    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        short = num_tokens - self.host_allocator.available_size()
+        if short > 0:
+            self.evict_host(short)
+        return self.host_allocator.alloc(num_tokens)
+
+    def after_launch(self) -> None:
+        self.controller.flush()  # the write-through backups of the prefixes it computes
+
+    def evict_all(self) -> None:
+        """Empties both tiers (nothing may be locked)."""
+        self.evict(self.evictable_size())
+        self.evict_host(self.host_size())
+
+    def idle_problems(self) -> list[str]:
+        problems = super().idle_problems()
+        held = sum(len(n.host_value) for n in self._nodes() if n.host_value is not None)
+        if held != self.host_size():
+            problems.append(f"{self.host_size() - held} host KV slots leaked")
+        if any(n.host_ref for n in self._nodes()):
+            problems.append("host tier nodes still held for loading")
+        return problems
+
+    def stats(self, cached_prompt_tokens: int) -> HiCacheStats:
+        """The tiers' figures, given the prompt tokens served from the cache as a whole."""
+        c = self.controller
+        return HiCacheStats(
+            hit_tokens={"device": cached_prompt_tokens - self.host_hit_tokens, "host": self.host_hit_tokens},
+            copied_bytes={"device_to_host": c.written.bytes, "host_to_device": c.loaded.bytes},
+            copy_seconds={"device_to_host": c.written.seconds, "host_to_device": c.loaded.seconds},
+            usage_tokens={"host": self.host_size()},
+            capacity_tokens={"host": self.host_allocator.size},
+        )
