@@ -3,6 +3,7 @@ module directly on its device in its dtype. Shared by the LLM's loader and the v
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -95,3 +96,23 @@ def build_module(
     finally:
         _WEIGHT_FORMAT.reset(token)
         torch.set_default_dtype(previous)
+
+
+FINGERPRINT_BLOCKS = 16  # blocks read from each weight file
+FINGERPRINT_BLOCK_BYTES = 4096
+
+
+def checkpoint_fingerprint(model_dir: Path) -> str:
+    """A digest naming a checkpoint's weights without reading them whole: its config.json, and each weight
+    file's name and size and 16 blocks of 4 KiB spread over it (the header, which names and places every
+    tensor, among them). Two checkpoints of the same shapes with other weights differ in nearly every block."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update((model_dir / "config.json").read_bytes())
+    for file in checkpoint_files(model_dir):
+        size = file.stat().st_size
+        h.update(f"{file.name}\0{size}\0".encode())
+        with file.open("rb") as f:
+            for i in range(FINGERPRINT_BLOCKS):
+                f.seek(size * i // FINGERPRINT_BLOCKS)
+                h.update(f.read(FINGERPRINT_BLOCK_BYTES))
+    return h.hexdigest()

@@ -48,8 +48,14 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "speculative_algorithm": ("ngram", "eagle3", "none"),
     "hicache_write_policy": ("write_through", "write_through_selective", "write_back"),
     "hicache_io_backend": ("direct",),
+    "hicache_storage_backend": ("file", "mooncake"),
+    "hicache_storage_prefetch_policy": ("best_effort", "wait_complete", "timeout"),
 }
-OPTIONAL_CHOICES = {"reasoning_parser", "speculative_algorithm"}  # of those, the ones that may also be None
+OPTIONAL_CHOICES = {
+    "reasoning_parser",
+    "speculative_algorithm",
+    "hicache_storage_backend",
+}  # of those, the ones that may also be None
 POSITIVE = {  # the settings that count something: at least 1 (where set)
     "tp_size", "ep_size", "page_size", "max_running_requests", "max_prefill_tokens", "log_interval",
     "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "max_image_pixels", "limit_mm_per_prompt",
@@ -58,9 +64,11 @@ POSITIVE = {  # the settings that count something: at least 1 (where set)
     "speculative_disable_by_batch_size", "cuda_graph_max_bs",
 }  # fmt: skip
 ABOVE_ZERO = {  # seconds, rates and factors: above 0
-    "media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout", "disaggregation_timeout", "schedule_conservativeness"
+    "media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout", "disaggregation_timeout", "schedule_conservativeness",
+    "hicache_storage_prefetch_timeout", "hicache_storage_size",
 }  # fmt: skip
 PORTS = {"port", "disaggregation_bootstrap_port"}
+STORAGE_MIN_PAGE_SIZE = 16  # tokens per KV page with a storage tier (an object per page: not one per token)
 
 
 class Settings:
@@ -190,8 +198,25 @@ class HiCacheSettings(Settings):
     # request uses it, write_back when it leaves the KV pool
     hicache_write_policy: str = "write_through"
     hicache_io_backend: str = "direct"  # how pages are copied between the pools (direct: torch gathers/scatters)
+    # a storage tier under the host pool, kept across restarts and shared by replicas: file (a directory) or
+    # mooncake (Mooncake's distributed store); pages by a key naming their whole prefix, media included
+    hicache_storage_backend: str | None = None
+    # when a request whose prefix storage holds goes on: best_effort at once, with the pages read by the time it
+    # runs; wait_complete when they are all read (its pictures in them then need no vision tower); timeout: the
+    # same, after hicache_storage_prefetch_timeout seconds at most
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_prefetch_timeout: float = 1.0  # seconds (the timeout policy)
+    hicache_storage_dir: str = "~/.cache/vlm_serve/hicache"  # the file backend's directory
+    hicache_storage_size: float = 16.0  # GB the file backend's directory may hold (least recently used pages go)
+    # the mooncake backend's settings, as JSON: master_server_address, metadata_server, global_segment_size,
+    # local_buffer_size, protocol, device_name
+    hicache_storage_backend_extra_config: str | None = None
 
     def check(self) -> None:
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise ValueError(
+                "hicache_storage_backend is a tier under the host pool: it needs enable_hierarchical_cache"
+            )
         if self.hicache_ratio < 1:
             raise ValueError(
                 f"hicache_ratio must be >= 1 (the host pool holds the KV pool's prefixes too), not {self.hicache_ratio}"
@@ -412,6 +437,11 @@ class ServerArgs(
                 "speculative_algorithm eagle3 needs speculative_draft_model_path (the draft head's folder or id)"
                 if self.speculative_algorithm == "eagle3"
                 else "speculative_draft_model_path is for speculative_algorithm eagle3"
+            )
+        if self.hicache_storage_backend is not None and self.page_size < STORAGE_MIN_PAGE_SIZE:
+            raise ValueError(
+                f"hicache_storage_backend stores one object per KV page: it needs page_size >= {STORAGE_MIN_PAGE_SIZE}"
+                f" (64 is a good size), not {self.page_size}"
             )
         if self.disaggregation_mode == "decode":
             self._resolve("vit_dp", 0)  # a decode server never encodes media (its KV comes from the prefill server)

@@ -289,6 +289,7 @@ class Engine:
             and not len(scheduler.encoding)
             and not scheduler.grammar_queue
             and not (scheduler.disagg is not None and len(scheduler.disagg))
+            and not (scheduler.storage_prefetch is not None and len(scheduler.storage_prefetch))
         )
         if stalled and scheduler.reqs and not self._io.inbox:
             raise RuntimeError("the scheduler made no progress with requests waiting (a scheduling bug)")

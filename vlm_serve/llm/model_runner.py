@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -46,9 +47,12 @@ class ModelRunner:
         weight_dtype = server_args.resolved_weight_dtype(model_config)
         self.model = load_model(model_config, self.device, self.dtype, weight_dtype, server_args.load_format == "dummy")
         self.draft: Eagle3Draft | None = None  # an EAGLE-3 draft head, its KV the pool's last layer
+        self.draft_path: Path | None = None  # its checkpoint
         if server_args.speculative_algorithm == "eagle3":
             text = self.model.model.language_model
-            path = resolve_model(server_args.speculative_draft_model_path, None, server_args.download_dir)
+            path = self.draft_path = resolve_model(
+                server_args.speculative_draft_model_path, None, server_args.download_dir
+            )
             self.draft = load_eagle3_draft(
                 path, model_config.text, len(text.layers), self.device, self.dtype, weight_dtype
             )

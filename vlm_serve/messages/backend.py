@@ -95,6 +95,8 @@ class HiCacheStats:
     copy_seconds: dict[str, float]  # copy -> seconds spent copying
     usage_tokens: dict[str, int]  # tier below the device (host, storage) -> tokens held
     capacity_tokens: dict[str, int]  # tier -> tokens it can hold
+    # storage pages found corrupt (dropped), reads and writes that failed, writes dropped (storage too slow)
+    storage_failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

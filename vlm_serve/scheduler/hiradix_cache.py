@@ -21,9 +21,10 @@ import heapq
 import torch
 
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.llm.mem_cache.hicache_storage import page_keys
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.messages.backend import HiCacheStats
-from vlm_serve.scheduler.cache_controller import HiCacheController
+from vlm_serve.scheduler.cache_controller import HiCacheController, PrefetchOperation
 from vlm_serve.scheduler.radix_cache import CachedReq, MatchResult, RadixCache, TreeNode
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -38,13 +39,17 @@ class HiRadixCache(RadixCache):
         controller: HiCacheController,
         page_size: int = 1,
         write_policy: str = "write_through",
+        storage_namespace: str = "",
     ) -> None:
+        """`storage_namespace`: the root of the storage tier's key chains (see `hicache_storage`)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}, not {write_policy!r}")
         self.controller = controller
         self.host_allocator = controller.host_pool.allocator
         self.write_threshold = WRITE_THRESHOLD.get(write_policy)
+        self.namespace = storage_namespace
         self.host_hit_tokens = 0  # tokens loaded back from the host tier for requests
+        self.storage_hit_tokens = 0  # tokens read from the storage tier into the host tier for requests
         super().__init__(req_to_token_pool, allocator, page_size)
 
     # ---- sizes -------------------------------------------------------------------------------------
@@ -76,13 +81,66 @@ class HiRadixCache(RadixCache):
     # ---- between the tiers -------------------------------------------------------------------------
 
     def write_backup(self, node: TreeNode, deferred: bool = False) -> bool:
-        """Gives `node` a host copy of its KV, evicting host-only leaves for room. False if there is none."""
+        """Gives `node` a host copy of its KV (and stores its pages), evicting host-only leaves for room.
+        False if there is none."""
         slots = self._alloc_host(len(node.key))
         if slots is None:
             return False
         node.host_value = slots
-        self.controller.write(slots, node.value, deferred=deferred)
+        keys = self._page_keys(node) if self.controller.storage is not None else None
+        self.controller.write(slots, node.value, keys, deferred=deferred)
         return True
+
+    def _page_keys(self, node: TreeNode) -> list[str]:
+        """The storage keys of `node`'s pages (computed once, from its parent's)."""
+        chain = []
+        while node is not self.root and node.hash_value is None:
+            chain.append(node)
+            node = node.parent
+        parent_key = self.namespace if node is self.root else node.hash_value[-1]
+        for n in reversed(chain):
+            n.hash_value = page_keys(parent_key, n.key, self.page_size)
+            parent_key = n.hash_value[-1]
+        return (chain[0] if chain else node).hash_value
+
+    # ---- the storage tier --------------------------------------------------------------------------
+
+    def prefetch_from_storage(self, key: list[int]) -> tuple[PrefetchOperation, int] | None:
+        """Starts reading from storage the pages of `key` after the part the tree holds (device or host).
+        Returns the read and the position its pages start at; None if no whole page is left to read."""
+        key = key[: len(key) - len(key) % self.page_size]
+        path = self._match_path(key)
+        start = sum(len(n.key) for n in path)
+        if start == len(key):
+            return None
+        parent_key = self._page_keys(path[-1])[-1] if path else self.namespace
+        return self.controller.storage.prefetch(page_keys(parent_key, key[start:], self.page_size)), start
+
+    def take_prefetched(self, key: list[int], start: int, op: PrefetchOperation, num_pages: int) -> int:
+        """Puts the first `num_pages` pages `op` read for `key` (from position `start`) into the host tier,
+        under the part of `key` the tree holds now. Returns the tokens added."""
+        ps = self.page_size
+        end = start + num_pages * ps
+        path = self._match_path(key[:end])
+        matched = sum(len(n.key) for n in path)
+        if matched < start or matched == end:  # (the tree lost the prefix they follow, or has them already)
+            return 0
+        first = (matched - start) // ps
+        held = [n for n in path if n.evicted]
+        for n in held:
+            n.host_ref += 1  # (making room must not evict the nodes they hang from)
+        slots = self._alloc_host(end - matched)
+        for n in held:
+            n.host_ref -= 1
+        if slots is None:
+            return 0
+        parent = path[-1] if path else self.root
+        node = TreeNode(key[matched:end], None, parent)
+        node.host_value, node.hash_value = slots, op.keys[first:num_pages]
+        parent.children[self._child_key(node.key)] = node
+        self.controller.load_pages_to_host(slots, op.pages[first:num_pages])
+        self.storage_hit_tokens += end - matched
+        return end - matched
 
     def load_back(self, last_host_node: TreeNode) -> TreeNode | None:
         """Brings the evicted nodes on the path to `last_host_node` back to the device: slots for them
@@ -193,6 +251,7 @@ class HiRadixCache(RadixCache):
             del parent.children[self._child_key(node.key)]
             if self._host_evictable(parent):
                 heapq.heappush(leaves, parent)
+        self.evicted_tokens += freed
         return freed
 
     def _host_evictable(self, node: TreeNode) -> bool:
@@ -222,12 +281,26 @@ class HiRadixCache(RadixCache):
         return problems
 
     def stats(self, cached_prompt_tokens: int) -> HiCacheStats:
-        """The tiers' figures, given the prompt tokens served from the cache as a whole."""
+        """The tiers' figures, given the prompt tokens served from the cache as a whole. (Pages read from
+        storage for a request are loaded back from the host right after: they count as storage hits.)"""
         c = self.controller
-        return HiCacheStats(
-            hit_tokens={"device": cached_prompt_tokens - self.host_hit_tokens, "host": self.host_hit_tokens},
+        stats = HiCacheStats(
+            hit_tokens={
+                "device": cached_prompt_tokens - self.host_hit_tokens,
+                "host": max(self.host_hit_tokens - self.storage_hit_tokens, 0),
+            },
             copied_bytes={"device_to_host": c.written.bytes, "host_to_device": c.loaded.bytes},
             copy_seconds={"device_to_host": c.written.seconds, "host_to_device": c.loaded.seconds},
             usage_tokens={"host": self.host_size()},
             capacity_tokens={"host": self.host_allocator.size},
         )
+        if c.storage is not None:
+            io, per_token = c.storage, c.host_pool.size_per_token
+            stats.hit_tokens["storage"] = self.storage_hit_tokens
+            stats.copied_bytes |= {"host_to_storage": io.written.bytes, "storage_to_host": io.read.bytes}
+            stats.copy_seconds |= {"host_to_storage": io.written.seconds, "storage_to_host": io.read.seconds}
+            stats.usage_tokens["storage"] = io.backend.usage_bytes() // per_token
+            stats.capacity_tokens["storage"] = io.backend.capacity_bytes() // per_token
+            stats.storage_failures = {"corrupt": io.backend.corrupt, "errors": io.failures}
+            stats.storage_failures["dropped_writes"] = io.dropped_writes
+        return stats

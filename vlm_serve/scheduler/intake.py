@@ -27,13 +27,14 @@ from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
 from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, request_failure
+from vlm_serve.scheduler.storage_prefetch import StoragePrefetch
 from vlm_serve.scheduler.tp_broadcast import TPBroadcast
 from vlm_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 ENCODER_WAIT_SECONDS = 0.05  # with nothing to run but media being encoded, wait this long per iteration
-TRANSFER_WAIT_SECONDS = 0.002  # the same for KV transfers (PD)
+TRANSFER_WAIT_SECONDS = 0.002  # the same for KV transfers (PD) and pages read from storage
 
 
 class SchedulerIntakeMixin:
@@ -54,6 +55,7 @@ class SchedulerIntakeMixin:
     tree_cache: RadixCache
     grammar_queue: GrammarQueue
     encoding: EncodingStage
+    storage_prefetch: StoragePrefetch | None
     disagg: PrefillDisaggregation | DecodeDisaggregation | None
     outputs: OutputStreamer
     metrics: SchedulerMetrics
@@ -90,6 +92,11 @@ class SchedulerIntakeMixin:
                     self._enqueue(req)
                 else:
                     self.finish(req, failure)
+        if self.storage_prefetch is not None and len(self.storage_prefetch):
+            if not self._has_work() and not len(self.encoding):
+                time.sleep(TRANSFER_WAIT_SECONDS)  # (the pages are read on another thread)
+            for req in self.storage_prefetch.poll():
+                self._past_storage(req)
         if len(self.encoding):
             self.process_encoding_results(0.0 if self._has_work() else ENCODER_WAIT_SECONDS)
         if self.disagg is not None and len(self.disagg):
@@ -155,7 +162,14 @@ class SchedulerIntakeMixin:
             self.to_waiting_queue(req)
 
     def to_waiting_queue(self, req: Req) -> None:
-        """A request to `waiting_queue`, through the encoding stage if its media need it."""
+        """A request to `waiting_queue`: first through the storage tier's stage if its prompt goes on past the
+        prefix cache (and the prefetch policy waits for the pages), then through the encoding stage if its
+        media need it."""
+        if self.storage_prefetch is not None and self.storage_prefetch.start(req):
+            return  # it goes on when its pages are read (`process_input_requests`)
+        self._past_storage(req)
+
+    def _past_storage(self, req: Req) -> None:
         if req.mm_items:
             covered = self.tree_cache.match_prefix(req.origin_input_ids[:-1]).covered
             if req.prompt_logprobs_pending:  # it computes its whole prompt: no cached prefix covers an item

@@ -40,7 +40,10 @@ class CachedReq(Protocol):
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "host_value", "lock_ref", "host_ref", "hit_count", "last_access")
+    __slots__ = (
+        "children", "parent", "key", "value", "host_value", "hash_value", "lock_ref", "host_ref", "hit_count",
+        "last_access",
+    )  # fmt: skip
 
     def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None) -> None:
         self.children: dict[object, TreeNode] = {}
@@ -48,6 +51,7 @@ class TreeNode:
         self.key = key
         self.value = value  # KV slots of `key` in the device pool, int64; None once evicted to the host tier
         self.host_value: torch.Tensor | None = None  # its slots in the host pool (HiRadixCache), if backed up
+        self.hash_value: list[str] | None = None  # its pages' keys in the storage tier, once computed
         self.lock_ref = 0
         self.host_ref = 0  # (HiRadixCache) held in the host pool while its KV is on its way to the device
         self.hit_count = 0
@@ -95,7 +99,7 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
-        self.evicted_tokens = 0  # device slots freed by `evict` so far (a match made before it may be stale)
+        self.evicted_tokens = 0  # tokens evicted from any tier so far (a match made before may be stale)
 
     # ---- sizes -------------------------------------------------------------------------------------
 
@@ -152,6 +156,9 @@ class RadixCache:
         upper.lock_ref, upper.host_ref, upper.hit_count = node.lock_ref, node.host_ref, node.hit_count
         if node.host_value is not None:
             upper.host_value, node.host_value = node.host_value[:n], node.host_value[n:]
+        if node.hash_value is not None:
+            pages = n // self.page_size
+            upper.hash_value, node.hash_value = node.hash_value[:pages], node.hash_value[pages:]
         upper.children = {self._child_key(node.key[n:]): node}
         node.parent.children[self._child_key(node.key)] = upper
         node.parent, node.key = upper, node.key[n:]

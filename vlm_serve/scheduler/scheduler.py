@@ -27,12 +27,14 @@ from collections.abc import Callable
 
 import torch
 
+from vlm_serve.checkpoint import checkpoint_fingerprint
 from vlm_serve.config import ServerArgs
 from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.transfer import KVLayout
 from vlm_serve.encoder.encoder import VisionEncoder
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
+from vlm_serve.llm.mem_cache.hicache_storage import create_storage_backend, namespace_key
 from vlm_serve.llm.mem_cache.memory_pool_host import TokenToKVPoolHost
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
@@ -40,7 +42,7 @@ from vlm_serve.llm.speculative.worker import SpeculativeWorker
 from vlm_serve.messages.backend import (
     SchedulerLimits,
 )
-from vlm_serve.scheduler.cache_controller import HiCacheController, run_inline
+from vlm_serve.scheduler.cache_controller import HiCacheController, StorageIO, run_inline
 from vlm_serve.scheduler.drafting import Drafting
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.grammar_queue import GrammarQueue
@@ -63,6 +65,7 @@ from vlm_serve.scheduler.schedule_policy import (
     SchedulePolicy,
 )
 from vlm_serve.scheduler.stats import SchedulerMetricsMixin
+from vlm_serve.scheduler.storage_prefetch import StoragePrefetch
 from vlm_serve.scheduler.tp_broadcast import TPBroadcast
 from vlm_serve.tokenizer import Tokenizer
 
@@ -128,6 +131,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             if encoder is not None:
                 encoder.run_on(self.forward_thread)  # an inline vision tower runs in order with the forwards
             weakref.finalize(self, self.forward_thread.shutdown)  # dropped or left without shutdown()
+        self.storage_prefetch: StoragePrefetch | None = None  # (with a storage tier)
         self.tree_cache = self._init_tree_cache()
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
@@ -165,9 +169,42 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         host_pool = TokenToKVPoolHost(device_pool, size)
         logger.info("host KV pool: %d tokens (%.1f MiB)", host_pool.size, host_pool.size * per_token / 2**20)
         submit = self.forward_thread.submit if self.forward_thread is not None else run_inline
-        controller = HiCacheController(device_pool, host_pool, submit)
-        return HiRadixCache(
-            self.req_to_token_pool, self.allocator, controller, self.page_size, args.hicache_write_policy
+        storage = None
+        if args.hicache_storage_backend is not None:
+            backend = create_storage_backend(args)
+            pending = host_pool.size * per_token // 4  # writes waiting beyond this are dropped
+            storage = StorageIO(backend, host_pool.page_shape(), host_pool.dtype, pending)
+        controller = HiCacheController(device_pool, host_pool, submit, storage)
+        tree = HiRadixCache(
+            self.req_to_token_pool,
+            self.allocator,
+            controller,
+            self.page_size,
+            args.hicache_write_policy,
+            self._storage_namespace() if storage is not None else "",
+        )
+        if storage is not None:
+            policy, timeout = args.hicache_storage_prefetch_policy, args.hicache_storage_prefetch_timeout
+            self.storage_prefetch = StoragePrefetch(tree, policy, timeout, self.tp_cpu_group)
+        return tree
+
+    def _storage_namespace(self) -> str:
+        """The root of the storage tier's keys: everything the KV of a prefix depends on besides its tokens."""
+        args, pool = self.server_args, self.runner.token_to_kv_pool
+        weights = [checkpoint_fingerprint(self.runner.model_config.path)]
+        if self.runner.draft_path is not None:  # (its KV is the pool's last layer)
+            weights.append(checkpoint_fingerprint(self.runner.draft_path))
+        if args.load_format == "dummy":
+            weights.append(f"random weights, seed {args.seed}")
+        _, heads, head_dim = pool.k_buffer[0].shape
+        return namespace_key(
+            weights,
+            str(self.runner.dtype),
+            str(args.resolved_weight_dtype(self.runner.model_config)),
+            self.runner.device.type,
+            self.runner.attn_backend.__class__.__name__,
+            (len(pool.k_buffer), heads, head_dim, pool.page_size),
+            (self.tp_size, args.ep_size, self.tp_rank),
         )
 
     def _init_disaggregation(self) -> PrefillDisaggregation | DecodeDisaggregation | None:
@@ -185,6 +222,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
     def shutdown(self) -> None:
         if self.disagg is not None:
             self.disagg.backend.close()
+        if self.storage_prefetch is not None:
+            self.storage_prefetch.tree.controller.storage.close()
         if self.forward_thread is not None:
             self.forward_thread.shutdown()
             self.forward_thread = None
@@ -267,6 +306,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             self.waiting_queue.remove(req)
         elif self.disagg is not None and self.disagg.remove(req):
             pass
+        elif self.storage_prefetch is not None and req in self.storage_prefetch:
+            pass  # (`finish` forgets its read)
         elif req.req_pool_idx is not None or req is self.chunked_req:
             req.to_finish = reason
             return
@@ -283,6 +324,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             req.transfer.abort()  # (the other side learns it; a finished transfer ignores it)
         if self.disagg is not None:
             self.disagg.forget(req)
+        if self.storage_prefetch is not None:
+            self.storage_prefetch.forget(req)
         self.encoding.release(req)
         req.finished_reason = reason
         del self.reqs[req.rid]
@@ -357,7 +400,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
                 or self.chunked_req
             ):
                 break
-            if not prefixes_matched or self.tree_cache.evicted_tokens != evicted:
+            # (pages read from storage for it join the host tier now, and no later: best_effort waits for none)
+            took = self.storage_prefetch is not None and self.storage_prefetch.take(req)
+            if not prefixes_matched or took or self.tree_cache.evicted_tokens != evicted:
                 req.match_prefix(self.tree_cache)
             if req.mm_items and self.encoding.add(req, len(req.prefix_indices) + req.host_hit_length):
                 self.waiting_queue.remove(req)  # its cached prefix shrank: it needs embeddings after all
