@@ -3,8 +3,9 @@
 logit bias, stops, min_tokens, log-probs, structured output, tools) and sends them to each set-up of the
 built-in model (`vlm_serve.testing.deployments.SETUPS`: the default with EAGLE-3 drafts in the overlap loop,
 the same in the normal loop, n-gram drafts, the overlap and normal loops (the latter with an encoder
-process, as on a GPU), small prefill chunks on pages of 4, TP 2 / EP 2 with an encoder pool of 2 (these two
-with a KV pool of 2,048 tokens over a host-memory tier), a PD pair behind sglang-router). Every request is answered with a 200 and a well-formed answer
+process, as on a GPU), small prefill chunks on pages of 4 and TP 2 / EP 2 with an encoder pool of 2 (these two
+with a KV pool of 2,048 tokens over a host-memory tier, the latter also over a storage tier), a PD pair
+behind sglang-router, its prefill server with a host tier). Every request is answered with a 200 and a well-formed answer
 (`vlm_serve.testing.answers.problems`); a deterministic one answers the same a second time (streamed or
 not), and a greedy one as the overlap loop without drafts does; no process dies; afterwards every server
 is idle and healthy, failed no request, and stops cleanly.

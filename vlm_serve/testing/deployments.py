@@ -30,6 +30,8 @@ from vlm_serve.server.ports import free_port
 NO_DRAFTS = ("--speculative-algorithm", "none")
 # prefixes overflow a small KV pool into a host-memory tier, and come back from it
 HOST_TIER = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "4")
+# and from the host tier into storage, in the set-up's log folder ({logs})
+STORAGE_TIER = ("--page-size", "16", "--hicache-storage-backend", "file", "--hicache-storage-dir", "{logs}/storage")
 SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags (None: a PD pair, default flags)
     "default": (),
     "eagle3-normal": ("--disable-overlap-schedule",),
@@ -37,7 +39,7 @@ SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags
     "overlap": NO_DRAFTS,
     "normal": (*NO_DRAFTS, "--disable-overlap-schedule", "--vit-dp", "1"),  # (a GPU's default encoder process)
     "chunked": ("--chunked-prefill-size", "16", "--page-size", "4", *HOST_TIER, "--hicache-write-policy", "write_back"),
-    "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2", *HOST_TIER),
+    "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2", *HOST_TIER, *STORAGE_TIER),
     "pd": None,
 }
 REFERENCE = "overlap"
@@ -130,7 +132,7 @@ class Deployment:
         bootstrap = str(free_port())
         pd_flags = ("--disaggregation-timeout", PD_TIMEOUT)
         prefill_flags = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", bootstrap)
-        prefill = self._serve("prefill", (*prefill_flags, *pd_flags))
+        prefill = self._serve("prefill", (*prefill_flags, *pd_flags, *HOST_TIER))  # (the decode side has no tiers)
         decode = self._serve("decode", ("--disaggregation-mode", "decode", *pd_flags))
         port = free_port()
         command = router_command(
@@ -177,7 +179,7 @@ class Deployment:
     def _serve(self, name: str, flags: tuple[str, ...]) -> Process:
         port = free_port()
         command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(BUILTIN_MODEL), "--port", str(port)]
-        command += flags
+        command += [flag.replace("{logs}", str(self.logs / self.name)) for flag in flags]
         server = self._spawn(name, command, f"http://127.0.0.1:{port}")
         self._wait(server, lambda: _healthy(server.url))
         return server

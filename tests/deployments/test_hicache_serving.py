@@ -1,0 +1,103 @@
+"""The prefix cache's tiers in real servers: `/metrics` tells what each tier served and holds, `cached_tokens`
+counts every tier, a server restarted on the same storage finds its prefixes there, and two replicas on one
+storage serve each other's prefixes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import metric, running_server
+from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.testing.media import make_image
+
+pytestmark = pytest.mark.server  # every test here starts real servers
+
+POOL = 512  # tokens: the KV pool holds about 4 conversations, its host tier (twice as large) the 8 of them
+CONVERSATIONS = 8
+
+
+def tier_flags(storage: Path) -> tuple[str, ...]:
+    return (
+        "--page-size", "16", "--max-total-tokens", str(POOL), "--enable-hierarchical-cache",
+        "--hicache-storage-backend", "file", "--hicache-storage-dir", str(storage),
+        "--hicache-storage-prefetch-policy", "wait_complete",
+    )  # fmt: skip
+
+
+def picture_url(seed: int) -> str:
+    buffer = io.BytesIO()
+    make_image(160, 160, seed=seed).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def ask(url: str, seed: int) -> dict:
+    """A chat about picture `seed`: its answer and usage."""
+    content = [
+        {"type": "image_url", "image_url": {"url": picture_url(seed)}},
+        {"type": "text", "text": "Describe this image. Then say where each shape is, and what colour it has."},
+    ]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def tier_metric(url: str, name: str, **label: str) -> float:
+    ((key, value),) = label.items()
+    return metric(url, f'{name}{{{key}="{value}"}}')
+
+
+def wait_for_storage(url: str) -> None:
+    """Until the pages backed up so far are written (storage writes run on a thread of their own)."""
+    deadline = time.monotonic() + 30
+    written = -1.0
+    while time.monotonic() < deadline:
+        now = tier_metric(url, "hicache_copied_bytes_total", copy="host_to_storage")
+        if now == written and now > 0:
+            return
+        written = now
+        time.sleep(0.3)
+    raise AssertionError("the storage writes did not settle")
+
+
+def test_metrics_count_every_tier_and_a_restarted_server_finds_its_prefixes_in_storage(tmp_path):
+    storage = tmp_path / "storage"
+    with running_server(BUILTIN_MODEL, *tier_flags(storage)) as server:
+        first = [ask(server.url, seed) for seed in range(CONVERSATIONS)]
+        again = [ask(server.url, seed) for seed in range(CONVERSATIONS)]  # (most left the pool meanwhile)
+        assert [a["choices"][0]["message"] for a in again] == [a["choices"][0]["message"] for a in first]
+        cached = sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in again)
+        tiers = ("device", "host", "storage")
+        served = sum(tier_metric(server.url, "hicache_hit_tokens_total", tier=t) for t in tiers)
+        assert cached > 0 and served == metric(server.url, "prompt_tokens_cached_total")
+        assert tier_metric(server.url, "hicache_hit_tokens_total", tier="host") > 0
+        assert tier_metric(server.url, "hicache_usage_tokens", tier="host") > 0
+        assert tier_metric(server.url, "hicache_copied_bytes_total", copy="host_to_device") > 0
+        assert tier_metric(server.url, "hicache_copy_seconds_total", copy="device_to_host") > 0
+        wait_for_storage(server.url)
+        assert tier_metric(server.url, "hicache_usage_tokens", tier="storage") > 0
+    with running_server(BUILTIN_MODEL, *tier_flags(storage)) as server:
+        warm = ask(server.url, 0)
+        assert warm["choices"][0]["message"] == first[0]["choices"][0]["message"]
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # the picture's tokens and more
+        assert tier_metric(server.url, "hicache_hit_tokens_total", tier="storage") > 0
+
+
+def test_two_replicas_on_one_storage_serve_each_others_prefixes(tmp_path):
+    storage = tmp_path / "storage"
+    with (
+        running_server(BUILTIN_MODEL, *tier_flags(storage)) as a,
+        running_server(BUILTIN_MODEL, *tier_flags(storage)) as b,
+    ):
+        answer = ask(a.url, 7)
+        wait_for_storage(a.url)
+        other = ask(b.url, 7)
+        assert other["choices"][0]["message"] == answer["choices"][0]["message"]
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert tier_metric(b.url, "hicache_hit_tokens_total", tier="storage") > 0
