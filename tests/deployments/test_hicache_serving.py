@@ -1,18 +1,23 @@
 """The prefix cache's tiers in real servers: `/metrics` tells what each tier served and holds, `cached_tokens`
 counts every tier, a server restarted on the same storage finds its prefixes there, and two replicas on one
-storage serve each other's prefixes."""
+storage (a directory, or Mooncake's store on loopback) serve each other's prefixes."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+import socket
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers import metric, running_server
+from helpers import free_port, metric, running_server, start_process, stop_tree
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.testing.media import make_image
 
@@ -22,11 +27,17 @@ POOL = 512  # tokens: the KV pool holds about 4 conversations, its host tier (tw
 CONVERSATIONS = 8
 
 
-def tier_flags(storage: Path) -> tuple[str, ...]:
+def tier_flags(storage: Path | None = None, mooncake: str | None = None) -> tuple[str, ...]:
+    """A small KV pool over a host tier and a storage tier: the `storage` directory, or the Mooncake store
+    whose master serves at `mooncake`."""
+    backend = (
+        ("file", "--hicache-storage-dir", str(storage))
+        if mooncake is None
+        else ("mooncake", "--hicache-storage-backend-extra-config", json.dumps({"master_server_address": mooncake}))
+    )
     return (
         "--page-size", "16", "--max-total-tokens", str(POOL), "--enable-hierarchical-cache",
-        "--hicache-storage-backend", "file", "--hicache-storage-dir", str(storage),
-        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-prefetch-policy", "wait_complete", "--hicache-storage-backend", *backend,
     )  # fmt: skip
 
 
@@ -66,9 +77,11 @@ def wait_for_storage(url: str) -> None:
     raise AssertionError("the storage writes did not settle")
 
 
-def test_metrics_count_every_tier_and_a_restarted_server_finds_its_prefixes_in_storage(tmp_path):
-    storage = tmp_path / "storage"
-    with running_server(BUILTIN_MODEL, *tier_flags(storage)) as server:
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_metrics_count_every_tier_and_a_restarted_server_finds_its_prefixes_in_storage(tmp_path, tp_size):
+    """(With TP 2 each rank stores and reads its own heads' pages; the ranks agree on what they use.)"""
+    flags = (*tier_flags(tmp_path / "storage"), "--tp-size", str(tp_size))
+    with running_server(BUILTIN_MODEL, *flags) as server:
         first = [ask(server.url, seed) for seed in range(CONVERSATIONS)]
         again = [ask(server.url, seed) for seed in range(CONVERSATIONS)]  # (most left the pool meanwhile)
         assert [a["choices"][0]["message"] for a in again] == [a["choices"][0]["message"] for a in first]
@@ -82,18 +95,45 @@ def test_metrics_count_every_tier_and_a_restarted_server_finds_its_prefixes_in_s
         assert tier_metric(server.url, "hicache_copy_seconds_total", copy="device_to_host") > 0
         wait_for_storage(server.url)
         assert tier_metric(server.url, "hicache_usage_tokens", tier="storage") > 0
-    with running_server(BUILTIN_MODEL, *tier_flags(storage)) as server:
+    with running_server(BUILTIN_MODEL, *flags) as server:
         warm = ask(server.url, 0)
         assert warm["choices"][0]["message"] == first[0]["choices"][0]["message"]
         assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # the picture's tokens and more
         assert tier_metric(server.url, "hicache_hit_tokens_total", tier="storage") > 0
 
 
-def test_two_replicas_on_one_storage_serve_each_others_prefixes(tmp_path):
-    storage = tmp_path / "storage"
+@pytest.fixture(params=["file", "mooncake"])
+def shared_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, ...]]:
+    """The flags of servers sharing a storage tier: a directory, or Mooncake's store (its master started here,
+    on loopback)."""
+    if request.param == "file":
+        yield tier_flags(tmp_path / "storage")
+        return
+    rpc = free_port()
+    log = tmp_path / "mooncake_master.log"
+    command = ["mooncake_master", f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"]
+    with log.open("w") as out:
+        master = start_process([*command, "--metrics_host=127.0.0.1"], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", rpc), 0.2).close()
+            break
+        except OSError:
+            assert master.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    try:
+        yield tier_flags(mooncake=f"127.0.0.1:{rpc}")
+    finally:
+        stop_tree(master)
+
+
+def test_two_replicas_on_one_storage_serve_each_others_prefixes(shared_storage):
+    """(Mooncake keeps a page in the memory one of its clients lends it: both servers live meanwhile.)"""
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}  # (Mooncake's data then goes over loopback)
     with (
-        running_server(BUILTIN_MODEL, *tier_flags(storage)) as a,
-        running_server(BUILTIN_MODEL, *tier_flags(storage)) as b,
+        running_server(BUILTIN_MODEL, *shared_storage, env=env) as a,
+        running_server(BUILTIN_MODEL, *shared_storage, env=env) as b,
     ):
         answer = ask(a.url, 7)
         wait_for_storage(a.url)

@@ -21,6 +21,7 @@ from helpers import descendants, process_name, run_process, start_process
 from vlm_serve.builtin.scenes import Scene, Shape, render
 from vlm_serve.cli import build_parser, main, parse_args, server_args_of
 from vlm_serve.config import SETTING_GROUPS, ServerArgs, setting_docs
+from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
 
 
@@ -233,3 +234,31 @@ def test_a_bad_choice_names_the_choices():
         ServerArgs(dtype="float8")
     result = _vlm_serve("serve", "--attention-backend", "triton")
     assert result.returncode == 2 and "invalid choice: 'triton'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"hicache_storage_backend": "file"}, "hicache_storage_backend is a tier under the host pool"),
+        ({"enable_hierarchical_cache": True, "hicache_ratio": 0.5}, "hicache_ratio must be >= 1"),
+        ({"enable_hierarchical_cache": True, "hicache_write_policy": "always"}, "hicache_write_policy must be one of"),
+        (
+            {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"},
+            "it needs page_size >= 16 .64 is a good size., not 1",
+        ),
+        (
+            {"enable_hierarchical_cache": True, "hicache_storage_backend": "s3", "page_size": 16},
+            "hicache_storage_backend must be one of file, mooncake",
+        ),
+        ({"hicache_storage_prefetch_policy": "eager"}, "hicache_storage_prefetch_policy must be one of"),
+        ({"hicache_storage_prefetch_timeout": 0}, "hicache_storage_prefetch_timeout must be > 0"),
+    ],
+)
+def test_hierarchical_cache_settings_that_cannot_work_are_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**settings)
+
+
+def test_a_host_pool_smaller_than_the_kv_pool_is_refused(tiny_moe_dir):
+    with pytest.raises(ValueError, match="fewer than the KV pool's 8192"):
+        Engine(tiny_moe_dir, max_total_tokens=8192, enable_hierarchical_cache=True, hicache_size=0.0001)

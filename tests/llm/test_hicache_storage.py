@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
+from vlm_serve.llm.mem_cache.hicache_mooncake import MooncakeStoreConfig
 from vlm_serve.llm.mem_cache.hicache_storage import HiCacheFile, frame, namespace_key, page_keys, unframe
 from vlm_serve.multimodal.hashing import pad_value
 
@@ -92,3 +95,18 @@ def test_a_restarted_file_backend_drops_the_oldest_files_over_a_smaller_bound(tm
     size = len(frame(b"q" * 100))
     smaller = HiCacheFile(tmp_path, max_bytes=2 * size)
     assert not smaller.exists("old") and smaller.exists("mid") and smaller.exists("new")
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("{", "is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ("{}", "needs the master's address"),
+        ('{"master_server_address": "h:1", "segment": 1}', r"unknown keys \['segment'\]"),
+    ],
+)
+def test_the_mooncake_backends_settings_are_checked_by_name(text, message):
+    with pytest.raises(ValueError, match=message):
+        MooncakeStoreConfig.from_json(text)
+    assert MooncakeStoreConfig.from_json('{"master_server_address": "h:1"}').metadata_server == "P2PHANDSHAKE"
