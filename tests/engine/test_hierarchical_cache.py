@@ -79,17 +79,20 @@ def tiers(store: Path, **settings) -> dict:
 def test_a_restarted_engine_finds_its_prefixes_in_storage_and_answers_the_same(
     tiny_moe_dir, conversations, reference, tmp_path, policy, loop
 ):
+    """(Where the policy waits for the pages, the pictures inside them need no vision tower either.)"""
     settings = tiers(tmp_path, hicache_storage_prefetch_policy=policy, **LOOPS[loop])
     with Engine(tiny_moe_dir, **settings) as engine:
         assert [o.token_ids for o in _answers(engine, conversations)] == reference
+        encoded_cold = engine.scheduler.get_stats().vit_items
     assert list(tmp_path.glob("*.kv"))
     with Engine(tiny_moe_dir, **settings) as engine:  # the same storage, nothing in memory
         outs = _answers(engine, conversations)
         assert [o.token_ids for o in outs] == reference
-        stats = engine.scheduler.get_stats().hicache
-        assert stats.hit_tokens["storage"] > 0 and stats.copied_bytes["storage_to_host"] > 0
+        stats = engine.scheduler.get_stats()
+        assert stats.hicache.hit_tokens["storage"] > 0 and stats.hicache.copied_bytes["storage_to_host"] > 0
         if policy != "best_effort":  # (best_effort takes what was read when the request runs: maybe less)
             assert all(o.cached_tokens >= PAGE for o in outs)
+            assert stats.vit_items < encoded_cold
 
 
 def test_a_small_kv_pool_overflows_into_the_host_and_storage_tiers_exactly(

@@ -34,7 +34,8 @@ from vlm_serve.disaggregation.transfer import KVLayout
 from vlm_serve.encoder.encoder import VisionEncoder
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
-from vlm_serve.llm.mem_cache.hicache_storage import create_storage_backend, namespace_key
+from vlm_serve.llm.mem_cache.hicache_factory import create_storage_backend
+from vlm_serve.llm.mem_cache.hicache_storage import namespace_key
 from vlm_serve.llm.mem_cache.memory_pool_host import TokenToKVPoolHost
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.overlap import ForwardThread, FutureMap

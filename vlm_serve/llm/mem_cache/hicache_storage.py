@@ -20,10 +20,6 @@ import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vlm_serve.config import HiCacheSettings
 
 MAGIC = b"VLMKV01\n"
 HEADER = struct.Struct("<8sQ32s")  # magic, payload length, blake2b-256 of the payload
@@ -163,12 +159,3 @@ class HiCacheFile(HiCacheStorage):
 
     def capacity_bytes(self) -> int:
         return self.max_bytes
-
-
-def create_storage_backend(args: HiCacheSettings) -> HiCacheStorage:
-    """The storage backend `--hicache-storage-backend` names, set up as its settings say."""
-    if args.hicache_storage_backend == "file":
-        return HiCacheFile(args.hicache_storage_dir, int(args.hicache_storage_size * 1e9))
-    from vlm_serve.llm.mem_cache.hicache_mooncake import HiCacheMooncake  # (imports mooncake: only when used)
-
-    return HiCacheMooncake.from_extra_config(args.hicache_storage_backend_extra_config)
