@@ -102,13 +102,14 @@ FINGERPRINT_BLOCKS = 16  # blocks read from each weight file
 FINGERPRINT_BLOCK_BYTES = 4096
 
 
-def checkpoint_fingerprint(model_dir: Path) -> str:
+def checkpoint_fingerprint(model_dir: Path, weights: bool = True) -> str:
     """A digest naming a checkpoint's weights without reading them whole: its config.json, and each weight
     file's name and size and 16 blocks of 4 KiB spread over it (the header, which names and places every
-    tensor, among them). Two checkpoints of the same shapes with other weights differ in nearly every block."""
+    tensor, among them). Two checkpoints of the same shapes with other weights differ in nearly every block.
+    (Without `weights`, the config alone: a checkpoint served with random weights may have no weight files.)"""
     h = hashlib.blake2b(digest_size=32)
     h.update((model_dir / "config.json").read_bytes())
-    for file in checkpoint_files(model_dir):
+    for file in checkpoint_files(model_dir) if weights else []:
         size = file.stat().st_size
         h.update(f"{file.name}\0{size}\0".encode())
         with file.open("rb") as f:

@@ -110,6 +110,21 @@ def test_a_small_kv_pool_overflows_into_the_host_and_storage_tiers_exactly(
         assert stats.hit_tokens["host"] > 0 and stats.hit_tokens["storage"] > 0
 
 
+def test_seeded_sampling_over_the_tiers_draws_what_it_draws_without_them(tiny_moe_dir, conversations, tmp_path):
+    """Seeded answers (temperature 1) from a small pool over both tiers, before and after a restart on warm
+    storage, equal those of an engine without tiers."""
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 1234}
+    with Engine(tiny_moe_dir, dtype="float32", page_size=PAGE) as engine:
+        expected = [engine.chat(c, **sampling).token_ids for c in conversations]
+    settings = tiers(tmp_path, max_total_tokens=8 * PAGE, hicache_storage_prefetch_policy="wait_complete")
+    for _ in range(2):  # (the second engine starts on the first one's storage)
+        with Engine(tiny_moe_dir, **settings) as engine:
+            for _ in range(2):
+                assert [engine.chat(c, **sampling).token_ids for c in conversations] == expected
+            assert sum(engine.scheduler.get_stats().hicache.hit_tokens.values()) > 0
+            engine.scheduler.check_memory()
+
+
 def test_a_damaged_storage_file_is_dropped_and_its_pages_computed_again(
     tiny_moe_dir, conversations, reference, tmp_path
 ):

@@ -299,7 +299,8 @@ class HiRadixCache(RadixCache):
             stats.hit_tokens["storage"] = self.storage_hit_tokens
             stats.copied_bytes |= {"host_to_storage": io.written.bytes, "storage_to_host": io.read.bytes}
             stats.copy_seconds |= {"host_to_storage": io.written.seconds, "storage_to_host": io.read.seconds}
-            stats.usage_tokens["storage"] = io.backend.usage_bytes() // per_token
+            if (usage := io.backend.usage_bytes()) is not None:  # (Mooncake's store is shared: not known here)
+                stats.usage_tokens["storage"] = usage // per_token
             stats.capacity_tokens["storage"] = io.backend.capacity_bytes() // per_token
             stats.storage_failures = {"corrupt": io.backend.corrupt, "errors": io.failures}
             stats.storage_failures["dropped_writes"] = io.dropped_writes

@@ -192,11 +192,12 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
     def _storage_namespace(self) -> str:
         """The root of the storage tier's keys: everything the KV of a prefix depends on besides its tokens."""
         args, pool = self.server_args, self.runner.token_to_kv_pool
-        weights = [checkpoint_fingerprint(self.runner.model_config.path)]
+        dummy = args.load_format == "dummy"
+        weights = [checkpoint_fingerprint(self.runner.model_config.path, weights=not dummy)]
+        if dummy:
+            weights.append(f"random weights, seed {args.seed}")
         if self.runner.draft_path is not None:  # (its KV is the pool's last layer)
             weights.append(checkpoint_fingerprint(self.runner.draft_path))
-        if args.load_format == "dummy":
-            weights.append(f"random weights, seed {args.seed}")
         _, heads, head_dim = pool.k_buffer[0].shape
         return namespace_key(
             weights,

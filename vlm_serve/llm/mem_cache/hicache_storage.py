@@ -72,8 +72,9 @@ class HiCacheStorage(ABC):
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 
-    def usage_bytes(self) -> int:
-        return 0
+    def usage_bytes(self) -> int | None:
+        """Bytes the store holds, where this server can know it."""
+        return None
 
     def capacity_bytes(self) -> int:
         return 0
