@@ -1,6 +1,6 @@
 """The prefix cache's tiers in real servers: `/metrics` tells what each tier served and holds, `cached_tokens`
-counts every tier, a server restarted on the same storage finds its prefixes there, and two replicas on one
-storage (a directory, or Mooncake's store on loopback) serve each other's prefixes."""
+counts every tier, a server restarted on the same storage finds its prefixes there, and two replicas behind
+sglang-router on one storage (a directory, or Mooncake's store on loopback) serve each other's prefixes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import free_port, metric, running_server, start_process, stop_tree
+from helpers import free_port, metric, running_router, running_server, start_process, stop_tree
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.testing.media import make_image
 
@@ -128,16 +128,24 @@ def shared_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[t
         stop_tree(master)
 
 
-def test_two_replicas_on_one_storage_serve_each_others_prefixes(shared_storage):
-    """(Mooncake keeps a page in the memory one of its clients lends it: both servers live meanwhile.)"""
+def test_two_replicas_behind_the_router_on_one_storage_serve_each_others_prefixes(shared_storage):
+    """sglang-router (round robin) sends the same prompt to one replica, then to the other, which finds its
+    prefix in the storage they share. (Mooncake keeps a page in the memory one of its clients lends it:
+    both servers live meanwhile.)"""
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}  # (Mooncake's data then goes over loopback)
     with (
         running_server(BUILTIN_MODEL, *shared_storage, env=env) as a,
         running_server(BUILTIN_MODEL, *shared_storage, env=env) as b,
+        running_router("--worker-urls", a.url, b.url, "--policy", "round_robin") as router,
     ):
-        answer = ask(a.url, 7)
-        wait_for_storage(a.url)
-        other = ask(b.url, 7)
-        assert other["choices"][0]["message"] == answer["choices"][0]["message"]
-        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        assert tier_metric(b.url, "hicache_hit_tokens_total", tier="storage") > 0
+        before = {s.url: metric(s.url, "requests_total") for s in (a, b)}
+        answer = ask(router, 7)
+        first, other = (a, b) if metric(a.url, "requests_total") > before[a.url] else (b, a)
+        wait_for_storage(first.url)
+        for _ in range(4):  # (round robin: the next request goes to the other replica)
+            again = ask(router, 7)
+            if metric(other.url, "requests_total") > before[other.url]:
+                break
+        assert again["choices"][0]["message"] == answer["choices"][0]["message"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert tier_metric(other.url, "hicache_hit_tokens_total", tier="storage") > 0
