@@ -13,6 +13,7 @@ from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
 from vlm_serve.llm.layers.attention import create_attention_backend
 from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
+from vlm_serve.llm.lora.layer import LORA_BATCH
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
@@ -138,7 +139,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_with_aux(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states of every new token, and the states an EAGLE-3 draft reads (or None)."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch) and LORA_BATCH.get() is None:
             return self.cuda_graphs.replay(batch), None
         self.attn_backend.begin_forward(batch)
         return self.model(batch)

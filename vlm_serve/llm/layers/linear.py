@@ -13,6 +13,7 @@ from torch import nn
 from vlm_serve.checkpoint import weight_format
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 from vlm_serve.llm.kernels import fp8_triton, linear_cpu
+from vlm_serve.llm.lora.layer import LORA_BATCH, LoRASlots
 from vlm_serve.quantization import FP8_DTYPE, dequantize_rows, shard_scales
 
 
@@ -23,6 +24,7 @@ class LinearBase(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # (this shard's: the weight may be packed)
         weights = weight_format()
         # of an FP8 checkpoint, the weight takes its storage when it loads: FP8 where the checkpoint
         # stores it so (with `weight_scale_inv`), the weights' dtype where it does not (routers, ...)
@@ -44,10 +46,11 @@ class LinearBase(nn.Module):
         # oneDNN's blocked layout (float32)
         self.panels: linear_cpu.Panels | None = None
         self.packed: torch.Tensor | None = None
+        self.lora: LoRASlots | None = None  # LoRA adapters' weights, where one targets this layer
 
     def rows(self, shard_id: int | str | None) -> tuple[int, int, int]:
         """Where the shard's rows of checkpoint tensor `shard_id` go: (first row here, rows, first row there)."""
-        return 0, self.weight.shape[0], 0
+        return 0, self.out_features, 0
 
     def columns(self) -> int:
         """The checkpoint column where this shard's columns start."""
@@ -92,6 +95,12 @@ class LinearBase(nn.Module):
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_forward(x)
+        if self.lora is not None and (batch := LORA_BATCH.get()) is not None:
+            y = self.lora.add_delta(x, y, batch)
+        return y
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return linear_cpu.linear(x, self.panels, self.bias)
         if self.packed is not None:
@@ -158,7 +167,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, divide(out_features, self.tp_size), bias)
 
     def rows(self, shard_id: int | str | None) -> tuple[int, int, int]:
-        size = self.weight.shape[0]
+        size = self.out_features
         return 0, size, self.tp_rank * size
 
 
@@ -208,7 +217,7 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def columns(self) -> int:
-        return self.tp_rank * self.weight.shape[1]
+        return self.tp_rank * self.in_features
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         if param.dim() == 1:  # the bias is added once, on rank 0

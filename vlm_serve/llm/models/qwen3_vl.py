@@ -25,6 +25,7 @@ from vlm_serve.llm.layers.linear import LinearBase, MergedColumnParallelLinear, 
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.layers.norm import RMSNorm, qkv_heads
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding
+from vlm_serve.llm.lora.layer import LORA_BATCH
 
 
 class Qwen3VLAttention(nn.Module):
@@ -173,6 +174,8 @@ class Qwen3VLTextModel(nn.Module):
         """The forward's layers as decoder_cpu.c calls, where every layer has them (`prepack`) and the batch
         is the C attention kernel's; else None: the layers run module by module."""
         if not isinstance(batch.attn_metadata, PagedBatch) or any(layer.fused is None for layer in self.layers):
+            return None
+        if LORA_BATCH.get() is not None:  # (adapters are added to the linears' outputs module by module)
             return None
         return decoder_cpu.DecoderStep(self.layers[0].fused.kernel, x.shape[0], cos, sin, batch.attn_metadata)
 

@@ -1,0 +1,101 @@
+"""LoRA adapters as peft saves them, served beside the base weights: the prefill logits of a prompt through
+an adapter equal PeftModel's, the base's stay the base's, and in one batch each run of rows goes through its
+own adapter."""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from vlm_serve.engine import Engine
+from vlm_serve.llm.layers.linear import ReplicatedLinear
+from vlm_serve.llm.lora.adapter import LoRAError, LoRAManager, read_adapter
+from vlm_serve.llm.lora.layer import LoRABatch, LoRASlots, lora_batch
+from vlm_serve.testing.logits import prefill_logits
+
+peft = pytest.importorskip("peft", reason="peft is the oracle of these tests (the test extra installs it)")
+
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = [5, 17, 300, 42, 7, 901, 66, 12, 450, 3, 88, 1000, 23]
+
+
+def hf_model(model_dir):
+    return transformers.Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def make_adapter(model_dir, folder, seed: int, **config) -> None:
+    """A peft adapter with random (non-zero) weights on the language model."""
+    torch.manual_seed(seed)
+    settings = {"r": 4, "lora_alpha": 8, "target_modules": TEXT_TARGETS, "init_lora_weights": False} | config
+    peft.get_peft_model(hf_model(model_dir), peft.LoraConfig(**settings)).save_pretrained(folder)
+
+
+def peft_logits(model_dir, folder) -> torch.Tensor:
+    model = peft.PeftModel.from_pretrained(hf_model(model_dir), folder).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([PROMPT])).logits[0]
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_prefill_logits_through_an_adapter_equal_peft_and_the_base_stays_the_base(tiny_dense_dir, tmp_path, rslora):
+    folder = tmp_path / "adapter"
+    make_adapter(tiny_dense_dir, folder, seed=1, use_rslora=rslora)
+    with Engine(tiny_dense_dir, dtype="float32") as engine:
+        base = prefill_logits(engine.scheduler, PROMPT)
+        manager = LoRAManager(engine.scheduler.runner.model, max_loras=2, max_rank=8)
+        slot = manager.load(read_adapter("a", folder, max_rank=8))
+        with lora_batch(LoRABatch(((0, len(PROMPT), slot),))):
+            adapted = prefill_logits(engine.scheduler, PROMPT)
+        again = prefill_logits(engine.scheduler, PROMPT)
+    expected = peft_logits(tiny_dense_dir, folder)
+    assert not torch.allclose(expected, base, atol=1e-3)  # (the adapter changes the answer)
+    torch.testing.assert_close(adapted, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(again, base)
+
+
+def test_each_run_of_rows_goes_through_its_own_adapter():
+    torch.manual_seed(0)
+    linear = ReplicatedLinear(8, 6, bias=False)
+    linear.weight.data.normal_()
+    linear.lora = LoRASlots(linear, num_slots=3, max_rank=2, num_parts=1)
+    adapters = [(torch.randn(2, 8), torch.randn(6, 2), 0.5 * (i + 1)) for i in range(3)]
+    for slot, (a, b, scaling) in enumerate(adapters):
+        linear.lora.set(slot, None, a, b, scaling)
+    x = torch.randn(7, 8)
+    row_slots = [2, 2, -1, 0, 0, 1, -1]
+    with lora_batch(LoRABatch.of_rows(row_slots)):
+        y = linear(x)
+    for row, slot in enumerate(row_slots):
+        want = x[row] @ linear.weight.T
+        if slot >= 0:
+            a, b, scaling = adapters[slot]
+            want = want + scaling * (b @ (a @ x[row]))
+        torch.testing.assert_close(y[row], want, atol=1e-5, rtol=1e-5)
+    assert LoRABatch.of_rows([-1, -1]) is None
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"r": 16}, "has rank 16, above --max-lora-rank 8"),
+        ({"use_dora": True}, "DoRA"),
+        ({"target_modules": ["lm_head"]}, "saves the embeddings or the LM head whole"),
+        ({"layers_to_transform": [0]}, r"targets modules this model does not have: \['model.language_model.layers.9"),
+    ],
+)
+def test_an_adapter_that_cannot_be_served_is_refused_by_name(tiny_dense_dir, tmp_path, config, message):
+    folder = tmp_path / "adapter"
+    make_adapter(tiny_dense_dir, folder, seed=2, **config)
+    if "layers_to_transform" in config:  # (an adapter made for a deeper model: its layer 0 renamed layer 9)
+        weights = safetensors.torch.load_file(folder / "adapter_model.safetensors")
+        renamed = {k.replace(".layers.0.", ".layers.9."): v for k, v in weights.items()}
+        safetensors.torch.save_file(renamed, folder / "adapter_model.safetensors")
+    with Engine(tiny_dense_dir, dtype="float32") as engine, pytest.raises(LoRAError, match=message):
+        LoRAManager(engine.scheduler.runner.model, max_loras=1, max_rank=8).load(read_adapter("a", folder, 8))
+
+
+def test_a_folder_without_the_adapter_files_is_refused_naming_the_file(tmp_path):
+    with pytest.raises(LoRAError, match="adapter_config.json is missing"):
+        read_adapter("a", tmp_path, max_rank=8)

@@ -1,0 +1,87 @@
+"""LoRA on a linear layer: one base GEMM for the whole batch, and for each run of rows that uses an adapter
+that adapter's low-rank product added to it (S-LoRA and Punica's segmented product, in torch here).
+
+A layer's adapters sit in slots: `A` (slots, parts x max_rank, in) and `B` (slots, out, parts x max_rank), the
+adapter's scaling folded into `B`. A fused projection (q/k/v, gate/up) holds each part's adapter in its own
+block of ranks, so its `B` is block-diagonal. Each tensor-parallel shard keeps its part, cut as the base
+weight is: `B`'s rows on a column-parallel layer, `A`'s columns on a row-parallel one (whose partial
+products the all-reduce then sums with the base's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Which adapter slot each run of a forward's rows goes through: (first row, end row, slot); rows in
+    no run use the base alone."""
+
+    segments: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of_rows(cls, row_slots: list[int]) -> LoRABatch | None:
+        """From each row's slot (-1: the base); None when every row uses the base."""
+        segments, start = [], 0
+        for i in range(1, len(row_slots) + 1):
+            if i == len(row_slots) or row_slots[i] != row_slots[start]:
+                if row_slots[start] >= 0:
+                    segments.append((start, i, row_slots[start]))
+                start = i
+        return cls(tuple(segments)) if segments else None
+
+
+LORA_BATCH: ContextVar[LoRABatch | None] = ContextVar("lora_batch", default=None)
+
+
+@contextlib.contextmanager
+def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
+    """The adapters of the forward run inside (None: the base alone)."""
+    token = LORA_BATCH.set(batch)
+    try:
+        yield
+    finally:
+        LORA_BATCH.reset(token)
+
+
+PARTS = {"q": 0, "k": 1, "v": 2, None: 0}  # a fused projection's part -> its block of ranks (gate/up: 0, 1)
+
+
+class LoRASlots:
+    """A linear layer's adapters, one per slot (see the module's docstring)."""
+
+    def __init__(self, linear, num_slots: int, max_rank: int, num_parts: int) -> None:
+        """`linear`: the LinearBase it belongs to (not imported: it imports this module)."""
+        self.linear = linear
+        self.max_rank = max_rank
+        dtype, device = torch.float32, linear.device
+        self.A = torch.zeros(num_slots, num_parts * max_rank, linear.in_features, dtype=dtype, device=device)
+        self.B = torch.zeros(num_slots, linear.out_features, num_parts * max_rank, dtype=dtype, device=device)
+
+    def set(self, slot: int, shard_id: int | str | None, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """One part's adapter (checkpoint tensors: `a` (rank, in), `b` (out, rank)) into `slot`, this shard's
+        cut of it."""
+        rank = a.shape[0]
+        first = shard_id if isinstance(shard_id, int) else PARTS[shard_id]
+        ranks = slice(first * self.max_rank, first * self.max_rank + rank)
+        here, count, there = self.linear.rows(shard_id)
+        a = a.narrow(1, self.linear.columns(), self.linear.in_features)
+        self.A[slot, ranks] = a.to(self.A.dtype)
+        self.B[slot, here : here + count, ranks] = (b.narrow(0, there, count) * scaling).to(self.B.dtype)
+
+    def clear(self, slot: int) -> None:
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        """`y` (the base's output for `x`) with each run of rows' adapter product added (in place)."""
+        for start, end, slot in batch.segments:
+            rows = x[start:end].to(self.A.dtype)
+            y[start:end] += ((rows @ self.A[slot].T) @ self.B[slot].T).to(y.dtype)
+        return y
