@@ -61,7 +61,7 @@ POSITIVE = {  # the settings that count something: at least 1 (where set)
     "vit_max_patches_per_pass", "vit_threads", "max_media_mb", "max_image_pixels", "limit_mm_per_prompt",
     "mm_max_image_pixels", "mm_max_video_pixels", "mm_max_frames", "tokenizer_workers", "speculative_num_draft_tokens",
     "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
-    "speculative_disable_by_batch_size", "cuda_graph_max_bs",
+    "speculative_disable_by_batch_size", "cuda_graph_max_bs", "max_loras", "max_lora_rank",
 }  # fmt: skip
 ABOVE_ZERO = {  # seconds, rates and factors: above 0
     "media_fetch_timeout", "mm_max_fps", "grammar_compile_timeout", "disaggregation_timeout", "schedule_conservativeness",
@@ -269,6 +269,28 @@ class MediaLimitSettings(Settings):
 
 
 @dataclass(frozen=True)
+class LoRASettings(Settings):
+    """LoRA adapters served beside the base weights, chosen per request."""
+
+    title: ClassVar[str] = "LoRA adapters"
+    enable_lora: bool = False  # serve LoRA adapters (peft's format), each request through the one it names
+    lora_paths: list[str] = field(default_factory=list)  # adapters loaded at start: NAME=FOLDER (or FOLDER: its name)
+    max_loras: int = 4  # adapters resident at once (each a slot in the layers it adapts)
+    max_lora_rank: int = 16  # the highest rank an adapter may have
+
+    def check(self) -> None:
+        if self.lora_paths and not self.enable_lora:
+            raise ValueError("lora_paths needs enable_lora")
+        if len(self.lora_paths) > self.max_loras:
+            raise ValueError(f"{len(self.lora_paths)} lora_paths do not fit in max_loras {self.max_loras}")
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters to load at start, by name."""
+        named = [p.split("=", 1) if "=" in p else [Path(p).name, p] for p in self.lora_paths]
+        return dict(named)
+
+
+@dataclass(frozen=True)
 class SpeculativeSettings(Settings):
     """Draft tokens verified in one forward."""
 
@@ -388,13 +410,14 @@ class LogSettings(Settings):
 # the concerns, in the order --help shows them
 CONCERNS: tuple[type[Settings], ...] = (
     ModelSettings, SchedulerSettings, HiCacheSettings, EncoderSettings, MediaSettings, MediaLimitSettings,
-    SpeculativeSettings, ParallelSettings, DisaggregationSettings, HttpSettings, GpuSettings, LogSettings,
+    LoRASettings, SpeculativeSettings, ParallelSettings, DisaggregationSettings, HttpSettings, GpuSettings,
+    LogSettings,
 )  # fmt: skip
 # What an in-process `Engine` reads (the `generate`, `caption` and `demo` commands); the others are the HTTP
 # server's, its requests' limits, and ranks in processes of their own (TP/EP, nodes, PD).
 ENGINE_CONCERNS: tuple[type[Settings], ...] = (
-    ModelSettings, SchedulerSettings, HiCacheSettings, EncoderSettings, MediaSettings, SpeculativeSettings,
-    GpuSettings, LogSettings,
+    ModelSettings, SchedulerSettings, HiCacheSettings, EncoderSettings, MediaSettings, LoRASettings,
+    SpeculativeSettings, GpuSettings, LogSettings,
 )  # fmt: skip
 SETTING_GROUPS: dict[str, tuple[str, ...]] = {c.title: tuple(f.name for f in fields(c)) for c in CONCERNS}
 ENGINE_SETTINGS = tuple(f.name for c in ENGINE_CONCERNS for f in fields(c))
@@ -408,6 +431,7 @@ class ServerArgs(
     DisaggregationSettings,
     ParallelSettings,
     SpeculativeSettings,
+    LoRASettings,
     MediaLimitSettings,
     MediaSettings,
     EncoderSettings,

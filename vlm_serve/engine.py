@@ -207,11 +207,11 @@ class Engine:
         return self.generate_processed([processed], **kwargs)[0]
 
     def generate_processed(
-        self, inputs: list[ProcessedInput], priority: int = 0, **sampling: Any
+        self, inputs: list[ProcessedInput], priority: int = 0, lora: str | None = None, **sampling: Any
     ) -> list[GenerateOutput]:
-        """Already tokenized and preprocessed inputs, all scheduled together. If one fails (see the
-        module's docstring), the others are aborted and its error is raised."""
-        submissions = [self.submit(x, priority, **sampling) for x in inputs]
+        """Already tokenized and preprocessed inputs, all scheduled together (through LoRA adapter `lora`,
+        if named). If one fails (see the module's docstring), the others are aborted and its error is raised."""
+        submissions = [self.submit(x, priority, lora=lora, **sampling) for x in inputs]
         choices = [c for s in submissions for c in s.choices]
         self._wait(choices)
         failed = next((c for c in choices if c.failed), None)
@@ -227,16 +227,17 @@ class Engine:
         x: ProcessedInput,
         priority: int = 0,
         bootstrap: BootstrapInfo | list[BootstrapInfo] | None = None,
+        lora: str | None = None,
         **sampling: Any,
     ) -> Submission:
         """Queues one prompt and returns at once: call `step()` until `done`, then `result()`. Prompts
         submitted this way are batched continuously with everything else in flight. Bad sampling values
         raise here; a failure later (a refusal by the scheduler, an image that could not be encoded, ...)
         is raised by `result()`. `bootstrap` (one, or one per choice) makes it one side of a prefill/decode
-        pair."""
+        pair; `lora` names the LoRA adapter it runs through (None: the base model)."""
         if self.scheduler is None:
             raise RuntimeError("the engine was shut down")
-        request = GenerateReqInput(x, sampling, priority, bootstrap)
+        request = GenerateReqInput(x, sampling, priority, bootstrap, lora)
         messages = request.normalize(f"req{next(self._ids)}", self.default_sampling, self.scheduler.limits)
         choices = [_Choice(m.rid) for m in messages]
         self._choices.update((c.rid, c) for c in choices)

@@ -15,6 +15,7 @@ SAMPLED = -1  # in `ForwardBatch.draft_next_ids`
 
 if TYPE_CHECKING:
     from vlm_serve.llm.layers.sampler import SampleOutput, SampleRow
+    from vlm_serve.llm.lora.layer import LoRABatch
     from vlm_serve.llm.prompt_logprobs import PromptLogprobSpan
     from vlm_serve.llm.speculative.draft_state import ChainRequest, DraftState
     from vlm_serve.messages.logprobs import PromptLogprobs
@@ -74,6 +75,7 @@ class ForwardBatch:
     sampling: list[SampleRow] = field(default_factory=list)  # one per request (TARGET_VERIFY: per position)
     future_start: int = 0
     has_futures: bool = True  # whether an input id or a sampling row's output is a future id (False: none is)
+    lora: LoRABatch | None = None  # which rows go through which LoRA adapter (None: the base alone)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)  # rows giving prompt log-probs
     attn_backend: Attention | None = None
     attn_metadata: Any = None  # the backend's index tensors for this batch (`init_forward_metadata`)

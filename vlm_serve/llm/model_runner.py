@@ -13,7 +13,8 @@ from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
 from vlm_serve.llm.layers.attention import create_attention_backend
 from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
-from vlm_serve.llm.lora.layer import LORA_BATCH
+from vlm_serve.llm.lora.adapter import LoRAManager, read_adapter
+from vlm_serve.llm.lora.layer import lora_batch
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
@@ -72,6 +73,11 @@ class ModelRunner:
         )
         self.cuda_graphs = self._capture_cuda_graphs() if self._uses_cuda_graphs() else None
         self.sampler = Sampler(model_config.eos_token_ids)
+        self.lora: LoRAManager | None = None  # LoRA adapters' slots (--enable-lora)
+        if server_args.enable_lora:
+            self.lora = LoRAManager(self.model, server_args.max_loras, server_args.max_lora_rank)
+            for name, folder in server_args.lora_adapters().items():
+                self.lora.load(read_adapter(name, folder, server_args.max_lora_rank))
         # a batch has at most one row per request, and the chunked request's on top in a mixed batch
         self.future_map = FutureMap(self.req_to_token_pool.size + 1, self.device)
 
@@ -139,10 +145,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_with_aux(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states of every new token, and the states an EAGLE-3 draft reads (or None)."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch) and LORA_BATCH.get() is None:
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch) and batch.lora is None:
             return self.cuda_graphs.replay(batch), None
         self.attn_backend.begin_forward(batch)
-        return self.model(batch)
+        with lora_batch(batch.lora):
+            return self.model(batch)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

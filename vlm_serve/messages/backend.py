@@ -61,6 +61,7 @@ class TokenizedGenerateReq:
     mm_items: list[MultimodalItem] = field(default_factory=list)
     priority: int = 0
     bootstrap: BootstrapInfo | None = None  # set on both sides of a prefill/decode pair
+    lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
 
 
 @dataclass

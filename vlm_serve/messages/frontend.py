@@ -28,6 +28,7 @@ class GenerateReqInput:
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     bootstrap: BootstrapInfo | list[BootstrapInfo] | None = None
+    lora_name: str | None = None  # a LoRA adapter's name (None: the base model)
 
     def sampling_params(self, defaults: dict[str, Any], limits: SchedulerLimits) -> SamplingParams:
         """The settings over `defaults` (the checkpoint's generation config). Without max_tokens an
@@ -49,7 +50,9 @@ class GenerateReqInput:
         choices = params.per_choice()
         x = self.input
         return [
-            TokenizedGenerateReq(f"{rid}-{i}", x.input_ids, choice, x.mm_items, self.priority, bootstrap)
+            TokenizedGenerateReq(
+                f"{rid}-{i}", x.input_ids, choice, x.mm_items, self.priority, bootstrap, self.lora_name
+            )
             for i, (choice, bootstrap) in enumerate(zip(choices, self._bootstraps(len(choices))))
         ]
 

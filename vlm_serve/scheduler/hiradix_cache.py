@@ -87,7 +87,9 @@ class HiRadixCache(RadixCache):
         if slots is None:
             return False
         node.host_value = slots
-        keys = self._page_keys(node) if self.controller.storage is not None else None
+        # (a LoRA adapter's KV, keyed above every int64, is not stored: storage keys name the base model's KV)
+        stored = self.controller.storage is not None and node.key[0] < 1 << 63
+        keys = self._page_keys(node) if stored else None
         self.controller.write(slots, node.value, keys, deferred=deferred)
         return True
 

@@ -114,6 +114,10 @@ class SchedulerIntakeMixin:
             bootstrap=message.bootstrap,
         )
         try:
+            if message.lora_name is not None:
+                if self.runner.lora is None:
+                    raise ValueError(f"LoRA adapter {message.lora_name!r} asked of a server without --enable-lora")
+                req.lora_slot, req.lora_id = self.runner.lora.resolve(message.lora_name)
             self.add_request(req)
         except Exception as exc:  # noqa: BLE001 - ValueError: the request's own fault; else the server's, its alone
             if isinstance(exc, ValueError):
@@ -171,7 +175,7 @@ class SchedulerIntakeMixin:
 
     def _past_storage(self, req: Req) -> None:
         if req.mm_items:
-            covered = self.tree_cache.match_prefix(req.origin_input_ids[:-1]).covered
+            covered = self.tree_cache.match_prefix(req.cache_key(req.origin_input_ids[:-1])).covered
             if req.prompt_logprobs_pending:  # it computes its whole prompt: no cached prefix covers an item
                 covered = 0
             if self.encoding.add(req, covered):

@@ -36,6 +36,8 @@ class CachedReq(Protocol):
     last_host_node: TreeNode | None  # where the match ends in the host tier (HiRadixCache), if it goes on there
     host_hit_length: int
 
+    def cache_key(self, ids: list[int]) -> list[int]: ...
+
     def reset_kv(self) -> None: ...
 
 
@@ -202,7 +204,7 @@ class RadixCache:
         aligned = req.kv_len - req.kv_len % self.page_size
         if self.disable or aligned <= len(req.prefix_indices):
             return
-        keys = req.fill_ids[:aligned]
+        keys = req.cache_key(req.fill_ids[:aligned])
         cached = self.insert(keys, slots[:aligned])
         self.allocator.free(slots[len(req.prefix_indices) : cached])
         match = self.match_prefix(keys)
@@ -222,7 +224,7 @@ class RadixCache:
         if keep and not self.disable:
             known = min(req.kv_len, len(req.fill_ids))
             aligned = known - known % self.page_size
-            cached = self.insert(req.fill_ids[:aligned], slots[:aligned])
+            cached = self.insert(req.cache_key(req.fill_ids[:aligned]), slots[:aligned])
             self.allocator.free(slots[own_from:cached])
             own_from = aligned  # the tree took [cached, aligned)
         self.allocator.free(slots[own_from:])

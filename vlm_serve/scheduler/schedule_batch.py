@@ -14,6 +14,7 @@ from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop, find_stop_r
 from vlm_serve.llm.forward_batch import SAMPLED, ForwardBatch, ForwardMode
 from vlm_serve.llm.layers.rotary import mrope_positions
 from vlm_serve.llm.layers.sampler import SampleRow, set_drafts
+from vlm_serve.llm.lora.layer import LoRABatch
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
@@ -81,6 +82,10 @@ class Req:
     # and after it, the part of the match in the host tier (HiRadixCache): loaded back when admitted
     last_host_node: TreeNode | None = None
     host_hit_length: int = 0
+    # the LoRA adapter it runs through: its slot in the layers (-1: the base) and its id, which keeps the
+    # KV computed through it apart in the prefix cache (0: the base)
+    lora_slot: int = -1
+    lora_id: int = 0
     # KV state: the request's row in req_to_token_pool holds `kv_len` computed tokens of `fill_ids`
     req_pool_idx: int | None = None
     kv_len: int = 0
@@ -215,7 +220,7 @@ class Req:
         sampled), and so is every prompt position whose log-prob is still to come (a cached position
         has no logits)."""
         limit = self.prompt_logprob_start if self.prompt_logprobs_pending else self.seq_len - 1
-        match = tree_cache.match_prefix(self.fill_ids[:limit])
+        match = tree_cache.match_prefix(self.cache_key(self.fill_ids[:limit]))
         self.prefix_indices, self.last_node = match.indices, match.last_node
         self.last_host_node, self.host_hit_length = match.last_host_node, match.host_hit_length
         self.extend_len = self.seq_len - len(self.prefix_indices)
@@ -266,6 +271,14 @@ class Req:
         if len(self.output_ids) >= params.max_new_tokens:
             return FinishReason("length")
         return None
+
+    def cache_key(self, ids: list[int]) -> list[int]:
+        """The prefix cache's key of its tokens `ids`: through an adapter, each id moved above every id the
+        base's keys hold (pad values included), into a range of the adapter's own."""
+        if not self.lora_id:
+            return ids
+        offset = self.lora_id << 64
+        return [t + offset for t in ids]
 
     def reset_kv(self) -> None:
         self.prefix_indices, self.last_node = _EMPTY, None
@@ -457,6 +470,7 @@ class ScheduleBatch:
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=[s - p for s, p in zip(seq_lens, prefix_lens)],
             has_futures=any(r.future_token for r in self.reqs),
+            lora=LoRABatch.of_runs([s - p for s, p in zip(seq_lens, prefix_lens)], [r.lora_slot for r in self.reqs]),
         )
 
     # ---- decode memory -----------------------------------------------------------------------------

@@ -414,7 +414,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
                 and not req.prompt_logprobs_pending
                 and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
             ):
-                uncached = req.fill_ids[len(req.prefix_indices) :]
+                uncached = req.cache_key(req.fill_ids[len(req.prefix_indices) :])
                 if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                     continue  # it will hit the cache next round
             if self.server_args.enable_priority_scheduling:
@@ -427,7 +427,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             else:
                 result = adder.add_one_req(req)
             if req in adder.can_run_list and not self.tree_cache.disable:
-                uncached = req.fill_ids[len(req.prefix_indices) :]
+                uncached = req.cache_key(req.fill_ids[len(req.prefix_indices) :])
                 in_batch.insert(uncached, torch.zeros(len(uncached), dtype=torch.int64))
             if result != AddReqResult.CONTINUE:
                 break

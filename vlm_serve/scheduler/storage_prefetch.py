@@ -48,6 +48,8 @@ class StoragePrefetch:
         """Starts reading `req`'s pages beyond the tree; True if it waits for them here."""
         if req.rid in self.ops or req.prompt_logprobs_pending:  # (a prompt whose log-probs it asks is computed)
             return False
+        if req.lora_id:  # (storage keys name the base model's KV only, as yet)
+            return False
         started = self.tree.prefetch_from_storage(req.origin_input_ids[:-1])
         if started is None:
             return False

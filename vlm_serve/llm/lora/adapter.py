@@ -95,6 +95,8 @@ class LoRAManager:
         self.max_loras, self.max_rank, self.elsewhere = max_loras, max_rank, elsewhere
         self.linears = {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
         self.slots: list[LoRAAdapter | None] = [None] * max_loras
+        self.ids = [0] * max_loras  # each slot's adapter's id: a new one at every load (its KV's cache namespace)
+        self._loads = 0
 
     def load(self, adapter: LoRAAdapter) -> int:
         """Puts `adapter` in a free slot; returns the slot."""
@@ -112,7 +114,17 @@ class LoRAManager:
                 linear.lora = LoRASlots(linear, self.max_loras, self.max_rank, parts)
             linear.lora.set(slot, part, a, b, adapter.scaling)
         self.slots[slot] = adapter
+        self._loads += 1
+        self.ids[slot] = self._loads
         return slot
+
+    def resolve(self, name: str) -> tuple[int, int]:
+        """The slot and id of the loaded adapter `name`."""
+        for slot, adapter in enumerate(self.slots):
+            if adapter is not None and adapter.name == name:
+                return slot, self.ids[slot]
+        loaded = sorted(a.name for a in self.slots if a is not None)
+        raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
 
     def unload(self, slot: int) -> None:
         for linear in self.linears.values():

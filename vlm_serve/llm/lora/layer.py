@@ -26,6 +26,19 @@ class LoRABatch:
     segments: tuple[tuple[int, int, int], ...]
 
     @classmethod
+    def of_runs(cls, lengths: list[int], slots: list[int]) -> LoRABatch | None:
+        """From each request's rows in the batch (`lengths`, back to back) and its slot (-1: the base)."""
+        segments, start = [], 0
+        for n, slot in zip(lengths, slots, strict=True):
+            if slot >= 0 and n:
+                if segments and segments[-1][1] == start and segments[-1][2] == slot:
+                    segments[-1] = (segments[-1][0], start + n, slot)
+                else:
+                    segments.append((start, start + n, slot))
+            start += n
+        return cls(tuple(segments)) if segments else None
+
+    @classmethod
     def of_rows(cls, row_slots: list[int]) -> LoRABatch | None:
         """From each row's slot (-1: the base); None when every row uses the base."""
         segments, start = [], 0
@@ -81,6 +94,8 @@ class LoRASlots:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """`y` (the base's output for `x`) with each run of rows' adapter product added (in place)."""
+        if batch.segments[-1][1] > x.shape[0]:  # (counts that do not match the batch would adapt wrong rows)
+            raise RuntimeError(f"LoRA runs cover rows up to {batch.segments[-1][1]}, the batch has {x.shape[0]}")
         for start, end, slot in batch.segments:
             rows = x[start:end].to(self.A.dtype)
             y[start:end] += ((rows @ self.A[slot].T) @ self.B[slot].T).to(y.dtype)
