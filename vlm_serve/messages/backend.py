@@ -76,6 +76,27 @@ class FlushCacheReq:
 
 
 @dataclass
+class LoadLoRAReq:
+    """Load the LoRA adapter in folder `path` under `name` (every TP rank)."""
+
+    name: str
+    path: str
+
+
+@dataclass
+class UnloadLoRAReq:
+    name: str
+
+
+@dataclass
+class LoRAOut:
+    """Whether a LoRA adapter was loaded or unloaded, and if not why (the request's fault: a 400)."""
+
+    success: bool
+    message: str = ""
+
+
+@dataclass
 class FlushCacheOut:
     success: bool
     message: str = ""

@@ -10,13 +10,17 @@ from typing import Any
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import IncrementalDetokenizer
+from vlm_serve.llm.lora.adapter import LoRAError, read_adapter
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.messages.backend import (
     AbortReq,
     FlushCacheReq,
     GetStatsReq,
+    LoadLoRAReq,
+    LoRAOut,
     SchedulerLimits,
     TokenizedGenerateReq,
+    UnloadLoRAReq,
 )
 from vlm_serve.multimodal.hashing import pad_input_ids
 from vlm_serve.scheduler.encoding_stage import EncodingStage
@@ -84,6 +88,8 @@ class SchedulerIntakeMixin:
                 self.outputs.replies.append(self.flush_cache())
             elif isinstance(message, GetStatsReq):
                 self.outputs.replies.append(self.get_stats())
+            elif isinstance(message, LoadLoRAReq | UnloadLoRAReq):
+                self.outputs.replies.append(self.change_lora(message))
             else:
                 logger.error("unknown message %s ignored", type(message).__name__)
         if self.grammar_queue:  # (the same on every rank: this step may broadcast)
@@ -103,6 +109,26 @@ class SchedulerIntakeMixin:
             if not self._has_work() and not len(self.encoding):
                 time.sleep(TRANSFER_WAIT_SECONDS)  # (the transfers move on other threads)
             self.disagg.process()
+
+    def change_lora(self, message: LoadLoRAReq | UnloadLoRAReq) -> LoRAOut:
+        """Loads or unloads a LoRA adapter (an adapter still in use by a request is not unloaded)."""
+        manager = self.runner.lora
+        try:
+            if manager is None:
+                raise LoRAError("this server was started without --enable-lora")
+            if isinstance(message, LoadLoRAReq):
+                if any(a is not None and a.name == message.name for a in manager.slots):
+                    raise LoRAError(f"a LoRA adapter named {message.name!r} is loaded already")
+                manager.load(read_adapter(message.name, message.path, manager.max_rank))
+                return LoRAOut(True)
+            slot, _ = manager.resolve(message.name)
+            using = sum(r.lora_slot == slot for r in self.reqs.values())
+            if using:
+                raise LoRAError(f"LoRA adapter {message.name!r} is in use by {using} request(s): unload it after them")
+            manager.unload(slot)
+            return LoRAOut(True)
+        except LoRAError as exc:
+            return LoRAOut(False, str(exc))
 
     def handle_generate_request(self, message: TokenizedGenerateReq) -> None:
         req = Req(

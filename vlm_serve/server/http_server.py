@@ -41,10 +41,11 @@ from vlm_serve.errors import (
     Conflict,
     InternalError,
     MethodNotAllowed,
+    ModelNotFoundError,
     NotFound,
     Unauthorized,
 )
-from vlm_serve.messages.backend import SchedulerLimits
+from vlm_serve.messages.backend import LoadLoRAReq, SchedulerLimits, UnloadLoRAReq
 from vlm_serve.messages.frontend import GenerateReqInput
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
@@ -55,6 +56,7 @@ from vlm_serve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoRAAdapterRequest,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -292,19 +294,40 @@ def create_app(tm: TokenizerManager, serving: OpenAIServing, state: ServerState,
     async def version() -> JSONResponse:
         return JSONResponse({"version": importlib.metadata.version("vlm_serve")})
 
-    def model_card() -> ModelCard:
+    def model_card(lora: str | None = None) -> ModelCard:
+        if lora is not None:
+            return ModelCard(id=lora, created=now(), root=serving.lora_paths[lora], parent=serving.model_name)
         return ModelCard(
             id=serving.model_name, created=now(), root=tm.server_args.model, max_model_len=tm.limits.context_length
         )
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(), *(model_card(name) for name in serving.lora_paths)])
 
     @app.get("/v1/models/{model_id:path}")  # served names may hold a '/' (org/name)
     async def model(model_id: str) -> ModelCard:
-        serving.check_model(model_id)
-        return model_card()
+        return model_card(serving.check_model(model_id))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoRAAdapterRequest) -> PlainTextResponse:
+        if body.lora_path is None:
+            raise BadRequest("lora_path is required: the adapter's folder", param="lora_path")
+        out = await tm.change_lora(LoadLoRAReq(body.lora_name, body.lora_path))
+        if not out.success:
+            raise BadRequest(out.message, param="lora_path")
+        serving.lora_paths[body.lora_name] = body.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: LoRAAdapterRequest) -> PlainTextResponse:
+        if body.lora_name not in serving.lora_paths:
+            raise ModelNotFoundError(body.lora_name)
+        out = await tm.change_lora(UnloadLoRAReq(body.lora_name))
+        if not out.success:
+            raise BadRequest(out.message, param="lora_name")
+        del serving.lora_paths[body.lora_name]
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:

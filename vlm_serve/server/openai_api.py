@@ -73,12 +73,18 @@ class OpenAIServing:
         self.tm = tm
         self.server_args = server_args
         self.model_name = model_name
+        # the LoRA adapters loaded (kept as the scheduler loads and unloads them), name -> folder
+        self.lora_paths: dict[str, str] = server_args.lora_adapters() if server_args.enable_lora else {}
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> str | None:
         """A request may name the served model, "default" (SGLang's alias for it) or none (sglang-router
-        sends a chat request without a model as "unknown")."""
+        sends a chat request without a model as "unknown"); or a LoRA adapter, which it then goes through
+        (its name is returned; None: the base model)."""
+        if name in self.lora_paths:
+            return name
         if name not in (None, "default", "unknown", self.model_name):
             raise ModelNotFoundError(name)
+        return None
 
     # ---- chat --------------------------------------------------------------------------------------
 
@@ -107,7 +113,7 @@ class OpenAIServing:
     async def start_chat(self, request: ChatCompletionRequest, part_param: PartParam = chat_part_param) -> ChatRun:
         """A chat request as model input and scheduler messages (the chat completions and responses
         endpoints both start here; `part_param` as in `chat_prompt`)."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         tools = tool_use(request)
         x = await self.chat_prompt(request, tools.tools, part_param)
         thinking = (request.chat_template_kwargs or {}).get("enable_thinking") is not False
@@ -117,7 +123,7 @@ class OpenAIServing:
         if tools.grammar is not None:
             sampling["ebnf"] = tools.grammar
         (bootstrap,) = request.bootstraps(1, request.n)
-        choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority, bootstrap))
+        choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority, bootstrap, lora))
         parsers = [ChatOutput(self.server_args.reasoning_parser, tools.parse, thinking) for _ in choices]
         return ChatRun(x, choices, parsers)
 
@@ -222,7 +228,7 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """Each prompt gets its own `n` choices: prompt i's choice j has index i * n + j, as in vLLM."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         prompts = request.prompts()
         inputs = [self.tm.tokenize(prompt) for prompt in prompts]
         sampling = request.sampling()
@@ -234,7 +240,7 @@ class OpenAIServing:
         choices = [
             choice
             for x, bootstrap in zip(inputs, bootstraps)
-            for choice in self.tm.normalize(GenerateReqInput(x, sampling, request.priority, bootstrap))
+            for choice in self.tm.normalize(GenerateReqInput(x, sampling, request.priority, bootstrap, lora))
         ]
         echoes = [self._prompt_text(prompt) for prompt in prompts] if request.echo else [None] * len(prompts)
         if request.stream:

@@ -172,6 +172,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "vlm_serve"
     root: str | None = None
+    parent: str | None = None  # of a LoRA adapter: the base model
     max_model_len: int | None = None
 
 

@@ -741,6 +741,13 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
+class LoRAAdapterRequest(_Strict):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: an adapter's name and (to load) its folder."""
+
+    lora_name: str
+    lora_path: str | None = None
+
+
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]

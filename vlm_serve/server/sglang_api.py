@@ -186,7 +186,7 @@ class GenerateServing:
 
     async def generate(self, request: GenerateRequest) -> dict | list[dict] | AsyncIterator[str]:
         """SGLang's answer: a dict (one prompt, one choice) or a list, or SSE chunks when it streams."""
-        self.serving.check_model(request.model)
+        lora = self.serving.check_model(request.model)
         start = time.perf_counter()
         inputs = await self._inputs(request)
         n = request.sampling_params.n
@@ -200,7 +200,7 @@ class GenerateServing:
         choices = [
             choice
             for x, bootstrap in zip(inputs, request.bootstraps(len(inputs), n))
-            for choice in self.tm.normalize(GenerateReqInput(x, sampling, priority, bootstrap))
+            for choice in self.tm.normalize(GenerateReqInput(x, sampling, priority, bootstrap, lora))
         ]
         ids = [rid if n == 1 else f"{rid}-{j}" for rid in request.rids() for j in range(n)]
         answer = _Answer(self, request, choices, ids, start)

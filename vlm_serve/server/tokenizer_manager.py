@@ -32,9 +32,12 @@ from vlm_serve.messages.backend import (
     FlushCacheOut,
     FlushCacheReq,
     GetStatsReq,
+    LoadLoRAReq,
+    LoRAOut,
     SchedulerLimits,
     StatsOut,
     TokenizedGenerateReq,
+    UnloadLoRAReq,
 )
 from vlm_serve.messages.frontend import BatchStrOut, GenerateReqInput, StrOut
 from vlm_serve.multimodal.items import ProcessedInput
@@ -248,6 +251,9 @@ class TokenizerManager:
 
     async def get_stats(self) -> StatsOut:
         return await self._control(GetStatsReq())
+
+    async def change_lora(self, request: LoadLoRAReq | UnloadLoRAReq) -> LoRAOut:
+        return await self._control(request)
 
     async def flush_cache(self) -> FlushCacheOut:
         out: FlushCacheOut = await self._control(FlushCacheReq())
