@@ -12,12 +12,15 @@ from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
 from vlm_serve.scheduler.scheduler import Scheduler
 
 
-def prefill_logits(scheduler: Scheduler, input_ids: list[int], mm_items: list[MultimodalItem] = ()) -> torch.Tensor:
-    """Logits at every prompt position from one EXTEND forward through the paged KV cache, with no
-    prefix reused; on the CPU in float32, whatever the model's device and dtype."""
+def prefill_logits(
+    scheduler: Scheduler, input_ids: list[int], mm_items: list[MultimodalItem] = (), lora_slot: int = -1
+) -> torch.Tensor:
+    """Logits at every prompt position from one EXTEND forward through the paged KV cache (and the LoRA
+    adapter in `lora_slot`, if any), with no prefix reused; on the CPU in float32, whatever the model's
+    device and dtype."""
     runner, tree_cache = scheduler.runner, scheduler.tree_cache
     ids = pad_input_ids(input_ids, list(mm_items), runner.model_config.text.vocab_size)
-    req = Req("prefill-logits", ids, SamplingParams(), list(mm_items))
+    req = Req("prefill-logits", ids, SamplingParams(), list(mm_items), lora_slot=lora_slot)
     req.init_positions(runner.model_config.vision.spatial_merge_size)
     req.last_node, req.extend_len = tree_cache.root, req.seq_len
     if mm_items and scheduler.encoding.add(req, 0):

@@ -23,6 +23,7 @@ from vlm_serve.llm.models.qwen3_vl import stacked_name
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
+TOWER = "model.visual."  # the vision tower's modules (and its merger's)
 PARTS_OF = {"qkv_proj": 3, "gate_up_proj": 2}  # fused projections: parts, each with ranks of its own
 # what this reader does not do, by adapter_config.json's key: refused by name rather than served wrong
 UNSUPPORTED = {
@@ -90,9 +91,8 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
 class LoRAManager:
     """The adapters resident in a model: up to `max_loras` slots in the layers they target."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, elsewhere: str = "model.visual.") -> None:
-        """`elsewhere`: the modules another process adapts (the vision tower's, in the encoders)."""
-        self.max_loras, self.max_rank, self.elsewhere = max_loras, max_rank, elsewhere
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
         self.linears = {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
         self.slots: list[LoRAAdapter | None] = [None] * max_loras
         self.ids = [0] * max_loras  # each slot's adapter's id: a new one at every load (its KV's cache namespace)
@@ -100,7 +100,10 @@ class LoRAManager:
 
     def load(self, adapter: LoRAAdapter) -> int:
         """Puts `adapter` in a free slot; returns the slot."""
-        tensors = {key: ab for key, ab in adapter.tensors.items() if not key[0].startswith(self.elsewhere)}
+        tower = sorted({module for module, _ in adapter.tensors if module.startswith(TOWER)})
+        if tower:  # (its embeddings would differ from the base's: the encoders and their cache must know it)
+            raise LoRAError(f"LoRA adapter {adapter.name!r} adapts the vision tower ({tower[0]}, ...): not served yet")
+        tensors = adapter.tensors
         unknown = sorted({module for module, _ in tensors} - set(self.linears))
         if unknown:
             raise LoRAError(f"LoRA adapter {adapter.name!r} targets modules this model does not have: {unknown[:5]}")

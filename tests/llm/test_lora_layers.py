@@ -42,12 +42,10 @@ def peft_logits(model_dir, folder) -> torch.Tensor:
 def test_prefill_logits_through_an_adapter_equal_peft_and_the_base_stays_the_base(tiny_dense_dir, tmp_path, rslora):
     folder = tmp_path / "adapter"
     make_adapter(tiny_dense_dir, folder, seed=1, use_rslora=rslora)
-    with Engine(tiny_dense_dir, dtype="float32") as engine:
+    with Engine(tiny_dense_dir, dtype="float32", enable_lora=True, max_lora_rank=8) as engine:
         base = prefill_logits(engine.scheduler, PROMPT)
-        manager = LoRAManager(engine.scheduler.runner.model, max_loras=2, max_rank=8)
-        slot = manager.load(read_adapter("a", folder, max_rank=8))
-        with lora_batch(LoRABatch(((0, len(PROMPT), slot),))):
-            adapted = prefill_logits(engine.scheduler, PROMPT)
+        slot = engine.scheduler.runner.lora.load(read_adapter("a", folder, max_rank=8))
+        adapted = prefill_logits(engine.scheduler, PROMPT, lora_slot=slot)
         again = prefill_logits(engine.scheduler, PROMPT)
     expected = peft_logits(tiny_dense_dir, folder)
     assert not torch.allclose(expected, base, atol=1e-3)  # (the adapter changes the answer)
@@ -82,6 +80,7 @@ def test_each_run_of_rows_goes_through_its_own_adapter():
         ({"r": 16}, "has rank 16, above --max-lora-rank 8"),
         ({"use_dora": True}, "DoRA"),
         ({"target_modules": ["lm_head"]}, "saves the embeddings or the LM head whole"),
+        ({"target_modules": ["qkv", "q_proj"]}, r"adapts the vision tower \(model.visual.blocks.0.attn.qkv, ...\)"),
         ({"layers_to_transform": [0]}, r"targets modules this model does not have: \['model.language_model.layers.9"),
     ],
 )
