@@ -43,8 +43,11 @@ class _ListIO:
         self.sent.append(message)
 
 
-def _run(model_dir: str, tp_size: int, ep_size: int, overlap: bool) -> tuple[torch.Tensor, list[int]]:
-    """Prefill logits of PROMPT and NEW_TOKENS greedy tokens after it (those on rank 0 only)."""
+def _run(
+    model_dir: str, tp_size: int, ep_size: int, overlap: bool, lora: str | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """Prefill logits of PROMPT and NEW_TOKENS greedy tokens after it (those on rank 0 only), through the
+    LoRA adapter in folder `lora` if given."""
     config = ModelConfig.from_pretrained(model_dir)
     args = ServerArgs(
         model=model_dir,
@@ -53,14 +56,16 @@ def _run(model_dir: str, tp_size: int, ep_size: int, overlap: bool) -> tuple[tor
         max_total_tokens=1024,
         vit_dp=0,
         disable_overlap_schedule=not overlap,
+        enable_lora=lora is not None,
+        lora_paths=[f"a={lora}"] if lora else [],
     )
     runner = ModelRunner(args, config)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    io = _ListIO([TokenizedGenerateReq("gen", list(PROMPT), params)])
+    io = _ListIO([TokenizedGenerateReq("gen", list(PROMPT), params, lora_name="a" if lora else None)])
     scheduler = Scheduler(
         args, runner, Tokenizer.from_pretrained(model_dir), create_encoder(args, config, runner.device), io
     )
-    logits = prefill_logits(scheduler, PROMPT)
+    logits = prefill_logits(scheduler, PROMPT, lora_slot=0 if lora else -1)
     for _ in range(ITERATIONS):
         scheduler.run_iteration()
     scheduler.shutdown()
@@ -68,12 +73,14 @@ def _run(model_dir: str, tp_size: int, ep_size: int, overlap: bool) -> tuple[tor
     return logits, tokens
 
 
-def _worker(rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, overlap: bool, results) -> None:
+def _worker(
+    rank: int, port: int, model_dir: str, tp_size: int, ep_size: int, overlap: bool, results, lora: str | None = None
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp_size)
     try:
-        results[rank] = _run(model_dir, tp_size, ep_size, overlap)
+        results[rank] = _run(model_dir, tp_size, ep_size, overlap, lora)
     finally:
         dist.destroy_process_group()
 
@@ -116,3 +123,26 @@ def test_two_ranks_match_one(
     assert torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max())
     assert tokens == ref_tokens
     assert torch.allclose(results[1][0], ref_logits, atol=1e-4 * ref_logits.abs().max())
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_two_ranks_match_one_through_a_lora_adapter(tiny_dense_dir, tmp_path, overlap):
+    """An adapter's A and B cut as their base layers are (B's rows on column-parallel layers, A's columns on
+    row-parallel ones): the same logits and tokens as one rank, which differ from the base's."""
+    peft = pytest.importorskip("peft", reason="peft makes the adapter (the test extra installs it)")
+    import transformers
+
+    torch.manual_seed(3)
+    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tiny_dense_dir, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    peft.get_peft_model(hf, config).save_pretrained(tmp_path / "adapter")
+    lora = str(tmp_path / "adapter")
+    base_logits, _ = _run(str(tiny_dense_dir), 1, 1, overlap)
+    ref_logits, ref_tokens = _run(str(tiny_dense_dir), 1, 1, overlap, lora)
+    assert not torch.allclose(ref_logits, base_logits, atol=1e-3)
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(free_port(), str(tiny_dense_dir), 2, 1, overlap, results, lora), nprocs=2)
+    logits, tokens = results[0]
+    assert torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max())
+    assert tokens == ref_tokens
