@@ -1,16 +1,17 @@
-"""LoRA on a linear layer: one base GEMM for the whole batch, and for each run of rows that uses an adapter
-that adapter's low-rank product added to it (S-LoRA and Punica's segmented product, in torch here).
+"""LoRA on a linear layer: one base GEMM for the whole batch, and for the rows that go through an adapter that
+adapter's low-rank product added to it (S-LoRA and Punica's idea, with torch's GEMMs here). The rows are
+grouped by adapter, so each adapter in the batch takes one product however its requests are spread.
 
-A layer's adapters sit in slots: `A` (slots, parts x max_rank, in) and `B` (slots, out, parts x max_rank), the
-adapter's scaling folded into `B`. A fused projection (q/k/v, gate/up) holds each part's adapter in its own
-block of ranks, so its `B` is block-diagonal. Each tensor-parallel shard keeps its part, cut as the base
+A layer's adapters sit in slots: `A` (slots, parts x max_rank, in) and `B` (slots, out, parts x max_rank),
+the adapter's scaling folded into `B`. A fused projection (q/k/v, gate/up) holds each part's adapter in its
+own block of ranks, so its `B` is block-diagonal. Each tensor-parallel shard keeps its part, cut as the base
 weight is: `B`'s rows on a column-parallel layer, `A`'s columns on a row-parallel one (whose partial
-products the all-reduce then sums with the base's).
-"""
+products the all-reduce then sums with the base's)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -24,6 +25,18 @@ class LoRABatch:
     no run use the base alone."""
 
     segments: tuple[tuple[int, int, int], ...]
+
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[int, slice | torch.Tensor], ...]:
+        """Each slot's rows, for one product per adapter: a slice where they are one run, else their indices
+        (worked out once per batch, on first use)."""
+        runs: dict[int, list[tuple[int, int]]] = {}
+        for start, end, slot in self.segments:
+            runs.setdefault(slot, []).append((start, end))
+        return tuple(
+            (slot, slice(*spans[0]) if len(spans) == 1 else torch.cat([torch.arange(a, b) for a, b in spans]))
+            for slot, spans in runs.items()
+        )
 
     @classmethod
     def of_runs(cls, lengths: list[int], slots: list[int]) -> LoRABatch | None:
@@ -96,7 +109,11 @@ class LoRASlots:
         """`y` (the base's output for `x`) with each run of rows' adapter product added (in place)."""
         if batch.segments[-1][1] > x.shape[0]:  # (counts that do not match the batch would adapt wrong rows)
             raise RuntimeError(f"LoRA runs cover rows up to {batch.segments[-1][1]}, the batch has {x.shape[0]}")
-        for start, end, slot in batch.segments:
-            rows = x[start:end].to(self.A.dtype)
-            y[start:end] += ((rows @ self.A[slot].T) @ self.B[slot].T).to(y.dtype)
+        for slot, rows in batch.groups:
+            if isinstance(rows, slice):
+                y[rows] += ((x[rows].to(self.A.dtype) @ self.A[slot].T) @ self.B[slot].T).to(y.dtype)
+            else:
+                rows = rows.to(x.device)
+                delta = (x.index_select(0, rows).to(self.A.dtype) @ self.A[slot].T) @ self.B[slot].T
+                y.index_add_(0, rows, delta.to(y.dtype))
         return y
