@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 
+import vlm_serve.scheduler.drafting as drafting_module
+from helpers import ReplayDrafts
 from vlm_serve.engine import Engine
 
 peft = pytest.importorskip("peft", reason="peft is the oracle of these tests (the test extra installs it)")
@@ -18,7 +20,14 @@ PROMPTS = [
     "Tell me about the sea.",
     "Write a long poem about the wind, the sails and the sailors who go out before dawn.",
 ]
-LOOPS = {"overlap": {}, "normal": {"disable_overlap_schedule": True}, "chunks of 16": {"chunked_prefill_size": 16}}
+LOOPS = {
+    "overlap": {},
+    "normal": {"disable_overlap_schedule": True},
+    "chunks of 16": {"chunked_prefill_size": 16},
+    "ngram drafts": {"speculative_algorithm": "ngram"},
+    "replayed drafts": {"speculative_algorithm": "ngram"},  # drafts read off the answers: many are kept
+    "eagle3 drafts": {"speculative_algorithm": "eagle3"},  # a random draft head for the base: drafts fail
+}
 
 
 def hf_model(model_dir):
@@ -71,10 +80,17 @@ def expected(tiny_dense_dir, adapters, prompts) -> dict[str | None, list[list[in
 
 @pytest.mark.parametrize("loop", list(LOOPS))
 def test_requests_for_several_adapters_and_the_base_in_one_batch_each_get_their_own_answer(
-    tiny_dense_dir, adapters, prompts, expected, loop
+    tiny_dense_dir, adapters, prompts, expected, loop, eagle3_drafts, monkeypatch
 ):
+    """(With drafts, verification runs through each request's adapter: the draft drafts for the base.)"""
+    settings = dict(LOOPS[loop])
+    if loop == "replayed drafts":
+        answers = [x.input_ids + tokens[i] for tokens in expected.values() for i, x in enumerate(prompts)]
+        monkeypatch.setattr(drafting_module, "NgramProposer", lambda *_: ReplayDrafts(answers, num_draft_tokens=3))
+    if loop == "eagle3 drafts":
+        settings["speculative_draft_model_path"] = str(eagle3_drafts["dense"])
     lora_paths = [f"{name}={folder}" for name, folder in adapters.items()]
-    with Engine(tiny_dense_dir, dtype="float32", enable_lora=True, lora_paths=lora_paths, **LOOPS[loop]) as engine:
+    with Engine(tiny_dense_dir, dtype="float32", enable_lora=True, lora_paths=lora_paths, **settings) as engine:
         a, b = (x.input_ids for x in prompts)
         shared = next(i for i, (s, t) in enumerate(zip(a, b)) if s != t)  # (the chat template's start)
         for round_ in range(2):  # the second round finds each one's prompt in the prefix cache
@@ -91,6 +107,8 @@ def test_requests_for_several_adapters_and_the_base_in_one_batch_each_get_their_
                 # the same prompt through another adapter (or the base) shares nothing; its own finds it
                 assert (out.cached_tokens <= shared) == (round_ == 0), (lora, i, round_)
         engine.scheduler.check_memory()
+        if loop == "replayed drafts":
+            assert engine.scheduler.metrics.spec.accepted_tokens > 0
 
 
 def test_an_unknown_adapter_is_refused_by_name(tiny_dense_dir, adapters, prompts):
