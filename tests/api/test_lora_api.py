@@ -81,6 +81,15 @@ def test_adapters_are_chosen_by_model_listed_and_loaded_and_unloaded_at_run_time
         assert chat(url, "base").json()["choices"][0]["message"]["content"] == expected[None]
         models = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}
         assert models["house-style"]["parent"] == "base" and models["house-style"]["root"] == adapters["house-style"]
+        # SGLang's /generate: lora_path names the adapter (here one per prompt of a batch)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dense_dir)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
+        )
+        params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        body = {"text": [text, text], "lora_path": ["house-style", None], "sampling_params": params}
+        generated = httpx.post(url + "/generate", json=body, timeout=60).json()
+        assert [g["text"] for g in generated] == [expected["house-style"], expected[None]]
         missing = chat(url, "charts")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 

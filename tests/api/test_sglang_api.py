@@ -228,7 +228,7 @@ def test_generate_returns_sglang_logprobs(server: ServerProcess, ours: Tokenizer
         ({"text": "x", "input_ids": [1]}, None, "either `text` or `input_ids`"),
         ({"text": []}, "text", "empty"),
         ({"text": "x", "return_hidden_states": True}, None, "return_hidden_states is not supported"),
-        ({"text": "x", "lora_path": "adapter"}, None, "lora_path is not supported"),
+        ({"text": "x", "lora_path": "adapter"}, "lora_path", "no LoRA adapter named 'adapter' is loaded"),
         ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len", "less than"),
         ({"text": ["x", "y"], "rid": ["a"]}, "rid", "one id per prompt"),
         ({"text": "x", "image_data": [image_url()] * 17}, None, "at most 16 per prompt"),

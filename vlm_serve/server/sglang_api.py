@@ -34,7 +34,7 @@ _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sam
 _FIXED = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
 # SGLang's request fields that this server has no use for: refused unless left at their default
 _UNSUPPORTED = {
-    "input_embeds": None, "audio_data": None, "lora_path": None, "session_params": None,
+    "input_embeds": None, "audio_data": None, "session_params": None,
     "custom_logit_processor": None, "token_ids_logprob": None, "return_hidden_states": False,
     "return_routed_experts": False, "return_bytes": False, "return_entropy": False, "background": False,
 }  # fmt: skip
@@ -107,6 +107,7 @@ class GenerateRequest(BootstrapFields):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     return_text_in_logprobs: bool = False
     priority: int | None = None
+    lora_path: str | list[str | None] | None = None  # the LoRA adapter by name: one, or one per prompt of a batch
 
     @field_validator("sampling_params", mode="before")
     @classmethod
@@ -189,6 +190,7 @@ class GenerateServing:
         lora = self.serving.check_model(request.model)
         start = time.perf_counter()
         inputs = await self._inputs(request)
+        loras = self._loras(request, len(inputs), lora)
         n = request.sampling_params.n
         sampling = request.sampling_params.sampling()
         if request.return_logprob:
@@ -199,7 +201,7 @@ class GenerateServing:
         priority = request.priority or 0
         choices = [
             choice
-            for x, bootstrap in zip(inputs, request.bootstraps(len(inputs), n))
+            for x, bootstrap, lora in zip(inputs, request.bootstraps(len(inputs), n), loras)
             for choice in self.tm.normalize(GenerateReqInput(x, sampling, priority, bootstrap, lora))
         ]
         ids = [rid if n == 1 else f"{rid}-{j}" for rid in request.rids() for j in range(n)]
@@ -209,6 +211,17 @@ class GenerateServing:
         per_choice = await self.serving.collect(choices)
         results = [answer.result(i, outs) for i, outs in enumerate(per_choice)]
         return results if request.is_batch or n > 1 else results[0]
+
+    def _loras(self, request: GenerateRequest, num_prompts: int, by_model: str | None) -> list[str | None]:
+        """Each prompt's LoRA adapter: SGLang's `lora_path` (a loaded adapter's name), else the one `model`
+        names (None: the base)."""
+        names = request.lora_path if isinstance(request.lora_path, list) else [request.lora_path] * num_prompts
+        if len(names) != num_prompts:
+            raise BadRequest(f"lora_path has {len(names)} entries for {num_prompts} prompts", param="lora_path")
+        for name in names:
+            if name is not None and name not in self.serving.lora_paths:
+                raise BadRequest(f"no LoRA adapter named {name!r} is loaded", param="lora_path")
+        return [by_model if name is None else name for name in names]
 
     async def _stream(self, answer: _Answer, choices: list[TokenizedGenerateReq]) -> AsyncIterator[str]:
         """One chunk per step of a choice, with its text and ids so far (and `index` when there are
