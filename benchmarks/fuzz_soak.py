@@ -104,7 +104,7 @@ def soak(
         suppress_health_check=list(HealthCheck),
     )
     @seed(run_seed)
-    @given(call=calls(router=deployment.routed))
+    @given(call=calls(router=deployment.routed, adapter=deployment.adapter))
     def send(call: Call) -> None:
         if time.monotonic() > deadline:
             return

@@ -4,8 +4,9 @@ logit bias, stops, min_tokens, log-probs, structured output, tools) and sends th
 built-in model (`vlm_serve.testing.deployments.SETUPS`: the default with EAGLE-3 drafts in the overlap loop,
 the same in the normal loop, n-gram drafts, the overlap and normal loops (the latter with an encoder
 process, as on a GPU), small prefill chunks on pages of 4 and TP 2 / EP 2 with an encoder pool of 2 (these two
-with a KV pool of 2,048 tokens over a host-memory tier, the latter also over a storage tier), a PD pair
-behind sglang-router, its prefill server with a host tier). Every request is answered with a 200 and a well-formed answer
+with a KV pool of 2,048 tokens over a host-memory tier, the latter also over a storage tier; the former
+also serving a LoRA adapter, through which some of its requests go), a PD pair behind sglang-router, its
+prefill server with a host tier). Every request is answered with a 200 and a well-formed answer
 (`vlm_serve.testing.answers.problems`); a deterministic one answers the same a second time (streamed or
 not), and a greedy one as the overlap loop without drafts does; no process dies; afterwards every server
 is idle and healthy, failed no request, and stops cleanly.
@@ -78,7 +79,7 @@ def test_valid_requests_combining_features_are_answered_well_and_alike(deploymen
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
     )
-    @given(call=calls(router=deployment.routed))
+    @given(call=calls(router=deployment.routed, adapter=deployment.adapter))
     def answered_well(call: Call) -> None:
         found = judge(client, deployment.url, call, reference.url)
         for setup in (deployment, reference):

@@ -26,19 +26,31 @@ import httpx
 
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.server.ports import free_port
+from vlm_serve.testing.lora_adapter import ADAPTER, make_adapter
 
 NO_DRAFTS = ("--speculative-algorithm", "none")
 # prefixes overflow a small KV pool into a host-memory tier, and come back from it
 HOST_TIER = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "4")
 # and from the host tier into storage, in the set-up's log folder ({logs})
 STORAGE_TIER = ("--page-size", "16", "--hicache-storage-backend", "file", "--hicache-storage-dir", "{logs}/storage")
+# a LoRA adapter (`ADAPTER`, made by peft with random weights in the set-up's log folder) beside the base
+LORA = ("--enable-lora", "--lora-paths", f"{ADAPTER}={{logs}}/{ADAPTER}-adapter")
 SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags (None: a PD pair, default flags)
     "default": (),
     "eagle3-normal": ("--disable-overlap-schedule",),
     "ngram": ("--speculative-algorithm", "ngram"),
     "overlap": NO_DRAFTS,
     "normal": (*NO_DRAFTS, "--disable-overlap-schedule", "--vit-dp", "1"),  # (a GPU's default encoder process)
-    "chunked": ("--chunked-prefill-size", "16", "--page-size", "4", *HOST_TIER, "--hicache-write-policy", "write_back"),
+    "chunked": (
+        "--chunked-prefill-size",
+        "16",
+        "--page-size",
+        "4",
+        *HOST_TIER,
+        "--hicache-write-policy",
+        "write_back",
+        *LORA,
+    ),  # fmt: skip
     "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2", *HOST_TIER, *STORAGE_TIER),
     "pd": None,
 }
@@ -176,7 +188,14 @@ class Deployment:
         self.stop()
         self.start()
 
+    @property
+    def adapter(self) -> bool:
+        """Whether its servers serve the LoRA adapter `ADAPTER`."""
+        return "--enable-lora" in (SETUPS[self.name] or ())
+
     def _serve(self, name: str, flags: tuple[str, ...]) -> Process:
+        if "--enable-lora" in flags and not (self.logs / self.name / f"{ADAPTER}-adapter").is_dir():
+            make_adapter(self.logs / self.name / f"{ADAPTER}-adapter")
         port = free_port()
         command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(BUILTIN_MODEL), "--port", str(port)]
         command += [flag.replace("{logs}", str(self.logs / self.name)) for flag in flags]

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from vlm_serve.builtin.scenes import VIDEO_FPS, random_motion, random_scene, render, render_motion
 from vlm_serve.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+from vlm_serve.testing.lora_adapter import ADAPTER
 from vlm_serve.testing.media import write_video
 
 CHAT, COMPLETIONS, RESPONSES, GENERATE = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate"
@@ -92,6 +93,11 @@ class Call:
     @property
     def seeded(self) -> bool:
         return self.sampling.get("seed", self.sampling.get("sampling_seed")) is not None
+
+    @property
+    def adapted(self) -> bool:
+        """Whether it goes through the LoRA adapter `ADAPTER` (which a server without it does not serve)."""
+        return ADAPTER in (self.body.get("model"), self.body.get("lora_path"))
 
     @property
     def deterministic(self) -> bool:
@@ -320,7 +326,7 @@ def chat_tools(draw: st.DrawFn, constrained: bool, router: bool = False) -> dict
 
 
 @st.composite
-def chat_calls(draw: st.DrawFn, router: bool = False) -> Call:
+def chat_calls(draw: st.DrawFn, router: bool = False, adapter: bool = False) -> Call:
     """A chat completion: a question about 0-3 pictures and maybe a video (with a system message or an
     earlier turn, or not), with every option a chat client may set."""
     images, video = draw(media())
@@ -338,7 +344,7 @@ def chat_calls(draw: st.DrawFn, router: bool = False) -> Call:
             ]
         )
     ) + [{"role": "user", "content": content}]
-    body: dict[str, Any] = {"messages": messages, **draw(st.sampled_from([{}, {"model": "default"}]))}
+    body: dict[str, Any] = {"messages": messages, **draw(models(adapter))}
     # (sglang-router refuses a chat's min_tokens of 0)
     body |= draw(lengths(draw(st.sampled_from(["max_tokens", "max_completion_tokens"])), lowest=int(router)))
     body |= draw(sampling_settings(router)) | draw(stops(router)) | draw(extras(router)) | draw(stream_fields(router))
@@ -356,12 +362,12 @@ def chat_calls(draw: st.DrawFn, router: bool = False) -> Call:
 
 
 @st.composite
-def completion_calls(draw: st.DrawFn, router: bool = False) -> Call:
+def completion_calls(draw: st.DrawFn, router: bool = False, adapter: bool = False) -> Call:
     """A text completion of one prompt (text or token ids) or a batch of two, with every option (behind
     sglang-router, which requires it, naming its model; a prompt of text, the only kind it takes)."""
     prompt = draw(st.one_of(texts(), st.lists(texts(), min_size=1, max_size=2), *([] if router else [ids()])))
     body: dict[str, Any] = {"prompt": prompt, **draw(lengths())}
-    body |= {"model": "default"} if router else draw(st.sampled_from([{}, {"model": "default"}]))
+    body |= {"model": "default"} if router else draw(models(adapter))
     body |= draw(sampling_settings(router)) | draw(stops(router)) | draw(extras(router)) | draw(stream_fields(router))
     body |= draw(constraints())
     body |= draw(_optional(n=st.integers(1, MAX_N), logprobs=st.integers(0, 5)))
@@ -369,7 +375,7 @@ def completion_calls(draw: st.DrawFn, router: bool = False) -> Call:
 
 
 @st.composite
-def responses_calls(draw: st.DrawFn) -> Call:
+def responses_calls(draw: st.DrawFn, adapter: bool = False) -> Call:
     """A response to a string or to a message of 0-3 pictures, maybe a video, and text; with instructions,
     a text format, tools, log-probs, streaming, or not."""
     images, video = draw(media())
@@ -381,7 +387,7 @@ def responses_calls(draw: st.DrawFn) -> Call:
         body: dict[str, Any] = {"input": [{"role": "user", "content": content}]}
     else:
         body = {"input": question}
-    body |= draw(lengths("max_output_tokens", None)) | draw(sampling_settings())
+    body |= draw(lengths("max_output_tokens", None)) | draw(sampling_settings()) | draw(models(adapter))
     body |= draw(_optional(instructions=st.just("Answer briefly."), store=st.booleans()))
     streams = [{}, {"stream": True}, {"stream": True, "stream_options": {"include_obfuscation": False}}]
     body |= draw(st.sampled_from(streams))
@@ -418,7 +424,7 @@ def responses_calls(draw: st.DrawFn) -> Call:
 
 
 @st.composite
-def generate_calls(draw: st.DrawFn, router: bool = False) -> Call:
+def generate_calls(draw: st.DrawFn, router: bool = False, adapter: bool = False) -> Call:
     """SGLang's /generate: a chat-formatted text with 0-3 pictures and maybe a video, token ids, or a
     batch of two prompts (of token ids behind sglang-router, which takes no batch of texts); SGLang's
     sampling parameters (but `logit_bias` behind sglang-router, which drops it), log-probs, streaming."""
@@ -452,6 +458,8 @@ def generate_calls(draw: st.DrawFn, router: bool = False) -> Call:
     )
     body["sampling_params"] = params | constraint
     body |= draw(_optional(stream=st.booleans()))
+    if adapter:  # (SGLang's way to name it; `model` works too)
+        body |= draw(st.sampled_from([{}, {"lora_path": ADAPTER}, {"model": ADAPTER}]))
     if draw(st.booleans()):
         body |= {"return_logprob": True} | draw(
             _optional(top_logprobs_num=st.integers(0, MAX_TOP_LOGPROBS), return_text_in_logprobs=st.booleans())
@@ -459,8 +467,14 @@ def generate_calls(draw: st.DrawFn, router: bool = False) -> Call:
     return Call(GENERATE, body)
 
 
-def calls(router: bool = False) -> st.SearchStrategy[Call]:
+def calls(router: bool = False, adapter: bool = False) -> st.SearchStrategy[Call]:
     """A valid request to any of the four generating endpoints; with `router`, one that sglang-router's PD
-    mode passes on whole (it has no Responses API)."""
-    endpoints = [chat_calls(router), completion_calls(router), generate_calls(router)]
-    return st.one_of(*endpoints, *([] if router else [responses_calls()])).map(copy.deepcopy)
+    mode passes on whole (it has no Responses API); with `adapter`, some through the LoRA adapter `ADAPTER`
+    (which the server then serves)."""
+    endpoints = [chat_calls(router, adapter), completion_calls(router, adapter), generate_calls(router, adapter)]
+    return st.one_of(*endpoints, *([] if router else [responses_calls(adapter)])).map(copy.deepcopy)
+
+
+def models(adapter: bool) -> st.SearchStrategy[dict[str, str]]:
+    """No `model`, the served one by SGLang's alias, or (with `adapter`) the LoRA adapter `ADAPTER`."""
+    return st.sampled_from([{}, {"model": "default"}, *([{"model": ADAPTER}] if adapter else [])])
