@@ -16,8 +16,6 @@ only by the host. A node evicted from the device whose backup finds no room in t
 
 from __future__ import annotations
 
-import heapq
-
 import torch
 
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
@@ -201,25 +199,16 @@ class HiRadixCache(RadixCache):
         first: each node goes to the host tier (backed up first if it was not) or, without room there,
         out of the tree. Returns the number freed."""
         self.controller.flush()
-        leaves = [n for n in self._nodes() if self._device_evictable(n)]
-        heapq.heapify(leaves)
-        freed = 0
-        while freed < num_tokens and leaves:
-            node = heapq.heappop(leaves)
-            if not self._device_evictable(node):  # (a backup's host eviction may have changed it)
-                continue
-            parent = node.parent
+
+        def remove(node: TreeNode) -> None:
             if node.host_value is None and not self.write_backup(node):
                 self._drop(node)
             else:
                 self.allocator.free(node.value)
                 node.value = None
-            freed += len(node.key)
             self._evictable -= len(node.key)
-            if self._device_evictable(parent):
-                heapq.heappush(leaves, parent)
-        self.evicted_tokens += freed
-        return freed
+
+        return self._evict_lru(num_tokens, self._device_evictable, remove)
 
     def _device_evictable(self, node: TreeNode) -> bool:
         return (
@@ -242,19 +231,12 @@ class HiRadixCache(RadixCache):
     def evict_host(self, num_tokens: int) -> int:
         """Frees at least `num_tokens` host slots (if that many are held by evicted leaves), least
         recently used first. Returns the number freed."""
-        leaves = [n for n in self._nodes() if self._host_evictable(n)]
-        heapq.heapify(leaves)
-        freed = 0
-        while freed < num_tokens and leaves:
-            node = heapq.heappop(leaves)
+
+        def remove(node: TreeNode) -> None:
             self.host_allocator.free(node.host_value)
-            freed += len(node.key)
-            parent = node.parent
-            del parent.children[self._child_key(node.key)]
-            if self._host_evictable(parent):
-                heapq.heappush(leaves, parent)
-        self.evicted_tokens += freed
-        return freed
+            del node.parent.children[self._child_key(node.key)]
+
+        return self._evict_lru(num_tokens, self._host_evictable, remove)
 
     def _host_evictable(self, node: TreeNode) -> bool:
         return node is not self.root and node.evicted and not node.children and node.host_ref == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -256,18 +257,34 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Frees at least `num_tokens` (if that many are evictable), least recently used leaves
         first. Returns the number freed."""
-        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(leaves)
-        freed = 0
-        while freed < num_tokens and leaves:
-            leaf = heapq.heappop(leaves)
+
+        def remove(leaf: TreeNode) -> None:
             self.allocator.free(leaf.value)
-            freed += len(leaf.key)
             self._evictable -= len(leaf.key)
-            parent = leaf.parent
-            del parent.children[self._child_key(leaf.key)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, parent)
+            del leaf.parent.children[self._child_key(leaf.key)]
+
+        return self._evict_lru(num_tokens, self._evictable_leaf, remove)
+
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        return node is not self.root and not node.children and node.lock_ref == 0
+
+    def _evict_lru(
+        self, num_tokens: int, evictable: Callable[[TreeNode], bool], remove: Callable[[TreeNode], None]
+    ) -> int:
+        """Removes `evictable` nodes, least recently used first (a parent becomes a candidate once its
+        last child went), until `num_tokens` went or none is left. Returns the tokens removed."""
+        candidates = [n for n in self._nodes() if evictable(n)]
+        heapq.heapify(candidates)
+        freed = 0
+        while freed < num_tokens and candidates:
+            node = heapq.heappop(candidates)
+            if not evictable(node):  # (removing another may have changed it)
+                continue
+            parent = node.parent
+            remove(node)
+            freed += len(node.key)
+            if evictable(parent):
+                heapq.heappush(candidates, parent)
         self.evicted_tokens += freed
         return freed
 
