@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from PIL import Image, ImageDraw
 
 from vlm_serve.server.ports import free_port
@@ -442,3 +443,20 @@ def block_command(block: Block, replacements: dict[str, str]) -> tuple[list[str]
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     env = {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}  # (no network)
     return [*interpreter, code], env
+
+
+def hf_inputs(engine, processed) -> dict:
+    """What transformers' Qwen3-VL classes take for the processed input `processed` of `engine`."""
+    cfg = engine.model_config
+    ids = torch.tensor([processed.input_ids])
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int(),
+    }
+    for modality, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        items = [it for it in processed.mm_items if it.modality == modality]
+        if items:
+            inputs[key] = torch.cat([it.pixel_values for it in items])
+            inputs[f"{modality}_grid_thw"] = torch.tensor([it.grid_thw for it in items])
+    return inputs

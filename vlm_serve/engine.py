@@ -31,8 +31,16 @@ import torch
 
 from vlm_serve.config import ENGINE_CONCERNS, DisaggregationSettings, ModelConfig, ServerArgs
 from vlm_serve.encoder.pool import create_encoder
+from vlm_serve.llm.lora.adapter import LoRAError
 from vlm_serve.llm.model_runner import ModelRunner
-from vlm_serve.messages.backend import AbortReq, BatchTokenIdOut, BootstrapInfo, SpeculativeCounts
+from vlm_serve.messages.backend import (
+    AbortReq,
+    BatchTokenIdOut,
+    BootstrapInfo,
+    LoadLoRAReq,
+    SpeculativeCounts,
+    UnloadLoRAReq,
+)
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.model_source import with_local_model
@@ -258,6 +266,20 @@ class Engine:
             first.media_timings,
             submission.choices[0].outs[0].prompt_logprobs,
         )
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Loads the LoRA adapter in folder `path` (as peft saves it) under `name` (LoRAError naming what is
+        wrong with it)."""
+        self._change_lora(LoadLoRAReq(name, str(path)))
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads adapter `name` (not while a request uses it)."""
+        self._change_lora(UnloadLoRAReq(name))
+
+    def _change_lora(self, message: LoadLoRAReq | UnloadLoRAReq) -> None:
+        out = self.scheduler.change_lora(message)
+        if not out.success:
+            raise LoRAError(out.message)
 
     def abort(self, submission: Submission, message: str = "aborted") -> None:
         """Stops the submission's unfinished choices (they finish with "abort" at the next step)."""

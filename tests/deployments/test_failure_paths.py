@@ -48,7 +48,7 @@ def test_work_never_goes_to_a_rank_known_to_be_dead(tiny_moe_dir):
         deadline = time.monotonic() + 60
         while len(results) < 3 and time.monotonic() < deadline:
             results += pool.poll(timeout=0.1)
-        assert sorted(r.hash for r in results) == [0, 1, 2]
+        assert sorted(r.key for r in results) == [0, 1, 2]
         assert all(r.error is None and r.rank == 1 for r in results)
         assert [t.attempts for t in tasks] == [0, 0, 0]
     finally:

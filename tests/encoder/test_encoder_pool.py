@@ -52,7 +52,7 @@ def _encode_all(encoder: VisionEncoder, items: list[MultimodalItem]) -> dict[int
     results: dict[int, EncodeResult] = {}
     deadline = time.monotonic() + 120
     while len(results) < len(items) and time.monotonic() < deadline:
-        results.update((r.hash, r) for r in encoder.poll(timeout=0.1))
+        results.update((r.key, r) for r in encoder.poll(timeout=0.1))
     assert len(results) == len(items), "the encoder did not answer"
     return results
 
@@ -72,7 +72,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.server
 def test_one_and_two_ranks_give_the_single_process_embeddings(tiny_moe_dir, media):
     visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), CPU, torch.float32)
-    reference = {r.hash: r.output for r in encode_tasks(visual, _tasks(media), 10**9)}
+    reference = {r.key: r.output for r in encode_tasks(visual, _tasks(media), 10**9)}
     for dp in (1, 2):
         pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=dp), CPU)
         processes = pool.supervisor.processes

@@ -11,7 +11,7 @@ import transformers
 
 from vlm_serve.engine import Engine
 from vlm_serve.llm.layers.linear import ReplicatedLinear
-from vlm_serve.llm.lora.adapter import LoRAError, LoRAManager, read_adapter
+from vlm_serve.llm.lora.adapter import LoRAError, LoRAManager, read_adapter, tower_modules
 from vlm_serve.llm.lora.layer import LoRABatch, LoRASlots, lora_batch
 from vlm_serve.testing.logits import prefill_logits
 
@@ -80,19 +80,25 @@ def test_each_run_of_rows_goes_through_its_own_adapter():
         ({"r": 16}, "has rank 16, above --max-lora-rank 8"),
         ({"use_dora": True}, "DoRA"),
         ({"target_modules": ["lm_head"]}, "saves the embeddings or the LM head whole"),
-        ({"target_modules": ["qkv", "q_proj"]}, r"adapts the vision tower \(model.visual.blocks.0.attn.qkv, ...\)"),
-        ({"layers_to_transform": [0]}, r"targets modules this model does not have: \['model.language_model.layers.9"),
+        ({"target_modules": ["patch_embed.proj"]}, r"no linear layer for: \['model.visual.patch_embed.proj'\]"),
+        ({"layers_to_transform": [0]}, r"no linear layer for: \['model.language_model.layers.9"),
+        ({"target_modules": ["o_proj"], "r": 2}, r"does not fit this model"),
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_by_name(tiny_dense_dir, tmp_path, config, message):
     folder = tmp_path / "adapter"
     make_adapter(tiny_dense_dir, folder, seed=2, **config)
+    weights = safetensors.torch.load_file(folder / "adapter_model.safetensors")
     if "layers_to_transform" in config:  # (an adapter made for a deeper model: its layer 0 renamed layer 9)
-        weights = safetensors.torch.load_file(folder / "adapter_model.safetensors")
-        renamed = {k.replace(".layers.0.", ".layers.9."): v for k, v in weights.items()}
-        safetensors.torch.save_file(renamed, folder / "adapter_model.safetensors")
+        weights = {k.replace(".layers.0.", ".layers.9."): v for k, v in weights.items()}
+    if config.get("r") == 2:  # (an adapter made for a wider model)
+        weights = {k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in weights.items()}
+    safetensors.torch.save_file(weights, folder / "adapter_model.safetensors")
     with Engine(tiny_dense_dir, dtype="float32") as engine, pytest.raises(LoRAError, match=message):
-        LoRAManager(engine.scheduler.runner.model, max_loras=1, max_rank=8).load(read_adapter("a", folder, 8))
+        runner = engine.scheduler.runner
+        manager = LoRAManager(runner.model, max_loras=1, max_rank=8, also=tower_modules(runner.model_config))
+        manager.load(read_adapter("a", folder, 8))
+    assert manager.slots == [None]  # (nothing of it stays loaded)
 
 
 def test_a_folder_without_the_adapter_files_is_refused_naming_the_file(tmp_path):

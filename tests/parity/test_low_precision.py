@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
-from test_model_parity import _conversations, _hf_inputs
+from test_model_parity import _conversations
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from helpers import openai_client, running_server
+from helpers import hf_inputs, openai_client, running_server
 from vlm_serve.engine import Engine
 from vlm_serve.llm.kernels import linear_cpu
 from vlm_serve.quantization import FP8_DTYPE, dequantize_fp8_blocks
@@ -140,7 +140,7 @@ def assert_computes_as_transformers_in_float32(
     the logits within 2^-6 of their largest and the greedy tokens the same up to a near-tie of the oracle."""
     dot = bf16_dot() and stored_bf16 is not None
     processed = engine.processor.process_messages(conversation, add_generation_prompt=True)
-    inputs = _hf_inputs(engine, processed)
+    inputs = hf_inputs(engine, processed)
     ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
     exact = hf_class.from_pretrained(reference, dtype=torch.float32, experts_implementation="eager").eval()
     with torch.no_grad(), bfloat16_products(exact, stored_bf16) if dot else contextlib.nullcontext():
@@ -189,7 +189,7 @@ def assert_within_rounding_of_transformers_in_bfloat16(
     """Prefill logits within bfloat16's rounding (amplified by the random model) of transformers' model of
     the checkpoint loaded in bfloat16 (an FP8 one through transformers' own FP8 loading)."""
     processed = engine.processor.process_messages(conversation, add_generation_prompt=True)
-    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _hf_inputs(engine, processed).items()}
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in hf_inputs(engine, processed).items()}
     ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)
     rounded = hf_class.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.no_grad():

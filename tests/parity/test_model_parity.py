@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
+from helpers import hf_inputs
 from vlm_serve.engine import Engine
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
-from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.testing.logits import prefill_logits
 from vlm_serve.testing.media import make_image, make_video
 
@@ -62,22 +62,6 @@ def _conversations(video_path) -> dict[str, list[dict]]:
     }
 
 
-def _hf_inputs(engine: Engine, processed: ProcessedInput) -> dict:
-    cfg = engine.model_config
-    ids = torch.tensor([processed.input_ids])
-    inputs = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "mm_token_type_ids": (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int(),
-    }
-    for modality, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
-        items = [it for it in processed.mm_items if it.modality == modality]
-        if items:
-            inputs[key] = torch.cat([it.pixel_values for it in items])
-            inputs[f"{modality}_grid_thw"] = torch.tensor([it.grid_thw for it in items])
-    return inputs
-
-
 CASES = ["text", "one_image", "images_of_different_sizes", "video", "image_and_video"]
 
 
@@ -85,7 +69,7 @@ CASES = ["text", "one_image", "images_of_different_sizes", "video", "image_and_v
 def test_logits_and_greedy_tokens_match_transformers(pair, video_path, case):
     engine, hf = pair
     processed = engine.processor.process_messages(_conversations(video_path)[case], add_generation_prompt=True)
-    inputs = _hf_inputs(engine, processed)
+    inputs = hf_inputs(engine, processed)
     with torch.no_grad():
         ref_logits = hf(**inputs).logits[0]
     ours = prefill_logits(engine.scheduler, processed.input_ids, processed.mm_items)

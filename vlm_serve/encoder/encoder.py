@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol, TypeVar
 import torch
 
 from vlm_serve.llm.kernels import set_thread_team
+from vlm_serve.llm.lora.adapter import TowerAdapter, TowerLoRA
 from vlm_serve.llm.models.qwen3_vl_vision import Grid, Qwen3VLVisionModel, VisionOutput
 
 T = TypeVar("T")
@@ -26,11 +27,13 @@ R = TypeVar("R")
 
 @dataclass
 class EncodeTask:
-    """One image or video to encode, keyed by its content hash."""
+    """One image or video to encode, keyed by its embeddings' key (`embedding_key`), through the vision-tower
+    part of a LoRA adapter where `lora` names one."""
 
-    hash: int
+    key: int
     grid_thw: Grid
     pixel_values: torch.Tensor
+    lora: TowerAdapter | None = None
     submitted: float = 0.0  # time.monotonic() when handed to the encoder (the clock is system-wide)
     attempts: int = 0  # encoder ranks that died while holding it
 
@@ -44,13 +47,19 @@ class EncodeTask:
 class EncodeResult:
     """Embeddings of one task, or why it could not be encoded."""
 
-    hash: int
+    key: int
     output: VisionOutput | None
     error: str | None = None
     unavailable: bool = False  # with an error: no encoder could run it (its ranks died), not the item's fault
     wait: float = 0.0  # seconds from submission until a vision tower started on it
     vit: float = 0.0  # its share (by patch count) of the compute time of the pass it ran in
     rank: int = 0  # the encoder rank that ran it
+
+
+def embedding_key(content_hash: int, lora: TowerAdapter | None) -> int:
+    """What keys an item's embeddings: its content hash, moved into a range of its own for the vision tower's
+    adapter that makes them (by the adapter's load id)."""
+    return content_hash if lora is None else content_hash + (lora.load_id << 128)
 
 
 class Executor(Protocol):
@@ -60,16 +69,22 @@ class Executor(Protocol):
 def encode_tasks(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> list[EncodeResult]:
     """Runs `tasks` through the vision tower together. If the batch fails, each task is retried alone,
     so one bad item fails only itself."""
+    adapters: TowerLoRA | None = visual.adapters
+    if adapters is not None and len({t.lora for t in tasks} - {None}) > adapters.max_loras:
+        groups: dict[TowerAdapter | None, list[EncodeTask]] = {}
+        for task in tasks:  # (more of the tower's adapters than it has slots: a pass per adapter)
+            groups.setdefault(task.lora, []).append(task)
+        return [result for group in groups.values() for result in encode_tasks(visual, group, max_patches)]
     started = time.monotonic()
     try:
         outputs, seconds = _forward(visual, tasks, max_patches)
     except Exception as exc:  # noqa: BLE001 - any failure becomes the item's error, never the caller's crash
         if len(tasks) > 1:
             return [result for task in tasks for result in encode_tasks(visual, [task], max_patches)]
-        return [EncodeResult(tasks[0].hash, None, f"the vision encoder failed on this item: {exc}")]
+        return [EncodeResult(tasks[0].key, None, f"the vision encoder failed on this item: {exc}")]
     total = sum(t.num_patches for t in tasks)
     return [
-        EncodeResult(t.hash, out, wait=started - t.submitted, vit=seconds * t.num_patches / total)
+        EncodeResult(t.key, out, wait=started - t.submitted, vit=seconds * t.num_patches / total)
         for t, out in zip(tasks, outputs)
     ]
 
@@ -78,7 +93,15 @@ def encode_tasks(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patche
 def _forward(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> tuple[list[VisionOutput], float]:
     start = time.perf_counter()
     pixels = torch.cat([t.pixel_values for t in tasks])
-    out = visual.encode(pixels, [t.grid_thw for t in tasks], max_patches)
+    grids = [t.grid_thw for t in tasks]
+    if any(t.lora is not None for t in tasks):
+        adapters: TowerLoRA | None = visual.adapters
+        if adapters is None:
+            raise ValueError("a LoRA adapter of the vision tower, asked of an encoder started without --enable-lora")
+        with adapters.using([t.lora for t in tasks]) as slots:
+            out = visual.encode(pixels, grids, max_patches, slots)
+    else:
+        out = visual.encode(pixels, grids, max_patches)
     merge = visual.merge * visual.merge
     outputs = out.split([t.num_patches // merge for t in tasks])
     if out.embeds.is_cuda:

@@ -43,6 +43,7 @@ import zmq
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.encoder.encoder import CoreShare, EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
+from vlm_serve.llm.lora.adapter import TowerLoRA
 from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput, load_vision_model
 from vlm_serve.process import exits_at_once, init_child_process, rank_threads, starting_children, stop_signals_deferred
 
@@ -399,7 +400,7 @@ class EncoderPool(VisionEncoder):
                 else:
                     retry.append(task)
                     continue
-                results.append(EncodeResult(task.hash, None, error, unavailable=True))
+                results.append(EncodeResult(task.key, None, error, unavailable=True))
             self._dispatch(retry)
         return results
 
@@ -533,4 +534,7 @@ def create_encoder(
 def load_vision_tower(server_args: ServerArgs, config: ModelConfig, device: torch.device):
     """The vision tower as `server_args` has it loaded, on `device`."""
     dtype, weight_dtype = server_args.resolved_dtype(config), server_args.resolved_weight_dtype(config)
-    return load_vision_model(config, device, dtype, weight_dtype, server_args.load_format == "dummy")
+    visual = load_vision_model(config, device, dtype, weight_dtype, server_args.load_format == "dummy")
+    if server_args.enable_lora:
+        visual.adapters = TowerLoRA(visual, server_args.max_loras, server_args.max_lora_rank)
+    return visual

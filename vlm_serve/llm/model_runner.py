@@ -13,7 +13,7 @@ from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
 from vlm_serve.llm.layers.attention import create_attention_backend
 from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
-from vlm_serve.llm.lora.adapter import LoRAManager, read_adapter
+from vlm_serve.llm.lora.adapter import LoRAManager, read_adapter, tower_modules
 from vlm_serve.llm.lora.layer import lora_batch
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -75,7 +75,8 @@ class ModelRunner:
         self.sampler = Sampler(model_config.eos_token_ids)
         self.lora: LoRAManager | None = None  # LoRA adapters' slots (--enable-lora)
         if server_args.enable_lora:
-            self.lora = LoRAManager(self.model, server_args.max_loras, server_args.max_lora_rank)
+            tower = tower_modules(model_config)
+            self.lora = LoRAManager(self.model, server_args.max_loras, server_args.max_lora_rank, also=tower)
             for name, folder in server_args.lora_adapters().items():
                 self.lora.load(read_adapter(name, folder, server_args.max_lora_rank))
         # a batch has at most one row per request, and the chunked request's on top in a mixed batch

@@ -1,18 +1,18 @@
 """The encoding stage: where a request with images or videos waits for their embeddings, in front of
 `waiting_queue`.
 
-It owns the embedding cache (content hash -> vision embeddings and deepstack features). For each item a
-request needs, in this order: an item whose whole token span the prefix cache already covers is not
-needed at all; an item already being encoded for another request is waited for (single flight: the
-vision tower runs once for it however many requests want it at once); a cached item is taken from the
-cache; anything else is submitted to the encoder. A request is ready when it holds every item
-it needs. From then until its prefill is done it keeps those cache entries pinned, so they cannot be
+It owns the embedding cache (content hash, and the vision tower's LoRA adapter that made them -> vision
+embeddings and deepstack features). For each item a request needs, in this order: an item whose whole
+token span the prefix cache already covers is not needed at all; an item already being encoded for
+another request is waited for (single flight: the vision tower runs once for it however many requests
+want it at once); a cached item is taken from the cache; anything else is submitted to the encoder. A
+request is ready when it holds every item it needs. From then until its prefill is done it keeps those cache entries pinned, so they cannot be
 evicted under it, and chunked prefill takes each chunk's rows straight from them.
 """
 
 from __future__ import annotations
 
-from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, VisionEncoder
+from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, VisionEncoder, embedding_key
 from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
 from vlm_serve.multimodal.cache import MultimodalCache
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req
@@ -58,19 +58,19 @@ class EncodingStage:
             return False
         missing = len(needed)
         for i in needed if self.encoder is not None else ():
-            item = req.mm_items[i]
-            if item.hash in self.inflight:  # (then it is not in the cache: its result goes there on arrival)
+            item, key = req.mm_items[i], embedding_key(req.mm_items[i].hash, req.tower_lora)
+            if key in self.inflight:  # (then it is not in the cache: its result goes there on arrival)
                 self.inflight_hits += 1
-                self.inflight[item.hash].append((req, i))
+                self.inflight[key].append((req, i))
                 continue
-            cached = self.cache.get(item.hash)
+            cached = self.cache.get(key)
             if cached is not None:
                 item.timings.embedding_source = "cache"
                 self._hold(req, i, cached)
                 missing -= 1
                 continue
-            self.inflight[item.hash] = [(req, i)]
-            self.to_submit.append(EncodeTask(item.hash, item.grid_thw, item.pixel_values))
+            self.inflight[key] = [(req, i)]
+            self.to_submit.append(EncodeTask(key, item.grid_thw, item.pixel_values, req.tower_lora))
         self.outstanding[req] = missing
         if missing == 0:
             self.ready_now.append(req)
@@ -88,7 +88,7 @@ class EncodingStage:
             self.encoder.submit(self.to_submit)
             self.to_submit = []
         for result in self.encoder.poll(timeout, llm_busy):
-            waiters = [(r, i) for r, i in self.inflight.pop(result.hash, []) if r in self.outstanding]
+            waiters = [(r, i) for r, i in self.inflight.pop(result.key, []) if r in self.outstanding]
             if result.output is None:
                 status, code = (503, "encoder_unavailable") if result.unavailable else (500, "encoder_error")
                 for req, i in waiters:
@@ -97,7 +97,7 @@ class EncodingStage:
                         failed.append((req, FinishReason.error(status, code, message)))
                         self.remove(req)
                 continue
-            self.cache.put(result.hash, result.output, result.output.nbytes)
+            self.cache.put(result.key, result.output, result.output.nbytes)
             for req, i in waiters:
                 self._arrived(req, i, result)
                 self.outstanding[req] -= 1
@@ -120,9 +120,10 @@ class EncodingStage:
 
     def _hold(self, req: Req, i: int, output: VisionOutput) -> None:
         req.mm_embeds[i] = output
-        if req.mm_items[i].hash in self.cache:
-            self.cache.pin(req.mm_items[i].hash)
-            req.mm_pins.append(req.mm_items[i].hash)
+        key = embedding_key(req.mm_items[i].hash, req.tower_lora)
+        if key in self.cache:
+            self.cache.pin(key)
+            req.mm_pins.append(key)
 
     def remove(self, req: Req) -> None:
         """Takes `req` out of the stage (aborted or failed) and releases what it holds."""

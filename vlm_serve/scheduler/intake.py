@@ -121,8 +121,8 @@ class SchedulerIntakeMixin:
                     raise LoRAError(f"a LoRA adapter named {message.name!r} is loaded already")
                 manager.load(read_adapter(message.name, message.path, manager.max_rank))
                 return LoRAOut(True)
-            slot, _ = manager.resolve(message.name)
-            using = sum(r.lora_slot == slot for r in self.reqs.values())
+            slot, load_id = manager.resolve(message.name)
+            using = sum(r.lora_id == load_id for r in self.reqs.values())
             if using:
                 raise LoRAError(f"LoRA adapter {message.name!r} is in use by {using} request(s): unload it after them")
             manager.unload(slot)
@@ -143,7 +143,9 @@ class SchedulerIntakeMixin:
             if message.lora_name is not None:
                 if self.runner.lora is None:
                     raise ValueError(f"LoRA adapter {message.lora_name!r} asked of a server without --enable-lora")
-                req.lora_slot, req.lora_id = self.runner.lora.resolve(message.lora_name)
+                slot, req.lora_id = self.runner.lora.resolve(message.lora_name)
+                req.lora_slot = slot if self.runner.lora.slots[slot].adapts_lm else -1
+                req.tower_lora = self.runner.lora.tower(slot)
             self.add_request(req)
         except Exception as exc:  # noqa: BLE001 - ValueError: the request's own fault; else the server's, its alone
             if isinstance(exc, ValueError):

@@ -29,6 +29,7 @@ from vlm_serve.scheduler.radix_cache import RadixCache, TreeNode
 if TYPE_CHECKING:
     from vlm_serve.disaggregation.transfer import KVReceiver, KVSender
     from vlm_serve.llm.constrained.grammar_backend import Grammar
+    from vlm_serve.llm.lora.adapter import TowerAdapter
     from vlm_serve.llm.speculative.draft_state import DraftState
     from vlm_serve.messages.backend import BootstrapInfo
 
@@ -82,10 +83,12 @@ class Req:
     # and after it, the part of the match in the host tier (HiRadixCache): loaded back when admitted
     last_host_node: TreeNode | None = None
     host_hit_length: int = 0
-    # the LoRA adapter it runs through: its slot in the layers (-1: the base) and its id, which keeps the
-    # KV computed through it apart in the prefix cache (0: the base)
+    # the LoRA adapter it runs through: its slot in the LM's layers (-1: the base, or an adapter of the
+    # vision tower alone), its id, which keeps the KV computed through it apart in the prefix cache (0: the
+    # base), and its vision-tower part, which the encoders run its pictures through
     lora_slot: int = -1
     lora_id: int = 0
+    tower_lora: TowerAdapter | None = None
     # KV state: the request's row in req_to_token_pool holds `kv_len` computed tokens of `fill_ids`
     req_pool_idx: int | None = None
     kv_len: int = 0

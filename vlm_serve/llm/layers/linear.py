@@ -56,6 +56,10 @@ class LinearBase(nn.Module):
         """The checkpoint column where this shard's columns start."""
         return 0
 
+    def checkpoint_shape(self, shard_id: int | str | None) -> tuple[int, int]:
+        """The (rows, columns) of checkpoint tensor `shard_id`, whole."""
+        return self.out_features, self.in_features
+
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         """Copies this shard's part of a checkpoint tensor (the weight, or the bias) into `param`."""
         if param is not self.bias:
@@ -170,6 +174,9 @@ class ColumnParallelLinear(LinearBase):
         size = self.out_features
         return 0, size, self.tp_rank * size
 
+    def checkpoint_shape(self, shard_id: int | str | None) -> tuple[int, int]:
+        return self.rows(shard_id)[1] * self.tp_size, self.in_features
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up); each part is split separately."""
@@ -206,6 +213,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         offset = q_size if shard_id == "k" else q_size + kv_size
         return offset, kv_size, (self.tp_rank // self.kv_replicas) * kv_size
 
+    def checkpoint_shape(self, shard_id: int | str | None) -> tuple[int, int]:
+        rows, replicas = self.rows(shard_id)[1], 1 if shard_id == "q" else self.kv_replicas
+        return rows * self.tp_size // replicas, self.in_features
+
 
 class RowParallelLinear(LinearBase):
     """Input features split over the TP ranks; the partial outputs are summed by an all-reduce."""
@@ -218,6 +229,9 @@ class RowParallelLinear(LinearBase):
 
     def columns(self) -> int:
         return self.tp_rank * self.in_features
+
+    def checkpoint_shape(self, shard_id: int | str | None) -> tuple[int, int]:
+        return self.out_features, self.in_features * self.tp_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         if param.dim() == 1:  # the bias is added once, on rank 0

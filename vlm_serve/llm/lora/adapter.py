@@ -8,8 +8,12 @@ q_proj.lora_A.weight`); our fused projections take q/k/v and gate/up as parts, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,13 +21,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.linear import LinearBase
 from vlm_serve.llm.lora.layer import LoRASlots
 from vlm_serve.llm.models.qwen3_vl import stacked_name
+from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, Qwen3VLVisionModel
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
-TOWER = "model.visual."  # the vision tower's modules (and its merger's)
+TOWER = VISION_PREFIX  # the vision tower's modules (and its mergers')
 PARTS_OF = {"qkv_proj": 3, "gate_up_proj": 2}  # fused projections: parts, each with ranks of its own
 # what this reader does not do, by adapter_config.json's key: refused by name rather than served wrong
 UNSUPPORTED = {
@@ -48,6 +54,24 @@ class LoRAAdapter:
     rank: int
     scaling: float
     tensors: dict[tuple[str, int | str | None], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def adapts_tower(self) -> bool:
+        return any(module.startswith(TOWER) for module, _ in self.tensors)
+
+    @property
+    def adapts_lm(self) -> bool:
+        return any(not module.startswith(TOWER) for module, _ in self.tensors)
+
+
+@dataclass(frozen=True)
+class TowerAdapter:
+    """What an encoder needs to run pictures through an adapter's vision-tower part: where to read it, and
+    its load id (new at every load; it keys the embeddings the adapter makes)."""
+
+    name: str
+    path: str
+    load_id: int
 
 
 def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
@@ -89,37 +113,52 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
 
 
 class LoRAManager:
-    """The adapters resident in a model: up to `max_loras` slots in the layers they target."""
+    """The adapters resident in a model: up to `max_loras` slots in the layers they target.
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+    `prefix` is what an adapter's module names start with in `model` (TOWER for a vision tower alone);
+    an adapter's modules elsewhere are left to another manager. `also`: the modules such a manager has,
+    which the adapter may target too (the LM's manager knows the tower's, whose encoders load them); None
+    where another manager has checked the adapter already."""
+
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, prefix: str = "", also: Collection[str] | None = ()
+    ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.linears = {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+        self.linears = {prefix + name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+        self.also = also
         self.slots: list[LoRAAdapter | None] = [None] * max_loras
         self.ids = [0] * max_loras  # each slot's adapter's id: a new one at every load (its KV's cache namespace)
         self._loads = 0
 
     def load(self, adapter: LoRAAdapter) -> int:
         """Puts `adapter` in a free slot; returns the slot."""
-        tower = sorted({module for module, _ in adapter.tensors if module.startswith(TOWER)})
-        if tower:  # (its embeddings would differ from the base's: the encoders and their cache must know it)
-            raise LoRAError(f"LoRA adapter {adapter.name!r} adapts the vision tower ({tower[0]}, ...): not served yet")
-        tensors = adapter.tensors
-        unknown = sorted({module for module, _ in tensors} - set(self.linears))
-        if unknown:
-            raise LoRAError(f"LoRA adapter {adapter.name!r} targets modules this model does not have: {unknown[:5]}")
+        modules = {module for module, _ in adapter.tensors}
+        if self.also is not None:
+            unknown = sorted(modules - set(self.linears) - set(self.also))
+            if unknown:
+                raise LoRAError(
+                    f"LoRA adapter {adapter.name!r} targets modules this model has no linear layer for: {unknown[:5]}"
+                )
         if None not in self.slots:
             raise LoRAError(f"no free LoRA slot for {adapter.name!r}: {self.max_loras} adapters are loaded")
         slot = self.slots.index(None)
-        for (module, part), (a, b) in tensors.items():
-            linear = self.linears[module]
-            if linear.lora is None:
-                parts = PARTS_OF.get(module.rsplit(".", 1)[-1], 1)
-                linear.lora = LoRASlots(linear, self.max_loras, self.max_rank, parts)
-            linear.lora.set(slot, part, a, b, adapter.scaling)
         self.slots[slot] = adapter
+        try:
+            for (module, part), (a, b) in adapter.tensors.items():
+                if module in self.linears:
+                    self._set(slot, module, part, a, b, adapter.scaling)
+        except ValueError as exc:  # (shapes that are not the model's)
+            self.unload(slot)
+            raise LoRAError(f"LoRA adapter {adapter.name!r} does not fit this model: {module}: {exc}") from None
         self._loads += 1
         self.ids[slot] = self._loads
         return slot
+
+    def _set(self, slot: int, module: str, part: int | str | None, a: torch.Tensor, b: torch.Tensor, scaling: float):
+        linear = self.linears[module]
+        if linear.lora is None:
+            linear.lora = LoRASlots(linear, self.max_loras, self.max_rank, PARTS_OF.get(module.rsplit(".", 1)[-1], 1))
+        linear.lora.set(slot, part, a, b, scaling)
 
     def resolve(self, name: str) -> tuple[int, int]:
         """The slot and id of the loaded adapter `name`."""
@@ -129,8 +168,48 @@ class LoRAManager:
         loaded = sorted(a.name for a in self.slots if a is not None)
         raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
 
+    def tower(self, slot: int) -> TowerAdapter | None:
+        """What the encoders need of the adapter in `slot`, if it adapts the vision tower."""
+        adapter = self.slots[slot]
+        return TowerAdapter(adapter.name, str(adapter.path), self.ids[slot]) if adapter.adapts_tower else None
+
     def unload(self, slot: int) -> None:
         for linear in self.linears.values():
             if linear.lora is not None:
                 linear.lora.clear(slot)
         self.slots[slot] = None
+
+
+def tower_modules(model_config: ModelConfig) -> set[str]:
+    """The names adapters give the vision tower's linear layers (the tower built without memory)."""
+    with torch.device("meta"):
+        tower = Qwen3VLVisionModel(model_config.vision)
+    return {TOWER + name for name, m in tower.named_modules() if isinstance(m, LinearBase)}
+
+
+class TowerLoRA:
+    """The vision tower's adapters in an encoder: read from their folders when a picture first needs one
+    (by load id), up to `max_loras` resident, the least recently used replaced."""
+
+    def __init__(self, visual: nn.Module, max_loras: int, max_rank: int) -> None:
+        self.max_loras = max_loras
+        self.manager = LoRAManager(visual, max_loras, max_rank, TOWER, also=None)
+        self.resident: OrderedDict[int, int] = OrderedDict()  # load id -> slot
+        self._lock = threading.Lock()  # (an encode on the side may overlap one between forwards)
+
+    @contextlib.contextmanager
+    def using(self, adapters: list[TowerAdapter | None]) -> Iterator[list[int]]:
+        """Each item's slot (-1: the base), held for the encode inside; what is not resident is loaded. The
+        items need at most `max_loras` adapters."""
+        with self._lock:
+            wanted = {a.load_id: a for a in adapters if a is not None}
+            for load_id, adapter in wanted.items():
+                if load_id in self.resident:
+                    self.resident.move_to_end(load_id)
+                    continue
+                if None not in self.manager.slots:
+                    victim = next(i for i in self.resident if i not in wanted)
+                    self.manager.unload(self.resident.pop(victim))
+                read = read_adapter(adapter.name, adapter.path, self.manager.max_rank)
+                self.resident[load_id] = self.manager.load(read)
+            yield [self.resident[a.load_id] if a is not None else -1 for a in adapters]

@@ -93,7 +93,9 @@ class LoRASlots:
     def set(self, slot: int, shard_id: int | str | None, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """One part's adapter (checkpoint tensors: `a` (rank, in), `b` (out, rank)) into `slot`, this shard's
         cut of it."""
-        rank = a.shape[0]
+        rank, (rows, columns) = a.shape[0], self.linear.checkpoint_shape(shard_id)
+        if a.shape[1] != columns or b.shape != (rows, rank):
+            raise ValueError(f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} for a ({rows}, {columns}) weight")
         first = shard_id if isinstance(shard_id, int) else PARTS[shard_id]
         ranks = slice(first * self.max_rank, first * self.max_rank + rank)
         here, count, there = self.linear.rows(shard_id)

@@ -19,6 +19,7 @@ from vlm_serve.config import ModelConfig, VisionConfig
 from vlm_serve.llm.kernels import rowwise_cpu
 from vlm_serve.llm.layers.linear import ReplicatedLinear, prepack_weights
 from vlm_serve.llm.layers.sdpa import sdpa
+from vlm_serve.llm.lora.layer import LoRABatch, lora_batch
 
 Grid = tuple[int, int, int]
 VISION_PREFIX = "model.visual."  # the tower's tensors in a Qwen3-VL checkpoint
@@ -183,33 +184,45 @@ class Qwen3VLVisionModel(nn.Module):
             config.rope_theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float, device="cpu") / spatial_dim)
         )
         self._rope_cache: dict[tuple[int, int], torch.Tensor] = {}
+        self.adapters = None  # its LoRA adapters (`TowerLoRA`), where the server serves them
 
     @property
     def dtype(self) -> torch.dtype:
         return self.pos_embed.weight.dtype
 
-    def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> VisionOutput:
-        """pixel_values: the items' patches concatenated, (sum t*h*w, C*T*P*P); grids: their (t, h, w)."""
+    def forward(self, pixel_values: torch.Tensor, grids: list[Grid], slots: list[int] | None = None) -> VisionOutput:
+        """pixel_values: the items' patches concatenated, (sum t*h*w, C*T*P*P); grids: their (t, h, w);
+        slots: each item's LoRA adapter slot (-1: the base; None: every item the base)."""
         device = self.pos_embed.weight.device
         x = self.patch_embed(pixel_values.to(device))
         x = x + torch.cat([self._pos_embed(g) for g in grids]).to(x.dtype)
         angles = torch.cat([self._rope_angles(g) for g in grids]).to(device)
         cos, sin = angles.cos(), angles.sin()
         segments = self._segments(grids)
+        patches = merged = None  # (the blocks' rows are patches, the mergers' merge x merge blocks of them)
+        if slots is not None:
+            sizes = [t * h * w for t, h, w in grids]
+            patches = LoRABatch.of_runs(sizes, slots)
+            merged = LoRABatch.of_runs([n // self.merge**2 for n in sizes], slots)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, segments)
+            with lora_batch(patches):
+                x = block(x, cos, sin, segments)
             if i in self.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
-        return VisionOutput(self.merger(x), deepstack)
+                with lora_batch(merged):
+                    deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
+        with lora_batch(merged):
+            return VisionOutput(self.merger(x), deepstack)
 
-    def encode(self, pixel_values: torch.Tensor, grids: list[Grid], max_patches: int) -> VisionOutput:
+    def encode(
+        self, pixel_values: torch.Tensor, grids: list[Grid], max_patches: int, slots: list[int] | None = None
+    ) -> VisionOutput:
         """`forward` in passes of at most `max_patches` patches (at least one temporal patch group),
         so peak memory is bounded by the setting, not by a video's length. Attention never crosses a
         temporal patch group, so cutting a video between groups gives the same embeddings."""
-        passes: list[list[tuple[int, Grid]]] = [[]]  # (first pixel row, grid) of each piece
+        passes: list[list[tuple[int, Grid, int]]] = [[]]  # (first pixel row, grid, LoRA slot) of each piece
         size, row = 0, 0
-        for t, h, w in grids:
+        for (t, h, w), slot in zip(grids, slots or [-1] * len(grids), strict=True):
             step = max(1, max_patches // (h * w))  # groups per piece
             for start in range(0, t, step):
                 piece = (min(step, t - start), h, w)
@@ -217,13 +230,14 @@ class Qwen3VLVisionModel(nn.Module):
                 if size + patches > max_patches and passes[-1]:
                     passes.append([])
                     size = 0
-                passes[-1].append((row, piece))
+                passes[-1].append((row, piece, slot))
                 size += patches
                 row += patches
         outs = []
         for pieces in passes:
-            rows = torch.cat([torch.arange(r, r + t * h * w) for r, (t, h, w) in pieces])
-            outs.append(self(pixel_values[rows], [g for _, g in pieces]))
+            rows = torch.cat([torch.arange(r, r + t * h * w) for r, (t, h, w), _ in pieces])
+            pass_slots = [s for _, _, s in pieces] if slots is not None else None
+            outs.append(self(pixel_values[rows], [g for _, g, _ in pieces], pass_slots))
         return VisionOutput.cat(outs)
 
     def _pos_embed(self, grid: Grid) -> torch.Tensor:
