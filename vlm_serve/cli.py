@@ -17,7 +17,15 @@ from typing import Any
 
 import yaml
 
-from vlm_serve.config import CHOICES, DTYPES, ENGINE_SETTINGS, SETTING_GROUPS, ServerArgs, setting_docs
+from vlm_serve.config import (
+    CHOICES,
+    DTYPES,
+    ENGINE_SETTINGS,
+    FLAG_ALIASES,
+    SETTING_GROUPS,
+    ServerArgs,
+    setting_docs,
+)
 from vlm_serve.errors import MediaError
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
@@ -41,18 +49,18 @@ def add_server_args(parser: argparse.ArgumentParser, names: Sequence[str] | None
 
 def _add_setting(parser: argparse._ActionsContainer, f: dataclasses.Field, doc: str) -> None:
     """The flag of one `ServerArgs` field."""
-    flag = "--" + f.name.replace("_", "-")
+    flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     unset = "unset" if "none" in CHOICES.get(f.name, ()) else "none"  # (where "none" is a value of its own)
     shown = "" if f.type == "bool" else f" (default: {unset if default is None else default})"
     options: dict[str, Any] = {"default": default, "dest": f.name, "help": doc + shown}
     if f.type == "bool":
-        parser.add_argument(flag, action="store_true", **options)
+        parser.add_argument(*flags, action="store_true", **options)
     elif str(f.type).startswith("list["):
-        parser.add_argument(flag, nargs="*", metavar="VALUE", **options)
+        parser.add_argument(*flags, nargs="*", metavar="VALUE", **options)
     else:
         kind = _FLAG_TYPES[str(f.type).split("|")[0].strip()]  # annotations are strings: "int | None"
-        parser.add_argument(flag, type=kind, choices=CHOICES.get(f.name), **options)
+        parser.add_argument(*flags, type=kind, choices=CHOICES.get(f.name), **options)
 
 
 def load_config(path: str, names: Sequence[str] | None = None) -> dict[str, Any]:

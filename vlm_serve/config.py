@@ -51,6 +51,10 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few n
     "hicache_storage_backend": ("file", "mooncake"),
     "hicache_storage_prefetch_policy": ("best_effort", "wait_complete", "timeout"),
 }
+FLAG_ALIASES = {  # other names the peers give a setting's flag
+    "lora_paths": ("--lora-modules",),  # (vLLM's)
+    "max_loras": ("--max-loras-per-batch",),  # (SGLang's: every resident adapter may be in one batch)
+}
 OPTIONAL_CHOICES = {
     "reasoning_parser",
     "speculative_algorithm",
@@ -274,20 +278,35 @@ class LoRASettings(Settings):
 
     title: ClassVar[str] = "LoRA adapters"
     enable_lora: bool = False  # serve LoRA adapters (peft's format), each request through the one it names
-    lora_paths: list[str] = field(default_factory=list)  # adapters loaded at start: NAME=FOLDER (or FOLDER: its name)
+    # adapters loaded at start: NAME=FOLDER, FOLDER (named after it) or vLLM's JSON {"name": ..., "path": ...}
+    lora_paths: list[str] = field(default_factory=list)
     max_loras: int = 4  # adapters resident at once (each a slot in the layers it adapts)
     max_lora_rank: int = 16  # the highest rank an adapter may have
 
     def check(self) -> None:
         if self.lora_paths and not self.enable_lora:
             raise ValueError("lora_paths needs enable_lora")
-        if len(self.lora_paths) > self.max_loras:
+        if len(self.lora_adapters()) > self.max_loras:
             raise ValueError(f"{len(self.lora_paths)} lora_paths do not fit in max_loras {self.max_loras}")
 
     def lora_adapters(self) -> dict[str, str]:
         """The adapters to load at start, by name."""
-        named = [p.split("=", 1) if "=" in p else [Path(p).name, p] for p in self.lora_paths]
-        return dict(named)
+        adapters = {}
+        for entry in self.lora_paths:
+            if entry.lstrip().startswith("{"):
+                try:
+                    spec = json.loads(entry)
+                    name, path = spec["name"], spec["path"]
+                except (json.JSONDecodeError, TypeError, KeyError) as exc:
+                    raise ValueError(
+                        f"lora_paths entry {entry!r}: not a JSON object with name and path ({exc})"
+                    ) from None
+            else:
+                name, path = entry.split("=", 1) if "=" in entry else (Path(entry).name, entry)
+            if name in adapters:
+                raise ValueError(f"lora_paths names two adapters {name!r}")
+            adapters[name] = path
+        return adapters
 
 
 @dataclass(frozen=True)

@@ -262,3 +262,27 @@ def test_hierarchical_cache_settings_that_cannot_work_are_refused_by_name(settin
 def test_a_host_pool_smaller_than_the_kv_pool_is_refused(tiny_moe_dir):
     with pytest.raises(ValueError, match="fewer than the KV pool's 8192"):
         Engine(tiny_moe_dir, max_total_tokens=8192, enable_hierarchical_cache=True, hicache_size=0.0001)
+
+
+def test_lora_flags_take_vllm_and_sglang_names_and_each_form_of_an_adapter():
+    """`--lora-modules` (vLLM) is `--lora-paths` (SGLang), `--max-loras-per-batch` (SGLang) is `--max-loras`;
+    an adapter is NAME=FOLDER, FOLDER (named after it), or vLLM's JSON object."""
+    spec = '{"name": "charts", "path": "/ckpt/charts", "base_model_name": "qwen"}'
+    flags = ["serve", "--enable-lora", "--lora-modules", "docs=/ckpt/docs-v2", "/ckpt/style", spec]
+    args = server_args_of(parse_args(build_parser(), [*flags, "--max-loras-per-batch", "3"]))
+    assert args.max_loras == 3
+    assert args.lora_adapters() == {"docs": "/ckpt/docs-v2", "style": "/ckpt/style", "charts": "/ckpt/charts"}
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"lora_paths": ["a=/x"]}, "lora_paths needs enable_lora"),
+        ({"enable_lora": True, "lora_paths": ["a=/x", "a=/y"]}, "lora_paths names two adapters 'a'"),
+        ({"enable_lora": True, "lora_paths": ['{"name": "a"}']}, "not a JSON object with name and path"),
+        ({"enable_lora": True, "lora_paths": ["a=/x", "b=/y"], "max_loras": 1}, "do not fit in max_loras 1"),
+    ],
+)
+def test_lora_settings_that_cannot_work_are_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**settings)
