@@ -30,7 +30,8 @@ META_SLOT_BYTES = 4096  # one record; a request's record (its first token's top 
 class PrefillRecord:
     """What the decode side learns from the prefill side besides the KV: the first token (sampled there,
     with its log-probs where asked), how many prompt tokens the prefix cache served, each media item's
-    token count, and the MRoPE position delta of generated tokens."""
+    token count, the MRoPE position delta of generated tokens, and the LoRA adapter (name and digest) its KV
+    was computed through."""
 
     prompt_len: int
     first_token: int
@@ -39,6 +40,7 @@ class PrefillRecord:
     cached_tokens: int = 0
     media_tokens: list[int] = field(default_factory=list)
     mrope_delta: int = 0
+    lora: str | None = None
 
     def to_bytes(self) -> bytes:
         data = json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -54,6 +56,11 @@ class PrefillRecord:
         if fields.get("top_logprobs") is not None:
             fields["top_logprobs"] = [tuple(pair) for pair in fields["top_logprobs"]]
         return cls(**fields)
+
+
+def lora_identity(runner: ModelRunner, req: Req) -> str | None:
+    """The LoRA adapter `req` runs through, by name and digest (None: the base)."""
+    return runner.lora.identity(req.lora_id) if runner.lora is not None else None
 
 
 def agreed_polls(polls: list[KVPoll], tp_size: int, group: dist.ProcessGroup | None) -> list[KVPoll]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlm_serve.disaggregation.transfer import KVPoll, TransferBackend
-from vlm_serve.scheduler.pd_common import Disaggregation, PDScheduler, PrefillRecord
+from vlm_serve.scheduler.pd_common import Disaggregation, PDScheduler, PrefillRecord, lora_identity
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req
 from vlm_serve.scheduler.schedule_policy import PrefillAdder
 
@@ -128,11 +128,19 @@ class DecodeDisaggregation(Disaggregation):
         s = self.scheduler
         record = PrefillRecord.from_bytes(req.transfer.meta)
         media_tokens = [it.num_tokens(s.merge_size) for it in req.mm_items]
+        message = None
         if (record.prompt_len, record.media_tokens) != (len(req.origin_input_ids), media_tokens):
             message = (
                 f"the prefill server computed a prompt of {record.prompt_len} tokens with media of "
                 f"{record.media_tokens} tokens; this one has {len(req.origin_input_ids)} and {media_tokens}"
             )
+        elif record.lora != (lora := lora_identity(s.runner, req)):
+            message = (
+                f"the prefill server computed the KV through LoRA adapter {record.lora or 'none (the base)'}, "
+                f"this decode server runs the request through {lora or 'none (the base)'}: both must load the "
+                "same adapters under the same names"
+            )
+        if message is not None:
             self.release(req)
             self.fail(req, "mismatch", FinishReason.error(500, "disaggregation_mismatch", message))
             return

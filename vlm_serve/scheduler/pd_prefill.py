@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vlm_serve.disaggregation.transfer import KVPoll, TransferBackend
-from vlm_serve.scheduler.pd_common import Disaggregation, PDScheduler, PrefillRecord
+from vlm_serve.scheduler.pd_common import Disaggregation, PDScheduler, PrefillRecord, lora_identity
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ class PrefillDisaggregation(Disaggregation):
             cached_tokens=req.cached_tokens,
             media_tokens=[it.num_tokens(s.merge_size) for it in req.mm_items],
             mrope_delta=req.mrope_delta,
+            lora=lora_identity(s.runner, req),
         )
         if params.logprobs:  # (the token's answer here, which the router drops, still has its log-probs)
             req.output_logprobs.append(record.logprob)

@@ -9,6 +9,7 @@ q_proj.lora_A.weight`); our fused projections take q/k/v and gate/up as parts, a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import threading
@@ -54,6 +55,11 @@ class LoRAAdapter:
     rank: int
     scaling: float
     tensors: dict[tuple[str, int | str | None], tuple[torch.Tensor, torch.Tensor]]
+    digest: str = ""  # of its two files: what tells two servers' adapters of one name apart
+
+    @property
+    def identity(self) -> str:
+        return f"{self.name!r} ({self.digest})"
 
     @property
     def adapts_tower(self) -> bool:
@@ -109,7 +115,12 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
             raise LoRAError(f"LoRA adapter {name!r}: {module} has lora_{next(iter(ab))} without its pair")
         ours, part = stacked_name(module + ".weight")
         tensors[ours.removesuffix(".weight"), part] = (ab["A"], ab["B"])
-    return LoRAAdapter(name, path, rank, scaling, tensors)
+    digest = hashlib.blake2b(digest_size=8)
+    for file in (CONFIG, WEIGHTS):
+        with open(path / file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return LoRAAdapter(name, path, rank, scaling, tensors, digest.hexdigest())
 
 
 class LoRAManager:
@@ -167,6 +178,11 @@ class LoRAManager:
                 return slot, self.ids[slot]
         loaded = sorted(a.name for a in self.slots if a is not None)
         raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+
+    def identity(self, load_id: int) -> str | None:
+        """Which adapter (name and digest) the load `load_id` is, if still loaded (None for 0: the base)."""
+        slot = self.ids.index(load_id) if load_id else None
+        return self.slots[slot].identity if slot is not None and self.slots[slot] is not None else None
 
     def tower(self, slot: int) -> TowerAdapter | None:
         """What the encoders need of the adapter in `slot`, if it adapts the vision tower."""
