@@ -125,24 +125,39 @@ def test_two_ranks_match_one(
     assert torch.allclose(results[1][0], ref_logits, atol=1e-4 * ref_logits.abs().max())
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_two_ranks_match_one_through_a_lora_adapter(tiny_dense_dir, tmp_path, overlap):
+@pytest.mark.parametrize(
+    "arch,ep_size,overlap",
+    [("dense", 1, False), ("dense", 1, True), ("moe", 1, True), ("moe", 2, False)],
+    ids=["dense-tp2-normal", "dense-tp2-overlap", "moe-tp2-overlap", "moe-tp2-ep2-normal"],
+)
+def test_two_ranks_match_one_through_a_lora_adapter(tiny_dense_dir, tiny_moe_dir, tmp_path, arch, ep_size, overlap):
     """An adapter's A and B cut as their base layers are (B's rows on column-parallel layers, A's columns on
-    row-parallel ones): the same logits and tokens as one rank, which differ from the base's."""
+    row-parallel ones; of the experts, each rank's experts and its slice of their intermediate dimension): the
+    same logits and tokens as one rank, which differ from the base's."""
     peft = pytest.importorskip("peft", reason="peft makes the adapter (the test extra installs it)")
     import transformers
 
     torch.manual_seed(3)
-    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tiny_dense_dir, dtype=torch.float32)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    model_dir = str(tiny_moe_dir if arch == "moe" else tiny_dense_dir)
+    cls = (
+        transformers.Qwen3VLMoeForConditionalGeneration
+        if arch == "moe"
+        else transformers.Qwen3VLForConditionalGeneration
+    )
+    hf = cls.from_pretrained(model_dir, dtype=torch.float32)
+    if arch == "moe":
+        targets = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+        targets["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    else:
+        targets = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    config = peft.LoraConfig(r=4, lora_alpha=16, init_lora_weights=False, **targets)
     peft.get_peft_model(hf, config).save_pretrained(tmp_path / "adapter")
     lora = str(tmp_path / "adapter")
-    base_logits, _ = _run(str(tiny_dense_dir), 1, 1, overlap)
-    ref_logits, ref_tokens = _run(str(tiny_dense_dir), 1, 1, overlap, lora)
+    base_logits, _ = _run(model_dir, 1, 1, overlap)
+    ref_logits, ref_tokens = _run(model_dir, 1, 1, overlap, lora)
     assert not torch.allclose(ref_logits, base_logits, atol=1e-3)
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), str(tiny_dense_dir), 2, 1, overlap, results, lora), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), model_dir, 2, ep_size, overlap, results, lora), nprocs=2)
     logits, tokens = results[0]
     assert torch.allclose(logits, ref_logits, atol=1e-4 * ref_logits.abs().max())
     assert tokens == ref_tokens

@@ -11,7 +11,9 @@ import transformers
 
 from vlm_serve.engine import Engine
 from vlm_serve.llm.layers.linear import ReplicatedLinear
+from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.lora.adapter import LoRAError, LoRAManager, read_adapter, tower_modules
+from vlm_serve.llm.lora.experts import ExpertLoRASlots
 from vlm_serve.llm.lora.layer import LoRABatch, LoRASlots, lora_batch
 from vlm_serve.testing.logits import prefill_logits
 
@@ -53,6 +55,30 @@ def test_prefill_logits_through_an_adapter_equal_peft_and_the_base_stays_the_bas
     torch.testing.assert_close(again, base)
 
 
+@pytest.mark.parametrize(
+    "experts", [["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["mlp.experts.down_proj"]], ids=["both", "down"]
+)
+def test_prefill_logits_through_an_adapter_of_the_experts_equal_peft(tiny_moe_dir, tmp_path, experts):
+    """(peft adapts the fused expert parameters: `target_parameters`.)"""
+    folder = tmp_path / "adapter"
+    torch.manual_seed(3)
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], target_parameters=experts, init_lora_weights=False
+    )
+    peft.get_peft_model(model, config).save_pretrained(folder)
+    with Engine(tiny_moe_dir, dtype="float32", enable_lora=True, max_lora_rank=8, lora_paths=[f"a={folder}"]) as engine:
+        base = prefill_logits(engine.scheduler, PROMPT)
+        adapted = prefill_logits(engine.scheduler, PROMPT, lora_slot=0)
+    model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = (
+            peft.PeftModel.from_pretrained(model.eval(), folder).eval()(input_ids=torch.tensor([PROMPT])).logits[0]
+        )
+    assert not torch.allclose(expected, base, atol=1e-3)
+    torch.testing.assert_close(adapted, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_each_run_of_rows_goes_through_its_own_adapter():
     torch.manual_seed(0)
     linear = ReplicatedLinear(8, 6, bias=False)
@@ -72,6 +98,25 @@ def test_each_run_of_rows_goes_through_its_own_adapter():
             want = want + scaling * (b @ (a @ x[row]))
         torch.testing.assert_close(y[row], want, atol=1e-5, rtol=1e-5)
     assert LoRABatch.of_rows([-1, -1]) is None
+
+
+def test_each_token_goes_through_its_own_adapter_of_the_experts():
+    torch.manual_seed(0)
+    block = SparseMoeBlock(hidden_size=16, intermediate_size=12, num_experts=4, top_k=2)
+    for weight in (block.gate.weight, block.w13, block.w2):
+        weight.data.normal_(std=0.3)
+    block.lora = ExpertLoRASlots(block, num_slots=3, max_rank=2)
+    for slot in range(3):  # (peft's layout: A (experts x rank, in), B (out, rank x experts))
+        block.lora.set(slot, 0, torch.randn(8, 16), torch.randn(24, 8), rank=2, scaling=0.5)
+        block.lora.set(slot, 1, torch.randn(8, 12), torch.randn(16, 8), rank=2, scaling=0.5)
+    x = torch.randn(9, 16)
+    row_slots = [2, 2, -1, 0, 0, 1, -1, 1, 2]
+    with lora_batch(LoRABatch.of_rows(row_slots)):
+        y = block(x)
+    for row, slot in enumerate(row_slots):
+        with lora_batch(LoRABatch.of_rows([slot])):
+            torch.testing.assert_close(y[row], block(x[row : row + 1])[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(y, block(x))  # (the adapters change every adapted row)
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,8 @@ class ModelRunner:
         if self.device.type == "cpu" and server_args.vit_dp > 0:
             torch.set_num_threads(llm_threads(server_args))  # the encoder ranks take the other cores
         weight_dtype = server_args.resolved_weight_dtype(model_config)
-        self.model = load_model(model_config, self.device, self.dtype, weight_dtype, server_args.load_format == "dummy")
+        dummy = server_args.load_format == "dummy"
+        self.model = load_model(model_config, self.device, self.dtype, weight_dtype, dummy, server_args.enable_lora)
         self.draft: Eagle3Draft | None = None  # an EAGLE-3 draft head, its KV the pool's last layer
         self.draft_path: Path | None = None  # its checkpoint
         if server_args.speculative_algorithm == "eagle3":

@@ -17,6 +17,8 @@ from vlm_serve.llm.kernels import fp8_triton
 from vlm_serve.llm.kernels.moe_cpu import PackedExperts, moe_forward, pack_experts
 from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.linear import ReplicatedLinear, frozen_parameter
+from vlm_serve.llm.lora.experts import ExpertLoRASlots
+from vlm_serve.llm.lora.layer import LORA_BATCH
 from vlm_serve.quantization import FP8_DTYPE, dequantize_rows, shard_scales
 
 
@@ -35,7 +37,7 @@ class SparseMoeBlock(nn.Module):
         self.num_local_experts = divide(num_experts, state.ep_size)
         self.expert_start = state.ep_rank * self.num_local_experts
         self.intermediate = divide(intermediate_size, state.moe_tp_size)
-        self.moe_tp_rank = state.moe_tp_rank
+        self.moe_tp_rank, self.moe_tp_size = state.moe_tp_rank, state.moe_tp_size
         self.hidden_size = hidden_size
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         # (experts, out, in) like nn.Linear weights: gate and up stacked in w13. Of an FP8 checkpoint they
@@ -54,6 +56,10 @@ class SparseMoeBlock(nn.Module):
         self.w2_scale: torch.Tensor | None = None
         self.w2_scale_offset = 0  # where this rank's slice of the intermediate starts in its block
         self.packed: PackedExperts | None = None  # for the CPU kernel, by `prepack`
+        self.lora: ExpertLoRASlots | None = None  # LoRA adapters of the experts, where one targets them
+        # whether `prepack` keeps the weights as they are too: a LoRA server's batches through an adapter of
+        # the experts run them module by module (their delta goes between the two products)
+        self.keep_dense = False
 
     def _materialize(self, dtype: torch.dtype) -> None:
         """An FP8 checkpoint's experts get their storage with the first tensor of them: FP8 if it is."""
@@ -65,7 +71,7 @@ class SparseMoeBlock(nn.Module):
     def load_expert(self, expert: int, proj: str, loaded: torch.Tensor) -> None:
         """One expert's `gate_proj` / `up_proj` (intermediate, hidden) or `down_proj` (hidden, intermediate),
         as checkpoints that store experts one by one (Qwen's FP8 ones) have them."""
-        e, cols = expert - self.expert_start, self._slice()
+        e, cols = expert - self.expert_start, self.intermediate_slice()
         if not 0 <= e < self.num_local_experts:
             return
         self._materialize(loaded.dtype)
@@ -77,7 +83,7 @@ class SparseMoeBlock(nn.Module):
 
     def load_expert_scale(self, expert: int, proj: str, scale_inv: torch.Tensor) -> None:
         """The `weight_scale_inv` of one expert's FP8 projection, as scales per row (`shard_scales`)."""
-        e, cols = expert - self.expert_start, self._slice()
+        e, cols = expert - self.expert_start, self.intermediate_slice()
         if not 0 <= e < self.num_local_experts:
             return
         if self.fp8 is None:
@@ -96,7 +102,7 @@ class SparseMoeBlock(nn.Module):
                 )
             self.w13_scale[e, self._half(proj)] = scales
 
-    def _slice(self) -> slice:
+    def intermediate_slice(self) -> slice:
         """This rank's slice of an expert's intermediate dimension."""
         return slice(self.moe_tp_rank * self.intermediate, (self.moe_tp_rank + 1) * self.intermediate)
 
@@ -140,12 +146,13 @@ class SparseMoeBlock(nn.Module):
             )
         else:
             self.packed = pack_experts(self.w13, self.w2)
-        if self.packed is not None:
+        if self.packed is not None and not self.keep_dense:
             self.w13.data, self.w2.data = self.w13.data.new_empty(0), self.w2.data.new_empty(0)  # (not held twice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.packed is not None:
+        lora = LORA_BATCH.get() if self.lora is not None else None
+        if self.packed is not None and lora is None:
             out = moe_forward(x, logits, self.top_k, self.norm_topk_prob, self.expert_start, self.packed)
             return tp_all_reduce(out)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
@@ -161,7 +168,10 @@ class SparseMoeBlock(nn.Module):
         # captured CUDA graph cannot)
         ends = torch.searchsorted(grouped, torch.arange(self.num_local_experts, device=x.device), right=True)
         tokens = order // self.top_k
-        ys = (self._grouped_mm if x.is_cuda else self._expert_loop)(x[tokens], ends)
+        if lora is not None:  # (each pair's adapter: its token's)
+            ys = self._expert_loop(x[tokens], ends, lora.row_slots(x.shape[0]).to(x.device)[tokens])
+        else:
+            ys = (self._grouped_mm if x.is_cuda else self._expert_loop)(x[tokens], ends)
         ys = ys * (weights.flatten()[order] * (grouped < self.num_local_experts)).to(x.dtype)[:, None]
         # each token's top-k rows summed in a fixed order: on CUDA an index_add_ sums them by atomics, in an
         # order that changes from run to run, and so do the rounding and, in a random model, greedy tokens
@@ -169,20 +179,26 @@ class SparseMoeBlock(nn.Module):
         pairs[order] = ys
         return tp_all_reduce(pairs.view(-1, self.top_k, x.shape[-1]).sum(1))
 
-    def _expert_loop(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """One matmul each way per expert that has pairs, and one activation over all rows."""
+    def _expert_loop(self, xs: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One matmul each way per expert that has pairs, and one activation over all rows; `slots`: each
+        row's LoRA adapter slot (-1: the base), whose products are added to each matmul's."""
         starts = [0, *ends.tolist()]
         active = [(e, starts[e], starts[e + 1]) for e in range(self.num_local_experts) if starts[e + 1] > starts[e]]
-        gate_up = self._per_expert(xs, active, 0)
+        gate_up = self._per_expert(xs, active, 0, slots)
         act = silu_and_mul(gate_up)
         ys = xs.new_zeros(xs.shape)  # (pairs routed to other ranks' experts stay zero)
-        ys[: starts[-1]] = self._per_expert(act, active, 1)
+        ys[: starts[-1]] = self._per_expert(act, active, 1, slots)
         return ys
 
-    def _per_expert(self, rows: torch.Tensor, active: list[tuple[int, int, int]], which: int) -> torch.Tensor:
+    def _per_expert(
+        self, rows: torch.Tensor, active: list[tuple[int, int, int]], which: int, slots: torch.Tensor | None
+    ) -> torch.Tensor:
         """Rows lo:hi times expert e's w13 (`which` 0) or w2 (1), for each (e, lo, hi) of `active`."""
         weights = self.expert_weights(which, rows.dtype)  # (converted per call where no kernel reads them)
         parts = [F.linear(rows[lo:hi], weights[e]) for e, lo, hi in active]
+        if slots is not None:
+            for part, (e, lo, hi) in zip(parts, active):
+                self.lora.add_delta(part, rows[lo:hi], which, e, slots[lo:hi])
         out = (2 * self.intermediate, self.hidden_size)[which]
         return torch.cat(parts) if parts else rows.new_empty(0, out)
 

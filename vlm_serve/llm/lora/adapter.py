@@ -24,6 +24,8 @@ from torch import nn
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.linear import LinearBase
+from vlm_serve.llm.layers.moe import SparseMoeBlock
+from vlm_serve.llm.lora.experts import ExpertLoRASlots
 from vlm_serve.llm.lora.layer import LoRASlots
 from vlm_serve.llm.models.qwen3_vl import stacked_name
 from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, Qwen3VLVisionModel
@@ -113,6 +115,9 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"LoRA adapter {name!r}: {module} has lora_{next(iter(ab))} without its pair")
+        if ".base_layer" in module or module.endswith(".experts"):  # (peft's target_parameters: one per nesting)
+            tensors[module.split(".base_layer")[0], f"parameter {module.count('.base_layer')}"] = (ab["A"], ab["B"])
+            continue
         ours, part = stacked_name(module + ".weight")
         tensors[ours.removesuffix(".weight"), part] = (ab["A"], ab["B"])
     digest = hashlib.blake2b(digest_size=8)
@@ -136,6 +141,10 @@ class LoRAManager:
     ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.linears = {prefix + name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+        # mixture-of-experts blocks, by the name peft gives their fused experts
+        self.experts = {
+            prefix + name + ".experts": m for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)
+        }
         self.also = also
         self.slots: list[LoRAAdapter | None] = [None] * max_loras
         self.ids = [0] * max_loras  # each slot's adapter's id: a new one at every load (its KV's cache namespace)
@@ -145,7 +154,7 @@ class LoRAManager:
         """Puts `adapter` in a free slot; returns the slot."""
         modules = {module for module, _ in adapter.tensors}
         if self.also is not None:
-            unknown = sorted(modules - set(self.linears) - set(self.also))
+            unknown = sorted(modules - set(self.linears) - set(self.experts) - set(self.also))
             if unknown:
                 raise LoRAError(
                     f"LoRA adapter {adapter.name!r} targets modules this model has no linear layer for: {unknown[:5]}"
@@ -158,6 +167,8 @@ class LoRAManager:
             for (module, part), (a, b) in adapter.tensors.items():
                 if module in self.linears:
                     self._set(slot, module, part, a, b, adapter.scaling)
+                elif module in self.experts:
+                    self._set_experts(slot, self.experts[module], a, b, adapter)
         except ValueError as exc:  # (shapes that are not the model's)
             self.unload(slot)
             raise LoRAError(f"LoRA adapter {adapter.name!r} does not fit this model: {module}: {exc}") from None
@@ -170,6 +181,18 @@ class LoRAManager:
         if linear.lora is None:
             linear.lora = LoRASlots(linear, self.max_loras, self.max_rank, PARTS_OF.get(module.rsplit(".", 1)[-1], 1))
         linear.lora.set(slot, part, a, b, scaling)
+
+    def _set_experts(self, slot: int, block: SparseMoeBlock, a: torch.Tensor, b: torch.Tensor, adapter: LoRAAdapter):
+        if block.packed is not None and not block.keep_dense:
+            raise ValueError("the experts were packed for the CPU kernel alone (a model loaded without LoRA)")
+        if block.lora is None:
+            block.lora = ExpertLoRASlots(block, self.max_loras, self.max_rank)
+        which = block.lora.which(a, b)
+        if which is None:
+            raise ValueError(
+                f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither gate_up_proj nor down_proj"
+            )
+        block.lora.set(slot, which, a, b, adapter.rank, adapter.scaling)
 
     def resolve(self, name: str) -> tuple[int, int]:
         """The slot and id of the loaded adapter `name`."""
@@ -190,9 +213,9 @@ class LoRAManager:
         return TowerAdapter(adapter.name, str(adapter.path), self.ids[slot]) if adapter.adapts_tower else None
 
     def unload(self, slot: int) -> None:
-        for linear in self.linears.values():
-            if linear.lora is not None:
-                linear.lora.clear(slot)
+        for layer in (*self.linears.values(), *self.experts.values()):
+            if layer.lora is not None:
+                layer.lora.clear(slot)
         self.slots[slot] = None
 
 

@@ -38,6 +38,13 @@ class LoRABatch:
             for slot, spans in runs.items()
         )
 
+    def row_slots(self, num_rows: int) -> torch.Tensor:
+        """Each of the batch's `num_rows` rows' slot (-1: the base)."""
+        slots = torch.full((num_rows,), -1, dtype=torch.long)
+        for start, end, slot in self.segments:
+            slots[start:end] = slot
+        return slots
+
     @classmethod
     def of_runs(cls, lengths: list[int], slots: list[int]) -> LoRABatch | None:
         """From each request's rows in the batch (`lengths`, back to back) and its slot (-1: the base)."""

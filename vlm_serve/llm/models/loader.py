@@ -10,6 +10,7 @@ from safetensors import safe_open
 from vlm_serve.checkpoint import WeightFormat, build_module, check_dummy, checkpoint_files, iter_weights, randomize
 from vlm_serve.config import ModelConfig
 from vlm_serve.llm.layers.linear import prepack_weights
+from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX
 
@@ -36,9 +37,11 @@ def load_model(
     dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
     dummy: bool = False,
+    lora: bool = False,
 ) -> Qwen3VLForConditionalGeneration:
     """The language model (the vision tower's tensors are left to `load_vision_model`), computing in
-    `dtype`, its linear weights stored in `weight_dtype` (default: `dtype`); `dummy`: random weights."""
+    `dtype`, its linear weights stored in `weight_dtype` (default: `dtype`); `dummy`: random weights; `lora`:
+    it will serve LoRA adapters (its experts keep their weights as loaded beside the CPU kernel's copy)."""
     check_dummy(config, dummy)
     weights = WeightFormat(weight_dtype, config.quantization)
     model = build_module(lambda: Qwen3VLForConditionalGeneration(config), device, dtype, weights)
@@ -48,5 +51,8 @@ def load_model(
         files = checkpoint_files(config.path)
         weights = ((name, t) for name, t in iter_weights(files) if not name.startswith(VISION_PREFIX))
         model.load_weights(weights, experts_transposed(files, config))
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.keep_dense = lora
     prepack_weights(model)
     return model.eval()
