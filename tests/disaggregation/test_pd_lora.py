@@ -20,7 +20,10 @@ TARGETS = {
     "both": r".*visual\..*\.(qkv|attn\.proj|linear_fc1|linear_fc2)|.*language_model\..*\.(q_proj|down_proj)",
 }
 MESSAGES = [
-    {"role": "user", "content": [{"type": "image", "image": make_image(96, 64, seed=1)}, {"type": "text", "text": "Hi"}]}
+    {
+        "role": "user",
+        "content": [{"type": "image", "image": make_image(96, 64, seed=1)}, {"type": "text", "text": "Hi"}],
+    }
 ]
 
 
@@ -30,7 +33,7 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="module")
 def adapters(tiny_dense_dir, tmp_path_factory) -> dict[str, str]:
-    """"text" and "both" (by their targets), and "text, retrained": "text"'s targets, other weights."""
+    """ "text" and "both" (by their targets), and "text, retrained": "text"'s targets, other weights."""
     folders = {}
     for seed, (name, targets) in enumerate([*TARGETS.items(), ("text, retrained", TARGETS["text"])]):
         torch.manual_seed(seed)
