@@ -22,8 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -31,6 +29,7 @@ from cpu_isa import describe_cpu  # noqa: E402
 
 from vlm_serve.engine import Engine  # noqa: E402
 from vlm_serve.llm.lora.adapter import read_adapter  # noqa: E402
+from vlm_serve.testing.lora_adapter import hf_model, make_adapter  # noqa: E402
 from vlm_serve.testing.tiny_model import create_tiny_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -38,29 +37,8 @@ SPREADS = (1, 4, 16)
 WORDS = "the sea wind sails boat harbour light keeper morning birds rope deck storm calm shore wave".split()
 
 
-def hf_model(model_dir: Path):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    cls = (
-        transformers.Qwen3VLMoeForConditionalGeneration
-        if "moe" in config.model_type
-        else transformers.Qwen3VLForConditionalGeneration
-    )
-    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
 def make_adapters(model_dir: Path, folder: Path, count: int, rank: int) -> list[Path]:
-    import peft
-
-    paths = []
-    for i in range(count):
-        torch.manual_seed(i)
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-        path = folder / f"adapter-{i}"
-        peft.get_peft_model(hf_model(model_dir), config).save_pretrained(path)
-        paths.append(path)
-    return paths
+    return [make_adapter(folder / f"adapter-{i}", model_dir, seed=i, rank=rank, targets=TARGETS) for i in range(count)]
 
 
 def merged_checkpoint(model_dir: Path, adapter: Path, folder: Path) -> Path:

@@ -655,7 +655,7 @@ def judge(client: httpx.Client, url: str, call: Call, reference: str | None = No
             return found
         whole = call.unstreamed()
         servers = [("the second time", url)]
-        if call.greedy and reference not in (None, url) and not call.adapted:  # (it serves no adapter)
+        if call.greedy and reference not in (None, url):  # (it serves the set-ups' adapter too)
             servers.append(("from the reference server", reference))
         for where, server in servers:
             again = send(client, server, whole)

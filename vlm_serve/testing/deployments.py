@@ -5,8 +5,9 @@ goes to a log file.
 
 The matrix covers the scheduler's paths: the default (the built-in model drafts with its EAGLE-3 head, in
 the overlap loop), the same in the normal loop, n-gram drafts, the overlap loop and the normal loop without drafts, small prefill chunks on pages of 4
-tokens, TP 2 with EP 2 and an encoder pool of 2, and PD. The overlap loop without drafts is the reference
-that other set-ups' greedy answers must equal.
+tokens, TP 2 with EP 2 and an encoder pool of 2, and PD; a LoRA adapter in the chunked and TP 2 / EP 2 ones.
+The overlap loop without drafts is the reference that other set-ups' greedy answers must equal (it serves
+the adapter too).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ NO_DRAFTS = ("--speculative-algorithm", "none")
 HOST_TIER = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "4")
 # and from the host tier into storage, in the set-up's log folder ({logs})
 STORAGE_TIER = ("--page-size", "16", "--hicache-storage-backend", "file", "--hicache-storage-dir", "{logs}/storage")
-# a LoRA adapter (`ADAPTER`, made by peft with random weights in the set-up's log folder) beside the base
+# a LoRA adapter (`ADAPTER`, made by peft with random weights in the set-up's log folder, the same in each) of
+# the attention, the experts and the vision tower, beside the base
 LORA = ("--enable-lora", "--lora-paths", f"{ADAPTER}={{logs}}/{ADAPTER}-adapter")
 SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags (None: a PD pair, default flags)
     "default": (),
     "eagle3-normal": ("--disable-overlap-schedule",),
     "ngram": ("--speculative-algorithm", "ngram"),
-    "overlap": NO_DRAFTS,
+    "overlap": (*NO_DRAFTS, *LORA),  # (the reference: it serves the adapter too, for adapted answers)
     "normal": (*NO_DRAFTS, "--disable-overlap-schedule", "--vit-dp", "1"),  # (a GPU's default encoder process)
     "chunked": (
         "--chunked-prefill-size",
@@ -51,7 +53,7 @@ SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags
         "write_back",
         *LORA,
     ),  # fmt: skip
-    "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2", *HOST_TIER, *STORAGE_TIER),
+    "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2", *HOST_TIER, *STORAGE_TIER, *LORA),
     "pd": None,
 }
 REFERENCE = "overlap"

@@ -95,11 +95,6 @@ class Call:
         return self.sampling.get("seed", self.sampling.get("sampling_seed")) is not None
 
     @property
-    def adapted(self) -> bool:
-        """Whether it goes through the LoRA adapter `ADAPTER` (which a server without it does not serve)."""
-        return ADAPTER in (self.body.get("model"), self.body.get("lora_path"))
-
-    @property
     def deterministic(self) -> bool:
         """Whether the same call must answer the same every time (greedy, or sampled with a seed)."""
         return self.greedy or self.seeded
