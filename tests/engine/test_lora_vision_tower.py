@@ -1,7 +1,9 @@
-"""LoRA adapters of the vision tower and its mergers: pictures and videos through an adapter that adapts the
-tower alone, or the tower and the language model, get the greedy tokens PeftModel gives, batched with the
-same pictures through the base; the embeddings each makes are cached apart (the base's are never served to
-an adapter's request or the reverse), and the tower runs in the scheduler's process or in an encoder pool."""
+"""LoRA adapters of the vision tower and its mergers: pictures (of different sizes) and videos through an
+adapter that adapts the tower alone, or the tower and the language model, get the greedy tokens PeftModel
+gives, batched with the same pictures through the base: with the tower in the scheduler's process or in an
+encoder pool, with chunks that end inside pictures, and with requests retracted from a full pool. The
+embeddings each makes are cached apart (the base's are never served to an adapter's request or the
+reverse)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,14 @@ from vlm_serve.testing.media import make_image, make_video
 
 peft = pytest.importorskip("peft", reason="peft is the oracle of these tests (the test extra installs it)")
 
-NEW_TOKENS = 6
+NEW_TOKENS = 16
 TOWER = r".*visual\..*\.(qkv|attn\.proj|linear_fc1|linear_fc2)"  # blocks, merger and deepstack mergers
 ADAPTERS = {"tower": TOWER, "both": rf"{TOWER}|.*language_model\..*\.(q_proj|v_proj|down_proj)"}
 SETTINGS = {
     "tower in the scheduler's process": {"vit_dp": 0},
+    # a pool that overflows while they decode (little room kept for outputs): requests are retracted and
+    # prefilled again, through their own adapters
+    "retraction": {"max_total_tokens": 160, "schedule_conservativeness": 0.05},
     "encoder pool of 2": {"vit_dp": 2},
     "chunks of 16 ending inside pictures, normal loop": {"chunked_prefill_size": 16, "disable_overlap_schedule": True},
 }
@@ -106,6 +111,8 @@ def test_pictures_through_a_tower_adapter_and_through_the_base_in_one_batch_get_
         for lora, i, job in jobs:
             assert engine.result(job).token_ids == expected[lora][i], (lora, i, round_)
     engine.scheduler.check_memory()
+    if engine.server_args.max_total_tokens == SETTINGS["retraction"]["max_total_tokens"]:
+        assert engine.scheduler.metrics.num_retractions > 0
     # one embedding per item and tower: 2 pictures (one in two prompts) and a video, through the base and 2 adapters
     assert len(engine.scheduler.encoding.cache) == 3 * 3
 
