@@ -1,6 +1,6 @@
 """The prefix cache's tiers below the KV pool, through the Engine: answers with the host tier and the
 storage tier are token for token those without them (pictures, a video, both event loops, every prefetch
-policy); a restarted engine finds its prefixes in storage; a damaged storage file is dropped and its pages
+policy); a restarted engine finds its prefixes in storage, a LoRA adapter's under its own digest; a damaged storage file is dropped and its pages
 computed again; a storage backend that stalls delays no request past its policy's bound; and no tier ever
 serves one picture's KV for another (another picture, or the same one at another max_pixels)."""
 
@@ -15,6 +15,7 @@ import vlm_serve.scheduler.scheduler as scheduler_module
 import vlm_serve.scheduler.storage_prefetch as storage_prefetch_module
 from vlm_serve.engine import Engine
 from vlm_serve.llm.mem_cache.hicache_storage import HiCacheFile
+from vlm_serve.testing.lora_adapter import make_adapter
 from vlm_serve.testing.media import make_image, make_video
 
 MAX_TOKENS = 6
@@ -221,3 +222,24 @@ def test_no_tier_serves_one_pictures_kv_for_another(tiny_moe_dir, tmp_path, tier
             repeat = engine.chat(first, max_tokens=1, temperature=0)
             assert not _cached_up_to_the_picture(engine, first, repeat)
             engine.scheduler.check_memory()
+
+
+def test_an_adapters_prefixes_are_stored_under_the_digest_of_its_files(tiny_moe_dir, conversations, tmp_path):
+    """A restarted engine finds the prefixes computed through a LoRA adapter (of attention, experts and the
+    vision tower) in storage and answers the same; the base, or another adapter under the same name, finds
+    none of them."""
+    pytest.importorskip("peft", reason="peft makes the adapters (the test extra installs it)")
+    style, other = (make_adapter(tmp_path / name, tiny_moe_dir, seed=seed) for name, seed in (("a", 1), ("b", 2)))
+    policy = {"hicache_storage_prefetch_policy": "wait_complete", "enable_lora": True}
+
+    def run(lora_paths: list[str], lora: str | None) -> tuple[list[list[int]], int]:
+        with Engine(tiny_moe_dir, **tiers(tmp_path / "store", lora_paths=lora_paths, **policy)) as engine:
+            outs = [engine.chat(c, lora=lora, max_tokens=MAX_TOKENS, temperature=0) for c in conversations]
+            engine.scheduler.check_memory()
+            return [o.token_ids for o in outs], engine.scheduler.get_stats().hicache.hit_tokens["storage"]
+
+    cold, _ = run([f"style={style}"], "style")
+    warm, hits = run([f"style={style}"], "style")
+    assert warm == cold and hits > 0
+    for lora_paths, lora in (([f"style={other}"], "style"), ([], None)):
+        assert run(lora_paths, lora)[1] == 0, lora_paths

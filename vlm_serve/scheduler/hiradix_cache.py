@@ -16,6 +16,8 @@ only by the host. A node evicted from the device whose backup finds no room in t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
@@ -27,6 +29,9 @@ from vlm_serve.scheduler.radix_cache import CachedReq, MatchResult, RadixCache, 
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2}  # uses before a node is backed up
+
+
+TOKEN_BITS = (1 << 64) - 1  # a cache key's token id (or pad value); above them, its adapter's load id
 
 
 class HiRadixCache(RadixCache):
@@ -46,6 +51,9 @@ class HiRadixCache(RadixCache):
         self.host_allocator = controller.host_pool.allocator
         self.write_threshold = WRITE_THRESHOLD.get(write_policy)
         self.namespace = storage_namespace
+        # the root of an adapter's chains, by its load id (the key range of its KV: `Req.cache_key`); None for
+        # an adapter no longer loaded, whose KV is then not stored
+        self.adapter_namespace: Callable[[int], str | None] = lambda load_id: None
         self.host_hit_tokens = 0  # tokens loaded back from the host tier for requests
         self.storage_hit_tokens = 0  # tokens read from the storage tier into the host tier for requests
         super().__init__(req_to_token_pool, allocator, page_size)
@@ -85,8 +93,7 @@ class HiRadixCache(RadixCache):
         if slots is None:
             return False
         node.host_value = slots
-        # (a LoRA adapter's KV, keyed above every int64, is not stored: storage keys name the base model's KV)
-        stored = self.controller.storage is not None and node.key[0] < 1 << 63
+        stored = self.controller.storage is not None and self._chain_root(node.key[0]) is not None
         keys = self._page_keys(node) if stored else None
         self.controller.write(slots, node.value, keys, deferred=deferred)
         return True
@@ -97,11 +104,16 @@ class HiRadixCache(RadixCache):
         while node is not self.root and node.hash_value is None:
             chain.append(node)
             node = node.parent
-        parent_key = self.namespace if node is self.root else node.hash_value[-1]
+        parent_key = self._chain_root(chain[-1].key[0]) if node is self.root else node.hash_value[-1]
         for n in reversed(chain):
-            n.hash_value = page_keys(parent_key, n.key, self.page_size)
+            n.hash_value = page_keys(parent_key, [t & TOKEN_BITS for t in n.key], self.page_size)
             parent_key = n.hash_value[-1]
         return (chain[0] if chain else node).hash_value
+
+    def _chain_root(self, first: int) -> str | None:
+        """The root of the key chain of a prefix that starts with (cache key) `first`: the base's namespace,
+        or its adapter's (None: not stored)."""
+        return self.namespace if first <= TOKEN_BITS else self.adapter_namespace(first >> 64)
 
     # ---- the storage tier --------------------------------------------------------------------------
 
@@ -113,8 +125,11 @@ class HiRadixCache(RadixCache):
         start = sum(len(n.key) for n in path)
         if start == len(key):
             return None
-        parent_key = self._page_keys(path[-1])[-1] if path else self.namespace
-        return self.controller.storage.prefetch(page_keys(parent_key, key[start:], self.page_size)), start
+        parent_key = self._page_keys(path[-1])[-1] if path else self._chain_root(key[0])
+        if parent_key is None:
+            return None
+        tokens = [t & TOKEN_BITS for t in key[start:]]
+        return self.controller.storage.prefetch(page_keys(parent_key, tokens, self.page_size)), start
 
     def take_prefetched(self, key: list[int], start: int, op: PrefetchOperation, num_pages: int) -> int:
         """Puts the first `num_pages` pages `op` read for `key` (from position `start`) into the host tier,

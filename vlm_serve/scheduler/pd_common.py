@@ -60,7 +60,8 @@ class PrefillRecord:
 
 def lora_identity(runner: ModelRunner, req: Req) -> str | None:
     """The LoRA adapter `req` runs through, by name and digest (None: the base)."""
-    return runner.lora.identity(req.lora_id) if runner.lora is not None else None
+    adapter = runner.lora.loaded(req.lora_id) if runner.lora is not None else None
+    return adapter.identity if adapter is not None else None
 
 
 def agreed_polls(polls: list[KVPoll], tp_size: int, group: dist.ProcessGroup | None) -> list[KVPoll]:

@@ -184,6 +184,13 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             args.hicache_write_policy,
             self._storage_namespace() if storage is not None else "",
         )
+        if storage is not None and self.runner.lora is not None:
+
+            def adapter_namespace(load_id: int) -> str | None:  # (an adapter's KV: under its files' digest)
+                adapter = self.runner.lora.loaded(load_id)
+                return namespace_key(tree.namespace, adapter.digest) if adapter is not None else None
+
+            tree.adapter_namespace = adapter_namespace
         if storage is not None:
             policy, timeout = args.hicache_storage_prefetch_policy, args.hicache_storage_prefetch_timeout
             self.storage_prefetch = StoragePrefetch(tree, policy, timeout, self.tp_cpu_group)

@@ -48,9 +48,7 @@ class StoragePrefetch:
         """Starts reading `req`'s pages beyond the tree; True if it waits for them here."""
         if req.rid in self.ops or req.prompt_logprobs_pending:  # (a prompt whose log-probs it asks is computed)
             return False
-        if req.lora_id:  # (storage keys name the base model's KV only, as yet)
-            return False
-        started = self.tree.prefetch_from_storage(req.origin_input_ids[:-1])
+        started = self.tree.prefetch_from_storage(req.cache_key(req.origin_input_ids[:-1]))
         if started is None:
             return False
         self.ops[req.rid] = (req, *started)
@@ -81,7 +79,9 @@ class StoragePrefetch:
         _, op, start = entry
         op.cancelled = True
         (num_pages,) = self._agree([len(op.pages)])
-        return num_pages > 0 and self.tree.take_prefetched(req.origin_input_ids, start, op, num_pages) > 0
+        return (
+            num_pages > 0 and self.tree.take_prefetched(req.cache_key(req.origin_input_ids), start, op, num_pages) > 0
+        )
 
     def forget(self, req: Req) -> None:
         """`req` ended: its read is abandoned."""

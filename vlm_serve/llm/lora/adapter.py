@@ -202,10 +202,10 @@ class LoRAManager:
         loaded = sorted(a.name for a in self.slots if a is not None)
         raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
 
-    def identity(self, load_id: int) -> str | None:
-        """Which adapter (name and digest) the load `load_id` is, if still loaded (None for 0: the base)."""
-        slot = self.ids.index(load_id) if load_id else None
-        return self.slots[slot].identity if slot is not None and self.slots[slot] is not None else None
+    def loaded(self, load_id: int) -> LoRAAdapter | None:
+        """The adapter of load `load_id`, while it is loaded (None for 0: the base)."""
+        slot = self.ids.index(load_id) if load_id in self.ids else None
+        return self.slots[slot] if load_id and slot is not None else None
 
     def tower(self, slot: int) -> TowerAdapter | None:
         """What the encoders need of the adapter in `slot`, if it adapts the vision tower."""
