@@ -1,8 +1,9 @@
 """The prefix cache's tiers below the KV pool, through the Engine: answers with the host tier and the
 storage tier are token for token those without them (pictures, a video, both event loops, every prefetch
-policy); a restarted engine finds its prefixes in storage, a LoRA adapter's under its own digest; a damaged storage file is dropped and its pages
-computed again; a storage backend that stalls delays no request past its policy's bound; and no tier ever
-serves one picture's KV for another (another picture, or the same one at another max_pixels)."""
+policy); a restarted engine finds its prefixes in storage, a LoRA adapter's under its own digest; a
+damaged storage file is dropped and its pages computed again; a storage backend that stalls delays no
+request past its policy's bound; and no tier ever serves one picture's KV for another (another picture,
+or the same one at another max_pixels)."""
 
 from __future__ import annotations
 
