@@ -39,11 +39,19 @@ from vlm_serve.llm.kernels import (
     attention_cpu,
     decoder_cpu,
     linear_cpu,
+    lora_cpu,
     moe_cpu,
     rowwise_cpu,
 )
 
-LIBRARIES = [linear_cpu.LIBRARY, moe_cpu.LIBRARY, attention_cpu.LIBRARY, rowwise_cpu.LIBRARY, decoder_cpu.LIBRARY]
+LIBRARIES = [
+    linear_cpu.LIBRARY,
+    moe_cpu.LIBRARY,
+    attention_cpu.LIBRARY,
+    rowwise_cpu.LIBRARY,
+    decoder_cpu.LIBRARY,
+    lora_cpu.LIBRARY,
+]
 CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"  # the cross compiler's libc and libgomp, for qemu to load
 DRIVERS: list[subprocess.Popen] = []  # the running drivers of the loaded libraries: they end with pytest

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from vlm_serve.llm.lora.layer import LoRABatch, add_products
+
 
 class ExpertLoRASlots:
-    """A SparseMoeBlock's adapters: `A[w]` (slots, experts, max_rank, in) and `B[w]` (slots, experts, out,
+    """A SparseMoeBlock's adapters: `A[w]` (experts, slots, max_rank, in) and `B[w]` (experts, slots, out,
     max_rank) for w13 (`w` 0) and w2 (1)."""
 
     def __init__(self, block, num_slots: int, max_rank: int) -> None:
@@ -22,8 +24,8 @@ class ExpertLoRASlots:
         experts, hidden, inter = block.num_local_experts, block.hidden_size, block.intermediate
         shapes = (((hidden,), (2 * inter,)), ((inter,), (hidden,)))  # (in, out) of w13 and w2
         kw = {"dtype": torch.float32, "device": block.device}
-        self.A = [torch.zeros(num_slots, experts, max_rank, i, **kw) for (i,), _ in shapes]
-        self.B = [torch.zeros(num_slots, experts, o, max_rank, **kw) for _, (o,) in shapes]
+        self.A = [torch.zeros(experts, num_slots, max_rank, i, **kw) for (i,), _ in shapes]
+        self.B = [torch.zeros(experts, num_slots, o, max_rank, **kw) for _, (o,) in shapes]
 
     def which(self, a: torch.Tensor, b: torch.Tensor) -> int | None:
         """Whether a peft pair of checkpoint shapes `a` (experts x rank, in), `b` (out, experts x rank) adapts
@@ -49,20 +51,16 @@ class ExpertLoRASlots:
             b = torch.cat([gate[:, cut], up[:, cut]], dim=1)
         else:
             a = a[:, :, cut]
-        self.A[w][slot, :, :rank] = a.to(self.A[w].dtype)
-        self.B[w][slot, :, :, :rank] = b.to(self.B[w].dtype)
+        self.A[w][:, slot, :rank] = a.to(self.A[w].dtype)
+        self.B[w][:, slot, :, :rank] = b.to(self.B[w].dtype)
 
     def clear(self, slot: int) -> None:
         for t in (*self.A, *self.B):
-            t[slot].zero_()
+            t[:, slot].zero_()
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, w: int, expert: int, slots: torch.Tensor) -> None:
         """Adds to `y` (rows of expert `expert`'s w13 or w2 product for `x`) each row's adapter product
         (`slots`: each row's slot, -1 the base)."""
-        for slot in slots.unique().tolist():
-            if slot < 0:
-                continue
-            rows = (slots == slot).nonzero().flatten()
-            a, b = self.A[w][slot, expert], self.B[w][slot, expert]
-            delta = (x.index_select(0, rows).to(a.dtype) @ a.T) @ b.T
-            y.index_add_(0, rows, delta.to(y.dtype))
+        batch = LoRABatch.of_rows(slots.tolist())
+        if batch is not None:
+            add_products(x, y, self.A[w][expert], self.B[w][expert], batch)

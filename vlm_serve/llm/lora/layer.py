@@ -1,6 +1,7 @@
 """LoRA on a linear layer: one base GEMM for the whole batch, and for the rows that go through an adapter that
-adapter's low-rank product added to it (S-LoRA and Punica's idea, with torch's GEMMs here). The rows are
-grouped by adapter, so each adapter in the batch takes one product however its requests are spread.
+adapter's low-rank product added to it (S-LoRA and Punica's idea): every run of rows in one call of a
+segmented kernel (C on CPU, Triton on CUDA), or torch GEMMs with the rows grouped by adapter, one product
+per adapter however its requests are spread.
 
 A layer's adapters sit in slots: `A` (slots, parts x max_rank, in) and `B` (slots, out, parts x max_rank),
 the adapter's scaling folded into `B`. A fused projection (q/k/v, gate/up) holds each part's adapter in its
@@ -17,6 +18,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+
+from vlm_serve.llm.kernels import lora_cpu, lora_triton
 
 
 @dataclass(frozen=True)
@@ -118,11 +121,23 @@ class LoRASlots:
         """`y` (the base's output for `x`) with each run of rows' adapter product added (in place)."""
         if batch.segments[-1][1] > x.shape[0]:  # (counts that do not match the batch would adapt wrong rows)
             raise RuntimeError(f"LoRA runs cover rows up to {batch.segments[-1][1]}, the batch has {x.shape[0]}")
-        for slot, rows in batch.groups:
-            if isinstance(rows, slice):
-                y[rows] += ((x[rows].to(self.A.dtype) @ self.A[slot].T) @ self.B[slot].T).to(y.dtype)
-            else:
-                rows = rows.to(x.device)
-                delta = (x.index_select(0, rows).to(self.A.dtype) @ self.A[slot].T) @ self.B[slot].T
-                y.index_add_(0, rows, delta.to(y.dtype))
+        add_products(x, y, self.A, self.B, batch)
         return y
+
+
+def add_products(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, batch: LoRABatch) -> None:
+    """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each run of `batch`: through the C kernel on CPU, the
+    Triton one on CUDA, else one pair of torch GEMMs per slot (its rows gathered where they are not one run)."""
+    if x.is_cpu and x.dtype in lora_cpu.DTYPES and y.dtype == x.dtype and lora_cpu.available():
+        lora_cpu.add_lora(x, y, A, B, batch.segments)
+        return
+    if x.is_cuda and y.dtype == x.dtype and lora_triton.available():
+        lora_triton.add_lora(x, y, A, B, batch.segments)
+        return
+    for slot, rows in batch.groups:
+        if isinstance(rows, slice):
+            y[rows] += ((x[rows].to(A.dtype) @ A[slot].T) @ B[slot].T).to(y.dtype)
+        else:
+            rows = rows.to(x.device)
+            delta = (x.index_select(0, rows).to(A.dtype) @ A[slot].T) @ B[slot].T
+            y.index_add_(0, rows, delta.to(y.dtype))
