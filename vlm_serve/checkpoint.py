@@ -117,3 +117,11 @@ def checkpoint_fingerprint(model_dir: Path, weights: bool = True) -> str:
                 f.seek(size * i // FINGERPRINT_BLOCKS)
                 h.update(f.read(FINGERPRINT_BLOCK_BYTES))
     return h.hexdigest()
+
+
+def single_turn_only(model_dir: Path) -> bool:
+    """Whether the checkpoint at `model_dir` was trained on single questions only (`"single_turn": true` in
+    its training.json, as the built-in model's): shown a whole conversation, such a model answers about
+    every picture in it, or its first question again."""
+    record = Path(model_dir) / "training.json"
+    return record.is_file() and json.loads(record.read_text()).get("single_turn") is True

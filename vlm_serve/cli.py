@@ -213,13 +213,24 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from vlm_serve.demo import run_demo
+    from vlm_serve.demo import LocalChat, RemoteChat, run_demo
     from vlm_serve.engine import Engine
     from vlm_serve.server.launcher import bind_http_socket
 
     bind_http_socket(ns.host, ns.port).close()  # a port in use is refused before the model loads
+    if ns.api_base is not None:
+        backend = RemoteChat(ns.api_base, ns.api_key)
+        try:
+            run_demo(backend, ns.host, ns.port, ns.concurrency_limit)
+        finally:
+            backend.close()
+        return 0
     with Engine(ns.model, **server_args_from(ns)) as engine:
-        run_demo(engine, ns.host, ns.port)
+        backend = LocalChat(engine)
+        try:
+            run_demo(backend, ns.host, ns.port, ns.concurrency_limit)
+        finally:
+            backend.close()
     return 0
 
 
@@ -283,6 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--host", default="127.0.0.1", help="address the page is served on (default: %(default)s)")
     demo.add_argument("--port", type=int, default=7860, help="port the page is served on (default: %(default)s)")
+    demo.add_argument(
+        "--api-base",
+        default=None,
+        help="front a running `vlm-serve serve` (or a router) at this URL through its OpenAI API instead of "
+        "loading the model here (e.g. http://127.0.0.1:30000)",
+    )
+    demo.add_argument("--api-key", default=None, help="the API key the server at --api-base asks for")
+    demo.add_argument(
+        "--concurrency-limit",
+        type=int,
+        default=16,
+        help="conversations answered at once, batched together; more wait their turn (default: %(default)s)",
+    )
     add_server_args(demo, ENGINE_SETTINGS)  # (after its own flags, which --help shows first)
     demo.set_defaults(func=cmd_demo, subparser=demo)
 

@@ -1,13 +1,15 @@
-"""A Gradio chat page for the in-process `Engine`: images and short videos, streamed answers.
+"""A Gradio chat page: images and short videos, streamed answers, for several people at once.
 
-`run_demo(Engine(model))` serves it; `build_demo(engine)` returns the `gr.Blocks` without launching.
-The engine is single-threaded, so generation runs one conversation at a time: other users queue.
-A model trained on single questions only (the built-in one) is sent each question alone (`latest_question`).
-Gradio is imported on first use, so importing this module stays cheap.
+The page talks to a `ChatBackend`: the in-process `Engine` stepped by a thread of its own (`LocalChat`), whose
+scheduler batches every session's answers together, or a running `vlm-serve serve` (or a router over many)
+through its OpenAI API (`RemoteChat`). `run_demo(backend)` serves the page; `build_demo(backend)` returns
+the `gr.Blocks` without launching. A model trained on single questions only (the built-in one) is sent each
+question alone (`latest_question`). Gradio is imported on first use, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import logging
@@ -16,12 +18,16 @@ import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from vlm_serve.checkpoint import single_turn_only
 
 if TYPE_CHECKING:
     import gradio as gr
+    import httpx
 
-    from vlm_serve.engine import Engine, StreamChunk
+    from vlm_serve.engine import Engine
+    from vlm_serve.engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +40,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "seed": None,  # None = a random seed per answer
 }
-_ENGINE = "engine"  # the concurrency group of every event that drives the engine
+CONCURRENCY_LIMIT = 16  # conversations answered at once (Gradio's queue); more wait their turn
 SINGLE_TURN_NOTE = (
     "This model knows single questions only, so each message is sent to it alone; a message without an image "
     "or video asks about the last ones sent."
@@ -92,14 +98,6 @@ def latest_question(messages: list[dict]) -> list[dict]:
     return [{"role": "user", "content": last}]
 
 
-def single_turn_only(model_dir: Path) -> bool:
-    """Whether the checkpoint at `model_dir` was trained on single questions only (`"single_turn": true` in
-    its training.json, as the built-in model's): shown a whole conversation, such a model answers about
-    every picture in it, or its first question again."""
-    record = model_dir / "training.json"
-    return record.is_file() and json.loads(record.read_text()).get("single_turn") is True
-
-
 def _media(content: list[dict]) -> list[dict]:
     return [p for p in content if p["type"] != "text"]
 
@@ -138,17 +136,126 @@ def _media_kind(path: str, mime_type: str | None = None) -> str:
     raise ValueError(f"{Path(path).name} is neither an image nor a video")
 
 
+# ---- what the page talks to ---------------------------------------------------------------------------
+
+
+class ChatBackend(Protocol):
+    """What answers the page: `stream` yields an answer's text piece by piece (closing it early stops it)."""
+
+    model_name: str
+    default_sampling: dict[str, Any]  # the checkpoint's generation defaults, OpenAI-named (may be empty)
+    single_turn: bool  # the model knows single questions only (`latest_question`)
+
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalChat:
+    """The in-process engine, stepped by a thread of its own (`EngineThread`): every session's answers are
+    generated together by its scheduler. Prompts are preprocessed on the caller's (Gradio's) thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        from vlm_serve.engine_thread import EngineThread
+
+        self.engine = engine
+        self.thread: EngineThread = EngineThread(engine)
+        self.model_name, self.default_sampling = engine.model_name, engine.default_sampling
+        self.single_turn = single_turn_only(Path(engine.server_args.model))
+
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str]:
+        x = self.engine.processor.process_messages(messages, add_generation_prompt=True)
+        for chunk in self.thread.stream(x, **sampling):
+            yield chunk.text
+
+    def close(self) -> None:
+        """Stops the thread once what is in flight is done (the engine stays the caller's)."""
+        self.thread.close()
+
+
+class RemoteChat:
+    """A running `vlm-serve serve`, or a router over many, through its OpenAI API at `api_base` (with
+    `api_key` where the server asks one): pictures and videos go as data URLs."""
+
+    def __init__(self, api_base: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client: httpx.Client = httpx.Client(base_url=api_base.rstrip("/"), headers=headers, timeout=timeout)
+        try:
+            models = self._get("/v1/models")["data"]
+            info = self._get("/model_info")
+        except httpx.HTTPError as exc:
+            self.client.close()
+            status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+            if status == 401:
+                raise ValueError(f"the server at {api_base} refuses the API key (give it with --api-key)") from None
+            raise ValueError(f"no vlm-serve server answers at {api_base}: {exc}") from None
+        self.model_name = models[0]["id"]
+        self.default_sampling: dict[str, Any] = {}
+        self.single_turn = bool(info.get("single_turn"))
+
+    def _get(self, path: str) -> dict:
+        response = self.client.get(path)
+        response.raise_for_status()
+        return response.json()
+
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str]:
+        body = {"model": self.model_name, "messages": [_inline_media(m) for m in messages], "stream": True}
+        body |= {k: v for k, v in sampling.items() if v is not None}
+        with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                error = _error_message(response)
+                raise (ValueError if response.status_code < 500 else RuntimeError)(error)
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    raise RuntimeError(event["error"].get("message", str(event["error"])))
+                for choice in event.get("choices", []):
+                    if choice["delta"].get("content"):
+                        yield choice["delta"]["content"]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _inline_media(message: dict) -> dict:
+    """An OpenAI message with its local image and video files as data URLs (what a remote server reads)."""
+    if isinstance(message["content"], str):
+        return message
+    parts = []
+    for part in message["content"]:
+        kind = part["type"]
+        if kind in ("image", "video"):
+            path = Path(part[kind])
+            mime = mimetypes.guess_type(path.name)[0] or f"{kind}/*"
+            url = f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+            part = {"type": f"{kind}_url", f"{kind}_url": {"url": url}}
+        parts.append(part)
+    return {"role": message["role"], "content": parts}
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
 # ---- sampling settings -------------------------------------------------------------------------------
 
 
-def initial_settings(engine: Engine, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def initial_settings(backend: ChatBackend, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The settings the page opens with: `SAMPLING_DEFAULTS`, the checkpoint's generation defaults,
     then `overrides` (OpenAI names, the keys of `SAMPLING_DEFAULTS`)."""
     unknown = set(overrides or {}) - set(SAMPLING_DEFAULTS)
     if unknown:
         raise TypeError(f"unknown demo setting(s): {', '.join(sorted(unknown))}")
     settings = dict(SAMPLING_DEFAULTS)
-    settings.update({k: v for k, v in engine.default_sampling.items() if k in settings})
+    settings.update({k: v for k, v in backend.default_sampling.items() if k in settings})
     settings.update(overrides or {})
     if settings["top_k"] is None or settings["top_k"] < 0:
         settings["top_k"] = 0
@@ -172,19 +279,20 @@ def sampling_kwargs(
 # ---- the page ----------------------------------------------------------------------------------------
 
 
-def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.Blocks:
-    """The chat page for `engine`, queued so that one answer is generated at a time. `settings` sets
-    the sampling controls' initial values (see `initial_settings`)."""
+def build_demo(
+    backend: ChatBackend, settings: Mapping[str, Any] | None = None, concurrency_limit: int = CONCURRENCY_LIMIT
+) -> gr.Blocks:
+    """The chat page for `backend`, answering up to `concurrency_limit` conversations at once (each browser
+    session has its own). `settings` sets the sampling controls' initial values (see `initial_settings`)."""
     import gradio as gr
 
-    init = initial_settings(engine, settings)
-    single_turn = single_turn_only(Path(engine.server_args.model))
-    stream_turn = _responder(engine, threading.Lock(), single_turn)
+    init = initial_settings(backend, settings)
+    stream_turn = _responder(backend)
     with gr.Blocks(title="vlm-serve", fill_height=True, analytics_enabled=False) as demo:
         gr.Markdown(
-            f"## vlm-serve: {html.escape(engine.model_name)}\n"
+            f"## vlm-serve: {html.escape(backend.model_name)}\n"
             "Chat with the model; attach images or short videos with the paperclip."
-            + (" " + SINGLE_TURN_NOTE if single_turn else "")
+            + (" " + SINGLE_TURN_NOTE if backend.single_turn else "")
         )
         chatbot = gr.Chatbot(elem_id="chatbot", label="Conversation", scale=1, height=480, buttons=["copy"])
         box = gr.MultimodalTextbox(
@@ -194,6 +302,7 @@ def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.
             sources=["upload"],
             placeholder="Type a message, attach images or videos, press Enter",
             show_label=False,
+            stop_btn=False,
         )
         with gr.Accordion("Sampling", open=False):
             with gr.Row():
@@ -211,26 +320,34 @@ def build_demo(engine: Engine, settings: Mapping[str, Any] | None = None) -> gr.
             stream_turn,
             [chatbot, max_tokens, temperature, top_p, top_k, repetition, seed],
             chatbot,
-            concurrency_id=_ENGINE,
-            concurrency_limit=1,
+            concurrency_limit=concurrency_limit,
         )
-        answer.then(lambda: gr.MultimodalTextbox(interactive=True), None, box, queue=False)
+        answer.then(_unlock, None, box, queue=False)  # (also after a stop or a failure)
+        box.stop(None, None, None, cancels=[answer], queue=False)
         clear.click(_reset, None, [chatbot, box], cancels=[answer], queue=False)
         chatbot.clear(_reset, None, [chatbot, box], cancels=[answer], queue=False)  # the chat's own bin icon
-    return demo.queue(default_concurrency_limit=1)
+    return demo.queue(default_concurrency_limit=concurrency_limit)
 
 
-def run_demo(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> None:
-    """Serves the page on http://host:port until Ctrl-C or SIGTERM."""
+def run_demo(
+    backend: ChatBackend, host: str = "127.0.0.1", port: int = 7860, concurrency_limit: int = CONCURRENCY_LIMIT
+) -> None:
+    """Serves the page on http://host:port until Ctrl-C or SIGTERM (no public share link)."""
     signal.signal(signal.SIGTERM, _interrupt)  # Gradio stops on KeyboardInterrupt only
-    demo = build_demo(engine)
+    demo = build_demo(backend, concurrency_limit=concurrency_limit)
     # quiet: Gradio's own lines (which suggest public share links) are replaced by this one
     demo.launch(
-        server_name=host, server_port=port, show_error=True, max_file_size="200mb", quiet=True, prevent_thread_lock=True
+        server_name=host,
+        server_port=port,
+        show_error=True,
+        max_file_size="200mb",
+        quiet=True,
+        prevent_thread_lock=True,
+        share=False,
     )
     try:  # (not Gradio's block_thread, which prints a line of its own when stopped)
         # a Ctrl-C sent the moment this line is read lands in this try
-        print(f"vlm-serve: demo of {engine.model_name} on http://{host}:{port}", flush=True)
+        print(f"vlm-serve: demo of {backend.model_name} on http://{host}:{port}", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
         demo.close(verbose=False)
@@ -241,24 +358,32 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _add_user_turn(history: list[dict], message: dict | None) -> tuple[list[dict], Any]:
-    """Shows the new message in the chat at once and locks the textbox until the answer is done."""
+    """Shows the new message in the chat at once; until the answer is done the textbox takes nothing and
+    shows a stop button in place of its send button."""
     import gradio as gr
 
     if message and (message.get("text") or message.get("files")):
         history = [*history, user_turn(message)]
-    return history, gr.MultimodalTextbox(value=None, interactive=False)
+    return history, gr.MultimodalTextbox(value=None, interactive=False, submit_btn=False, stop_btn=True)
+
+
+def _unlock() -> Any:
+    import gradio as gr
+
+    return gr.MultimodalTextbox(interactive=True, submit_btn=True, stop_btn=False)
 
 
 def _reset() -> tuple[list[dict], Any]:
     """Clears the conversation (stopping an answer under way) and unlocks the textbox."""
     import gradio as gr
 
-    return [], gr.MultimodalTextbox(value=None, interactive=True)
+    return [], gr.MultimodalTextbox(value=None, interactive=True, submit_btn=True, stop_btn=False)
 
 
-def _responder(engine: Engine, lock: threading.Lock, single_turn: bool):
+def _responder(backend: ChatBackend):
     """The streaming handler: answers the last user turn of the history, one chunk per yield. The model
-    sees the whole conversation, or with `single_turn` its `latest_question` alone."""
+    sees the whole conversation, or where it knows single questions only its `latest_question` alone.
+    Gradio closes the generator when the answer is stopped, which stops it on the engine too."""
     import gradio as gr
 
     def stream_turn(history: list[dict], *controls: Any) -> Iterator[list[dict]]:
@@ -267,12 +392,12 @@ def _responder(engine: Engine, lock: threading.Lock, single_turn: bool):
         turn = len(history) - 1
         try:
             messages = to_openai_messages(history)
-            if single_turn:
+            if backend.single_turn:
                 messages = latest_question(messages)
             sampling = sampling_kwargs(*controls)
             answer = ""
-            for chunk in _serialised(engine.stream(messages, **sampling), lock):
-                answer += chunk.text
+            for text in backend.stream(messages, **sampling):
+                answer += text
                 yield [*history, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
         except ValueError as exc:  # bad media (MediaError), a prompt too long, bad settings
             gr.Warning(html.escape(f"The message was not sent: {exc}"))  # Gradio renders it as HTML
@@ -283,18 +408,3 @@ def _responder(engine: Engine, lock: threading.Lock, single_turn: bool):
             raise gr.Error(html.escape(f"The engine failed: {exc}")) from exc
 
     return stream_turn
-
-
-def _serialised(stream: Iterator[StreamChunk], lock: threading.Lock) -> Iterator[StreamChunk]:
-    """`stream` with each step, and its closing (which aborts the request), under `lock`: Gradio may
-    advance a generator from different worker threads, or close it from its event loop on cancel."""
-    try:
-        while True:
-            with lock:
-                chunk = next(stream, None)
-            if chunk is None:
-                return
-            yield chunk
-    finally:
-        with lock:
-            stream.close()

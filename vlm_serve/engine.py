@@ -91,12 +91,14 @@ class GenerateOutput:
 
 @dataclass
 class StreamChunk:
-    """New output of one choice: `text` and `token_ids` added since the last chunk."""
+    """New output of one choice: `text` and `token_ids` added since the last chunk; a stream's last chunk
+    carries the whole answer with its usage (`output`)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    output: GenerateOutput | None = None
 
 
 @dataclass(eq=False)
@@ -327,15 +329,26 @@ class Engine:
         try:
             while not submission.done:
                 self.step()
-                for i, choice in enumerate(submission.choices):
-                    if choice.failed:
-                        raise choice.outs[-1].failure()
-                    new, choice.unread = choice.outs[choice.unread :], len(choice.outs)
-                    for out in new:
-                        if out.text or out.new_ids or out.finish_reason:
-                            yield StreamChunk(i, out.text, list(out.new_ids), out.finish_reason)
+                yield from self.new_chunks(submission)
         finally:
             self._abort_and_wait(submission.choices, "the stream was closed")
+
+    def new_chunks(self, submission: Submission) -> list[StreamChunk]:
+        """What `submission`'s choices gave since the last call, as chunks (the last with the whole answer,
+        once it is done); raises the failure of a choice that failed."""
+        chunks = []
+        for i, choice in enumerate(submission.choices):
+            if choice.failed:
+                raise choice.outs[-1].failure()
+            new, choice.unread = choice.outs[choice.unread :], len(choice.outs)
+            chunks += [
+                StreamChunk(i, out.text, list(out.new_ids), out.finish_reason)
+                for out in new
+                if out.text or out.new_ids or out.finish_reason
+            ]
+        if submission.done and chunks:
+            chunks[-1].output = self.result(submission)
+        return chunks
 
     # ---- plumbing ----------------------------------------------------------------------------------
 

@@ -1,36 +1,38 @@
 """The Gradio demo: the history -> messages conversion, what a model that knows single questions only is
 sent, and the page itself driven by headless Chromium (upload a picture drawn as a person draws one, off
 the built-in model's grid: a pink circle up and to the right on white; ask its colour: the streamed answer
-is the built-in model's, "pink")."""
+is the built-in model's, "pink"): two people asking at once are answered in one batch, a stopped answer
+ends on the engine, and the page in front of a `vlm-serve serve` answers as the one on the engine."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
 import signal
 import subprocess
 import sys
-import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import requires
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import tomllib
 from packaging.requirements import Requirement
 from PIL import Image, ImageDraw
 
-from helpers import free_port, start_process
+from helpers import free_port, running_server, start_process
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import Scene, Shape, render
+from vlm_serve.checkpoint import single_turn_only
 from vlm_serve.demo import (
     SINGLE_TURN_NOTE,
+    LocalChat,
     build_demo,
     latest_question,
-    single_turn_only,
     to_openai_messages,
     user_turn,
 )
@@ -54,6 +56,18 @@ def engine():
 
 
 @pytest.fixture
+def chat(engine) -> Iterator[LocalChat]:
+    """The page's backend on the engine: its thread owns the engine until the test closes it (or ends)."""
+    backend = LocalChat(engine)
+    yield backend
+    backend.close()
+
+
+def answer_of(chat, conversation: list[dict]) -> str:
+    return "".join(chat.stream(conversation, **GREEDY))
+
+
+@pytest.fixture
 def image(tmp_path):
     path = tmp_path / "circle.png"
     picture = Image.new("RGB", (200, 150), "white")
@@ -67,9 +81,9 @@ def _conversation(image) -> list[dict]:
 
 
 @dataclass
-class RecordingEngine:
-    """Stands in for `Engine` where only what the demo sends matters: it keeps each conversation it is
-    sent and answers "ok"."""
+class RecordingChat:
+    """Stands in for the page's backend where only what the demo sends matters: it keeps each conversation
+    it is sent and answers "ok"."""
 
     model_dir: Path
     model_name: str = "recording"
@@ -77,12 +91,15 @@ class RecordingEngine:
     sent: list[list[dict]] = field(default_factory=list)
 
     @property
-    def server_args(self) -> SimpleNamespace:
-        return SimpleNamespace(model=str(self.model_dir))
+    def single_turn(self) -> bool:
+        return single_turn_only(self.model_dir)
 
-    def stream(self, messages: list[dict], **sampling) -> Iterator[SimpleNamespace]:
+    def stream(self, messages: list[dict], **sampling) -> Iterator[str]:
         self.sent.append(messages)
-        yield SimpleNamespace(text="ok")
+        yield "ok"
+
+    def close(self) -> None:
+        pass
 
 
 def test_history_and_new_message_become_openai_messages():
@@ -116,36 +133,38 @@ def test_history_and_new_message_become_openai_messages():
 
 
 @pytest.mark.slow
-def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, image, tmp_path):
+def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, chat, image, tmp_path):
     pytest.importorskip("gradio")
     from vlm_serve.demo import _responder
 
-    respond = _responder(engine, threading.Lock(), single_turn=True)
+    respond = _responder(chat)
     history = [user_turn({"text": PROMPT, "files": [str(image)]})]
     updates = list(respond(history, *CONTROLS))
     answers = [h[-1]["content"][0]["text"] for h in updates]
     assert len(updates) > 1 and all(h[:-1] == history and h[-1]["role"] == "assistant" for h in updates)
     assert all(b.startswith(a) for a, b in itertools.pairwise(answers))  # each update extends the last
-    assert answers[-1] == engine.chat(_conversation(image), **GREEDY).text == ANSWER
+    assert answers[-1] == answer_of(chat, _conversation(image)) == ANSWER
 
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a PNG")
     history = [*updates[-1], user_turn({"text": "And this one?", "files": [str(broken)]})]
     with pytest.warns(UserWarning, match="The message was not sent"):  # gr.Warning outside a page
         assert list(respond(history, *CONTROLS)) == [updates[-1]]  # the rejected turn is taken back
+    chat.close()
     engine.scheduler.check_memory()
 
 
-def test_an_oversized_picture_is_refused_with_its_size_the_limit_and_the_flag(engine, tmp_path):
+def test_an_oversized_picture_is_refused_with_its_size_the_limit_and_the_flag(engine, chat, tmp_path):
     pytest.importorskip("gradio")
     from vlm_serve.demo import _responder
 
     huge = tmp_path / "huge.png"
     huge.write_bytes(png_stating(20000, 20000))
-    respond = _responder(engine, threading.Lock(), single_turn=True)
+    respond = _responder(chat)
     message = r"image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485 \(--max-image-pixels\)"
     with pytest.warns(UserWarning, match=message):
         assert list(respond([user_turn({"text": PROMPT, "files": [str(huge)]})], *CONTROLS)) == [[]]
+    chat.close()
     engine.scheduler.check_memory()
 
 
@@ -174,13 +193,13 @@ def test_the_built_in_model_is_the_one_marked_as_knowing_single_questions_only(t
     assert not single_turn_only(tiny_moe_dir)
 
 
-def test_a_picture_attached_in_a_later_turn_gets_an_answer_about_that_picture(engine, image, tmp_path):
+def test_a_picture_attached_in_a_later_turn_gets_an_answer_about_that_picture(chat, image, tmp_path):
     pytest.importorskip("gradio")
     from vlm_serve.demo import _responder
 
     star = tmp_path / "star.png"
     render(Scene([Shape("star", "blue", "large", 0, 2)], background_seed=4)).save(star)
-    respond = _responder(engine, threading.Lock(), single_turn_only(BUILTIN_MODEL))
+    respond = _responder(chat)
     history: list[dict] = []
     for message, answer in [
         ({"text": PROMPT, "files": [str(image)]}, ANSWER),
@@ -195,14 +214,14 @@ def test_other_models_are_sent_the_whole_conversation(tiny_moe_dir):
     pytest.importorskip("gradio")
     from vlm_serve.demo import _responder
 
-    engine = RecordingEngine(tiny_moe_dir)
+    backend = RecordingChat(tiny_moe_dir)
     history = [
         user_turn({"text": "What is this?", "files": ["/up/a.png"]}),
         {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
         user_turn({"text": "And this?", "files": ["/up/b.png"]}),
     ]
-    list(_responder(engine, threading.Lock(), single_turn_only(tiny_moe_dir))(history, *CONTROLS))
-    assert engine.sent == [to_openai_messages(history)] and len(engine.sent[0]) == 3
+    list(_responder(backend)(history, *CONTROLS))
+    assert backend.sent == [to_openai_messages(history)] and len(backend.sent[0]) == 3
 
 
 # ---- the page in a browser ---------------------------------------------------------------------------
@@ -229,61 +248,184 @@ def browser() -> Iterator:
         driver.quit()
 
 
-@pytest.mark.server
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated")  # pandas 3, in Gradio's queue
-@pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")
-def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, image, tmp_path):
+def page_test(test):
+    """A test of the page in a browser: it serves the page, takes seconds, and sees Gradio's queue warn (on
+    pandas 3)."""
+    for mark in (
+        pytest.mark.server,
+        pytest.mark.slow,
+        pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated"),
+        pytest.mark.filterwarnings("ignore:The copy keyword is deprecated"),
+    ):
+        test = mark(test)
+    return test
+
+
+class Page:
+    """The demo page in one browser tab: ask, wait for the answer, read it."""
+
+    def __init__(self, driver, url: str) -> None:
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        self.driver = driver
+        driver.switch_to.new_window("tab")
+        self.handle = driver.current_window_handle
+        driver.get(url)
+        self.wait = WebDriverWait(driver, 60)
+        self.find("#chat-input textarea")
+
+    def find(self, css: str):
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support import expected_conditions as ec
+
+        self.driver.switch_to.window(self.handle)
+        return self.wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, css)))
+
+    def ask(self, text: str, *files: Path, send: bool = True) -> None:
+        for file in files:
+            self.find("#chat-input input[type=file]").send_keys(str(file))
+        if files:
+            self.find("#chat-input .thumbnail-item")  # (uploaded)
+        self.find("#chat-input textarea").send_keys(text)
+        if send:
+            self.send()
+
+    def send(self) -> None:
+        self.find("#chat-input button.submit-button").click()
+
+    def answers(self) -> list[str]:
+        """The assistant bubbles' raw text (their aria-label: "bot's message: ..."; they render Markdown)."""
+        from selenium.webdriver.common.by import By
+
+        self.driver.switch_to.window(self.handle)
+        labels = [el.get_attribute("aria-label") or "" for el in self.driver.find_elements(By.CSS_SELECTOR, BOT)]
+        return [label.removeprefix("bot's message: ") for label in labels]
+
+    def answering(self) -> bool:
+        """Whether an answer is under way (the textbox is locked until it is done)."""
+        return not self.find("#chat-input textarea").is_enabled()
+
+    def until(self, condition) -> None:
+        self.driver.switch_to.window(self.handle)
+        self.wait.until(lambda _: condition())
+
+
+@contextlib.contextmanager
+def served(backend, **settings) -> Iterator[str]:
+    """The page of `backend` on a free port: its URL."""
+    demo = build_demo(backend, GREEDY, **settings)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+@pytest.fixture
+def slow_steps(engine, monkeypatch) -> None:
+    """Each engine step takes 0.2 s more: an answer of a few tokens lasts long enough to be seen under way."""
+    step = engine.step
+
+    def slowed() -> None:
+        time.sleep(0.2)
+        step()
+
+    monkeypatch.setattr(engine, "step", slowed)
+
+
+@page_test
+def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, chat, image, tmp_path):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    from vlm_serve.demo import build_demo
-
-    expected = engine.chat(_conversation(image), **GREEDY).text
+    expected = answer_of(chat, _conversation(image))
     assert expected == ANSWER
     image_hits = engine.processor.cache.hits
-    demo = build_demo(engine, GREEDY)
-    try:
-        port = free_port()
-        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-        browser.get(f"http://127.0.0.1:{port}/")
-        wait = WebDriverWait(browser, 60)
-
-        upload = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chat-input input[type=file]")))
-        upload.send_keys(str(image))
-        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chat-input .thumbnail-item img")))  # uploaded
-        textbox = browser.find_element(By.CSS_SELECTOR, "#chat-input textarea")
-        textbox.send_keys(PROMPT)
-        browser.find_element(By.CSS_SELECTOR, "#chat-input button.submit-button").click()
-
+    with served(chat) as url:
+        page = Page(browser, url)
+        page.ask(PROMPT, image)
         # The user's turn shows the image; the answer streams into a bot bubble; the textbox, locked
         # while the answer is generated, unlocks when it is done.
-        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chatbot [data-testid=user] img")))
-        wait.until(lambda d: any(el.text.strip() for el in d.find_elements(By.CSS_SELECTOR, BOT)))
-        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#chat-input textarea").is_enabled())
-
-        bots = browser.find_elements(By.CSS_SELECTOR, BOT)
-        assert len(bots) == 1
-        # The bubble's aria-label holds the raw text ("bot's message: ..."); its rendering is Markdown.
-        label = bots[0].get_attribute("aria-label")
-        assert label == "bot's message: " + expected
+        page.find("#chatbot [data-testid=user] img")
+        page.until(lambda: any(page.answers()) and not page.answering())
+        assert page.answers() == [expected]
         assert engine.processor.cache.hits == image_hits + 1  # the uploaded bytes reached the processor
 
         # A file that is no image: a warning, and the turn is taken back; the conversation goes on.
         broken = tmp_path / "broken.png"
         broken.write_bytes(b"not a PNG")
-        browser.find_element(By.CSS_SELECTOR, "#chat-input input[type=file]").send_keys(str(broken))
-        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chat-input .thumbnail-item")))
-        browser.find_element(By.CSS_SELECTOR, "#chat-input textarea").send_keys("And this one?")
-        browser.find_element(By.CSS_SELECTOR, "#chat-input button.submit-button").click()
-        wait.until(lambda d: "The message was not sent" in d.find_element(By.TAG_NAME, "body").text)
-        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#chat-input textarea").is_enabled())
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=user]")) == 2)
-        assert len(browser.find_elements(By.CSS_SELECTOR, BOT)) == 1
-        engine.scheduler.check_memory()
+        page.ask("And this one?", broken)
+        page.until(lambda: "The message was not sent" in browser.find_element(By.TAG_NAME, "body").text)
+        page.until(lambda: not page.answering())
+        page.until(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#chatbot [data-testid=user]")) == 2)
+        assert page.answers() == [expected]
+    chat.close()
+    engine.scheduler.check_memory()
+
+
+@page_test
+def test_two_people_asking_at_once_are_answered_together_in_one_batch(browser, engine, chat, image, slow_steps):
+    with served(chat) as url:
+        pages = [Page(browser, url), Page(browser, url)]  # two tabs: two sessions
+        for page in pages:
+            page.ask(PROMPT, image, send=False)
+        for page in pages:
+            page.send()
+        for page in pages:
+            page.until(lambda page=page: page.answers() == [ANSWER] and not page.answering())
+    chat.close()
+    assert engine.scheduler.metrics.peak_decode_batch >= 2  # (both in one decode batch at least once)
+    engine.scheduler.check_memory()
+
+
+@page_test
+def test_stop_ends_the_answer_early_and_the_engine_is_left_idle(browser, engine, chat, image, slow_steps):
+    with served(chat) as url:
+        page = Page(browser, url)
+        page.ask(PROMPT, image)
+        page.until(lambda: any(page.answers()))
+        page.find("#chat-input button.stop-button").click()
+        page.until(lambda: not page.answering())
+        (stopped,) = page.answers()
+        assert ANSWER.startswith(stopped) and stopped != ANSWER  # (a part of the answer, then nothing more)
+        page.ask(PROMPT, image)  # the conversation goes on
+        page.until(lambda: page.answers()[1:] == [ANSWER] and not page.answering())
+    chat.close()
+    assert not engine.scheduler.reqs and engine.scheduler.is_idle()
+    engine.scheduler.check_memory()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`vlm-serve serve` of the built-in model, as the page's --api-base fronts it (with an API key)."""
+    with running_server(BUILTIN_MODEL, "--dtype", "float32", "--vit-dp", "0", "--api-key", "sesame") as server:
+        yield server
+
+
+@page_test
+def test_the_page_in_front_of_a_server_answers_as_the_page_on_the_engine(browser, server, chat, image):
+    from vlm_serve.demo import RemoteChat, _responder
+
+    with pytest.raises(ValueError, match=r"refuses the API key \(give it with --api-key\)"):
+        RemoteChat(server.url)
+    remote = RemoteChat(server.url, api_key="sesame")
+    try:
+        assert remote.single_turn and remote.model_name == chat.model_name
+        for star in (False, True):  # a picture, then a follow-up question about it
+            history = [user_turn({"text": PROMPT, "files": [str(image)]})]
+            if star:
+                history += [
+                    {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]},
+                    user_turn({"text": "How many shapes are there?"}),
+                ]
+            ours, theirs = (list(_responder(b)(history, *CONTROLS))[-1] for b in (chat, remote))
+            assert ours == theirs
+        with served(remote) as url:
+            page = Page(browser, url)
+            page.ask(PROMPT, image)
+            page.until(lambda: page.answers() == [ANSWER] and not page.answering())
     finally:
-        demo.close()
+        remote.close()
 
 
 def test_installing_the_demo_keeps_the_pillow_the_package_installed():
@@ -294,8 +436,8 @@ def test_installing_the_demo_keeps_the_pillow_the_package_installed():
     assert [v for v in releases if v in ours and v not in theirs] == []  # nothing the demo would downgrade
 
 
-def test_the_page_names_the_model_and_opens_with_256_tokens(engine):
-    demo = build_demo(engine)
+def test_the_page_names_the_model_and_opens_with_256_tokens(engine, chat):
+    demo = build_demo(chat)
     texts = [c.value for c in demo.blocks.values() if type(c).__name__ == "Markdown"]
     assert any(engine.model_name in text for text in texts)
     sliders = {c.label: c.value for c in demo.blocks.values() if type(c).__name__ == "Slider"}
@@ -304,32 +446,32 @@ def test_the_page_names_the_model_and_opens_with_256_tokens(engine):
 
 def test_the_page_says_when_each_question_is_sent_alone(tiny_moe_dir):
     def page_text(model_dir: Path) -> str:
-        demo = build_demo(RecordingEngine(model_dir))
+        demo = build_demo(RecordingChat(model_dir))
         return " ".join(c.value for c in demo.blocks.values() if type(c).__name__ == "Markdown")
 
     assert SINGLE_TURN_NOTE in page_text(BUILTIN_MODEL)
     assert SINGLE_TURN_NOTE not in page_text(tiny_moe_dir)
 
 
+@pytest.fixture(params=["engine", "server"])
+def demo_source(request, tiny_moe_dir) -> tuple[list[str], str]:
+    """What `vlm-serve demo` is given to answer with, and the model name it shows: a checkpoint, or (with
+    `--api-base`, loading no model) the server's."""
+    if request.param == "server":
+        server = request.getfixturevalue("server")
+        return ["--api-base", server.url, "--api-key", "sesame"], BUILTIN_MODEL.name
+    return ["--model", str(tiny_moe_dir), "--vit-dp", "0"], tiny_moe_dir.name
+
+
 @pytest.mark.server
-def test_vlm_serve_demo_prints_its_address_and_nothing_else_until_stopped(tiny_moe_dir):
+def test_vlm_serve_demo_prints_its_address_and_nothing_else_until_stopped(demo_source):
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vlm_serve.cli",
-        "demo",
-        "--model",
-        str(tiny_moe_dir),
-        "--port",
-        str(port),
-        "--vit-dp",
-        "0",
-    ]
+    source, name = demo_source
+    command = [sys.executable, "-m", "vlm_serve.cli", "demo", *source, "--port", str(port)]
     process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         first = process.stdout.readline()
-        assert first == f"vlm-serve: demo of {tiny_moe_dir.name} on http://127.0.0.1:{port}\n"
+        assert first == f"vlm-serve: demo of {name} on http://127.0.0.1:{port}\n"
     finally:
         process.send_signal(signal.SIGINT)
         rest, _ = process.communicate(timeout=60)

@@ -1,5 +1,5 @@
-"""`EngineThread`: an engine stepped by a thread of its own answers prompts submitted from any thread,
-each as the engine alone does, and a prompt's error is its own."""
+"""`EngineThread`: an engine stepped by a thread of its own answers prompts submitted (or streamed) from any
+thread, each as the engine alone does; a prompt's error is its own, and a stream closed early is aborted."""
 
 from __future__ import annotations
 
@@ -40,3 +40,33 @@ def test_prompts_from_several_threads_get_the_answers_the_engine_gives_alone(tin
         assert thread.submit(prompts[1], **sampling).result(timeout=60).token_ids == alone[1]  # it goes on
         thread.close()
         assert engine.scheduler.is_idle()
+
+
+def test_streams_from_several_threads_give_the_answers_and_one_closed_early_is_aborted(tiny_moe_dir):
+    with Engine(tiny_moe_dir, dtype="float32") as engine:
+        prompts = [
+            engine.processor.process_messages([{"role": "user", "content": f"Tell me about the number {i}."}])
+            for i in range(4)
+        ]
+        sampling = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        alone = [engine.generate_processed([x], **sampling)[0] for x in prompts]
+        thread = EngineThread(engine)
+
+        def whole(x) -> tuple[str, list[int], object]:
+            chunks = list(thread.stream(x, **sampling))
+            return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].output
+
+        with ThreadPoolExecutor(3) as callers:
+            streamed = list(callers.map(whole, prompts))
+        for (text, ids, output), expected in zip(streamed, alone):
+            assert (text, ids) == (expected.text, expected.token_ids)
+            assert output.token_ids == ids and output.prompt_tokens == expected.prompt_tokens  # (its usage)
+        stream = thread.stream(prompts[0], max_tokens=1000, temperature=0, ignore_eos=True)
+        next(stream)
+        stream.close()  # (the request is aborted: the thread goes idle well before 1000 tokens)
+        with pytest.raises(ValueError, match="temperature"):
+            list(thread.stream(prompts[0], max_tokens=5, temperature=-1))
+        thread.close()
+        assert engine.scheduler.is_idle() and not engine.scheduler.reqs
+        assert engine.scheduler.metrics.generated_tokens < 1000  # (the stream closed early did not run on)
+        engine.scheduler.check_memory()

@@ -49,6 +49,7 @@ class SchedulerMetrics:
     num_prefill_batches: int = 0
     num_mixed_batches: int = 0
     num_decode_batches: int = 0
+    peak_decode_batch: int = 0  # the most requests one decode batch ran
     computed_prompt_tokens: int = 0  # prompt tokens run through the model
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     generated_tokens: int = 0

@@ -81,6 +81,7 @@ class SchedulerOutputProcessorMixin:
         next_token_ids = out.tolist()
         if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             self.metrics.num_decode_batches += 1
+            self.metrics.peak_decode_batch = max(self.metrics.peak_decode_batch, len(batch.reqs))
         elif batch.forward_mode == ForwardMode.MIXED:
             self.metrics.num_mixed_batches += 1
         else:

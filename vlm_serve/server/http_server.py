@@ -34,6 +34,7 @@ from fastapi.routing import APIRoute
 from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vlm_serve.checkpoint import single_turn_only
 from vlm_serve.config import ServerArgs
 from vlm_serve.errors import (
     ApiError,
@@ -422,6 +423,7 @@ def _model_info(tm: TokenizerManager, serving: OpenAIServing) -> dict[str, Any]:
         "architectures": config.get("architectures"),
         "preferred_sampling_params": None,
         "weight_version": "default",
+        "single_turn": single_turn_only(Path(path)),  # (ours: a model trained on single questions only)
     }
 
 
