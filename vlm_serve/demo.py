@@ -16,7 +16,9 @@ import logging
 import mimetypes
 import signal
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -56,9 +58,11 @@ def to_openai_messages(history: Sequence[Mapping[str, Any]], message: Mapping[st
 
     Uploaded files become `{"type": "image" | "video", ...: path}` parts (by MIME type, else by file
     extension); any other file raises ValueError. Consecutive messages of one role are merged, so a
-    turn shown as several bubbles is one message. Assistant turns keep their text only.
+    turn shown as several bubbles is one message. Assistant turns keep their text only; the page's notes
+    (messages with a title) are left out.
     """
-    turns = [(m["role"], _parts(m["content"])) for m in history]
+    # (notes the page shows, an answer's usage or its thinking, are not part of the conversation)
+    turns = [(m["role"], _parts(m["content"])) for m in history if not (m.get("metadata") or {}).get("title")]
     if message is not None:
         turns.append(("user", _parts(user_turn(message)["content"])))
     messages: list[dict] = []
@@ -138,15 +142,64 @@ def _media_kind(path: str, mime_type: str | None = None) -> str:
 
 # ---- what the page talks to ---------------------------------------------------------------------------
 
+STAGES = {"fetch": "fetch", "decode": "decode", "preprocess": "preprocess", "vit": "vision tower"}
+SOURCES = {"cache": "embeddings from the cache", "prefix": "KV from the prefix cache"}  # (else the tower ran)
+
+
+@dataclass
+class AnswerUsage:
+    """What an answer cost, as its backend reports it: shown under the answer with the page's own timings."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    media: list[tuple[str, int]] = field(default_factory=list)  # (image | video, its tokens), in prompt order
+    # per media item, where known (the in-process engine): seconds by stage, and where its embeddings came from
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self, first_token: float, seconds: float) -> str:
+        """One line: tokens, cache, time to first token and decode speed (`seconds`: to the last token)."""
+        counts = {kind: [n for k, n in self.media if k == kind] for kind in ("image", "video")}
+        media = [
+            f"{len(ns)} {'picture' if kind == 'image' else 'video'}{'s' * (len(ns) > 1)} ({sum(ns)} tokens)"
+            for kind, ns in counts.items()
+            if ns
+        ]
+        rate = (self.completion_tokens - 1) / (seconds - first_token) if seconds > first_token else 0.0
+        return " · ".join(
+            [
+                f"{self.prompt_tokens} prompt tokens ({self.cached_tokens} cached)",
+                *media,
+                f"{self.completion_tokens} generated",
+                f"first token {first_token:.2f} s",
+                f"{rate:.1f} tokens/s",
+            ]
+        )
+
+    def details(self) -> str:
+        """A line per picture and video: its tokens and where its time went."""
+        lines = []
+        for i, (kind, tokens) in enumerate(self.media):
+            line = f"{'picture' if kind == 'image' else 'video'} {i + 1}: {tokens} tokens"
+            if i < len(self.stages):
+                stages = self.stages[i]
+                notes = [f"{name} {1000 * stages[key]:.0f} ms" for key, name in STAGES.items() if stages[key] >= 5e-4]
+                if stages["source"] in SOURCES:
+                    notes.append(SOURCES[stages["source"]])
+                line += "; " + ", ".join(notes)
+            lines.append(line)
+        return "\n".join(lines) or "no pictures or videos"
+
 
 class ChatBackend(Protocol):
-    """What answers the page: `stream` yields an answer's text piece by piece (closing it early stops it)."""
+    """What answers the page: `stream` yields an answer's text piece by piece, then its `AnswerUsage`
+    (closing it early stops the answer)."""
 
     model_name: str
     default_sampling: dict[str, Any]  # the checkpoint's generation defaults, OpenAI-named (may be empty)
     single_turn: bool  # the model knows single questions only (`latest_question`)
 
-    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str]: ...
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | AnswerUsage]: ...
 
     def close(self) -> None: ...
 
@@ -163,10 +216,17 @@ class LocalChat:
         self.model_name, self.default_sampling = engine.model_name, engine.default_sampling
         self.single_turn = single_turn_only(Path(engine.server_args.model))
 
-    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str]:
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | AnswerUsage]:
         x = self.engine.processor.process_messages(messages, add_generation_prompt=True)
+        merge = self.engine.model_config.vision.spatial_merge_size
         for chunk in self.thread.stream(x, **sampling):
             yield chunk.text
+            if (out := chunk.output) is not None:
+                stages = [
+                    {key: getattr(t, key) for key in STAGES} | {"source": t.embedding_source} for t in out.media_timings
+                ]
+                media = [(item.modality, item.num_tokens(merge)) for item in x.mm_items]
+                yield AnswerUsage(out.prompt_tokens, len(out.token_ids), out.cached_tokens, media, stages)
 
     def close(self) -> None:
         """Stops the thread once what is in flight is done (the engine stays the caller's)."""
@@ -200,8 +260,9 @@ class RemoteChat:
         response.raise_for_status()
         return response.json()
 
-    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str]:
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | AnswerUsage]:
         body = {"model": self.model_name, "messages": [_inline_media(m) for m in messages], "stream": True}
+        body["stream_options"] = {"include_usage": True}
         body |= {k: v for k, v in sampling.items() if v is not None}
         with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
@@ -217,6 +278,11 @@ class RemoteChat:
                 for choice in event.get("choices", []):
                     if choice["delta"].get("content"):
                         yield choice["delta"]["content"]
+                if usage := event.get("usage"):
+                    details = usage.get("prompt_tokens_details") or {}
+                    media = [(m["type"], m["tokens"]) for m in details.get("media", [])]
+                    tokens = usage["prompt_tokens"], usage["completion_tokens"], details.get("cached_tokens", 0)
+                    yield AnswerUsage(*tokens, media)
 
     def close(self) -> None:
         self.client.close()
@@ -395,10 +461,15 @@ def _responder(backend: ChatBackend):
             if backend.single_turn:
                 messages = latest_question(messages)
             sampling = sampling_kwargs(*controls)
-            answer = ""
-            for text in backend.stream(messages, **sampling):
-                answer += text
-                yield [*history, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+            answer, started, first_token = "", time.perf_counter(), None
+            for piece in backend.stream(messages, **sampling):
+                if isinstance(piece, AnswerUsage):
+                    seconds = time.perf_counter() - started
+                    yield [*history, _text(answer), _usage_note(piece, first_token or seconds, seconds)]
+                    continue
+                first_token = first_token or time.perf_counter() - started
+                answer += piece
+                yield [*history, _text(answer)]
         except ValueError as exc:  # bad media (MediaError), a prompt too long, bad settings
             gr.Warning(html.escape(f"The message was not sent: {exc}"))  # Gradio renders it as HTML
             yield history[:turn]
@@ -408,3 +479,17 @@ def _responder(backend: ChatBackend):
             raise gr.Error(html.escape(f"The engine failed: {exc}")) from exc
 
     return stream_turn
+
+
+def _text(answer: str) -> dict:
+    return {"role": "assistant", "content": [{"type": "text", "text": answer}]}
+
+
+def _usage_note(usage: AnswerUsage, first_token: float, seconds: float) -> dict:
+    """The line under an answer: a collapsed note titled with its usage, its media items' stages inside."""
+    title = usage.summary(first_token, seconds)
+    return {
+        "role": "assistant",
+        "content": [{"type": "text", "text": usage.details()}],
+        "metadata": {"title": title, "status": "done"},
+    }

@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,7 +65,19 @@ def chat(engine) -> Iterator[LocalChat]:
 
 
 def answer_of(chat, conversation: list[dict]) -> str:
-    return "".join(chat.stream(conversation, **GREEDY))
+    return "".join(piece for piece in chat.stream(conversation, **GREEDY) if isinstance(piece, str))
+
+
+def usage_line(chat, conversation: list[dict], shown: str) -> str:
+    """The usage line the page should show for `conversation`, by the engine's own counts (its timings and
+    cached tokens taken from the `shown` one, which vary)."""
+    x = chat.engine.processor.process_messages(conversation, add_generation_prompt=True)
+    output = list(chat.thread.stream(x, **GREEDY))[-1].output
+    cached = re.search(r"\((\d+) cached\)", shown).group(1)
+    timings = shown[shown.index(" · first token ") :]
+    picture = x.mm_items[0].num_tokens(chat.engine.model_config.vision.spatial_merge_size)
+    counts = f"{output.prompt_tokens} prompt tokens ({cached} cached) · 1 picture ({picture} tokens)"
+    return f"{counts} · {len(output.token_ids)} generated{timings}"
 
 
 @pytest.fixture
@@ -140,10 +153,17 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, chat, imag
     respond = _responder(chat)
     history = [user_turn({"text": PROMPT, "files": [str(image)]})]
     updates = list(respond(history, *CONTROLS))
-    answers = [h[-1]["content"][0]["text"] for h in updates]
-    assert len(updates) > 1 and all(h[:-1] == history and h[-1]["role"] == "assistant" for h in updates)
+    *streamed, last = updates
+    answers = [h[-1]["content"][0]["text"] for h in streamed]
+    assert len(streamed) > 1 and all(h[:-1] == history and h[-1]["role"] == "assistant" for h in streamed)
     assert all(b.startswith(a) for a, b in itertools.pairwise(answers))  # each update extends the last
     assert answers[-1] == answer_of(chat, _conversation(image)) == ANSWER
+    # under the answer, its usage as the engine counts it; the picture's stages inside the note
+    assert last[:-1] == streamed[-1]
+    title, inside = last[-1]["metadata"]["title"], last[-1]["content"][0]["text"]
+    assert title == usage_line(chat, _conversation(image), title)
+    assert inside.startswith("picture 1: ") and " ms" in inside
+    assert to_openai_messages(last) == to_openai_messages(streamed[-1])  # (the note is not sent to the model)
 
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a PNG")
@@ -207,7 +227,7 @@ def test_a_picture_attached_in_a_later_turn_gets_an_answer_about_that_picture(ch
         ({"text": "How many shapes are there?"}, "There is one shape."),  # about the star, the latest picture
     ]:
         history = list(respond([*history, user_turn(message)], *CONTROLS))[-1]
-        assert history[-1]["content"][0]["text"] == answer
+        assert history[-2]["content"][0]["text"] == answer  # (then the usage note)
 
 
 def test_other_models_are_sent_the_whole_conversation(tiny_moe_dir):
@@ -294,12 +314,23 @@ class Page:
         self.find("#chat-input button.submit-button").click()
 
     def answers(self) -> list[str]:
-        """The assistant bubbles' raw text (their aria-label: "bot's message: ..."; they render Markdown)."""
+        """The answers' raw text (their aria-label: "bot's message: ..."; they render Markdown)."""
+        return [label for label, title in self._bubbles() if title is None]
+
+    def notes(self) -> list[tuple[str, str]]:
+        """The notes under the answers (usage, thinking): (title, what it holds)."""
+        return [(title, label) for label, title in self._bubbles() if title is not None]
+
+    def _bubbles(self) -> list[tuple[str, str | None]]:
         from selenium.webdriver.common.by import By
 
         self.driver.switch_to.window(self.handle)
-        labels = [el.get_attribute("aria-label") or "" for el in self.driver.find_elements(By.CSS_SELECTOR, BOT)]
-        return [label.removeprefix("bot's message: ") for label in labels]
+        bubbles = []
+        for el in self.driver.find_elements(By.CSS_SELECTOR, BOT):
+            label = (el.get_attribute("aria-label") or "").removeprefix("bot's message: ")
+            titles = el.find_elements(By.CSS_SELECTOR, ".title")
+            bubbles.append((label, titles[0].text if titles else None))
+        return bubbles
 
     def answering(self) -> bool:
         """Whether an answer is under way (the textbox is locked until it is done)."""
@@ -350,6 +381,10 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, ch
         page.until(lambda: any(page.answers()) and not page.answering())
         assert page.answers() == [expected]
         assert engine.processor.cache.hits == image_hits + 1  # the uploaded bytes reached the processor
+        # under it, its usage as the engine counts it (timings the page's own), the picture's stages inside
+        ((title, inside),) = page.notes()
+        assert title == usage_line(chat, _conversation(image), title)
+        assert inside.startswith("picture 1: ")
 
         # A file that is no image: a warning, and the turn is taken back; the conversation goes on.
         broken = tmp_path / "broken.png"
@@ -419,7 +454,11 @@ def test_the_page_in_front_of_a_server_answers_as_the_page_on_the_engine(browser
                     user_turn({"text": "How many shapes are there?"}),
                 ]
             ours, theirs = (list(_responder(b)(history, *CONTROLS))[-1] for b in (chat, remote))
-            assert ours == theirs
+            assert ours[:-1] == theirs[:-1]  # (and the usage notes, but for caches, timings and stages:)
+            counts = [
+                re.sub(r" \(\d+ cached\)", "", h[-1]["metadata"]["title"].split(" · first")[0]) for h in (ours, theirs)
+            ]
+            assert counts[0] == counts[1]
         with served(remote) as url:
             page = Page(browser, url)
             page.ask(PROMPT, image)
