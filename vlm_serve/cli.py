@@ -226,7 +226,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
             backend.close()
         return 0
     with Engine(ns.model, **server_args_from(ns)) as engine:
-        backend = LocalChat(engine)
+        backend = LocalChat(engine, ns.reasoning_parser)
         try:
             run_demo(backend, ns.host, ns.port, ns.concurrency_limit)
         finally:
@@ -301,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         "loading the model here (e.g. http://127.0.0.1:30000)",
     )
     demo.add_argument("--api-key", default=None, help="the API key the server at --api-base asks for")
+    demo.add_argument(
+        "--reasoning-parser",
+        choices=CHOICES["reasoning_parser"],
+        default=None,
+        help="show a thinking model's reasoning apart from its answer (the engine's model; a server at "
+        "--api-base parses its own with its --reasoning-parser)",
+    )
     demo.add_argument(
         "--concurrency-limit",
         type=int,

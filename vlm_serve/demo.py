@@ -191,36 +191,55 @@ class AnswerUsage:
         return "\n".join(lines) or "no pictures or videos"
 
 
+@dataclass
+class Thought:
+    """A piece of a thinking model's reasoning (what it writes before `</think>`)."""
+
+    text: str
+
+
 class ChatBackend(Protocol):
-    """What answers the page: `stream` yields an answer's text piece by piece, then its `AnswerUsage`
-    (closing it early stops the answer)."""
+    """What answers the page: `stream` yields an answer's text piece by piece (`str`; a thinking model's
+    reasoning as `Thought`s), then its `AnswerUsage` (closing it early stops the answer)."""
 
     model_name: str
     default_sampling: dict[str, Any]  # the checkpoint's generation defaults, OpenAI-named (may be empty)
     single_turn: bool  # the model knows single questions only (`latest_question`)
 
-    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | AnswerUsage]: ...
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | Thought | AnswerUsage]: ...
 
     def close(self) -> None: ...
 
 
 class LocalChat:
     """The in-process engine, stepped by a thread of its own (`EngineThread`): every session's answers are
-    generated together by its scheduler. Prompts are preprocessed on the caller's (Gradio's) thread."""
+    generated together by its scheduler. Prompts are preprocessed on the caller's (Gradio's) thread. With
+    `reasoning_parser` (`--reasoning-parser`), a thinking model's reasoning comes apart from its answer."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, reasoning_parser: str | None = None) -> None:
         from vlm_serve.engine_thread import EngineThread
 
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.thread: EngineThread = EngineThread(engine)
         self.model_name, self.default_sampling = engine.model_name, engine.default_sampling
         self.single_turn = single_turn_only(Path(engine.server_args.model))
 
-    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | AnswerUsage]:
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | Thought | AnswerUsage]:
+        from vlm_serve.server.reasoning_parser import REASONING_PARSERS
+
         x = self.engine.processor.process_messages(messages, add_generation_prompt=True)
         merge = self.engine.model_config.vision.spatial_merge_size
+        parser = REASONING_PARSERS[self.reasoning_parser]() if self.reasoning_parser else None
         for chunk in self.thread.stream(x, **sampling):
-            yield chunk.text
+            pieces = [("", chunk.text)] if parser is None else [parser.feed(chunk.text)]
+            if parser is not None and chunk.output is not None:
+                pieces.append(parser.finish())
+            for reasoning, content in pieces:
+                if reasoning:
+                    yield Thought(reasoning)
+                if content:
+                    yield content
             if (out := chunk.output) is not None:
                 stages = [
                     {key: getattr(t, key) for key in STAGES} | {"source": t.embedding_source} for t in out.media_timings
@@ -260,7 +279,7 @@ class RemoteChat:
         response.raise_for_status()
         return response.json()
 
-    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | AnswerUsage]:
+    def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | Thought | AnswerUsage]:
         body = {"model": self.model_name, "messages": [_inline_media(m) for m in messages], "stream": True}
         body["stream_options"] = {"include_usage": True}
         body |= {k: v for k, v in sampling.items() if v is not None}
@@ -276,6 +295,8 @@ class RemoteChat:
                 if "error" in event:
                     raise RuntimeError(event["error"].get("message", str(event["error"])))
                 for choice in event.get("choices", []):
+                    if choice["delta"].get("reasoning_content"):  # (a server with --reasoning-parser)
+                        yield Thought(choice["delta"]["reasoning_content"])
                     if choice["delta"].get("content"):
                         yield choice["delta"]["content"]
                 if usage := event.get("usage"):
@@ -461,15 +482,21 @@ def _responder(backend: ChatBackend):
             if backend.single_turn:
                 messages = latest_question(messages)
             sampling = sampling_kwargs(*controls)
-            answer, started, first_token = "", time.perf_counter(), None
+            answer, reasoning, started, first_token = "", "", time.perf_counter(), None
             for piece in backend.stream(messages, **sampling):
                 if isinstance(piece, AnswerUsage):
                     seconds = time.perf_counter() - started
-                    yield [*history, _text(answer), _usage_note(piece, first_token or seconds, seconds)]
+                    thought = [_thinking(reasoning, done=True)] if reasoning else []
+                    said = [_text(answer)] if answer or not reasoning else []  # (cut short while thinking: none)
+                    yield [*history, *thought, *said, _usage_note(piece, first_token or seconds, seconds)]
                     continue
                 first_token = first_token or time.perf_counter() - started
-                answer += piece
-                yield [*history, _text(answer)]
+                if isinstance(piece, Thought):
+                    reasoning += piece.text
+                else:
+                    answer += piece
+                thought = [_thinking(reasoning, done=bool(answer))] if reasoning else []
+                yield [*history, *thought, *([_text(answer)] if answer or not reasoning else [])]
         except ValueError as exc:  # bad media (MediaError), a prompt too long, bad settings
             gr.Warning(html.escape(f"The message was not sent: {exc}"))  # Gradio renders it as HTML
             yield history[:turn]
@@ -483,6 +510,12 @@ def _responder(backend: ChatBackend):
 
 def _text(answer: str) -> dict:
     return {"role": "assistant", "content": [{"type": "text", "text": answer}]}
+
+
+def _thinking(reasoning: str, done: bool) -> dict:
+    """A thinking model's reasoning above its answer: a note open while it thinks, folded once it answers."""
+    metadata = {"title": "Thinking", "status": "done" if done else "pending"}
+    return {"role": "assistant", "content": [{"type": "text", "text": reasoning}], "metadata": metadata}
 
 
 def _usage_note(usage: AnswerUsage, first_token: float, seconds: float) -> dict:

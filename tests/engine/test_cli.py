@@ -202,13 +202,10 @@ def test_an_unknown_flag_is_refused_with_the_usage_of_its_command(command, capsy
 def test_generate_caption_and_demo_take_only_the_settings_an_engine_reads(tmp_path):
     parser = build_parser()
     for command in (["generate", "--prompt", "hi"], ["caption", "x.png", "--output", "c.jsonl"], ["demo"]):
-        # (the demo's --api-key is its own: the key of the server it fronts with --api-base)
-        for flag in (
-            "--tp-size",
-            *(["--api-key"] if command != ["demo"] else []),
-            "--max-media-mb",
-            "--reasoning-parser",
-        ):
+        # (the demo's --api-key and --reasoning-parser are its own: the key of the server it fronts with
+        # --api-base, and how it shows the engine's reasoning)
+        own = ("--api-key", "--reasoning-parser") if command == ["demo"] else ()
+        for flag in {"--tp-size", "--api-key", "--max-media-mb", "--reasoning-parser"} - set(own):
             with pytest.raises(SystemExit):
                 parser.parse_args([*command, flag, "2"])
         assert parse_args(parser, [*command, "--vit-dp", "0", "--page-size", "4"]).page_size == 4

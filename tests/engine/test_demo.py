@@ -11,6 +11,7 @@ import importlib.util
 import itertools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -428,6 +429,63 @@ def test_stop_ends_the_answer_early_and_the_engine_is_left_idle(browser, engine,
     chat.close()
     assert not engine.scheduler.reqs and engine.scheduler.is_idle()
     engine.scheduler.check_memory()
+
+
+@pytest.fixture(scope="module")
+def thinking_chat(tiny_dense_dir, tmp_path_factory) -> Iterator[LocalChat]:
+    """A thinking model's page backend: the tiny checkpoint with a template that opens a think block at the
+    start of each answer (as Qwen3-VL's Thinking checkpoints' does), read by the qwen3 reasoning parser."""
+    from vlm_serve.engine import Engine
+    from vlm_serve.testing.tiny_model import CHAT_TEMPLATE
+
+    folder = tmp_path_factory.mktemp("thinking")
+    shutil.copytree(tiny_dense_dir, folder, dirs_exist_ok=True)
+    opening = "{{- '<|im_start|>assistant\\n' -}}"
+    assert opening in CHAT_TEMPLATE
+    template = CHAT_TEMPLATE.replace(opening, "{{- '<|im_start|>assistant\\n<think>\\n' -}}")
+    (folder / "chat_template.jinja").write_text(template)
+    with Engine(folder, dtype="float32") as engine:
+        raw = engine.chat([{"role": "user", "content": PROMPT}], **GREEDY)
+        backend = LocalChat(engine, reasoning_parser="qwen3")
+        backend.raw = raw  # (what the model writes, all of it reasoning: it never closes its think block)
+        yield backend
+        backend.close()
+
+
+def test_reasoning_is_a_note_open_while_the_model_thinks_and_folded_above_the_answer_after(tiny_moe_dir):
+    pytest.importorskip("gradio")
+    from vlm_serve.demo import AnswerUsage, Thought, _responder
+
+    class Thinker(RecordingChat):
+        def stream(self, messages, **sampling):
+            yield from (Thought("A pink "), Thought("circle."), "The circle ", "is pink.", AnswerUsage(9, 6, 0))
+
+    history = [user_turn({"text": PROMPT})]
+    *streaming, last = list(_responder(Thinker(tiny_moe_dir))(history, *CONTROLS))
+    states = [[(m.get("metadata") or {}).get("status") for m in h[1:]] for h in streaming]
+    assert states == [["pending"], ["pending"], ["done", None], ["done", None]]
+    thinking, answer, usage = last[1:]
+    assert (thinking["metadata"]["title"], thinking["content"][0]["text"]) == ("Thinking", "A pink circle.")
+    assert answer["content"][0]["text"] == "The circle is pink."
+    assert usage["metadata"]["title"].startswith("9 prompt tokens (0 cached) · 6 generated · ")
+    assert to_openai_messages(last) == [
+        {"role": "user", "content": [{"type": "text", "text": PROMPT}]},
+        {"role": "assistant", "content": "The circle is pink."},  # (the next turn sees the answer alone)
+    ]
+
+
+@page_test
+def test_a_thinking_models_reasoning_shows_in_a_block_above_the_answer(browser, thinking_chat):
+    raw = thinking_chat.raw
+    assert "</think>" not in raw.text
+    with served(thinking_chat) as url:
+        page = Page(browser, url)
+        page.ask(PROMPT)
+        page.until(lambda: len(page.notes()) == 2 and not page.answering())
+        (thinking, reasoning), (usage, _) = page.notes()
+        assert (thinking, reasoning) == ("Thinking", raw.text.strip())
+        assert page.answers() == []  # (cut short while thinking: no answer yet)
+        assert f" · {len(raw.token_ids)} generated · " in usage
 
 
 @pytest.fixture(scope="module")
