@@ -320,7 +320,8 @@ def _inline_media(message: dict) -> dict:
             path = Path(part[kind])
             mime = mimetypes.guess_type(path.name)[0] or f"{kind}/*"
             url = f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
-            part = {"type": f"{kind}_url", f"{kind}_url": {"url": url}}
+            settings = {k: v for k, v in part.items() if k not in ("type", kind)}  # (max_pixels, fps, ...)
+            part = {"type": f"{kind}_url", f"{kind}_url": {"url": url}, **settings}
         parts.append(part)
     return {"role": message["role"], "content": parts}
 
@@ -363,6 +364,27 @@ def sampling_kwargs(
     }
 
 
+def with_media_settings(
+    messages: list[dict], max_pixels: float | None, fps: float | None, max_frames: float | None
+) -> list[dict]:
+    """`messages` with the page's picture and video settings on each of their images and videos (empty
+    fields: the model's defaults): `max_pixels` per picture, a video's sampling `fps` and `max_frames`."""
+    settings = {
+        "image": {"max_pixels": max_pixels},
+        "video": {"fps": fps, "max_frames": max_frames},
+    }
+    out = []
+    for m in messages:
+        if isinstance(m["content"], list):
+            m = {**m, "content": [p | _given(settings.get(p["type"], {})) for p in m["content"]]}
+        out.append(m)
+    return out
+
+
+def _given(settings: dict[str, float | None]) -> dict[str, float | int]:
+    return {k: (int(v) if k != "fps" else float(v)) for k, v in settings.items() if v}
+
+
 # ---- the page ----------------------------------------------------------------------------------------
 
 
@@ -400,12 +422,17 @@ def build_demo(
                 top_k = gr.Slider(0, 200, init["top_k"], step=1, label="Top k (0 = off)")
                 repetition = gr.Slider(0.5, 2, init["repetition_penalty"], step=0.01, label="Repetition penalty")
                 seed = gr.Number(init["seed"], precision=0, label="Seed (empty = random)")
+        with gr.Accordion("Pictures and videos", open=False):
+            with gr.Row():  # (empty: the model's own defaults; the server's limits still hold)
+                max_pixels = gr.Number(None, precision=0, minimum=1, label="Max pixels per picture (empty = default)")
+                fps = gr.Number(None, minimum=0.1, label="Video frames per second (empty = default)")
+                max_frames = gr.Number(None, precision=0, minimum=2, label="Max video frames (empty = default)")
         clear = gr.Button("Clear conversation", variant="secondary")
 
         sent = box.submit(_add_user_turn, [chatbot, box], [chatbot, box], queue=False)
         answer = sent.then(
             stream_turn,
-            [chatbot, max_tokens, temperature, top_p, top_k, repetition, seed],
+            [chatbot, max_tokens, temperature, top_p, top_k, repetition, seed, max_pixels, fps, max_frames],
             chatbot,
             concurrency_limit=concurrency_limit,
         )
@@ -474,6 +501,7 @@ def _responder(backend: ChatBackend):
     import gradio as gr
 
     def stream_turn(history: list[dict], *controls: Any) -> Iterator[list[dict]]:
+        """`controls`: the sampling settings (`sampling_kwargs`), then the media ones (`with_media_settings`)."""
         if not history or history[-1]["role"] != "user":
             return  # an empty message was sent: nothing to answer
         turn = len(history) - 1
@@ -481,7 +509,8 @@ def _responder(backend: ChatBackend):
             messages = to_openai_messages(history)
             if backend.single_turn:
                 messages = latest_question(messages)
-            sampling = sampling_kwargs(*controls)
+            messages = with_media_settings(messages, *controls[6:])
+            sampling = sampling_kwargs(*controls[:6])
             answer, reasoning, started, first_token = "", "", time.perf_counter(), None
             for piece in backend.stream(messages, **sampling):
                 if isinstance(piece, AnswerUsage):

@@ -37,6 +37,7 @@ from vlm_serve.demo import (
     latest_question,
     to_openai_messages,
     user_turn,
+    with_media_settings,
 )
 from vlm_serve.testing.media import png_stating
 
@@ -45,7 +46,8 @@ PROMPT = "what colour is the circle?"
 ANSWER = "The circle is pink."  # the built-in model's
 BOT = "#chatbot [data-testid=bot]"  # an assistant bubble of the page
 GREEDY = {"temperature": 0, "max_tokens": 12}
-CONTROLS = (GREEDY["max_tokens"], GREEDY["temperature"], 1.0, 0, 1.0, None)  # the page's: top_k 0 = off, no seed
+# the page's controls: sampling (top_k 0 = off, no seed), then pictures' and videos' settings (the defaults)
+CONTROLS = (GREEDY["max_tokens"], GREEDY["temperature"], 1.0, 0, 1.0, None, None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -531,6 +533,27 @@ def test_installing_the_demo_keeps_the_pillow_the_package_installed():
     theirs = next(Requirement(r) for r in requires("gradio") if Requirement(r).name == "pillow").specifier
     releases = [f"{major}.{minor}.0" for major in range(10, 20) for minor in range(4)]
     assert [v for v in releases if v in ours and v not in theirs] == []  # nothing the demo would downgrade
+
+
+def test_pictures_and_videos_get_the_pages_settings_and_more_pixels_make_more_tokens(tiny_moe_dir, chat, tmp_path):
+    pytest.importorskip("gradio")
+    from vlm_serve.demo import AnswerUsage, _responder
+
+    history = [user_turn({"text": "Compare.", "files": ["/up/a.png", "/up/clip.mp4"]})]
+    backend = RecordingChat(tiny_moe_dir)
+    list(_responder(backend)(history, *CONTROLS[:6], 50176, 2.0, 8))
+    assert backend.sent[0][0]["content"][:2] == [
+        {"type": "image", "image": "/up/a.png", "max_pixels": 50176},
+        {"type": "video", "video": "/up/clip.mp4", "fps": 2.0, "max_frames": 8},
+    ]
+    big = tmp_path / "big.png"
+    Image.new("RGB", (800, 600), "white").save(big)
+    tokens = []
+    for max_pixels in (None, 2 * 65536):  # (the built-in model's pictures are 65536 pixels by default)
+        pieces = chat.stream(with_media_settings(_conversation(big), max_pixels, None, None), **GREEDY)
+        (usage,) = [p for p in pieces if isinstance(p, AnswerUsage)]
+        tokens.append(usage.media[0][1])
+    assert tokens[1] > tokens[0]
 
 
 def test_the_page_names_the_model_and_opens_with_256_tokens(engine, chat):
