@@ -39,8 +39,8 @@ from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.multimodal.image_processor import ImageProcessor, ImageProcessorConfig
 from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.multimodal.processor import MultimodalProcessor
-from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig
-from vlm_serve.testing.media import make_image, write_video
+from vlm_serve.multimodal.video import VideoProcessor, VideoProcessorConfig, write_video
+from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
 
 BUDGETS = {"qwen3-vl": (65536, 16777216), "tiny checkpoint": (32 * 32, 512 * 512)}

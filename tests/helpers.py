@@ -25,9 +25,9 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from vlm_serve.multimodal.video import write_video
 from vlm_serve.server.ports import free_port
 from vlm_serve.testing.deployments import router_command
-from vlm_serve.testing.media import write_video
 from vlm_serve.tokenizer import Tokenizer
 
 # ---- every process a test starts ---------------------------------------------------------------------

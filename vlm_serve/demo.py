@@ -10,11 +10,13 @@ question alone (`latest_question`). Gradio is imported on first use, so importin
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import json
 import logging
 import mimetypes
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,8 +84,9 @@ def to_openai_messages(history: Sequence[Mapping[str, Any]], message: Mapping[st
 
 
 def user_turn(message: Mapping[str, Any]) -> dict:
-    """A `MultimodalTextbox` value as one user message of the Chatbot: its files, then its text."""
-    content: list[dict] = [{"path": _file_path(f)} for f in message.get("files") or []]
+    """A `MultimodalTextbox` value as one user message of the Chatbot: its files (a video the browser cannot
+    play as a copy it can, `playable`), then its text."""
+    content: list[dict] = [{"path": playable(_file_path(f))} for f in message.get("files") or []]
     if message.get("text"):
         content.append({"type": "text", "text": message["text"]})
     return {"role": "user", "content": content}
@@ -129,7 +132,66 @@ def _parts(content: Any) -> list[dict]:
 
 
 def _file_path(f: Any) -> str:
-    return str(f["path"] if isinstance(f, Mapping) else f)
+    return shown_file(str(f["path"] if isinstance(f, Mapping) else f))
+
+
+# ---- videos the browser can play -----------------------------------------------------------------------
+
+BROWSER_CODECS = {"h264", "vp8", "vp9", "av1"}  # what browsers play (in MP4 or WebM)
+SHOWN_PREFIX = "playable-"  # a display copy's name: the prefix, the key of the file it shows, ".mp4"
+_shown: dict[str, str] = {}  # display copy key -> the file it shows (what the model is sent)
+_shown_lock = threading.Lock()
+
+
+def playable(path: str) -> str:
+    """`path`, or for a video the browser cannot play (the MPEG-4 Part 2 most cameras and tools write, ...)
+    an H.264 copy of it to show in the conversation; the model is still sent the file itself (`shown_file`).
+    A file that is no video PyAV reads is left as it is (the processor says what is wrong with it)."""
+    import av
+
+    if _media_kind_or_none(path) != "video":
+        return path
+    try:
+        with av.open(path) as source:
+            stream = source.streams.video[0]
+            if stream.codec_context.name in BROWSER_CODECS:
+                return path
+            key = hashlib.blake2b(Path(path).read_bytes(), digest_size=8).hexdigest()
+            copy = Path(tempfile.gettempdir()) / "vlm-serve-playable" / f"{SHOWN_PREFIX}{key}.mp4"
+            if not copy.exists():
+                _transcode(source, stream, copy)
+    except (av.FFmpegError, IndexError, OSError):
+        return path
+    with _shown_lock:
+        _shown[key] = path
+    return str(copy)
+
+
+def _transcode(source, stream, target: Path) -> None:
+    """The video `stream` of `source` as H.264 at `target`, written whole or not at all."""
+    from vlm_serve.multimodal.video import write_video
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".part.mp4")
+    frames = [frame.to_image() for frame in source.decode(stream)]
+    write_video(partial, frames, stream.average_rate or 2, codec="libx264")
+    partial.replace(target)
+
+
+def shown_file(path: str) -> str:
+    """The file a conversation's `path` shows: a display copy's original, else `path` itself."""
+    name = Path(path).name
+    if name.startswith(SHOWN_PREFIX) and name.endswith(".mp4"):
+        with _shown_lock:
+            return _shown.get(name[len(SHOWN_PREFIX) : -len(".mp4")], path)
+    return path
+
+
+def _media_kind_or_none(path: str) -> str | None:
+    try:
+        return _media_kind(path)
+    except ValueError:
+        return None
 
 
 def _media_kind(path: str, mime_type: str | None = None) -> str:
@@ -385,6 +447,48 @@ def _given(settings: dict[str, float | None]) -> dict[str, float | int]:
     return {k: (int(v) if k != "fps" else float(v)) for k, v in settings.items() if v}
 
 
+# ---- examples ----------------------------------------------------------------------------------------
+
+EXAMPLE_SEED = 3  # which of the built-in model's scenes the page offers (the same on every start)
+
+
+def builtin_examples(folder: Path) -> list[dict]:
+    """Questions the built-in model answers well, about pictures and a clip of the kind it was trained on
+    (drawn into `folder`): each a Chatbot example, `{"text", "files", "display_text"}`."""
+    import random
+
+    from vlm_serve.builtin.scenes import (
+        VIDEO_FPS,
+        compare_example,
+        motion_example,
+        random_motion,
+        random_scene,
+        render,
+        scene_example,
+    )
+    from vlm_serve.multimodal.video import write_video
+
+    rng = random.Random(EXAMPLE_SEED)
+    scenes = [random_scene(rng, count) for count in (1, 2, 3, 1, 2)]
+    examples = [scene_example(rng, kind, scene, render(scene)) for kind, scene in zip(("caption", "count"), scenes)]
+    examples.append(scene_example(rng, "colour", scenes[3], render(scenes[3])))
+    examples.append(compare_example(rng, scenes[2], scenes[4], [render(scenes[2]), render(scenes[4])]))
+    examples.append(motion_example(rng, random_motion(rng)))
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i, example in enumerate(examples):
+        files = []
+        for j, image in enumerate(example.images):
+            files.append(str(folder / f"example-{i}-{j}.png"))
+            image.save(files[-1])
+        if example.video is not None:
+            files.append(str(folder / f"example-{i}.mp4"))
+            write_video(files[-1], example.video, VIDEO_FPS, codec="libx264")  # (H.264: browsers play it)
+        media = f"{len(files)} pictures" if len(files) > 1 else "a clip" if example.video else "a picture"
+        out.append({"text": example.question, "files": files, "display_text": f"{example.question} ({media})"})
+    return out
+
+
 # ---- the page ----------------------------------------------------------------------------------------
 
 
@@ -392,10 +496,12 @@ def build_demo(
     backend: ChatBackend, settings: Mapping[str, Any] | None = None, concurrency_limit: int = CONCURRENCY_LIMIT
 ) -> gr.Blocks:
     """The chat page for `backend`, answering up to `concurrency_limit` conversations at once (each browser
-    session has its own). `settings` sets the sampling controls' initial values (see `initial_settings`)."""
+    session has its own). `settings` sets the sampling controls' initial values (see `initial_settings`).
+    An empty conversation offers `builtin_examples` to click."""
     import gradio as gr
 
     init = initial_settings(backend, settings)
+    examples = builtin_examples(Path(tempfile.mkdtemp(prefix="vlm-serve-examples-")))
     stream_turn = _responder(backend)
     with gr.Blocks(title="vlm-serve", fill_height=True, analytics_enabled=False) as demo:
         gr.Markdown(
@@ -403,7 +509,9 @@ def build_demo(
             "Chat with the model; attach images or short videos with the paperclip."
             + (" " + SINGLE_TURN_NOTE if backend.single_turn else "")
         )
-        chatbot = gr.Chatbot(elem_id="chatbot", label="Conversation", scale=1, height=480, buttons=["copy"])
+        chatbot = gr.Chatbot(
+            elem_id="chatbot", label="Conversation", scale=1, height=480, buttons=["copy"], examples=examples
+        )
         box = gr.MultimodalTextbox(
             elem_id="chat-input",
             file_types=["image", "video"],
@@ -429,17 +537,19 @@ def build_demo(
                 max_frames = gr.Number(None, precision=0, minimum=2, label="Max video frames (empty = default)")
         clear = gr.Button("Clear conversation", variant="secondary")
 
-        sent = box.submit(_add_user_turn, [chatbot, box], [chatbot, box], queue=False)
-        answer = sent.then(
-            stream_turn,
-            [chatbot, max_tokens, temperature, top_p, top_k, repetition, seed, max_pixels, fps, max_frames],
-            chatbot,
-            concurrency_limit=concurrency_limit,
-        )
-        answer.then(_unlock, None, box, queue=False)  # (also after a stop or a failure)
-        box.stop(None, None, None, cancels=[answer], queue=False)
-        clear.click(_reset, None, [chatbot, box], cancels=[answer], queue=False)
-        chatbot.clear(_reset, None, [chatbot, box], cancels=[answer], queue=False)  # the chat's own bin icon
+        controls = [max_tokens, temperature, top_p, top_k, repetition, seed, max_pixels, fps, max_frames]
+        # (Gradio hands the clicked example by this hint, which the module's postponed annotations leave a string)
+        _example_turn.__annotations__["selected"] = gr.SelectData
+        answers = []
+        for asked in (  # a message sent, or an example clicked
+            box.submit(_add_user_turn, [chatbot, box], [chatbot, box], queue=False),
+            chatbot.example_select(_example_turn, None, [chatbot, box], queue=False),
+        ):
+            answers.append(asked.then(stream_turn, [chatbot, *controls], chatbot, concurrency_limit=concurrency_limit))
+            answers[-1].then(_unlock, None, box, queue=False)  # (also after a stop or a failure)
+        box.stop(None, None, None, cancels=answers, queue=False)
+        clear.click(_reset, None, [chatbot, box], cancels=answers, queue=False)
+        chatbot.clear(_reset, None, [chatbot, box], cancels=answers, queue=False)  # the chat's own bin icon
     return demo.queue(default_concurrency_limit=concurrency_limit)
 
 
@@ -479,6 +589,11 @@ def _add_user_turn(history: list[dict], message: dict | None) -> tuple[list[dict
     if message and (message.get("text") or message.get("files")):
         history = [*history, user_turn(message)]
     return history, gr.MultimodalTextbox(value=None, interactive=False, submit_btn=False, stop_btn=True)
+
+
+def _example_turn(selected: gr.SelectData) -> tuple[list[dict], Any]:
+    """A clicked example as the conversation's first message (examples show in an empty one)."""
+    return _add_user_turn([], selected.value)
 
 
 def _unlock() -> Any:

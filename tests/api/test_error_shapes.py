@@ -32,9 +32,10 @@ from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.engine import Engine
 from vlm_serve.errors import ERROR_TYPES, ApiError
 from vlm_serve.messages.frontend import StrOut
+from vlm_serve.multimodal.video import write_video
 from vlm_serve.server.http_server import ServerState, create_app  # (it loads every module defining errors)
 from vlm_serve.server.openai_api import OpenAIServing
-from vlm_serve.testing.media import jpeg_stating, make_image, png_stating, write_video
+from vlm_serve.testing.media import jpeg_stating, make_image, png_stating
 
 API_KEY = "sk-shapes-4f1c9b27e0d3"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import random
 import re
 import shutil
 import signal
@@ -39,6 +40,7 @@ from vlm_serve.demo import (
     user_turn,
     with_media_settings,
 )
+from vlm_serve.multimodal.video import write_video
 from vlm_serve.testing.media import png_stating
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -265,6 +267,7 @@ def browser() -> Iterator:
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)  # an explicit driver: no Selenium Manager
+    driver.set_window_size(1100, 1100)
     try:
         yield driver
     finally:
@@ -344,6 +347,17 @@ class Page:
         self.wait.until(lambda _: condition())
 
 
+SCREENSHOTS_ENV = "VLM_SERVE_DEMO_SCREENSHOTS"  # a folder: the page tests save the docs' screenshots there
+
+
+def screenshot(browser, name: str) -> None:
+    """The page as it is now, as `name`.png in $VLM_SERVE_DEMO_SCREENSHOTS (docs/images/ holds them)."""
+    folder = os.environ.get(SCREENSHOTS_ENV)
+    if folder:
+        time.sleep(0.5)  # (a note unfolds with a transition)
+        browser.save_screenshot(str(Path(folder) / f"{name}.png"))
+
+
 @contextlib.contextmanager
 def served(backend, **settings) -> Iterator[str]:
     """The page of `backend` on a free port: its URL."""
@@ -388,6 +402,8 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, ch
         ((title, inside),) = page.notes()
         assert title == usage_line(chat, _conversation(image), title)
         assert inside.startswith("picture 1: ")
+        page.find("#chatbot .thought .title").click()  # (the note unfolded: the picture's stages)
+        screenshot(browser, "demo-answer-and-usage")
 
         # A file that is no image: a warning, and the turn is taken back; the conversation goes on.
         broken = tmp_path / "broken.png"
@@ -431,6 +447,64 @@ def test_stop_ends_the_answer_early_and_the_engine_is_left_idle(browser, engine,
     chat.close()
     assert not engine.scheduler.reqs and engine.scheduler.is_idle()
     engine.scheduler.check_memory()
+
+
+@page_test
+def test_an_example_clicked_is_asked_and_answered_as_the_model_answers_it(browser, chat, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from vlm_serve.demo import builtin_examples
+
+    examples = builtin_examples(tmp_path)
+    assert [len(e["files"]) for e in examples] == [1, 1, 1, 2, 1] and examples[-1]["files"][0].endswith(".mp4")
+    with served(chat) as url:
+        page = Page(browser, url)
+        page.find("#chatbot button.example")
+        screenshot(browser, "demo-examples")
+        for i in (0, 4):  # a picture, and the clip
+            page.find("#chatbot button.example")
+            browser.find_elements(By.CSS_SELECTOR, "#chatbot button.example")[i].click()
+            page.until(lambda: any(page.answers()) and not page.answering())
+            kinds = ["video" if f.endswith(".mp4") else "image" for f in examples[i]["files"]]
+            parts = [{"type": k, k: f} for k, f in zip(kinds, examples[i]["files"])]
+            conversation = [{"role": "user", "content": [*parts, {"type": "text", "text": examples[i]["text"]}]}]
+            assert page.answers() == [answer_of(chat, conversation)]
+            browser.find_element(By.CSS_SELECTOR, "#chatbot button[aria-label=Clear]").click()
+            page.find("#chatbot button.example")  # (an empty conversation offers them again)
+
+
+@page_test
+def test_a_clip_browsers_do_not_play_is_shown_as_one_they_do_and_the_model_reads_the_clip_itself(
+    browser, chat, tmp_path
+):
+    """(MPEG-4 Part 2, as the README's clip and many cameras' are: a grey box in the page as it was.)"""
+    from vlm_serve.builtin.scenes import VIDEO_FPS, random_motion, render_motion
+
+    clip = tmp_path / "clip.mp4"
+    write_video(clip, render_motion(random_motion(random.Random(5))), VIDEO_FPS)  # (MPEG-4 Part 2)
+    with served(chat) as url:
+        page = Page(browser, url)
+        page.ask("Describe the video.", clip)
+        video = page.find("#chatbot [data-testid=user] video")
+        page.until(lambda: browser.execute_script("return arguments[0].videoWidth", video) > 0)  # (it plays)
+        page.until(lambda: any(page.answers()) and not page.answering())
+        parts = [{"type": "video", "video": str(clip)}, {"type": "text", "text": "Describe the video."}]
+        assert page.answers() == [answer_of(chat, [{"role": "user", "content": parts}])]
+
+
+def test_a_clip_shown_as_a_copy_is_sent_to_the_model_as_itself(tmp_path):
+    import av
+
+    clip, h264 = tmp_path / "clip.mp4", tmp_path / "h264.mp4"
+    frames = [Image.new("RGB", (64, 48), colour) for colour in ("red", "green", "blue", "white")]
+    write_video(clip, frames, 2)
+    write_video(h264, frames, 2, codec="libx264")
+    turn = user_turn({"text": "Describe the video.", "files": [str(clip), str(h264)]})
+    shown = [part["path"] for part in turn["content"][:2]]
+    with av.open(shown[0]) as copy:
+        assert copy.streams.video[0].codec_context.name == "h264" and copy.streams.video[0].frames == 4
+    assert shown[1] == str(h264)  # (one browsers play is shown as it is)
+    assert [p["video"] for p in to_openai_messages([turn])[0]["content"][:2]] == [str(clip), str(h264)]
 
 
 @pytest.fixture(scope="module")
@@ -486,6 +560,8 @@ def test_a_thinking_models_reasoning_shows_in_a_block_above_the_answer(browser, 
         page.until(lambda: len(page.notes()) == 2 and not page.answering())
         (thinking, reasoning), (usage, _) = page.notes()
         assert (thinking, reasoning) == ("Thinking", raw.text.strip())
+        page.find("#chatbot .thought .title").click()  # (the reasoning unfolded)
+        screenshot(browser, "demo-thinking")
         assert page.answers() == []  # (cut short while thinking: no answer yet)
         assert f" · {len(raw.token_ids)} generated · " in usage
 

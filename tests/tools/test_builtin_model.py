@@ -17,7 +17,7 @@ from safetensors import safe_open
 from helpers import openai_client, running_server
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import OTHER_ANSWER, VIDEO_FPS, Motion, Scene, Shape, render, render_motion
-from vlm_serve.testing.media import write_video
+from vlm_serve.multimodal.video import write_video
 
 RED_CIRCLE = Scene([Shape("circle", "red", "large", 1, 1)], background_seed=3)
 THREE_SHAPES = Scene(

@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -485,3 +486,18 @@ class VideoProcessor:
             frames = torch.stack(pixels + [pixels[-1]] * (-len(pixels) % temporal))
             pixel_values = patchify_video(frames, self._normalizer, config.patch_size, config.merge_size, temporal)
         return MultimodalItem("video", pixel_values, grid, timestamps=group_timestamps(indices, video_fps, temporal))
+
+
+def write_video(
+    target: str | Path | io.BytesIO, frames: list[Image.Image], fps: int | Fraction, codec: str = "mpeg4"
+) -> None:
+    """`frames` (all one size) as an MP4 video at `fps`, into a file or a buffer: MPEG-4 Part 2 (what many
+    cameras and tools write, and browsers do not play), or `codec` (`libx264`: H.264, which they do; its
+    sizes cut to even ones)."""
+    width, height = frames[0].size
+    with av.open(target if isinstance(target, io.BytesIO) else str(target), "w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width // 2 * 2, height // 2 * 2, "yuv420p"
+        for image in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(image).reformat(stream.width, stream.height)))
+        container.mux(stream.encode())

@@ -7,9 +7,10 @@ import struct
 import zlib
 from pathlib import Path
 
-import av
 import numpy as np
 from PIL import Image
+
+from vlm_serve.multimodal.video import write_video
 
 
 def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
@@ -46,14 +47,3 @@ def make_video(path: str | Path, num_frames: int, fps: int, size: tuple[int, int
     width, height = size
     write_video(path, [make_image(width, height, seed=seed + i) for i in range(num_frames)], fps)
     return Path(path)
-
-
-def write_video(target: str | Path | io.BytesIO, frames: list[Image.Image], fps: int) -> None:
-    """`frames` (all one size) as an MPEG-4 video at `fps`, into a file or a buffer."""
-    width, height = frames[0].size
-    with av.open(target if isinstance(target, io.BytesIO) else str(target), "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for image in frames:
-            container.mux(stream.encode(av.VideoFrame.from_image(image)))
-        container.mux(stream.encode())

@@ -26,9 +26,9 @@ from typing import Any
 from hypothesis import strategies as st
 
 from vlm_serve.builtin.scenes import VIDEO_FPS, random_motion, random_scene, render, render_motion
+from vlm_serve.multimodal.video import write_video
 from vlm_serve.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 from vlm_serve.testing.lora_adapter import ADAPTER
-from vlm_serve.testing.media import write_video
 
 CHAT, COMPLETIONS, RESPONSES, GENERATE = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate"
 ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES, GENERATE)

@@ -42,7 +42,7 @@ from vlm_serve.builtin.scenes import (
     render,
 )
 from vlm_serve.multimodal.processor import MultimodalProcessor
-from vlm_serve.testing.media import write_video
+from vlm_serve.multimodal.video import write_video
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
 
