@@ -66,7 +66,7 @@ def to_openai_messages(history: Sequence[Mapping[str, Any]], message: Mapping[st
     # (notes the page shows, an answer's usage or its thinking, are not part of the conversation)
     turns = [(m["role"], _parts(m["content"])) for m in history if not (m.get("metadata") or {}).get("title")]
     if message is not None:
-        turns.append(("user", _parts(user_turn(message)["content"])))
+        turns += [("user", _parts(m["content"])) for m in user_turns(message)]
     messages: list[dict] = []
     for role, parts in turns:
         if role == "assistant":
@@ -83,13 +83,14 @@ def to_openai_messages(history: Sequence[Mapping[str, Any]], message: Mapping[st
     return messages
 
 
-def user_turn(message: Mapping[str, Any]) -> dict:
-    """A `MultimodalTextbox` value as one user message of the Chatbot: its files (a video the browser cannot
-    play as a copy it can, `playable`), then its text."""
-    content: list[dict] = [{"path": playable(_file_path(f))} for f in message.get("files") or []]
+def user_turns(message: Mapping[str, Any]) -> list[dict]:
+    """A `MultimodalTextbox` value as the Chatbot's user messages of one turn: a message per file (a video
+    the browser cannot play as a copy it can, `playable`), then one of its text (which the page can edit:
+    Gradio edits a message of text alone)."""
+    turns = [{"role": "user", "content": [{"path": playable(_file_path(f))}]} for f in message.get("files") or []]
     if message.get("text"):
-        content.append({"type": "text", "text": message["text"]})
-    return {"role": "user", "content": content}
+        turns.append({"role": "user", "content": [{"type": "text", "text": message["text"]}]})
+    return turns
 
 
 def latest_question(messages: list[dict]) -> list[dict]:
@@ -510,7 +511,14 @@ def build_demo(
             + (" " + SINGLE_TURN_NOTE if backend.single_turn else "")
         )
         chatbot = gr.Chatbot(
-            elem_id="chatbot", label="Conversation", scale=1, height=480, buttons=["copy"], examples=examples
+            elem_id="chatbot",
+            label="Conversation",
+            scale=1,
+            height=480,
+            buttons=["copy"],
+            examples=examples,
+            editable="user",
+            group_consecutive_messages=False,  # (Gradio edits no message of a group)
         )
         box = gr.MultimodalTextbox(
             elem_id="chat-input",
@@ -538,12 +546,16 @@ def build_demo(
         clear = gr.Button("Clear conversation", variant="secondary")
 
         controls = [max_tokens, temperature, top_p, top_k, repetition, seed, max_pixels, fps, max_frames]
-        # (Gradio hands the clicked example by this hint, which the module's postponed annotations leave a string)
+        # (Gradio hands an event's data by these hints, which the module's postponed annotations leave strings)
         _example_turn.__annotations__["selected"] = gr.SelectData
+        _retry_turn.__annotations__["retried"] = gr.RetryData
+        _edit_turn.__annotations__["edited"] = gr.EditData
         answers = []
-        for asked in (  # a message sent, or an example clicked
+        for asked in (  # a message sent, an example clicked, an answer asked again, a question edited
             box.submit(_add_user_turn, [chatbot, box], [chatbot, box], queue=False),
             chatbot.example_select(_example_turn, None, [chatbot, box], queue=False),
+            chatbot.retry(_retry_turn, chatbot, [chatbot, box], queue=False),
+            chatbot.edit(_edit_turn, chatbot, [chatbot, box], queue=False),
         ):
             answers.append(asked.then(stream_turn, [chatbot, *controls], chatbot, concurrency_limit=concurrency_limit))
             answers[-1].then(_unlock, None, box, queue=False)  # (also after a stop or a failure)
@@ -584,16 +596,41 @@ def _interrupt(signum: int, frame: Any) -> None:
 def _add_user_turn(history: list[dict], message: dict | None) -> tuple[list[dict], Any]:
     """Shows the new message in the chat at once; until the answer is done the textbox takes nothing and
     shows a stop button in place of its send button."""
-    import gradio as gr
-
     if message and (message.get("text") or message.get("files")):
-        history = [*history, user_turn(message)]
-    return history, gr.MultimodalTextbox(value=None, interactive=False, submit_btn=False, stop_btn=True)
+        history = [*history, *user_turns(message)]
+    return history, _locked()
 
 
 def _example_turn(selected: gr.SelectData) -> tuple[list[dict], Any]:
     """A clicked example as the conversation's first message (examples show in an empty one)."""
     return _add_user_turn([], selected.value)
+
+
+def _retry_turn(history: list[dict], retried: gr.RetryData) -> tuple[list[dict], Any]:
+    """The conversation up to the question asked again, its answer dropped."""
+    return _add_user_turn(history[: _index(retried.index) + 1], None)
+
+
+def _edit_turn(history: list[dict], edited: gr.EditData) -> tuple[list[dict], Any]:
+    """The conversation up to the edited question, which now says what the person wrote (its pictures and
+    videos, messages of their own before it, kept), its answer dropped."""
+    i = _index(edited.index)
+    text = edited.value if isinstance(edited.value, str) else _text_of(edited.value)
+    return [*history[:i], *user_turns({"text": text})], _locked()
+
+
+def _index(index: int | tuple[int, int]) -> int:
+    return index[0] if isinstance(index, tuple | list) else index
+
+
+def _text_of(content: Any) -> str:
+    return "".join(p["text"] for p in _parts(content) if p["type"] == "text")
+
+
+def _locked() -> Any:
+    import gradio as gr
+
+    return gr.MultimodalTextbox(value=None, interactive=False, submit_btn=False, stop_btn=True)
 
 
 def _unlock() -> Any:
@@ -619,7 +656,9 @@ def _responder(backend: ChatBackend):
         """`controls`: the sampling settings (`sampling_kwargs`), then the media ones (`with_media_settings`)."""
         if not history or history[-1]["role"] != "user":
             return  # an empty message was sent: nothing to answer
-        turn = len(history) - 1
+        turn = len(history)  # where the last turn's user messages (its files, its text) start
+        while turn and history[turn - 1]["role"] == "user":
+            turn -= 1
         try:
             messages = to_openai_messages(history)
             if backend.single_turn:

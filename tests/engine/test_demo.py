@@ -37,7 +37,7 @@ from vlm_serve.demo import (
     build_demo,
     latest_question,
     to_openai_messages,
-    user_turn,
+    user_turns,
     with_media_settings,
 )
 from vlm_serve.multimodal.video import write_video
@@ -156,7 +156,7 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, chat, imag
     from vlm_serve.demo import _responder
 
     respond = _responder(chat)
-    history = [user_turn({"text": PROMPT, "files": [str(image)]})]
+    history = user_turns({"text": PROMPT, "files": [str(image)]})
     updates = list(respond(history, *CONTROLS))
     *streamed, last = updates
     answers = [h[-1]["content"][0]["text"] for h in streamed]
@@ -172,7 +172,7 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, chat, imag
 
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a PNG")
-    history = [*updates[-1], user_turn({"text": "And this one?", "files": [str(broken)]})]
+    history = [*updates[-1], *user_turns({"text": "And this one?", "files": [str(broken)]})]
     with pytest.warns(UserWarning, match="The message was not sent"):  # gr.Warning outside a page
         assert list(respond(history, *CONTROLS)) == [updates[-1]]  # the rejected turn is taken back
     chat.close()
@@ -188,7 +188,7 @@ def test_an_oversized_picture_is_refused_with_its_size_the_limit_and_the_flag(en
     respond = _responder(chat)
     message = r"image is 20000 x 20000 = 400000000 pixels, more than the limit of 89478485 \(--max-image-pixels\)"
     with pytest.warns(UserWarning, match=message):
-        assert list(respond([user_turn({"text": PROMPT, "files": [str(huge)]})], *CONTROLS)) == [[]]
+        assert list(respond(user_turns({"text": PROMPT, "files": [str(huge)]}), *CONTROLS)) == [[]]
     chat.close()
     engine.scheduler.check_memory()
 
@@ -231,7 +231,7 @@ def test_a_picture_attached_in_a_later_turn_gets_an_answer_about_that_picture(ch
         ({"text": "Describe this image.", "files": [str(star)]}, "A large blue star at the top right."),
         ({"text": "How many shapes are there?"}, "There is one shape."),  # about the star, the latest picture
     ]:
-        history = list(respond([*history, user_turn(message)], *CONTROLS))[-1]
+        history = list(respond([*history, *user_turns(message)], *CONTROLS))[-1]
         assert history[-2]["content"][0]["text"] == answer  # (then the usage note)
 
 
@@ -241,9 +241,9 @@ def test_other_models_are_sent_the_whole_conversation(tiny_moe_dir):
 
     backend = RecordingChat(tiny_moe_dir)
     history = [
-        user_turn({"text": "What is this?", "files": ["/up/a.png"]}),
+        *user_turns({"text": "What is this?", "files": ["/up/a.png"]}),
         {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
-        user_turn({"text": "And this?", "files": ["/up/b.png"]}),
+        *user_turns({"text": "And this?", "files": ["/up/b.png"]}),
     ]
     list(_responder(backend)(history, *CONTROLS))
     assert backend.sent == [to_openai_messages(history)] and len(backend.sent[0]) == 3
@@ -308,10 +308,11 @@ class Page:
         return self.wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, css)))
 
     def ask(self, text: str, *files: Path, send: bool = True) -> None:
-        for file in files:
+        from selenium.webdriver.common.by import By
+
+        for i, file in enumerate(files):
             self.find("#chat-input input[type=file]").send_keys(str(file))
-        if files:
-            self.find("#chat-input .thumbnail-item")  # (uploaded)
+            self.until(lambda i=i: len(self.driver.find_elements(By.CSS_SELECTOR, "#chat-input .thumbnail-item")) > i)
         self.find("#chat-input textarea").send_keys(text)
         if send:
             self.send()
@@ -402,7 +403,7 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, ch
         ((title, inside),) = page.notes()
         assert title == usage_line(chat, _conversation(image), title)
         assert inside.startswith("picture 1: ")
-        page.find("#chatbot .thought .title").click()  # (the note unfolded: the picture's stages)
+        page.find("#chatbot [data-testid=bot] .title").click()  # (the note unfolded: the picture's stages)
         screenshot(browser, "demo-answer-and-usage")
 
         # A file that is no image: a warning, and the turn is taken back; the conversation goes on.
@@ -474,22 +475,26 @@ def test_an_example_clicked_is_asked_and_answered_as_the_model_answers_it(browse
 
 
 @page_test
-def test_a_clip_browsers_do_not_play_is_shown_as_one_they_do_and_the_model_reads_the_clip_itself(
-    browser, chat, tmp_path
+def test_a_picture_and_a_clip_browsers_do_not_play_in_one_turn_are_shown_and_read_as_sent(
+    browser, chat, image, tmp_path
 ):
-    """(MPEG-4 Part 2, as the README's clip and many cameras' are: a grey box in the page as it was.)"""
+    """(A clip in MPEG-4 Part 2, as the README's and many cameras' are, was a grey box in the page: it is
+    shown as a copy browsers play, and the model reads the clip itself.)"""
     from vlm_serve.builtin.scenes import VIDEO_FPS, random_motion, render_motion
 
     clip = tmp_path / "clip.mp4"
     write_video(clip, render_motion(random_motion(random.Random(5))), VIDEO_FPS)  # (MPEG-4 Part 2)
+    question = "Describe the video."
     with served(chat) as url:
         page = Page(browser, url)
-        page.ask("Describe the video.", clip)
+        page.ask(question, image, clip)
+        page.find("#chatbot [data-testid=user] img")
         video = page.find("#chatbot [data-testid=user] video")
         page.until(lambda: browser.execute_script("return arguments[0].videoWidth", video) > 0)  # (it plays)
         page.until(lambda: any(page.answers()) and not page.answering())
-        parts = [{"type": "video", "video": str(clip)}, {"type": "text", "text": "Describe the video."}]
-        assert page.answers() == [answer_of(chat, [{"role": "user", "content": parts}])]
+        parts = [{"type": "image", "image": str(image)}, {"type": "video", "video": str(clip)}]
+        conversation = [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+        assert page.answers() == [answer_of(chat, conversation)]
 
 
 def test_a_clip_shown_as_a_copy_is_sent_to_the_model_as_itself(tmp_path):
@@ -499,12 +504,39 @@ def test_a_clip_shown_as_a_copy_is_sent_to_the_model_as_itself(tmp_path):
     frames = [Image.new("RGB", (64, 48), colour) for colour in ("red", "green", "blue", "white")]
     write_video(clip, frames, 2)
     write_video(h264, frames, 2, codec="libx264")
-    turn = user_turn({"text": "Describe the video.", "files": [str(clip), str(h264)]})
-    shown = [part["path"] for part in turn["content"][:2]]
+    turn = user_turns({"text": "Describe the video.", "files": [str(clip), str(h264)]})
+    shown = [message["content"][0]["path"] for message in turn[:2]]
     with av.open(shown[0]) as copy:
         assert copy.streams.video[0].codec_context.name == "h264" and copy.streams.video[0].frames == 4
     assert shown[1] == str(h264)  # (one browsers play is shown as it is)
-    assert [p["video"] for p in to_openai_messages([turn])[0]["content"][:2]] == [str(clip), str(h264)]
+    assert [p["video"] for p in to_openai_messages(turn)[0]["content"][:2]] == [str(clip), str(h264)]
+
+
+@page_test
+def test_an_answer_asked_again_and_a_question_edited_are_answered_anew(browser, engine, chat, image):
+    from selenium.webdriver.common.by import By
+
+    question = "How many shapes are there?"
+    edited = [{"role": "user", "content": [{"type": "image", "image": str(image)}, {"type": "text", "text": question}]}]
+    expected = answer_of(chat, edited)
+    with served(chat) as url:
+        page = Page(browser, url)
+        page.ask(PROMPT, image)
+        page.until(lambda: page.answers() == [ANSWER] and not page.answering())
+        finished = engine.scheduler.metrics.num_finished
+        page.find("#chatbot button[aria-label=Retry]").click()
+        page.until(lambda: engine.scheduler.metrics.num_finished > finished and not page.answering())
+        assert page.answers() == [ANSWER]  # (greedy: the same answer, in place of the first)
+        page.find("#chatbot button[aria-label=Edit]")
+        browser.find_elements(By.CSS_SELECTOR, "#chatbot button[aria-label=Edit]")[-1].click()  # (its text's)
+        area = page.find("#chatbot textarea.edit-textarea")
+        area.clear()
+        area.send_keys(question)
+        page.find("#chatbot button[aria-label=Submit]").click()
+        page.until(lambda: page.answers() == [expected] and not page.answering())
+        page.find("#chatbot [data-testid=user] img")  # (the question keeps its picture)
+    chat.close()
+    engine.scheduler.check_memory()
 
 
 @pytest.fixture(scope="module")
@@ -536,7 +568,7 @@ def test_reasoning_is_a_note_open_while_the_model_thinks_and_folded_above_the_an
         def stream(self, messages, **sampling):
             yield from (Thought("A pink "), Thought("circle."), "The circle ", "is pink.", AnswerUsage(9, 6, 0))
 
-    history = [user_turn({"text": PROMPT})]
+    history = user_turns({"text": PROMPT})
     *streaming, last = list(_responder(Thinker(tiny_moe_dir))(history, *CONTROLS))
     states = [[(m.get("metadata") or {}).get("status") for m in h[1:]] for h in streaming]
     assert states == [["pending"], ["pending"], ["done", None], ["done", None]]
@@ -560,7 +592,7 @@ def test_a_thinking_models_reasoning_shows_in_a_block_above_the_answer(browser, 
         page.until(lambda: len(page.notes()) == 2 and not page.answering())
         (thinking, reasoning), (usage, _) = page.notes()
         assert (thinking, reasoning) == ("Thinking", raw.text.strip())
-        page.find("#chatbot .thought .title").click()  # (the reasoning unfolded)
+        page.find("#chatbot [data-testid=bot] .title").click()  # (the reasoning unfolded)
         screenshot(browser, "demo-thinking")
         assert page.answers() == []  # (cut short while thinking: no answer yet)
         assert f" · {len(raw.token_ids)} generated · " in usage
@@ -583,11 +615,11 @@ def test_the_page_in_front_of_a_server_answers_as_the_page_on_the_engine(browser
     try:
         assert remote.single_turn and remote.model_name == chat.model_name
         for star in (False, True):  # a picture, then a follow-up question about it
-            history = [user_turn({"text": PROMPT, "files": [str(image)]})]
+            history = user_turns({"text": PROMPT, "files": [str(image)]})
             if star:
                 history += [
                     {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]},
-                    user_turn({"text": "How many shapes are there?"}),
+                    *user_turns({"text": "How many shapes are there?"}),
                 ]
             ours, theirs = (list(_responder(b)(history, *CONTROLS))[-1] for b in (chat, remote))
             assert ours[:-1] == theirs[:-1]  # (and the usage notes, but for caches, timings and stages:)
@@ -615,7 +647,7 @@ def test_pictures_and_videos_get_the_pages_settings_and_more_pixels_make_more_to
     pytest.importorskip("gradio")
     from vlm_serve.demo import AnswerUsage, _responder
 
-    history = [user_turn({"text": "Compare.", "files": ["/up/a.png", "/up/clip.mp4"]})]
+    history = user_turns({"text": "Compare.", "files": ["/up/a.png", "/up/clip.mp4"]})
     backend = RecordingChat(tiny_moe_dir)
     list(_responder(backend)(history, *CONTROLS[:6], 50176, 2.0, 8))
     assert backend.sent[0][0]["content"][:2] == [
