@@ -50,7 +50,7 @@ def add_lora(
     lib = kernel()
     if lib is None:
         raise RuntimeError("the lora_cpu kernel is not built here (see the warning logged on loading it)")
-    rows, inp, out, rank = _check(x, y, A, B, rank)
+    rows, inp, out, rank = check_operands(x, y, A, B, rank, "cpu")
     if not segments or rank == 0:
         return
     if x.stride(-1) != 1:
@@ -91,16 +91,19 @@ def _table(segments: Sequence[tuple[int, int, int]]) -> torch.Tensor:
     return table
 
 
-def _check(
-    x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, rank: int | None
+def check_operands(
+    x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, rank: int | None, device_type: str
 ) -> tuple[int, int, int, int]:
-    """(rows, in, out, rank), or ValueError where the tensors do not fit together."""
+    """(rows, in, out, rank) of a segmented product's operands (this kernel's, or lora_triton's on
+    `device_type` "cuda"), or ValueError where they do not fit together."""
     if x.dtype not in DTYPES or y.dtype != x.dtype or A.dtype != torch.float32 or B.dtype != torch.float32:
         raise ValueError(
             f"x and y float32 or bfloat16 alike, A and B float32: not {x.dtype, y.dtype, A.dtype, B.dtype}"
         )
-    if not (x.is_cpu and y.is_cpu and A.is_cpu and B.is_cpu):
-        raise ValueError("lora_cpu computes CPU tensors")
+    if x.device.type != device_type or not x.device == y.device == A.device == B.device:
+        raise ValueError(
+            f"the LoRA kernel computes tensors on one {device_type} device: not {x.device, y.device, A.device, B.device}"
+        )
     if x.dim() != 2 or y.dim() != 2 or A.dim() != 3 or B.dim() != 3:
         raise ValueError("x and y: (rows, in) and (rows, out); A and B: (slots, R, in) and (slots, out, R)")
     (rows, inp), (slots, ranks, a_in), (b_slots, out, b_ranks) = x.shape, A.shape, B.shape

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from vlm_serve.llm.kernels.lora_cpu import check_operands
+
 try:
     import triton
     import triton.language as tl
@@ -119,7 +121,7 @@ def add_lora(
     in) and B (slots, out, R), float32; `rank`: the leading ranks of R used (all of them if None)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    rows, inp, out, rank = _check(x, y, A, B, rank)
+    rows, inp, out, rank = check_operands(x, y, A, B, rank, "cuda")
     if rank == 0:
         return
     longest = _check_segments(segments, rows, A.shape[0])
@@ -144,34 +146,6 @@ def add_lora(
     )
     if target is not y:
         y.copy_(target)
-
-
-def _check(
-    x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, rank: int | None
-) -> tuple[int, int, int, int]:
-    """(rows, in, out, rank), or ValueError where the tensors do not fit together."""
-    if (
-        x.dtype not in (torch.float32, torch.bfloat16)
-        or y.dtype != x.dtype
-        or A.dtype != torch.float32
-        or B.dtype != torch.float32
-    ):
-        raise ValueError(
-            f"x and y float32 or bfloat16 alike, A and B float32: not {x.dtype, y.dtype, A.dtype, B.dtype}"
-        )
-    if x.device.type != "cuda" or not x.device == y.device == A.device == B.device:
-        raise ValueError(
-            f"lora_triton computes tensors on one CUDA device: not {x.device, y.device, A.device, B.device}"
-        )
-    if x.dim() != 2 or y.dim() != 2 or A.dim() != 3 or B.dim() != 3:
-        raise ValueError("x and y: (rows, in) and (rows, out); A and B: (slots, R, in) and (slots, out, R)")
-    (rows, inp), (slots, ranks, a_in), (b_slots, out, b_ranks) = x.shape, A.shape, B.shape
-    if y.shape != (rows, out) or a_in != inp or b_slots != slots or b_ranks != ranks:
-        raise ValueError(f"shapes x {tuple(x.shape)}, y {tuple(y.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}")
-    rank = ranks if rank is None else rank
-    if not 0 <= rank <= ranks:
-        raise ValueError(f"rank {rank} of A and B's {ranks}")
-    return rows, inp, out, rank
 
 
 def _check_segments(segments: Sequence[tuple[int, int, int]], rows: int, slots: int) -> int:
