@@ -106,7 +106,7 @@ class HiRadixCache(RadixCache):
             node = node.parent
         parent_key = self._chain_root(chain[-1].key[0]) if node is self.root else node.hash_value[-1]
         for n in reversed(chain):
-            n.hash_value = page_keys(parent_key, [t & TOKEN_BITS for t in n.key], self.page_size)
+            n.hash_value = page_keys(parent_key, _token_ids(n.key), self.page_size)
             parent_key = n.hash_value[-1]
         return (chain[0] if chain else node).hash_value
 
@@ -128,7 +128,7 @@ class HiRadixCache(RadixCache):
         parent_key = self._page_keys(path[-1])[-1] if path else self._chain_root(key[0])
         if parent_key is None:
             return None
-        tokens = [t & TOKEN_BITS for t in key[start:]]
+        tokens = _token_ids(key[start:])
         return self.controller.storage.prefetch(page_keys(parent_key, tokens, self.page_size)), start
 
     def take_prefetched(self, key: list[int], start: int, op: PrefetchOperation, num_pages: int) -> int:
@@ -304,3 +304,8 @@ class HiRadixCache(RadixCache):
             stats.storage_failures = {"corrupt": io.backend.corrupt, "errors": io.failures}
             stats.storage_failures["dropped_writes"] = io.dropped_writes
         return stats
+
+
+def _token_ids(key: list[int]) -> list[int]:
+    """A cache key's token ids (an adapter's moved back into the base's range; the base's as they are)."""
+    return key if not key or key[0] <= TOKEN_BITS else [t & TOKEN_BITS for t in key]
