@@ -88,6 +88,12 @@ def test_model_info_names_the_model_and_its_local_folder(server: ServerProcess, 
     assert httpx.get(server.url + "/get_model_info").json() == info  # SGLang's older name
 
 
+def test_model_info_says_how_large_a_media_file_may_be(server: ServerProcess) -> None:
+    """(Ours: the demo's page in front of the server takes uploads up to it.)"""
+    info = httpx.get(server.url + "/model_info").json()
+    assert info["max_media_mb"] == httpx.get(server.url + "/server_info").json()["max_media_mb"] == 64  # (the default)
+
+
 def test_server_info_reports_settings_and_limits_in_sglang_names(server: ServerProcess, tiny_moe_dir: Path) -> None:
     info = httpx.get(server.url + "/server_info").json()
     assert info["model_path"] == str(tiny_moe_dir.resolve())

@@ -424,6 +424,7 @@ def _model_info(tm: TokenizerManager, serving: OpenAIServing) -> dict[str, Any]:
         "preferred_sampling_params": None,
         "weight_version": "default",
         "single_turn": single_turn_only(Path(path)),  # (ours: a model trained on single questions only)
+        "max_media_mb": tm.server_args.max_media_mb,  # (ours: the largest media file a request may bring)
     }
 
 
