@@ -2,9 +2,10 @@
 
 The page talks to a `ChatBackend`: the in-process `Engine` stepped by a thread of its own (`LocalChat`), whose
 scheduler batches every session's answers together, or a running `vlm-serve serve` (or a router over many)
-through its OpenAI API (`RemoteChat`). `run_demo(backend)` serves the page; `build_demo(backend)` returns
-the `gr.Blocks` without launching. A model trained on single questions only (the built-in one) is sent each
-question alone (`latest_question`). Gradio is imported on first use, so importing this module stays cheap.
+through its OpenAI API (`RemoteChat`). `run_demo(backend)` serves the page until stopped, `launch_demo` serves
+it and returns, `build_demo(backend)` returns the `gr.Blocks` without launching. A model trained on single
+questions only (the built-in one) is sent each question alone (`latest_question`). Gradio is imported on first
+use, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vlm_serve.checkpoint import single_turn_only
+from vlm_serve.config import MediaLimitSettings
 
 if TYPE_CHECKING:
     import gradio as gr
@@ -112,14 +114,13 @@ def _media(content: list[dict]) -> list[dict]:
 
 def _parts(content: Any) -> list[dict]:
     """One chat message's content (a string, a content item or a list of them) as OpenAI parts."""
-    items = content if isinstance(content, list) else [content]
     parts: list[dict] = []
-    for item in items:
+    for item in _items(content):
         if isinstance(item, str):
             text = item
         elif isinstance(item, Mapping) and item.get("type") == "text":
             text = item["text"]
-        elif isinstance(item, Mapping) and ("file" in item or "path" in item):
+        elif _is_file(item):
             info = item.get("file") or item
             path = _file_path(info)
             kind = _media_kind(path, info.get("mime_type"))
@@ -130,6 +131,14 @@ def _parts(content: Any) -> list[dict]:
         if text:
             parts.append({"type": "text", "text": text})
     return parts
+
+
+def _items(content: Any) -> list:
+    return content if isinstance(content, list) else [content]
+
+
+def _is_file(item: Any) -> bool:
+    return isinstance(item, Mapping) and ("file" in item or "path" in item)
 
 
 def _file_path(f: Any) -> str:
@@ -268,6 +277,7 @@ class ChatBackend(Protocol):
     model_name: str
     default_sampling: dict[str, Any]  # the checkpoint's generation defaults, OpenAI-named (may be empty)
     single_turn: bool  # the model knows single questions only (`latest_question`)
+    max_media_mb: int  # the largest picture or video file it takes (the server's --max-media-mb)
 
     def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | Thought | AnswerUsage]: ...
 
@@ -287,6 +297,7 @@ class LocalChat:
         self.thread: EngineThread = EngineThread(engine)
         self.model_name, self.default_sampling = engine.model_name, engine.default_sampling
         self.single_turn = single_turn_only(Path(engine.server_args.model))
+        self.max_media_mb = engine.server_args.max_media_mb
 
     def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | Thought | AnswerUsage]:
         from vlm_serve.server.reasoning_parser import REASONING_PARSERS
@@ -336,6 +347,7 @@ class RemoteChat:
         self.model_name = models[0]["id"]
         self.default_sampling: dict[str, Any] = {}
         self.single_turn = bool(info.get("single_turn"))
+        self.max_media_mb = int(info.get("max_media_mb", MediaLimitSettings.max_media_mb))  # (unsaid: the default)
 
     def _get(self, path: str) -> dict:
         response = self.client.get(path)
@@ -427,25 +439,77 @@ def sampling_kwargs(
     }
 
 
-def with_media_settings(
-    messages: list[dict], max_pixels: float | None, fps: float | None, max_frames: float | None
-) -> list[dict]:
-    """`messages` with the page's picture and video settings on each of their images and videos (empty
-    fields: the model's defaults): `max_pixels` per picture, a video's sampling `fps` and `max_frames`."""
-    settings = {
-        "image": {"max_pixels": max_pixels},
-        "video": {"fps": fps, "max_frames": max_frames},
-    }
+@dataclass(frozen=True)
+class MediaOptions:
+    """The page's "Pictures and videos" settings a file was sent with (None: the model's default):
+    `max_pixels` per picture, a video's sampling `fps` and `max_frames`."""
+
+    max_pixels: int | None = None
+    fps: float | None = None
+    max_frames: int | None = None
+
+    @classmethod
+    def of_page(cls, max_pixels: float | None, fps: float | None, max_frames: float | None) -> MediaOptions:
+        """The page's fields as Gradio gives them (numbers as floats; empty or 0: the default)."""
+        return cls(
+            int(max_pixels) if max_pixels else None,
+            float(fps) if fps else None,
+            int(max_frames) if max_frames else None,
+        )
+
+    def of(self, kind: str) -> dict[str, int | float]:
+        """Those given that apply to a file of `kind` (image | video), as the file's content part carries them."""
+        names = ("max_pixels",) if kind == "image" else ("fps", "max_frames")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+def media_options_of_turns(
+    history: Sequence[Mapping[str, Any]],
+    sent: Sequence[MediaOptions],
+    max_pixels: float | None,
+    fps: float | None,
+    max_frames: float | None,
+) -> list[MediaOptions]:
+    """The options of each file of the conversation `history`, in order: its earlier turns' files keep those
+    they were sent with (`sent`: what this gave for an earlier turn), the last turn's (new, or asked again or
+    edited) take the page's fields.
+    (An earlier picture processed anew with other settings would be other tokens: a different conversation,
+    which the prefix cache no longer matches.)"""
+    turn = _turn_start(history)
+    earlier = _file_count(history[:turn])
+    now = MediaOptions.of_page(max_pixels, fps, max_frames)
+    return [*sent[:earlier], *[now] * (_file_count(history) - earlier)]
+
+
+def with_media_settings(messages: list[dict], options: Sequence[MediaOptions]) -> list[dict]:
+    """`messages` with each of their images and videos given its options, in order (`options[i]` the i-th's;
+    those past its end: the model's defaults)."""
+    remaining = iter(options)
     out = []
     for m in messages:
         if isinstance(m["content"], list):
-            m = {**m, "content": [p | _given(settings.get(p["type"], {})) for p in m["content"]]}
+            m = {**m, "content": [_with_options(p, remaining) for p in m["content"]]}
         out.append(m)
     return out
 
 
-def _given(settings: dict[str, float | None]) -> dict[str, float | int]:
-    return {k: (int(v) if k != "fps" else float(v)) for k, v in settings.items() if v}
+def _with_options(part: dict, remaining: Iterator[MediaOptions]) -> dict:
+    if part["type"] == "text":
+        return part
+    return part | next(remaining, MediaOptions()).of(part["type"])
+
+
+def _turn_start(history: Sequence[Mapping[str, Any]]) -> int:
+    """Where the last turn's user messages (its files, its text) start in `history`."""
+    turn = len(history)
+    while turn and history[turn - 1]["role"] == "user":
+        turn -= 1
+    return turn
+
+
+def _file_count(history: Sequence[Mapping[str, Any]]) -> int:
+    """How many files the user messages of `history` hold (those `to_openai_messages` sends, in order)."""
+    return sum(_is_file(item) for m in history if m["role"] == "user" for item in _items(m["content"]))
 
 
 # ---- examples ----------------------------------------------------------------------------------------
@@ -507,7 +571,8 @@ def build_demo(
     with gr.Blocks(title="vlm-serve", fill_height=True, analytics_enabled=False) as demo:
         gr.Markdown(
             f"## vlm-serve: {html.escape(backend.model_name)}\n"
-            "Chat with the model; attach images or short videos with the paperclip."
+            "Chat with the model; attach images or short videos (up to "
+            f"{backend.max_media_mb} MB each) with the paperclip, drop them on the box or paste a picture."
             + (" " + SINGLE_TURN_NOTE if backend.single_turn else "")
         )
         chatbot = gr.Chatbot(
@@ -524,7 +589,8 @@ def build_demo(
             elem_id="chat-input",
             file_types=["image", "video"],
             file_count="multiple",
-            sources=["upload"],
+            sources=["upload"],  # (the paperclip, and files dropped on the box or pictures pasted in it)
+            max_plain_text_length=1 << 20,  # (past it Gradio makes pasted text a .txt file, which is refused)
             placeholder="Type a message, attach images or videos, press Enter",
             show_label=False,
             stop_btn=False,
@@ -539,13 +605,19 @@ def build_demo(
                 repetition = gr.Slider(0.5, 2, init["repetition_penalty"], step=0.01, label="Repetition penalty")
                 seed = gr.Number(init["seed"], precision=0, label="Seed (empty = random)")
         with gr.Accordion("Pictures and videos", open=False):
-            with gr.Row():  # (empty: the model's own defaults; the server's limits still hold)
-                max_pixels = gr.Number(None, precision=0, minimum=1, label="Max pixels per picture (empty = default)")
-                fps = gr.Number(None, minimum=0.1, label="Video frames per second (empty = default)")
-                max_frames = gr.Number(None, precision=0, minimum=2, label="Max video frames (empty = default)")
+            gr.Markdown("For the next message's pictures and videos (those sent before keep the settings they had).")
+            # (empty, or the 0 Gradio makes of a field a person empties: the model's defaults, hence no `minimum`,
+            # which would refuse that 0; the server's limits still hold, and the warning names a value it refuses)
+            with gr.Row():
+                max_pixels = gr.Number(
+                    None, precision=0, label="Max pixels per picture (empty = default)", elem_id="max-pixels"
+                )
+                fps = gr.Number(None, label="Video frames per second (empty = default)")
+                max_frames = gr.Number(None, precision=0, label="Max video frames (empty = default)")
         clear = gr.Button("Clear conversation", variant="secondary")
+        sent = gr.State([])  # the options the conversation's files were sent with (`media_options_of_turns`)
 
-        controls = [max_tokens, temperature, top_p, top_k, repetition, seed, max_pixels, fps, max_frames]
+        sampling = [max_tokens, temperature, top_p, top_k, repetition, seed]
         # (Gradio hands an event's data by these hints, which the module's postponed annotations leave strings)
         _example_turn.__annotations__["selected"] = gr.SelectData
         _retry_turn.__annotations__["retried"] = gr.RetryData
@@ -557,7 +629,12 @@ def build_demo(
             chatbot.retry(_retry_turn, chatbot, [chatbot, box], queue=False),
             chatbot.edit(_edit_turn, chatbot, [chatbot, box], queue=False),
         ):
-            answers.append(asked.then(stream_turn, [chatbot, *controls], chatbot, concurrency_limit=concurrency_limit))
+            options = asked.then(
+                media_options_of_turns, [chatbot, sent, max_pixels, fps, max_frames], sent, queue=False
+            )
+            answers.append(
+                options.then(stream_turn, [chatbot, sent, *sampling], chatbot, concurrency_limit=concurrency_limit)
+            )
             answers[-1].then(_unlock, None, box, queue=False)  # (also after a stop or a failure)
         box.stop(None, None, None, cancels=answers, queue=False)
         clear.click(_reset, None, [chatbot, box], cancels=answers, queue=False)
@@ -565,22 +642,34 @@ def build_demo(
     return demo.queue(default_concurrency_limit=concurrency_limit)
 
 
+def launch_demo(
+    backend: ChatBackend,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    settings: Mapping[str, Any] | None = None,
+    concurrency_limit: int = CONCURRENCY_LIMIT,
+) -> gr.Blocks:
+    """`build_demo`'s page served on http://host:port by threads of Gradio's (no public share link), taking
+    uploads up to the backend's `max_media_mb` (Gradio refuses a larger file, naming the limit)."""
+    demo = build_demo(backend, settings, concurrency_limit)
+    demo.launch(
+        server_name=host,
+        server_port=port,
+        show_error=True,
+        max_file_size=backend.max_media_mb << 20,  # (MiB, as the server counts them)
+        quiet=True,  # (Gradio's own lines suggest public share links)
+        prevent_thread_lock=True,
+        share=False,
+    )
+    return demo
+
+
 def run_demo(
     backend: ChatBackend, host: str = "127.0.0.1", port: int = 7860, concurrency_limit: int = CONCURRENCY_LIMIT
 ) -> None:
     """Serves the page on http://host:port until Ctrl-C or SIGTERM (no public share link)."""
     signal.signal(signal.SIGTERM, _interrupt)  # Gradio stops on KeyboardInterrupt only
-    demo = build_demo(backend, concurrency_limit=concurrency_limit)
-    # quiet: Gradio's own lines (which suggest public share links) are replaced by this one
-    demo.launch(
-        server_name=host,
-        server_port=port,
-        show_error=True,
-        max_file_size="200mb",
-        quiet=True,
-        prevent_thread_lock=True,
-        share=False,
-    )
+    demo = launch_demo(backend, host, port, concurrency_limit=concurrency_limit)
     try:  # (not Gradio's block_thread, which prints a line of its own when stopped)
         # a Ctrl-C sent the moment this line is read lands in this try
         print(f"vlm-serve: demo of {backend.model_name} on http://{host}:{port}", flush=True)
@@ -652,19 +741,17 @@ def _responder(backend: ChatBackend):
     Gradio closes the generator when the answer is stopped, which stops it on the engine too."""
     import gradio as gr
 
-    def stream_turn(history: list[dict], *controls: Any) -> Iterator[list[dict]]:
-        """`controls`: the sampling settings (`sampling_kwargs`), then the media ones (`with_media_settings`)."""
+    def stream_turn(history: list[dict], sent: Sequence[MediaOptions], *controls: Any) -> Iterator[list[dict]]:
+        """`sent`: the options of the history's files (`media_options_of_turns`); `controls`: the sampling
+        settings (`sampling_kwargs`)."""
         if not history or history[-1]["role"] != "user":
             return  # an empty message was sent: nothing to answer
-        turn = len(history)  # where the last turn's user messages (its files, its text) start
-        while turn and history[turn - 1]["role"] == "user":
-            turn -= 1
+        turn = _turn_start(history)
         try:
-            messages = to_openai_messages(history)
+            messages = with_media_settings(to_openai_messages(history), sent)
             if backend.single_turn:
                 messages = latest_question(messages)
-            messages = with_media_settings(messages, *controls[6:])
-            sampling = sampling_kwargs(*controls[:6])
+            sampling = sampling_kwargs(*controls)
             answer, reasoning, started, first_token = "", "", time.perf_counter(), None
             for piece in backend.stream(messages, **sampling):
                 if isinstance(piece, AnswerUsage):

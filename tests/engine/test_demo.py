@@ -2,13 +2,18 @@
 sent, and the page itself driven by headless Chromium (upload a picture drawn as a person draws one, off
 the built-in model's grid: a pink circle up and to the right on white; ask its colour: the streamed answer
 is the built-in model's, "pink"): two people asking at once are answered in one batch, a stopped answer
-ends on the engine, and the page in front of a `vlm-serve serve` answers as the one on the engine."""
+ends on the engine, and the page in front of a `vlm-serve serve` answers as the one on the engine. A file
+larger than the server takes is refused naming the limit; pictures pasted or dropped in the box are sent;
+each turn's pictures and videos keep the settings they were sent with."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
+import mimetypes
 import os
 import random
 import re
@@ -34,8 +39,11 @@ from vlm_serve.checkpoint import single_turn_only
 from vlm_serve.demo import (
     SINGLE_TURN_NOTE,
     LocalChat,
+    MediaOptions,
     build_demo,
     latest_question,
+    launch_demo,
+    media_options_of_turns,
     to_openai_messages,
     user_turns,
     with_media_settings,
@@ -48,8 +56,10 @@ PROMPT = "what colour is the circle?"
 ANSWER = "The circle is pink."  # the built-in model's
 BOT = "#chatbot [data-testid=bot]"  # an assistant bubble of the page
 GREEDY = {"temperature": 0, "max_tokens": 12}
-# the page's controls: sampling (top_k 0 = off, no seed), then pictures' and videos' settings (the defaults)
-CONTROLS = (GREEDY["max_tokens"], GREEDY["temperature"], 1.0, 0, 1.0, None, None, None, None)
+# the page's sampling controls (top_k 0 = off, no seed)
+SAMPLING = (GREEDY["max_tokens"], GREEDY["temperature"], 1.0, 0, 1.0, None)
+# what the page's handler is given: the options its files were sent with (none: the defaults), then sampling
+CONTROLS = ((), *SAMPLING)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +116,7 @@ class RecordingChat:
     model_dir: Path
     model_name: str = "recording"
     default_sampling: dict = field(default_factory=dict)
+    max_media_mb: int = 64
     sent: list[list[dict]] = field(default_factory=list)
 
     @property
@@ -287,6 +298,19 @@ def page_test(test):
     return test
 
 
+# dispatches a paste or drop event on the page's textbox: arguments event, text, then a file's name, type, base64
+HAND_JS = """
+const [event, text, name, type, base64] = arguments;
+const data = new DataTransfer();
+if (name) data.items.add(new File([Uint8Array.from(atob(base64), c => c.charCodeAt(0))], name, {type}));
+if (text) data.setData("text/plain", text);
+const init = {bubbles: true, cancelable: true};
+document.querySelector("#chat-input textarea").dispatchEvent(
+    event === "paste" ? new ClipboardEvent("paste", {...init, clipboardData: data})
+                      : new DragEvent("drop", {...init, dataTransfer: data}));
+"""
+
+
 class Page:
     """The demo page in one browser tab: ask, wait for the answer, read it."""
 
@@ -308,17 +332,36 @@ class Page:
         return self.wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, css)))
 
     def ask(self, text: str, *files: Path, send: bool = True) -> None:
-        from selenium.webdriver.common.by import By
-
         for i, file in enumerate(files):
             self.find("#chat-input input[type=file]").send_keys(str(file))
-            self.until(lambda i=i: len(self.driver.find_elements(By.CSS_SELECTOR, "#chat-input .thumbnail-item")) > i)
+            self.until(lambda i=i: self.attached() > i)
         self.find("#chat-input textarea").send_keys(text)
         if send:
             self.send()
 
     def send(self) -> None:
         self.find("#chat-input button.submit-button").click()
+
+    def attached(self) -> int:
+        """How many files the textbox holds (shown as thumbnails)."""
+        from selenium.webdriver.common.by import By
+
+        return len(self.driver.find_elements(By.CSS_SELECTOR, "#chat-input .thumbnail-item"))
+
+    def hand(self, event: str, file: Path | None = None, text: str = "") -> None:
+        """Pastes (`event` "paste") or drops ("drop") in the textbox what a browser hands its page then: a
+        DataTransfer holding `file`, or `text`."""
+        content = (
+            (file.name, mimetypes.guess_type(file)[0], base64.b64encode(file.read_bytes()).decode()) if file else ()
+        )
+        self.find("#chat-input textarea")
+        self.driver.execute_script(HAND_JS, event, text, *content)
+
+    def page_text(self) -> str:
+        from selenium.webdriver.common.by import By
+
+        self.driver.switch_to.window(self.handle)
+        return self.driver.find_element(By.TAG_NAME, "body").text
 
     def answers(self) -> list[str]:
         """The answers' raw text (their aria-label: "bot's message: ..."; they render Markdown)."""
@@ -360,11 +403,10 @@ def screenshot(browser, name: str) -> None:
 
 
 @contextlib.contextmanager
-def served(backend, **settings) -> Iterator[str]:
-    """The page of `backend` on a free port: its URL."""
-    demo = build_demo(backend, GREEDY, **settings)
+def served(backend) -> Iterator[str]:
+    """The page of `backend` on a free port, as `vlm-serve demo` serves it: its URL."""
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    demo = launch_demo(backend, port=port, settings=GREEDY)
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:
@@ -416,6 +458,61 @@ def test_page_streams_the_greedy_answer_to_an_uploaded_image(browser, engine, ch
         assert page.answers() == [expected]
     chat.close()
     engine.scheduler.check_memory()
+
+
+@page_test
+def test_a_file_larger_than_the_server_takes_is_refused_naming_the_limit(browser, tiny_moe_dir, tmp_path):
+    noise = tmp_path / "noise.png"  # (noise does not compress: about 1.9 MB)
+    Image.frombytes("RGB", (800, 800), random.Random(0).randbytes(800 * 800 * 3)).save(noise)
+    assert noise.stat().st_size > 1 << 20
+    with served(RecordingChat(tiny_moe_dir, max_media_mb=1)) as url:
+        page = Page(browser, url)
+        assert "(up to 1 MB each)" in page.page_text()
+        page.find("#chat-input input[type=file]").send_keys(str(noise))
+        refused = re.compile(r'exceed the maximum allowed size of 1(\.0)? MB: "noise\.png"', re.IGNORECASE)
+        page.until(lambda: refused.search(page.page_text()))
+        assert page.attached() == 0
+
+
+@page_test
+def test_pictures_pasted_and_dropped_in_the_box_are_sent_and_long_text_pasted_stays_text(
+    browser, tiny_moe_dir, image, tmp_path
+):
+    star = tmp_path / "star.png"
+    render(Scene([Shape("star", "blue", "large", 0, 2)], background_seed=4)).save(star)
+    backend = RecordingChat(tiny_moe_dir)
+    with served(backend) as url:
+        page = Page(browser, url)
+        page.hand("paste", image)
+        page.until(lambda: page.attached() == 1)
+        page.hand("drop", star)
+        page.until(lambda: page.attached() == 2)
+        page.hand("paste", text="Compare these pictures. " * 100)  # (past Gradio's 1000 characters)
+        time.sleep(0.5)
+        assert page.attached() == 2
+        page.ask("Compare them.")
+        page.until(lambda: page.answers() == ["ok"] and not page.answering())
+    sent = [Path(p["image"]).read_bytes() for p in backend.sent[0][0]["content"] if p["type"] == "image"]
+    assert sent == [image.read_bytes(), star.read_bytes()]
+
+
+@page_test
+def test_a_picture_keeps_the_settings_it_was_sent_with_when_the_pages_change(browser, tiny_moe_dir, image):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    backend = RecordingChat(tiny_moe_dir)
+    with served(backend) as url:
+        page = Page(browser, url)
+        browser.find_element(By.XPATH, "//button[contains(., 'Pictures and videos')]").click()
+        field = page.find("#max-pixels input")
+        for i, (max_pixels, message) in enumerate([(50176, (PROMPT, image)), (100352, ("And now?",))]):
+            field.send_keys(Keys.CONTROL, "a")
+            field.send_keys(str(max_pixels), Keys.TAB)
+            page.ask(*message)
+            page.until(lambda i=i: page.answers() == ["ok"] * (i + 1) and not page.answering())
+    (picture,) = [p for p in backend.sent[1][0]["content"] if p["type"] == "image"]  # (the first turn, sent again)
+    assert picture["max_pixels"] == 50176 and Path(picture["image"]).read_bytes() == image.read_bytes()
 
 
 @page_test
@@ -601,7 +698,8 @@ def test_a_thinking_models_reasoning_shows_in_a_block_above_the_answer(browser, 
 @pytest.fixture(scope="module")
 def server():
     """`vlm-serve serve` of the built-in model, as the page's --api-base fronts it (with an API key)."""
-    with running_server(BUILTIN_MODEL, "--dtype", "float32", "--vit-dp", "0", "--api-key", "sesame") as server:
+    flags = ("--dtype", "float32", "--vit-dp", "0", "--api-key", "sesame", "--max-media-mb", "32")
+    with running_server(BUILTIN_MODEL, *flags) as server:
         yield server
 
 
@@ -614,6 +712,7 @@ def test_the_page_in_front_of_a_server_answers_as_the_page_on_the_engine(browser
     remote = RemoteChat(server.url, api_key="sesame")
     try:
         assert remote.single_turn and remote.model_name == chat.model_name
+        assert remote.max_media_mb == 32  # (the server's --max-media-mb: the page's upload limit)
         for star in (False, True):  # a picture, then a follow-up question about it
             history = user_turns({"text": PROMPT, "files": [str(image)]})
             if star:
@@ -649,7 +748,7 @@ def test_pictures_and_videos_get_the_pages_settings_and_more_pixels_make_more_to
 
     history = user_turns({"text": "Compare.", "files": ["/up/a.png", "/up/clip.mp4"]})
     backend = RecordingChat(tiny_moe_dir)
-    list(_responder(backend)(history, *CONTROLS[:6], 50176, 2.0, 8))
+    list(_responder(backend)(history, media_options_of_turns(history, [], 50176, 2.0, 8), *SAMPLING))
     assert backend.sent[0][0]["content"][:2] == [
         {"type": "image", "image": "/up/a.png", "max_pixels": 50176},
         {"type": "video", "video": "/up/clip.mp4", "fps": 2.0, "max_frames": 8},
@@ -658,10 +757,84 @@ def test_pictures_and_videos_get_the_pages_settings_and_more_pixels_make_more_to
     Image.new("RGB", (800, 600), "white").save(big)
     tokens = []
     for max_pixels in (None, 2 * 65536):  # (the built-in model's pictures are 65536 pixels by default)
-        pieces = chat.stream(with_media_settings(_conversation(big), max_pixels, None, None), **GREEDY)
+        pieces = chat.stream(with_media_settings(_conversation(big), [MediaOptions(max_pixels)]), **GREEDY)
         (usage,) = [p for p in pieces if isinstance(p, AnswerUsage)]
         tokens.append(usage.media[0][1])
     assert tokens[1] > tokens[0]
+
+
+def test_each_turns_files_keep_the_settings_they_were_sent_with(tiny_moe_dir):
+    """Settings changed after a turn are those of the next turns' files: the earlier ones are sent as they
+    were (processed anew, they would be other tokens, a conversation the prefix cache no longer knows).
+    A turn asked again takes the settings of now."""
+    pytest.importorskip("gradio")
+    from vlm_serve.demo import _responder
+
+    backend = RecordingChat(tiny_moe_dir)
+    respond = _responder(backend)
+    history, sent = [], []
+    for message, fields in [
+        ({"text": "What is this?", "files": ["/up/a.png"]}, (50176, None, None)),
+        ({"text": "And these?", "files": ["/up/b.png", "/up/clip.mp4"]}, (100352, 2.0, 8)),
+        ({"text": "Which is larger?"}, (None, None, None)),
+    ]:
+        history = [*history, *user_turns(message)]
+        sent = media_options_of_turns(history, sent, *fields)
+        history = list(respond(history, sent, *SAMPLING))[-1]
+    media = [p for m in backend.sent[-1] if m["role"] == "user" for p in m["content"] if p["type"] != "text"]
+    assert media == [
+        {"type": "image", "image": "/up/a.png", "max_pixels": 50176},
+        {"type": "image", "image": "/up/b.png", "max_pixels": 100352},
+        {"type": "video", "video": "/up/clip.mp4", "fps": 2.0, "max_frames": 8},
+    ]
+    second = history[:6]  # (up to the second turn, its answer dropped: asked again)
+    assert [m["role"] for m in second[-4:]] == ["assistant", "user", "user", "user"]
+    assert media_options_of_turns(second, sent, None, 1.0, None) == [
+        sent[0],
+        MediaOptions(fps=1.0),
+        MediaOptions(fps=1.0),
+    ]
+
+
+def test_a_picture_keeps_its_tokens_when_the_settings_change_after_it_was_sent(chat, tmp_path):
+    """The built-in model is sent a follow-up question with the picture before it: with the settings it was
+    sent with, so it is the same tokens, found in the prefix cache."""
+    pytest.importorskip("gradio")
+    from vlm_serve.demo import AnswerUsage, _responder
+
+    big = tmp_path / "big.png"
+    Image.new("RGB", (800, 600), "white").save(big)
+    respond = _responder(chat)
+    history, sent, notes = [], [], []
+    for message, max_pixels in [
+        ({"text": PROMPT, "files": [str(big)]}, 2 * 65536),  # (the built-in model's default: 65536 pixels)
+        ({"text": "How many shapes are there?"}, 65536),
+    ]:
+        history = [*history, *user_turns(message)]
+        sent = media_options_of_turns(history, sent, max_pixels, None, None)
+        history = list(respond(history, sent, *SAMPLING))[-1]
+        notes.append(history[-1]["metadata"]["title"])
+    (_, first), (cached, second) = ([int(n) for n in re.findall(r"\((\d+) (?:cached|tokens)\)", n)] for n in notes)
+    now = chat.stream(with_media_settings(_conversation(big), [MediaOptions(65536)]), **GREEDY)
+    (usage,) = [p for p in now if isinstance(p, AnswerUsage)]
+    assert first == second != usage.media[0][1]  # (sent with the settings of now, it would be other tokens)
+    assert cached > second  # (the prompt's start, the picture's tokens with it)
+
+
+def test_the_page_takes_uploads_up_to_the_engines_media_limit(engine, monkeypatch):
+    monkeypatch.setattr(engine, "server_args", dataclasses.replace(engine.server_args, max_media_mb=5))
+    backend = LocalChat(engine)
+    try:
+        assert backend.max_media_mb == 5
+        demo = launch_demo(backend, port=free_port())
+        try:
+            assert demo.max_file_size == 5 << 20
+            texts = " ".join(c.value for c in demo.blocks.values() if type(c).__name__ == "Markdown")
+            assert "(up to 5 MB each)" in texts
+        finally:
+            demo.close()
+    finally:
+        backend.close()
 
 
 def test_the_page_names_the_model_and_opens_with_256_tokens(engine, chat):
