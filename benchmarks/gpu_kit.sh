@@ -5,12 +5,12 @@
 #   bash benchmarks/gpu_kit.sh OUT [SECONDS] [STEPS]
 #
 # It installs the wheels (FlashInfer into a folder of its own), then runs vlm_serve.tools.gpu_check's
-# STEPS (default torch,flashinfer,suite), each in a share of the SECONDS left (default 420); a step can name
+# STEPS (default torch,flashinfer,suite), each in a share of the SECONDS left (default 420; the last step all of it); a step can name
 # its parts, joined by "+", for a rerun of some (e.g. flashinfer:figures+parity,suite):
 #   torch: parity and server without FlashInfer (the torch attention backend; its figures and profile,
 #     eager decode bound by kernel launches, were measured on an H200: `torch:figures+profile` reruns them);
-#   flashinfer: parity, figures (CUDA graphs on and off) and profile with FlashInfer (where it runs: half
-#     precision, its head sizes);
+#   flashinfer: parity, figures (bandwidth, TTFT split) and profile (batch 1 timeline) with FlashInfer (where
+#     it runs: half precision, its head sizes);
 #   suite: the model tests under pytest on CUDA (FlashInfer installed), for the time left; its parts are test
 #     files (e.g. suite:test_engine+test_speculative).
 # Each step's records go under OUT/<step>/ and are packed into OUT/kit.tgz (a call returns 8 files at most).
@@ -44,12 +44,14 @@ kit() {  # kit NAME SHARE-OF-THE-TIME-LEFT(%) ARGS...: one run of the kit, its r
     timeout $(( $(left) * share / 100 )) python3 -m vlm_serve.tools.gpu_check "$OUT/$name" "$@" 2>&1 \
         | tee "$OUT/$name.log" | grep -E '^\[|^device|^FAIL'
 }
-for step in ${STEPS//,/ }; do
+steps=(${STEPS//,/ })
+for step in "${steps[@]}"; do
     parts=
     [[ $step == *:* ]] && parts=${step#*:} && parts=${parts//+/,}
+    last=0 && [[ $step == "${steps[-1]}" ]] && last=1  # the last step takes all the time left
     case $step in
-        torch*) kit torch 30 --parts ${parts:-parity,server} ;;
-        flashinfer*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit flashinfer 60 --parts ${parts:-parity,figures,profile} ;;
+        torch*) kit torch $((last ? 95 : 30)) --parts ${parts:-parity,server} ;;
+        flashinfer*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit flashinfer $((last ? 95 : 60)) --parts ${parts:-parity,figures,profile} ;;
         suite*) PYTHONPATH=$PYTHONPATH:/tmp/fi kit suite 95 --parts suite --test-timeout 120 \
             ${parts:+--suite-files $parts} ;;
     esac

@@ -113,6 +113,19 @@ def run_process(command: list[str], **options) -> subprocess.CompletedProcess:
     return subprocess.run(command, preexec_fn=as_test_child, **options)
 
 
+def run_triton_script(script: str, on_gpu: str = "", on_cpu: str = "") -> None:
+    """Runs a Triton kernel's check `script` in a process of its own (Triton reads TRITON_INTERPRET when a
+    kernel is defined): its tensors on the GPU where there is one, else on CPU under Triton's interpreter
+    (which checks the arithmetic and masks, not the speed), with `on_gpu` or `on_cpu` run first. It passes
+    when the script prints ok."""
+    if torch.cuda.is_available():
+        env, prefix = dict(os.environ), "import torch\ntorch.set_default_device('cuda')\n" + on_gpu
+    else:
+        env, prefix = {**os.environ, "TRITON_INTERPRET": "1"}, on_cpu
+    done = run_process([sys.executable, "-c", prefix + script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def stop_processes(pids: list[int], timeout: float = 30) -> list[str]:
     """Stops those of `pids` still running: SIGTERM (on which a server's children end cleanly), then
     SIGKILL to any still there `timeout` seconds later. Returns the ones that were running, named."""

@@ -5,13 +5,9 @@ run in a subprocess, since Triton reads TRITON_INTERPRET when a kernel is define
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-import torch
 
-from helpers import run_process
+from helpers import run_triton_script
 
 pytestmark = pytest.mark.server  # every test here runs its kernel in a process of its own
 
@@ -33,17 +29,10 @@ torch.manual_seed(0)
 
 
 def run_kernel_script(script: str) -> None:
-    """Runs `script` with its tensors on the GPU where there is one, else under Triton's interpreter; it
-    prints ok when its checks hold. On a GPU `tl.dot` multiplies float32 in TF32 (10-bit mantissas), hence
-    the wider tolerance there."""
-    if torch.cuda.is_available():
-        env = dict(os.environ)
-        prefix = "import torch\ntorch.set_default_device('cuda')\nTOL = dict(rtol=1e-2, atol=5e-2)\n"
-    else:
-        env, prefix = {**os.environ, "TRITON_INTERPRET": "1"}, "TOL = dict(rtol=1e-4, atol=1e-4)\n"
-    command = [sys.executable, "-c", prefix + SHARD + script]
-    done = run_process(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    """On a GPU `tl.dot` multiplies float32 in TF32 (10-bit mantissas), hence the wider tolerance there."""
+    run_triton_script(
+        SHARD + script, on_gpu="TOL = dict(rtol=1e-2, atol=5e-2)\n", on_cpu="TOL = dict(rtol=1e-4, atol=1e-4)\n"
+    )
 
 
 CHECK = """

@@ -14,10 +14,13 @@ Parts, in order of value (each writes its records under OUT and a line to OUT/su
 - `server`: `vlm-serve serve` with the built-in model and one encoder rank (`--vit-dp 1`, on the GPU):
   pictures, a clip, a repeated picture and a streamed answer equal the in-process engine's on the CPU.
 - `figures`: on random models of real shapes (`large` preset, `load_format="dummy"`; `tiny` on CPU):
-  decode tokens/s at batch 1/16/64, TPOT, TTFT of one 1024 x 1024 picture (on CUDA with and without CUDA
-  graphs), and decode ITL p99 while such pictures arrive, with the encoder pool and with the tower inline.
+  decode tokens/s at batch 1/16/64/160 with the bytes a step reads as achieved bandwidth (and a share of
+  the device's peak, `roofline`), TTFT of one 1024 x 1024 picture split into preprocessing, tower and
+  prefill beside their FLOP bounds, and decode ITL p99 while such pictures arrive, with the encoder pool
+  and with the tower inline.
   The parity part also checks that decode replayed from CUDA graphs gives the eager tokens.
-- `profile`: torch's profiler over decode steps, per attention backend (where the time goes).
+- `profile`: torch's profiler over decode steps, per attention backend (where the time goes), and on CUDA
+  over 20 steps at batch 1 as users run it: the device-busy share and the longest host gaps.
 
 On CPU (`--device cpu`, what CI runs) every part but `suite` runs, at tiny sizes.
 """
@@ -42,6 +45,7 @@ import torch
 
 from vlm_serve.llm.layers.attention import FLASHINFER_HEAD_DIMS
 from vlm_serve.server.ports import free_port
+from vlm_serve.tools import roofline
 
 FLOAT32_TOLERANCE = 1e-3  # of the largest |logit|: float32 kernels differ in summation order only
 # bfloat16 (8 bits of mantissa) against float32: random models amplify the rounding, and a token whose
@@ -59,7 +63,8 @@ SUITE = [  # in order of value: a lent GPU's time may end before the last
     "tests/llm/test_cuda_paths.py", "tests/parity/test_model_parity.py", "tests/deployments/test_server.py",
     "tests/encoder/test_encoder_pool.py", "tests/llm/test_fp8_triton.py", "tests/llm/test_moe_layer.py",
     "tests/engine/test_engine.py", "tests/tools/test_builtin_model.py", "tests/scheduler/test_speculative.py",
-    "tests/llm/test_vision_passes.py", "tests/parity/test_low_precision.py",
+    "tests/llm/test_vision_passes.py", "tests/parity/test_low_precision.py", "tests/llm/test_lora_kernels.py",
+    "tests/llm/test_rowwise_triton.py",
 ]  # fmt: skip
 
 
@@ -391,11 +396,16 @@ def _picture(engine, seed: int, side: int = 1024):
 
 def decode_figures(engine, batches: tuple[int, ...], tokens: int) -> dict:
     """Decode tokens/s at each batch size (the prefill's time, measured alone, taken out), TPOT at the
-    first, and TTFT of one 1024 x 1024 picture (its second asking with a new picture: the first warms up)."""
-    figures = {}
+    first, the bytes a step reads (weights, touched experts, KV at the mean context) as achieved bandwidth
+    and a share of the device's peak, and TTFT of one 1024 x 1024 picture split into preprocessing, the
+    tower and the rest (its second asking with a new picture: the first warms up), beside its FLOP bound."""
+    traffic = roofline.decode_traffic(engine.model_config)
+    peaks = roofline.device_peaks(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    length = 32
+    figures: dict = {"prompt_tokens": None, "generated_tokens": tokens}
     for batch in batches:
         # new prompts each time, so that none is in the prefix cache; the first run warms up
-        runs = [_text_prompts(engine, batch, first) for first in (0, batch, 2 * batch)]
+        runs = [_text_prompts(engine, batch, first, length) for first in (0, batch, 2 * batch)]
         engine.generate_processed(runs[0], max_tokens=2, ignore_eos=True, temperature=0)
         began = time.perf_counter()
         engine.generate_processed(runs[1], max_tokens=1, ignore_eos=True, temperature=0)
@@ -403,14 +413,37 @@ def decode_figures(engine, batches: tuple[int, ...], tokens: int) -> dict:
         began = time.perf_counter()
         engine.generate_processed(runs[2], max_tokens=tokens + 1, ignore_eos=True, temperature=0)
         decode = time.perf_counter() - began - prefill
-        figures[f"decode_tok_s_batch_{batch}"] = round(batch * tokens / decode, 1)
-        if batch == batches[0]:
-            figures[f"tpot_ms_batch_{batch}"] = round(1000 * decode / tokens, 2)
+        prompt = statistics.mean(len(x.input_ids) for x in runs[2])
+        figures["prompt_tokens"] = round(prompt)
+        step = decode / tokens
+        moved = traffic.step_bytes(batch, prompt + tokens / 2)
+        row = {"tok_s": round(batch * tokens / decode, 1), "step_ms": round(1000 * step, 3)}
+        row |= {"mb_per_step": round(moved / 1e6, 3), "achieved_gb_s": round(moved / step / 1e9, 1)}
+        if peaks is not None:
+            row |= {
+                "hbm_peak_pct": round(100 * moved / step / peaks[0], 1),
+                "bound_tok_s": round(batch * peaks[0] / moved, 1),
+            }
+        figures[f"decode_batch_{batch}"] = row
     for seed in (1, 2):
-        picture = _picture(engine, seed)
         began = time.perf_counter()
-        engine.generate_processed([picture], max_tokens=1, temperature=0)
-        figures["ttft_ms_1024px_picture"] = round(1000 * (time.perf_counter() - began), 1)
+        picture = _picture(engine, seed)
+        preprocess = time.perf_counter() - began
+        began = time.perf_counter()
+        out = engine.generate_processed([picture], max_tokens=1, temperature=0)[0]
+        ttft = time.perf_counter() - began
+    tower = sum(t.vit for t in out.media_timings)
+    patches = sum(t * h * w for t, h, w in (item.grid_thw for item in picture.mm_items))
+    split = {"preprocess": preprocess, "tower": tower, "prefill_and_rest": ttft - tower, "engine": ttft}
+    split["with_preprocess"] = ttft + preprocess
+    figures["ttft_ms_1024px_picture"] = {k: round(1000 * v, 1) for k, v in split.items()}
+    figures["ttft_ms_1024px_picture"] |= {"patches": patches, "prompt_tokens": len(picture.input_ids)}
+    if peaks is not None:
+        bound = {
+            "tower": roofline.tower_flops(engine.model_config, patches) / peaks[1],
+            "prefill": roofline.prefill_flops(engine.model_config, len(picture.input_ids)) / peaks[1],
+        }
+        figures["ttft_bound_ms_at_peak_bf16"] = {k: round(1000 * v, 1) for k, v in bound.items()}
     return figures
 
 
@@ -451,21 +484,19 @@ def run_figures(check: Check, device: torch.device, size: str) -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-figures-"))
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    batches, tokens = ((1, 16, 64), 64) if device.type == "cuda" else ((1, 4), 8)
+    batches, tokens = ((1, 16, 64, 160), 64) if device.type == "cuda" else ((1, 4), 8)
     figures: dict[str, dict] = {}
-    # on CUDA, decode replays CUDA graphs by default: measured also without them
-    runs = [("", False), (" eager", True)] if device.type == "cuda" else [("", False)]
     for arch in ("dense", "moe"):
         path = create_tiny_model(folder / arch, arch=arch, size=size, weights=False, dtype="bfloat16")
-        for label, eager in runs:
 
-            def measure(arch=arch, path=path, label=label, eager=eager) -> str:
-                options = dict(device=device.type, dtype=dtype, vit_dp=0, disable_cuda_graph=eager)
-                with Engine(path, load_format="dummy", **options) as engine:
-                    figures[f"{arch} {size}{label}"] = decode_figures(engine, batches, tokens)
-                return json.dumps(figures[f"{arch} {size}{label}"])
+        def measure(arch=arch, path=path) -> str:
+            # as users run it: the overlap loop, decode replayed from CUDA graphs (eager decode, bound by its
+            # kernel launches, was measured on an H200: docs/gpu.md)
+            with Engine(path, load_format="dummy", device=device.type, dtype=dtype, vit_dp=0) as engine:
+                figures[f"{arch} {size}"] = decode_figures(engine, batches, tokens)
+            return json.dumps(figures[f"{arch} {size}"])
 
-            check.run(f"{arch} {size}{label}: decode, TPOT, TTFT", measure)
+        check.run(f"{arch} {size}: decode with its bandwidth, TTFT split", measure)
     for vit_dp, name in ((1, "encoder pool"), (0, "inline")):
         path = folder / "dense"
 
@@ -479,9 +510,59 @@ def run_figures(check: Check, device: torch.device, size: str) -> None:
     (check.out / "figures.json").write_text(json.dumps(figures, indent=1))
 
 
+def decode_timeline(engine, steps: int, activities: list, batch: int = 1) -> tuple[object, float]:
+    """Torch's profiler over `steps` decode steps of `batch` requests (their prefill and first token before):
+    the trace and the seconds those steps took."""
+    from torch.profiler import profile
+
+    submissions = [
+        engine.submit(x, max_tokens=steps + 8, ignore_eos=True, temperature=0)
+        for x in _text_prompts(engine, batch, 1000 + batch)
+    ]
+    choices = [c for s in submissions for c in s.choices]
+    while not all(c.outs for c in choices):
+        engine.step()
+    with profile(activities=activities) as trace:
+        began, produced = time.perf_counter(), len(choices[0].outs)
+        while len(choices[0].outs) < produced + steps:
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - began
+    while not engine.scheduler.is_idle():
+        engine.step()
+    return trace, seconds
+
+
+def idle_summary(trace, seconds: float, steps: int) -> dict:
+    """A decode trace's device timeline: the share of it a kernel ran and its longest idle gaps, each with
+    the host operations that overlapped it (leaf operations: the runtime calls and operators doing the work)."""
+    kernels, host = [], []
+    for event in trace.events():
+        span = (event.time_range.start, event.time_range.end)
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append(span)
+        elif not event.cpu_children:
+            host.append((event.name, *span))
+    span, busy, gaps = roofline.device_idle(kernels, host)
+    return {
+        "steps": steps,
+        "step_ms": round(1000 * seconds / steps, 3),
+        "kernels_per_step": round(len(kernels) / steps, 1),
+        "device_busy_pct": round(100 * busy, 1),
+        "device_busy_ms_per_step": round(busy * span / 1000 / steps, 3),
+        "top_gaps": [
+            {"at_us": round(g.start_us - kernels[0][0]), "us": round(g.length_us, 1), "host": g.host} for g in gaps
+        ],
+    }
+
+
 def run_profile(check: Check, device: torch.device, size: str) -> None:
-    """Where a decode step's time goes: torch's profiler over 16 steps at batch 16 of the dense model, per
-    attention backend; the tables (by CPU and by device time) in OUT/profile-<backend>.txt."""
+    """Where a decode step's time goes, on the dense model: torch's profiler over 16 steps at batch 16 per
+    attention backend, in the normal loop (the tables by CPU and by device time in OUT/profile-<backend>.txt);
+    and on CUDA, as users run it (the overlap loop, CUDA graphs), over decode steps at batch 1 and 160 and a
+    1024 x 1024 picture's TTFT: the device-busy share and the longest host gaps (OUT/profile-timelines.json;
+    batch 1's trace OUT/trace-batch1.json.gz, the TTFT's kernels OUT/profile-ttft.txt)."""
     from torch.profiler import ProfilerActivity, profile
 
     from vlm_serve.engine import Engine
@@ -493,7 +574,37 @@ def run_profile(check: Check, device: torch.device, size: str) -> None:
     config = json.loads((path / "config.json").read_text())["text_config"]
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
-    for backend in backends(device, dtype, config["head_dim"]):
+    if device.type == "cuda":
+
+        def timelines() -> str:
+            figures = {}
+            with Engine(path, load_format="dummy", device="cuda", dtype=dtype, vit_dp=0) as engine:
+                for batch, steps in ((1, 20), (160, 10)):
+                    decode_timeline(engine, steps, activities, batch)  # warm-up
+                    trace, seconds = decode_timeline(engine, steps, activities, batch)
+                    figures[f"batch {batch}"] = idle_summary(trace, seconds, steps)
+                    if batch == 1:
+                        (check.out / "profile-batch1.txt").write_text(
+                            trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                        )
+                        trace.export_chrome_trace(str(check.out / "trace-batch1.json"))
+                        subprocess.run(["gzip", "-f", str(check.out / "trace-batch1.json")], check=False)
+                engine.generate_processed([_picture(engine, 1)], max_tokens=1, temperature=0)  # warm-up
+                prompt = _picture(engine, 2)
+                with profile(activities=activities) as trace:
+                    began = time.perf_counter()
+                    engine.generate_processed([prompt], max_tokens=1, temperature=0)
+                    figures["1024 x 1024 picture's TTFT"] = idle_summary(trace, time.perf_counter() - began, 1)
+                table = trace.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+                (check.out / "profile-ttft.txt").write_text(table)
+            (check.out / "profile-timelines.json").write_text(json.dumps(figures, indent=1))
+            return json.dumps({name: {k: v for k, v in f.items() if k != "top_gaps"} for name, f in figures.items()})
+
+        check.run(
+            f"dense {size}: timelines of decode at batch 1 and 160 (as users run it) and of a picture's TTFT", timelines
+        )
+    profiled = backends(device, dtype, config["head_dim"])
+    for backend in profiled[-1:] if device.type == "cuda" else profiled:  # (CUDA: the torch one's was measured)
 
         def measure(backend=backend) -> str:
             # the normal loop: the forward runs on this thread, where the profiler sees its operators

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_serve.llm.kernels import CpuKernel, rowwise_cpu
+from vlm_serve.llm.kernels import CpuKernel, rowwise_cpu, rowwise_triton
 from vlm_serve.llm.layers.rotary import apply_rotary
 
 
@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
         kernel = self.kernel_for(x)
         if kernel is not None:
             return rowwise_cpu.rms_norm(kernel, x, self.weight, self.eps)
+        if rowwise_triton.handles(x):
+            return rowwise_triton.rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -41,6 +43,9 @@ class RMSNorm(nn.Module):
         kernel = self.kernel_for(x)
         if kernel is not None and residual.dtype == x.dtype:
             return rowwise_cpu.add_rms_norm(kernel, residual, x, self.weight, self.eps)
+        if rowwise_triton.handles(x) and rowwise_triton.handles(residual) and residual.dtype == x.dtype:
+            normed, stream = rowwise_triton.rms_norm(x, self.weight, self.eps, residual)
+            return stream, normed
         residual = residual + x
         return residual, self(residual)
 
@@ -57,7 +62,7 @@ def qkv_heads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v of the qkv projection's output (tokens, (heads + 2 kv_heads) * head_dim) as (tokens,
     heads or kv_heads, head_dim), q and k normed by their norms and rotated (Qwen3's QK norm): on CPU in
-    one kernel call for both."""
+    one kernel call for both (on CUDA in one Triton launch)."""
     tokens, d = qkv.shape[0], q_norm.weight.shape[0]
     v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
     kernel = q_norm.kernel_for(qkv)
@@ -65,6 +70,9 @@ def qkv_heads(
         q, k = rowwise_cpu.qk_norm_rope(
             kernel, qkv, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin
         )
+        return q, k, v
+    if rowwise_triton.qk_norm_rope_handles(qkv, d, cos, sin) and q_norm.eps == k_norm.eps:
+        q, k = rowwise_triton.qk_norm_rope(qkv, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin)
         return q, k, v
     q = q_norm.with_rotary(qkv[:, : heads * d].view(tokens, heads, d), cos, sin)
     k = k_norm.with_rotary(qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d), cos, sin)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from vlm_serve.llm.kernels import rowwise_triton
+
 
 class ReqToTokenPool:
     """A table with one row per running request: `req_to_token[row, pos]` is the KV slot of that token."""
@@ -61,6 +63,9 @@ class TokenToKVPool:
         ]
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if rowwise_triton.store_kv_handles(k, v, self.k_buffer[layer_id]):
+            rowwise_triton.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], slots, k, v)
+            return
         self.k_buffer[layer_id][slots] = k.to(self.dtype)
         self.v_buffer[layer_id][slots] = v.to(self.dtype)
 
