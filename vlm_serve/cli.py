@@ -225,8 +225,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         finally:
             backend.close()
         return 0
-    with Engine(ns.model, **server_args_from(ns)) as engine:
-        backend = LocalChat(engine, ns.reasoning_parser)
+    options = server_args_from(ns)
+    max_media_mb = options.pop("max_media_mb")  # (the page's; an engine has no uploads)
+    with Engine(ns.model, **options) as engine:
+        backend = LocalChat(engine, ns.reasoning_parser, max_media_mb)
         try:
             run_demo(backend, ns.host, ns.port, ns.concurrency_limit)
         finally:
@@ -314,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         help="conversations answered at once, batched together; more wait their turn (default: %(default)s)",
     )
-    add_server_args(demo, ENGINE_SETTINGS)  # (after its own flags, which --help shows first)
+    # (after its own flags, which --help shows first; --max-media-mb bounds the page's uploads)
+    add_server_args(demo, (*ENGINE_SETTINGS, "max_media_mb"))
     demo.set_defaults(func=cmd_demo, subparser=demo)
 
     gen = sub.add_parser(

@@ -287,9 +287,12 @@ class ChatBackend(Protocol):
 class LocalChat:
     """The in-process engine, stepped by a thread of its own (`EngineThread`): every session's answers are
     generated together by its scheduler. Prompts are preprocessed on the caller's (Gradio's) thread. With
-    `reasoning_parser` (`--reasoning-parser`), a thinking model's reasoning comes apart from its answer."""
+    `reasoning_parser` (`--reasoning-parser`), a thinking model's reasoning comes apart from its answer;
+    uploads are bounded by `max_media_mb` (`--max-media-mb`: the limit a server of this engine would set)."""
 
-    def __init__(self, engine: Engine, reasoning_parser: str | None = None) -> None:
+    def __init__(
+        self, engine: Engine, reasoning_parser: str | None = None, max_media_mb: int = MediaLimitSettings.max_media_mb
+    ) -> None:
         from vlm_serve.engine_thread import EngineThread
 
         self.engine = engine
@@ -297,7 +300,7 @@ class LocalChat:
         self.thread: EngineThread = EngineThread(engine)
         self.model_name, self.default_sampling = engine.model_name, engine.default_sampling
         self.single_turn = single_turn_only(Path(engine.server_args.model))
-        self.max_media_mb = engine.server_args.max_media_mb
+        self.max_media_mb = max_media_mb
 
     def stream(self, messages: list[dict], **sampling: Any) -> Iterator[str | Thought | AnswerUsage]:
         from vlm_serve.server.reasoning_parser import REASONING_PARSERS

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import descendants, process_name, run_process, start_process
 from vlm_serve.builtin.scenes import Scene, Shape, render
-from vlm_serve.cli import build_parser, main, parse_args, server_args_of
+from vlm_serve.cli import build_parser, main, parse_args, server_args_from, server_args_of
 from vlm_serve.config import SETTING_GROUPS, ServerArgs, setting_docs
 from vlm_serve.engine import Engine
 from vlm_serve.testing.media import make_image
@@ -202,14 +202,15 @@ def test_an_unknown_flag_is_refused_with_the_usage_of_its_command(command, capsy
 def test_generate_caption_and_demo_take_only_the_settings_an_engine_reads(tmp_path):
     parser = build_parser()
     for command in (["generate", "--prompt", "hi"], ["caption", "x.png", "--output", "c.jsonl"], ["demo"]):
-        # (the demo's --api-key and --reasoning-parser are its own: the key of the server it fronts with
-        # --api-base, and how it shows the engine's reasoning)
-        own = ("--api-key", "--reasoning-parser") if command == ["demo"] else ()
+        # (the demo's --api-key, --reasoning-parser and --max-media-mb are its own: the key of the server it
+        # fronts with --api-base, how it shows the engine's reasoning, and the largest upload its page takes)
+        own = ("--api-key", "--reasoning-parser", "--max-media-mb") if command == ["demo"] else ()
         for flag in {"--tp-size", "--api-key", "--max-media-mb", "--reasoning-parser"} - set(own):
             with pytest.raises(SystemExit):
                 parser.parse_args([*command, flag, "2"])
         assert parse_args(parser, [*command, "--vit-dp", "0", "--page-size", "4"]).page_size == 4
     assert parse_args(parser, ["demo", "--port", "8000"]).port == 8000  # the page's own port
+    assert server_args_from(parse_args(parser, ["demo", "--max-media-mb", "8"]))["max_media_mb"] == 8
     config = tmp_path / "serve.yaml"
     config.write_text("tp-size: 8\nchunked-prefill-size: 512\n")
     with pytest.raises(ValueError, match="only `vlm-serve serve` takes: tp_size"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import importlib.util
 import itertools
 import mimetypes
@@ -36,6 +35,7 @@ from helpers import free_port, running_server, start_process
 from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import Scene, Shape, render
 from vlm_serve.checkpoint import single_turn_only
+from vlm_serve.config import MediaLimitSettings
 from vlm_serve.demo import (
     SINGLE_TURN_NOTE,
     LocalChat,
@@ -821,9 +821,13 @@ def test_a_picture_keeps_its_tokens_when_the_settings_change_after_it_was_sent(c
     assert cached > second  # (the prompt's start, the picture's tokens with it)
 
 
-def test_the_page_takes_uploads_up_to_the_engines_media_limit(engine, monkeypatch):
-    monkeypatch.setattr(engine, "server_args", dataclasses.replace(engine.server_args, max_media_mb=5))
-    backend = LocalChat(engine)
+def test_the_page_takes_uploads_up_to_its_media_limit(engine):
+    """`vlm-serve demo --max-media-mb 5` (the limit a server of this engine would set; tests/engine/test_cli.py
+    checks the flag reaches it)."""
+    default = LocalChat(engine)
+    default.close()
+    assert default.max_media_mb == MediaLimitSettings.max_media_mb
+    backend = LocalChat(engine, max_media_mb=5)
     try:
         assert backend.max_media_mb == 5
         demo = launch_demo(backend, port=free_port())
