@@ -23,6 +23,7 @@ class FakeReq:
     output_ids: list[int] = field(default_factory=list)
     grammar: None = None
     draft: None = None
+    pending: torch.Tensor | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -99,6 +100,7 @@ def run_steps(sampler: Sampler, logits: torch.Tensor, reqs: list[FakeReq], steps
     """Decode `steps` tokens on fixed logits, appending each request's token to its output."""
     for _ in range(steps):
         out = sampler(logits.clone(), reqs)
+        out.tolist()  # (the host reads the tokens and their log-probs)
         for r, t in zip(reqs, out.tolist()):
             r.output_ids.append(t)
 
@@ -156,6 +158,7 @@ def test_greedy_rows_take_the_argmax():
         {"temperature": 1e-6},
     ):
         out = Sampler([EOS])(logits.clone(), [make_req(**params), make_req(**params)])
+        out.tolist()  # (the host reads the tokens and their log-probs)
         assert out.tolist() == [1, 0]
         assert out.logprobs == [None, None] and out.top_logprobs == [None, None]
 
@@ -175,6 +178,7 @@ def all_logprobs(sampler: Sampler, logits: list[float], **kwargs) -> list[float]
     """The full log-prob row (token order) the sampler reports for one greedy request."""
     req = make_req(temperature=0, logprobs=True, top_logprobs=len(logits), **kwargs)
     out = sampler(torch.tensor([logits]), [req])
+    out.tolist()  # (the host reads the tokens and their log-probs)
     return [lp for _, lp in sorted(out.top_logprobs[0])]
 
 
@@ -201,6 +205,7 @@ def test_a_repetition_penalty_that_overflows_the_logits_still_samples_from_finit
     for params in (dict(temperature=0), dict(seed=1), dict(), dict(temperature=1e-5, top_p=1e-300)):
         req = make_req(prompt=[0, 2], output=[1], repetition_penalty=penalty, logprobs=True, top_logprobs=4, **params)
         out = Sampler([])(logits.clone(), [req])
+        out.tolist()  # (the host reads the tokens and their log-probs)
         assert 0 <= out.tolist()[0] < 4
         assert math.isfinite(out.logprobs[0]) and all(math.isfinite(v) for _, v in out.top_logprobs[0])
     if penalty < 1:  # the seen tokens with positive logits now lead
@@ -232,6 +237,7 @@ def test_penalties_leave_other_rows_alone():
         make_req(output=[0, 0], temperature=0, logprobs=True, top_logprobs=4),
     ]
     out = Sampler([])(logits.clone(), reqs)
+    out.tolist()  # (the host reads the tokens and their log-probs)
     assert out.tolist() == [1, 0]
     assert [lp for _, lp in sorted(out.top_logprobs[1])] == pytest.approx(expected(logits[1].tolist()))
 
@@ -246,6 +252,7 @@ def test_min_new_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[0.0, 1.0, 5.0, 10.0]])  # EOS (3) first, then stop id 2
     req = make_req(temperature=0, min_new_tokens=2, stop_token_ids=[2], logprobs=True, top_logprobs=4)
     out = sampler(logits.clone(), [req])
+    out.tolist()  # (the host reads the tokens and their log-probs)
     assert out.tolist() == [1]
     assert dict(out.top_logprobs[0])[2] == dict(out.top_logprobs[0])[3] == -math.inf
     req.output_ids = [1]
@@ -270,6 +277,7 @@ def test_logprobs_are_log_softmax_before_temperature_and_filters():
         make_req(temperature=0, logprobs=True),
     ]
     out = Sampler([EOS])(logits.clone(), reqs)
+    out.tolist()  # (the host reads the tokens and their log-probs)
     ref = torch.log_softmax(logits, dim=-1)
     for i in (0, 2):
         assert out.logprobs[i] == pytest.approx(ref[i, out.tolist()[i]].item())

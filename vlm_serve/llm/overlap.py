@@ -49,14 +49,16 @@ class FutureMap:
 
     def resolve(self, batch: ForwardBatch) -> None:
         """Replaces the batch's future ids by the tokens now in their slots (input ids, and the outputs
-        that penalties count)."""
+        that penalties count: `SampleRow.pending`), without waiting for them."""
         if not batch.has_futures:
             return
         ids = batch.input_ids  # (no branch on whether any is negative: that would sync a CUDA stream)
         batch.input_ids = torch.where(ids < 0, self.token_ids[(-ids - 1).clamp(min=0)], ids)
-        for row in batch.sampling:
-            if row.output_ids and row.output_ids[-1] < 0:
-                row.output_ids[-1] = int(self.token_ids[-row.output_ids[-1] - 1])
+        rows = [row for row in batch.sampling if row.output_ids and row.output_ids[-1] < 0]
+        if rows:  # (the tokens stay on the device: the penalties count them there)
+            slots = torch.tensor([-row.output_ids[-1] - 1 for row in rows], device=self.token_ids.device)
+            for row, token in zip(rows, self.token_ids[slots], strict=True):
+                row.output_ids, row.pending = row.output_ids[:-1], token
 
     def store(self, start: int, next_token_ids: torch.Tensor) -> None:
         self.token_ids[start : start + next_token_ids.numel()] = next_token_ids

@@ -22,6 +22,7 @@ class SamplingRequest(Protocol):
     sampling_params: SamplingParams
     origin_input_ids: list[int]  # prompt ids; ids >= vocab size (image pads) are ignored
     output_ids: list[int]  # read for penalties only
+    pending: torch.Tensor | None  # for penalties too: its last token, still on the device (a resolved future)
     num_outputs: int  # tokens generated before the one being sampled (its index; a seeded draw's position)
     grammar: Grammar | None  # structured output: masks the logits, advanced by each sampled token
     # a verify batch's row: the draft token its draw is compared with (None: a plain row, or the
@@ -33,7 +34,8 @@ class SamplingRequest(Protocol):
 class SampleRow:
     """A request's `SamplingRequest`, taken when its batch is built: the request goes on changing while
     the batch runs. `output_ids` is copied only when penalties need it; its last id may be a FutureMap
-    slot (negative), for the token the batch before is still producing."""
+    slot (negative), for the token the batch before is still producing, which the FutureMap resolves into
+    `pending` on the device when this batch runs (so that the host need not wait for it)."""
 
     sampling_params: SamplingParams
     origin_input_ids: list[int]
@@ -41,6 +43,7 @@ class SampleRow:
     num_outputs: int
     grammar: Grammar | None = None
     draft: int | None = None
+    pending: torch.Tensor | None = None
 
 
 def set_drafts(rows: Sequence[SampleRow], drafts: list[int]) -> None:
@@ -53,25 +56,56 @@ def set_drafts(rows: Sequence[SampleRow], drafts: list[int]) -> None:
 
 
 @dataclass
+class DeviceLogprobs:
+    """The log-probs of the rows that asked, as the sampler computed them (on the model's device, or the host
+    after `SampleOutput.to_host`): read into `SampleOutput`'s lists on the host's side."""
+
+    rows: list[int]
+    chosen: torch.Tensor  # (rows,) the sampled token's
+    top_values: torch.Tensor  # (rows, k) best first
+    top_ids: torch.Tensor
+    counts: list[int]  # per row, how many of the best it asked for
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+@dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # (batch,) int64, on the model's device (or the host, after `to_host`)
     logprobs: list[float | None]  # per row: the chosen token's log-prob, None where not asked
     top_logprobs: list[list[tuple[int, float]] | None]  # per row: (token id, log-prob) best first, None where not asked
     failures: dict[int, str] = field(default_factory=dict)  # rows that could not be sampled: why (their token is 0)
     copy_done: torch.cuda.Event | None = None  # recorded after the copy `to_host` started
+    device_logprobs: DeviceLogprobs | None = None  # until `tolist` reads them into `logprobs`, `top_logprobs`
 
     def to_host(self) -> None:
-        """Starts copying the tokens to pinned host memory without waiting (CUDA); `tolist` waits."""
+        """Starts copying the tokens (and log-probs) to pinned host memory without waiting (CUDA); `tolist`
+        waits."""
         if self.next_token_ids.is_cuda:
-            host = torch.empty(self.next_token_ids.shape, dtype=torch.int64, pin_memory=True)
-            self.next_token_ids = host.copy_(self.next_token_ids, non_blocking=True)
+            self.next_token_ids = _pinned_copy(self.next_token_ids)
+            if (d := self.device_logprobs) is not None:
+                d.chosen, d.top_values, d.top_ids = map(_pinned_copy, (d.chosen, d.top_values, d.top_ids))
             self.copy_done = torch.cuda.Event()
             self.copy_done.record()
 
     def tolist(self) -> list[int]:
+        """The tokens, once on the host; the log-probs read into their lists."""
         if self.copy_done is not None:
             self.copy_done.synchronize()
+        self.read_logprobs()
         return self.next_token_ids.tolist()
+
+    def read_logprobs(self) -> None:
+        if (d := self.device_logprobs) is None:
+            return
+        chosen, top_values, top_ids = d.chosen.tolist(), d.top_values.tolist(), d.top_ids.tolist()
+        for j, (i, n) in enumerate(zip(d.rows, d.counts)):
+            self.logprobs[i] = chosen[j]
+            if n:
+                self.top_logprobs[i] = list(zip(top_ids[j][:n], top_values[j][:n]))
+        self.device_logprobs = None
 
 
 class Sampler:
@@ -115,15 +149,11 @@ class Sampler:
             next_ids[sample_rows] = _sample(logits[sample_rows], [reqs[i] for i in sample_rows])
         out = SampleOutput(next_ids, [None] * len(reqs), [None] * len(reqs), accept_grammar_tokens(next_ids, reqs))
 
-        if logprobs is not None:
-            chosen = logprobs.gather(1, next_ids[logprob_rows].unsqueeze(1)).squeeze(1).tolist()
-            k = max(params[i].top_logprobs for i in logprob_rows)
-            top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
-            for j, i in enumerate(logprob_rows):
-                out.logprobs[i] = chosen[j]
-                if params[i].top_logprobs:
-                    n = params[i].top_logprobs
-                    out.top_logprobs[i] = list(zip(top_ids[j][:n], top_values[j][:n]))
+        if logprobs is not None:  # (read on the host's side: `SampleOutput.tolist`)
+            chosen = logprobs.gather(1, next_ids[logprob_rows].unsqueeze(1)).squeeze(1)
+            counts = [params[i].top_logprobs for i in logprob_rows]
+            top_values, top_ids = logprobs.topk(max(counts), dim=-1)
+            out.device_logprobs = DeviceLogprobs(logprob_rows, chosen, top_values, top_ids, counts)
         return out
 
     def sample_apart(
@@ -141,6 +171,7 @@ class Sampler:
                 part = SampleOutput(torch.zeros(len(group), dtype=torch.long), [None] * len(group), [None] * len(group))
                 part.failures = dict.fromkeys(range(len(group)), f"{type(exc).__name__}: {exc}")
             tokens.append(part.next_token_ids.cpu())
+            part.read_logprobs()
             out.logprobs += part.logprobs
             out.top_logprobs += part.top_logprobs
             out.failures.update((group.start + row, why) for row, why in part.failures.items())
@@ -158,6 +189,11 @@ class Sampler:
         prompts = [reqs[i].origin_input_ids if p.repetition_penalty != 1 else [] for i, p in zip(rows, params)]
         seen = _token_counts(prompts, vocab, device) > 0
         counts = _token_counts([reqs[i].output_ids for i in rows], vocab, device)
+        pending = [(j, reqs[i].pending) for j, i in enumerate(rows) if reqs[i].pending is not None]
+        if pending:  # (tokens the host has not seen yet: counted where they are)
+            at = torch.tensor([j for j, _ in pending], device=device)
+            tokens = torch.stack([t for _, t in pending])
+            counts.index_put_((at, tokens), torch.ones(len(pending), device=device), accumulate=True)
         seen |= counts > 0
 
         # (a penalty that is 0 as a float32 divides as the smallest one does)
@@ -212,11 +248,8 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """(len(id_lists), vocab) float counts of each list's ids; ids >= vocab are skipped."""
-    flat = []
-    for row, ids in enumerate(id_lists):
-        ids = torch.tensor(ids, dtype=torch.long)
-        flat.append(ids[ids < vocab] + row * vocab)
-    flat = torch.cat(flat).to(device)
+    flat = [i + row * vocab for row, ids in enumerate(id_lists) for i in ids if i < vocab]
+    flat = torch.tensor(flat, dtype=torch.long, device=device)
     counts = torch.zeros(len(id_lists), vocab, device=device)
     return counts.put_(flat, torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
 
