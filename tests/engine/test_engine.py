@@ -393,3 +393,12 @@ def test_a_script_that_never_shuts_its_engine_down_exits_cleanly(tiny_moe_dir, t
     for _ in range(8):
         done = run_process([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_an_engine_keeps_what_lives_as_long_as_it_out_of_the_collectors_scans_until_shutdown(tiny_dense_dir):
+    """(a decode step's small objects trigger collections; full ones would scan the model, pools and tokenizer
+    again each time: benchmarks/bench_host_overhead.py)"""
+    with vlm_serve.Engine(model=tiny_dense_dir, vit_dp=0) as engine:
+        assert gc.get_freeze_count() > 0
+        assert engine.chat(PROMPT, max_tokens=2).text is not None
+    assert gc.get_freeze_count() == 0  # given back to the collector

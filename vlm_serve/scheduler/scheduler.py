@@ -19,6 +19,7 @@ and health (`stats.py`), and the stages a request may wait in (`grammar_queue.py
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -148,6 +149,14 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         self._idle_checked = True
         self.outputs = OutputStreamer(io, self.tp_rank, server_args.speculating)
         self.disagg = self._init_disaggregation()
+        # What is alive now lives as long as the scheduler (the model, its pools, the tokenizer): frozen out of
+        # the cyclic collector's generations. A decode step makes small objects per request, which trigger
+        # collections, and the full ones would scan all of these again (at batch 160 on a 2-core EPYC, 1.7 ms
+        # of a step with a 3 ms forward). `shutdown` gives them back to the collector, or the interpreter's exit
+        # (whose last collection must free them).
+        gc.collect()
+        gc.freeze()
+        weakref.finalize(self, gc.unfreeze)
 
     def _init_tree_cache(self) -> RadixCache:
         """The prefix cache; with --enable-hierarchical-cache over a host-memory tier, whose copies run in
@@ -229,6 +238,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         return side(self, backend, records)
 
     def shutdown(self) -> None:
+        gc.unfreeze()
         if self.disagg is not None:
             self.disagg.backend.close()
         if self.storage_prefetch is not None:
