@@ -42,7 +42,7 @@ kit() {  # kit NAME SHARE-OF-THE-TIME-LEFT(%) ARGS...: one run of the kit, its r
     local name=$1 share=$2
     shift 2
     timeout $(( $(left) * share / 100 )) python3 -m vlm_serve.tools.gpu_check "$OUT/$name" "$@" 2>&1 \
-        | tee "$OUT/$name.log" | grep -E '^\[|^device|^FAIL'
+        | tee "$OUT/$name.log" | grep -E '^\[|^device|^FAIL|error'
 }
 steps=(${STEPS//,/ })
 for step in "${steps[@]}"; do
