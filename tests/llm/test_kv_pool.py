@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
@@ -43,3 +46,32 @@ def test_freeing_a_requests_slots_returns_its_pages():
     assert alloc.available_size() == 16 - 4
     alloc.free(slots[5:])
     assert alloc.available_size() == 16
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_extends_of_many_requests_get_their_own_slots_page_by_page(page_size):
+    rng = random.Random(page_size)
+    alloc = TokenToKVPoolAllocator(size=4096, page_size=page_size, device=torch.device("cpu"))
+    held: dict[int, list[int]] = {}  # request -> its slots, position by position
+    for _ in range(20):
+        reqs = rng.sample(range(12), rng.randint(1, 5))
+        prefix_lens = [len(held.get(r, [])) for r in reqs]
+        seq_lens = [p + rng.choice([1, 2, page_size - 1, page_size + 3, 37]) for p in prefix_lens]
+        last_locs = [held[r][-1] if held.get(r) else 0 for r in reqs]
+        before = alloc.available_size()
+        slots = alloc.alloc_extend(prefix_lens, seq_lens, last_locs).tolist()
+        assert len(slots) == sum(s - p for p, s in zip(prefix_lens, seq_lens))
+        for r, p, s in zip(reqs, prefix_lens, seq_lens):
+            mine, slots = slots[: s - p], slots[s - p :]
+            for position, slot in enumerate(mine, start=p):
+                # a page's slots hold consecutive positions: a position starting a page starts a fresh one
+                if position % page_size:
+                    previous = held[r][-1] if position == p else mine[position - p - 1]
+                    assert slot == previous + 1
+                else:
+                    assert slot % page_size == 0 and slot > 0
+            held.setdefault(r, []).extend(mine)
+        every = [slot for slots in held.values() for slot in slots]
+        assert len(set(every)) == len(every)
+        pages_opened = sum(-(-s // page_size) - -(-p // page_size) for p, s in zip(prefix_lens, seq_lens))
+        assert alloc.available_size() == before - pages_opened * page_size

@@ -92,7 +92,10 @@ def encode_tasks(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patche
 @torch.inference_mode()
 def _forward(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> tuple[list[VisionOutput], float]:
     start = time.perf_counter()
-    pixels = torch.cat([t.pixel_values for t in tasks])
+    device = visual.pos_embed.weight.device
+    # (on the device before they are joined: a host-side cat would copy every picture once more)
+    pixels = [t.pixel_values.to(device) for t in tasks]
+    pixels = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
     grids = [t.grid_thw for t in tasks]
     if any(t.lora is not None for t in tasks):
         adapters: TowerLoRA | None = visual.adapters

@@ -7,6 +7,7 @@ allocation.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -51,21 +52,21 @@ class TokenToKVPoolAllocator:
         pages = self._take_pages(need_pages)
         if pages is None:
             return None
-        out: list[torch.Tensor] = []
-        page_iter = iter(pages)
+        # Built with numpy in one pass per request: a torch op per page cost ~10 us, 10-35 ms for a picture's
+        # thousand-token prompt at page_size 1.
+        page_slots = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
+        out: list[np.ndarray] = []
+        taken = 0  # slots of page_slots handed out
         for prefix_len, seq_len, last_loc in zip(prefix_lens, seq_lens, last_locs):
-            pos = prefix_len
             tail = min(seq_len, -(-prefix_len // ps) * ps)  # fill the rest of the current page first
-            if tail > pos:
-                out.append(torch.arange(last_loc + 1, last_loc + 1 + tail - pos))
-                pos = tail
-            while pos < seq_len:
-                n = min(ps, seq_len - pos)
-                out.append(torch.arange(n) + next(page_iter) * ps)
-                pos += n
-        if not out:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        return torch.cat(out).to(self.device)
+            if tail > prefix_len:
+                out.append(np.arange(last_loc + 1, last_loc + 1 + tail - prefix_len))
+            fresh = seq_len - max(tail, prefix_len)
+            if fresh > 0:
+                out.append(page_slots[taken : taken + fresh])
+                taken += -(-fresh // ps) * ps
+        slots = np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+        return torch.from_numpy(slots.astype(np.int64, copy=False)).to(self.device)
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
         """One slot per request for its token at position seq_len-1 (the per-step hot path)."""

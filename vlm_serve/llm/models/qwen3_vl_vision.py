@@ -235,9 +235,9 @@ class Qwen3VLVisionModel(nn.Module):
                 row += patches
         outs = []
         for pieces in passes:
-            rows = torch.cat([torch.arange(r, r + t * h * w) for r, (t, h, w), _ in pieces])
+            first, (last, (t, h, w), _) = pieces[0][0], pieces[-1]  # a pass's pieces are consecutive rows
             pass_slots = [s for _, _, s in pieces] if slots is not None else None
-            outs.append(self(pixel_values[rows], [g for _, g, _ in pieces], pass_slots))
+            outs.append(self(pixel_values[first : last + t * h * w], [g for _, g, _ in pieces], pass_slots))
         return VisionOutput.cat(outs)
 
     def _pos_embed(self, grid: Grid) -> torch.Tensor:
