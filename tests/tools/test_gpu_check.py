@@ -41,11 +41,15 @@ def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
         "decode_batch_1",
         "decode_batch_4",
         "ttft_ms_1024px_picture",
+        "preprocess_ms_by_stage",
     }
     # a step reads the same weights at batch 4, and more KV: less time per token, more bytes per step
     assert dense["decode_batch_4"]["mb_per_step"] >= dense["decode_batch_1"]["mb_per_step"] > 0
     ttft = dense["ttft_ms_1024px_picture"]
     assert ttft["tower"] > 0 and abs(ttft["engine"] - ttft["tower"] - ttft["prefill_and_rest"]) < 0.11  # (rounded)
+    # a JPEG's bytes are decoded, hashed and patchified; each stage's time is within the preprocessing's
+    stages = dense["preprocess_ms_by_stage"]
+    assert all(v > 0 for v in stages.values()) and sum(stages.values()) <= ttft["preprocess"] + 0.15
     for name in ("dense tiny ITL, encoder pool", "dense tiny ITL, inline"):
         assert figures[name]["itl_p99_ms"] >= figures[name]["itl_p50_ms"] > 0
     assert "aten::" in (tmp_path / "profile-cpu.txt").read_text()

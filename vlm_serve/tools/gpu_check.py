@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import platform
 import random
@@ -387,10 +388,18 @@ def _text_prompts(engine, count: int, first: int = 0, length: int = 32) -> list:
     return [engine.processor.process_messages(c, add_generation_prompt=True) for c in conversations]
 
 
-def _picture(engine, seed: int, side: int = 1024):
+def _upload(seed: int, side: int = 1024) -> bytes:
+    """A `side` x `side` picture as a user sends it: a JPEG file's bytes."""
     from vlm_serve.testing.media import make_image
 
-    content = [{"type": "image", "image": make_image(side, side, seed=seed)}, {"type": "text", "text": "Describe it."}]
+    buffer = io.BytesIO()
+    make_image(side, side, seed=seed).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _picture(engine, upload: bytes):
+    """`upload` asked about: decoded, preprocessed and tokenized as the server does."""
+    content = [{"type": "image", "image": upload}, {"type": "text", "text": "Describe it."}]
     return engine.processor.process_messages([{"role": "user", "content": content}], add_generation_prompt=True)
 
 
@@ -426,8 +435,9 @@ def decode_figures(engine, batches: tuple[int, ...], tokens: int) -> dict:
             }
         figures[f"decode_batch_{batch}"] = row
     for seed in (1, 2):
+        upload = _upload(seed)  # (made before the clock starts: drawing the picture is no part of serving it)
         began = time.perf_counter()
-        picture = _picture(engine, seed)
+        picture = _picture(engine, upload)
         preprocess = time.perf_counter() - began
         began = time.perf_counter()
         out = engine.generate_processed([picture], max_tokens=1, temperature=0)[0]
@@ -438,6 +448,10 @@ def decode_figures(engine, batches: tuple[int, ...], tokens: int) -> dict:
     split["with_preprocess"] = ttft + preprocess
     figures["ttft_ms_1024px_picture"] = {k: round(1000 * v, 1) for k, v in split.items()}
     figures["ttft_ms_1024px_picture"] |= {"patches": patches, "prompt_tokens": len(picture.input_ids)}
+    stages = picture.mm_items[0].timings  # the preprocessing's own split (a JPEG's bytes to patches)
+    figures["preprocess_ms_by_stage"] = {
+        k: round(1000 * getattr(stages, k), 1) for k in ("decode", "hash", "preprocess")
+    }
     if peaks is not None:
         bound = {
             "tower": roofline.tower_flops(engine.model_config, patches) / peaks[1],
@@ -450,6 +464,8 @@ def decode_figures(engine, batches: tuple[int, ...], tokens: int) -> dict:
 def itl_while_pictures_arrive(engine, decoding: int = 8, pictures: int = 6, tokens: int = 160) -> dict:
     """Gaps between the decode steps of `decoding` text requests while `pictures` 1024 x 1024 pictures
     arrive (one each 16 steps): their p50 and p99 in ms."""
+    # preprocessed before the clock starts, as a server's tokenizer process does beside the scheduler
+    arriving = [_picture(engine, _upload(100 + i)) for i in range(pictures)]
     submissions = [
         engine.submit(p, max_tokens=tokens, ignore_eos=True, temperature=0) for p in _text_prompts(engine, decoding)
     ]
@@ -459,7 +475,7 @@ def itl_while_pictures_arrive(engine, decoding: int = 8, pictures: int = 6, toke
     produced = sum(len(c.outs) for s in submissions for c in s.choices)
     while not all(s.done for s in submissions):
         if step % 16 == 0 and sent < pictures:
-            engine.submit(_picture(engine, 100 + sent), max_tokens=1, temperature=0)
+            engine.submit(arriving[sent], max_tokens=1, temperature=0)
             sent += 1
         engine.step()
         step += 1
@@ -502,7 +518,7 @@ def run_figures(check: Check, device: torch.device, size: str) -> None:
 
         def itl(vit_dp=vit_dp, name=name) -> str:
             with Engine(path, load_format="dummy", device=device.type, dtype=dtype, vit_dp=vit_dp) as engine:
-                engine.generate_processed([_picture(engine, 99)], max_tokens=1, temperature=0)  # warm-up
+                engine.generate_processed([_picture(engine, _upload(99))], max_tokens=1, temperature=0)  # warm-up
                 figures[f"dense {size} ITL, {name}"] = itl_while_pictures_arrive(engine, tokens=2 * tokens)
             return json.dumps(figures[f"dense {size} ITL, {name}"])
 
@@ -589,8 +605,8 @@ def run_profile(check: Check, device: torch.device, size: str) -> None:
                         )
                         trace.export_chrome_trace(str(check.out / "trace-batch1.json"))
                         subprocess.run(["gzip", "-f", str(check.out / "trace-batch1.json")], check=False)
-                engine.generate_processed([_picture(engine, 1)], max_tokens=1, temperature=0)  # warm-up
-                prompt = _picture(engine, 2)
+                engine.generate_processed([_picture(engine, _upload(1))], max_tokens=1, temperature=0)  # warm-up
+                prompt = _picture(engine, _upload(2))
                 with profile(activities=activities) as trace:
                     began = time.perf_counter()
                     engine.generate_processed([prompt], max_tokens=1, temperature=0)
