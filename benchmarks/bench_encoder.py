@@ -67,7 +67,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -179,7 +179,7 @@ def throughput_items(path: Path, count: int, seed: int) -> list[MultimodalItem]:
 
 def fresh_tasks(items: list[MultimodalItem]) -> list[EncodeTask]:
     """Tasks with their own copy of the pixels (a pool moves each new tensor into shared memory)."""
-    return [EncodeTask(item.hash, item.grid_thw, item.pixel_values.clone()) for item in items]
+    return [EncodeTask(item.hash, item.grid_thw, replace(item.pixels, data=item.pixels.data.clone())) for item in items]
 
 
 def rank_cpu_seconds(pool: EncoderPool) -> float:

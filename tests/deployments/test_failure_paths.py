@@ -22,6 +22,7 @@ from vlm_serve.encoder.encoder import EncodeTask
 from vlm_serve.encoder.pool import EncoderPool
 from vlm_serve.engine import Engine
 from vlm_serve.errors import BadRequest, InternalError, ServiceUnavailable
+from vlm_serve.multimodal.pixels import PatchPixels
 from vlm_serve.testing.media import make_image
 
 MAX_TOKENS = 6
@@ -41,7 +42,7 @@ def test_work_never_goes_to_a_rank_known_to_be_dead(tiny_moe_dir):
         os.kill(dead.pid, signal.SIGKILL)
         select.select([dead.pidfd], [], [], 30)  # (readable once it has exited)
         gen = torch.Generator().manual_seed(0)
-        tasks = [EncodeTask(i, (1, 8, 8), torch.randn(64, 1536, generator=gen)) for i in range(3)]
+        tasks = [EncodeTask(i, (1, 8, 8), PatchPixels(torch.randn(64, 1536, generator=gen))) for i in range(3)]
         pool.submit(tasks)
         assert not dead.jobs and sum(map(len, pool.ranks[1].jobs.values())) == 3
         results = []

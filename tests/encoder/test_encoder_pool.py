@@ -19,6 +19,7 @@ from vlm_serve.encoder.pool import EncoderPool
 from vlm_serve.engine import Engine
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
 from vlm_serve.multimodal.items import MultimodalItem
+from vlm_serve.multimodal.pixels import PatchPixels
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.process import llm_threads
 from vlm_serve.scheduler.schedule_batch import Req
@@ -44,7 +45,7 @@ def media(tiny_moe_dir, tmp_path_factory) -> list[MultimodalItem]:
 
 
 def _tasks(items: list[MultimodalItem]) -> list[EncodeTask]:
-    return [EncodeTask(it.hash, it.grid_thw, it.pixel_values) for it in items]
+    return [EncodeTask(it.hash, it.grid_thw, it.pixels) for it in items]
 
 
 def _encode_all(encoder: VisionEncoder, items: list[MultimodalItem]) -> dict[int, EncodeResult]:
@@ -147,7 +148,13 @@ def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, medi
     pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
     try:
         grid = (4, 64, 64)  # a second or so of encoding
-        pool.submit([EncodeTask(7, grid, torch.randn(4 * 64 * 64, 1536, generator=torch.Generator().manual_seed(0)))])
+        pool.submit(
+            [
+                EncodeTask(
+                    7, grid, PatchPixels(torch.randn(4 * 64 * 64, 1536, generator=torch.Generator().manual_seed(0)))
+                )
+            ]
+        )
         results = []
         for attempt in range(2):
             deadline = time.monotonic() + 120
@@ -175,7 +182,7 @@ def test_a_pool_shut_down_while_its_ranks_read_their_jobs_says_nothing(tiny_moe_
     gen = torch.Generator().manual_seed(0)
     for _ in range(10):
         pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=2), CPU)
-        pool.submit([EncodeTask(k, (1, 8, 8), torch.randn(64, 1536, generator=gen)) for k in range(8)])
+        pool.submit([EncodeTask(k, (1, 8, 8), PatchPixels(torch.randn(64, 1536, generator=gen))) for k in range(8)])
         pool.shutdown()
     assert capfd.readouterr().err == ""
 

@@ -18,6 +18,8 @@ from vlm_serve.llm.layers.attention import TorchAttnBackend, create_attention_ba
 from vlm_serve.llm.layers.attention.flashinfer_backend import padded_decode_indices
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from vlm_serve.multimodal.image_processor import image_normalizer
+from vlm_serve.multimodal.pixels import PatchPixels, PixelNormalizer
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 
@@ -164,3 +166,16 @@ def test_the_moe_block_on_cuda_gives_the_same_output_every_time():
     with torch.no_grad():
         first = moe(x)
         assert all(torch.equal(moe(x), first) for _ in range(5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("frames", [1, 2])
+def test_pixel_values_made_on_cuda_equal_the_hosts_bit_for_bit(frames):
+    """A picture's bytes become the tower's values on its device: by the affine passes or the table, the same
+    float32 values as on the host (which equal transformers')."""
+    affine = image_normalizer(1 / 255, (0.5,) * 3, (0.5,) * 3)
+    table_only = PixelNormalizer(torch.from_numpy(affine.table), [])
+    data = torch.randint(0, 256, (64, 3, frames, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for normalizer in (affine, table_only):
+        pixels = PatchPixels(data, 2, normalizer)
+        assert torch.equal(pixels.values("cuda").cpu(), pixels.values("cpu"))

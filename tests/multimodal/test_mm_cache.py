@@ -265,7 +265,7 @@ def test_a_repeated_image_skips_decoding_and_equals_fresh_processing(cached, unc
     second = cached.process(prompt, images=[data_url(png_file.read_bytes())])
     assert len(decodes) == 1
     assert (cached.cache.hits, cached.cache.misses) == (1, 1)
-    assert cached.cache.usage_bytes == first.mm_items[0].pixel_values.nbytes
+    assert cached.cache.usage_bytes == first.mm_items[0].pixels.nbytes
     reference = uncached.process(prompt, images=[str(png_file)])
     assert second.input_ids == reference.input_ids
     assert_same_item(second.mm_items[0], reference.mm_items[0])
@@ -312,8 +312,8 @@ def test_a_repeated_video_skips_decoding_and_equals_fresh_processing(cached, unc
 def test_a_tiny_budget_keeps_the_processor_cache_within_it(tiny_dense_dir, tokenizer):
     processor = MultimodalProcessor.from_pretrained(tiny_dense_dir, tokenizer, cache_mb=1)
     for seed in range(6):
-        item = processor.process(ONE_IMAGE, images=[make_image(128, 128, seed=seed)]).mm_items[0]
-        assert item.pixel_values.nbytes > 300_000  # so that three do not fit in 1 MB
+        item = processor.process(ONE_IMAGE, images=[make_image(384, 384, seed=seed)]).mm_items[0]
+        assert item.pixels.nbytes > 300_000  # so that three do not fit in 1 MB
         assert processor.cache.usage_bytes <= 1 << 20
     assert processor.cache.evictions == 4 and len(processor.cache) == 2
 

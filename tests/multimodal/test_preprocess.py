@@ -242,6 +242,19 @@ def test_image_modes_match_transformers(hf_image, image_processor, mode):
     assert_same_image(image_processor.preprocess(image), hf_image(image, return_tensors="np"))
 
 
+@pytest.mark.parametrize("mode, widened", [("RGB", 1), ("L", 3)])
+def test_an_image_is_handed_over_as_its_bytes_and_its_values_made_where_asked(hf_image, image_processor, mode, widened):
+    """The item holds the picture's uint8 patches, an eighth of its float32 values (one frame for the
+    tower's two, a byte for four; a grayscale picture one channel for three): the values are made from
+    them on the device asked, transformers' own."""
+    image = noise_image(90, 130, mode, seed=5)
+    item = image_processor.preprocess(image)
+    values = item.pixels.values("cpu")
+    assert item.pixels.data.dtype == torch.uint8 and item.pixels.values_shape == values.shape
+    assert item.pixels.nbytes * 8 * widened == values.nbytes
+    assert np.array_equal(values.numpy(), np.asarray(hf_image(image, return_tensors="np")["pixel_values"]))
+
+
 @pytest.mark.parametrize("height, width", [(50, 50), (700, 1100), (3000, 20)])
 def test_image_qwen3_vl_budget_matches_transformers(height, width):
     min_pixels, max_pixels = QWEN3_VL_IMAGE_BUDGET

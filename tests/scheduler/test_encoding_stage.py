@@ -3,6 +3,7 @@ pins, errors, and the per-item timings."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 
@@ -165,7 +166,7 @@ def test_a_picture_arriving_while_requests_run_is_encoded_beside_them_on_its_sha
 def test_pixel_values_that_do_not_fit_the_grid_are_rejected(engine):
     x = engine.processor.process_messages(_conv(make_image(64, 64)))
     item = x.mm_items[0]
-    item.pixel_values = item.pixel_values[:-1]
+    item.pixels = dataclasses.replace(item.pixels, data=item.pixels.data[:-1])
     with pytest.raises(ValueError, match=r"pixel values of shape .* do not match its grid"):
         engine.generate_processed([x], max_tokens=1)
 

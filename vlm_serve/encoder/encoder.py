@@ -20,6 +20,7 @@ import torch
 from vlm_serve.llm.kernels import set_thread_team
 from vlm_serve.llm.lora.adapter import TowerAdapter, TowerLoRA
 from vlm_serve.llm.models.qwen3_vl_vision import Grid, Qwen3VLVisionModel, VisionOutput
+from vlm_serve.multimodal.pixels import PatchPixels
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -32,7 +33,7 @@ class EncodeTask:
 
     key: int
     grid_thw: Grid
-    pixel_values: torch.Tensor
+    pixels: PatchPixels
     lora: TowerAdapter | None = None
     submitted: float = 0.0  # time.monotonic() when handed to the encoder (the clock is system-wide)
     attempts: int = 0  # encoder ranks that died while holding it
@@ -93,8 +94,8 @@ def encode_tasks(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patche
 def _forward(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> tuple[list[VisionOutput], float]:
     start = time.perf_counter()
     device = visual.pos_embed.weight.device
-    # (on the device before they are joined: a host-side cat would copy every picture once more)
-    pixels = [t.pixel_values.to(device) for t in tasks]
+    # (the values are made on the device from the bytes: a picture's values, 8 times their size, never cross)
+    pixels = [t.pixels.values(device) for t in tasks]
     pixels = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
     grids = [t.grid_thw for t in tasks]
     if any(t.lora is not None for t in tasks):

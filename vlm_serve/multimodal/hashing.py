@@ -50,11 +50,12 @@ def media_hash(data: bytes | Path | Image.Image | tuple[bytes, ...], modality: M
 
 
 def item_hash(item: MultimodalItem) -> int:
-    """128-bit hash of what determines an item's embeddings: its modality, grid and pixel values
-    (for items built without the processor, which sets `hash` itself)."""
+    """128-bit hash of what determines an item's embeddings: its modality, grid and pixels (for items built
+    without the processor, which sets `hash` itself)."""
+    data = item.pixels.data
     h = xxhash.xxh3_128()
-    h.update(f"{item.modality}:{item.grid_thw}:{item.pixel_values.dtype}".encode())
-    h.update(item.pixel_values.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(f"{item.modality}:{item.grid_thw}:{data.dtype}:{tuple(data.shape)}".encode())
+    h.update(data.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.intdigest()
 
 

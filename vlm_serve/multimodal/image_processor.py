@@ -4,10 +4,11 @@ The output equals transformers' `Qwen2VLImageProcessorPil` (the PIL backend Qwen
 for images) bit for bit: the same RGB conversion and Pillow resize, and values computed from the
 resized uint8 pixels exactly as `(v * rescale_factor - mean) / std` is computed there (float64 product
 rounded to float32, then float32 arithmetic). It is faster because it does less after the resize: the
-uint8 pixels are patchified as bytes, written once as float32 straight into the final layout (both
-temporal copies), and normalised in place — by a division and a subtraction when these reproduce
-the reference value of all 256 bytes bit for bit (they do for Qwen3-VL's mean = std = 0.5), otherwise
-by a 256-entry per-channel table. Grayscale images are resized as one band.
+uint8 pixels are patchified as bytes, and stay bytes (`PatchPixels`) until the vision tower's device
+writes them once as float32 straight into the final layout (both temporal copies) and normalises them in
+place — by a division and a subtraction when these reproduce the reference value of all 256 bytes bit
+for bit (they do for Qwen3-VL's mean = std = 0.5), otherwise by a 256-entry per-channel table.
+Grayscale images are resized as one band.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from PIL import Image
 from vlm_serve.errors import MediaError
 from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.multimodal.media import check_image_size, has_transparency, to_rgb
+from vlm_serve.multimodal.pixels import PatchPixels, PixelNormalizer
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -191,46 +193,6 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 # -- values ------------------------------------------------------------------------------------------
 
 
-class PixelNormalizer:
-    """Maps byte values to normalised float32 values through a per-channel table, in place.
-
-    `table[c, v]` is the reference value of byte `v` in channel `c`. Each candidate is
-    `(order, first, second)` with `(C, 1)` float32 constants: "div_sub" computes `v / first - second`,
-    "sub_div" `(v - first) / second`. The first candidate that reproduces every table entry bit for bit
-    is used instead of a lookup (two in-place passes are cheaper than a gather); without one, values
-    are gathered from the table.
-    """
-
-    def __init__(self, table: torch.Tensor, candidates: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        self.table = table.contiguous()
-        byte_values = torch.arange(256, dtype=torch.float32).expand(table.shape[0], 256)
-        self._affine = None
-        for candidate in candidates:
-            values = byte_values.clone()
-            self._apply_affine(candidate, values)
-            if torch.equal(values, self.table):
-                self._affine = candidate
-                break
-
-    @staticmethod
-    def _apply_affine(candidate: tuple[str, torch.Tensor, torch.Tensor], values: torch.Tensor) -> None:
-        order, first, second = candidate
-        if order == "div_sub":
-            values.div_(first).sub_(second)
-        else:
-            values.sub_(first).div_(second)
-
-    def normalize_(self, values: torch.Tensor) -> None:
-        """Replace the byte values (0..255, as float32) of a contiguous `(..., C, K)` tensor by their
-        normalised values."""
-        if self._affine is not None:
-            self._apply_affine(self._affine, values)
-            return
-        offsets = torch.arange(values.shape[-2], dtype=torch.int64).view(-1, 1) * 256
-        index = values.to(torch.int64).add_(offsets)
-        values.copy_(self.table.view(-1)[index])
-
-
 def image_normalizer(rescale_factor: float, mean: tuple[float, ...], std: tuple[float, ...]) -> PixelNormalizer:
     """Values as transformers' PIL backend computes them: float32(v * rescale_factor), then (x - mean) / std."""
     rescaled = (np.arange(256, dtype=np.float64) * rescale_factor).astype(np.float32)
@@ -243,21 +205,22 @@ def image_normalizer(rescale_factor: float, mean: tuple[float, ...], std: tuple[
     return PixelNormalizer(table, [("div_sub", divisor, offset), ("sub_div", scaled_mean, divisor)])
 
 
-def meta_pixel_values(grid_thw: tuple[int, int, int], patch_size: int, temporal_patch_size: int) -> torch.Tensor:
-    """A `meta` tensor of the shape (and dtype) of the pixel values of an item of `grid_thw`: a pixel-free
-    item's stand-in, which holds no memory."""
+def meta_pixels(grid_thw: tuple[int, int, int], patch_size: int, temporal_patch_size: int) -> PatchPixels:
+    """`meta` pixels of the shape (and dtype) of an item of `grid_thw`: a pixel-free item's stand-in, which
+    holds no memory."""
     t, h, w = grid_thw
-    return torch.empty((t * h * w, 3 * temporal_patch_size * patch_size**2), dtype=torch.float32, device="meta")
+    data = torch.empty((t * h * w, 3, 1, patch_size**2), dtype=torch.uint8, device="meta")
+    return PatchPixels(data, temporal_patch_size)
 
 
 def patchify(
     pixels: np.ndarray, normalizer: PixelNormalizer, patch_size: int, merge_size: int, temporal_patch_size: int
-) -> torch.Tensor:
-    """`(h, w, C)` or `(h, w)` uint8 pixels of one image -> `(h/P * w/P, 3 * T * P * P)` float32 patches.
+) -> PatchPixels:
+    """`(h, w, C)` or `(h, w)` uint8 pixels of one image -> its `h/P * w/P` patches, as bytes.
 
     Patches are ordered merge window by merge window (row-major windows, row-major patches inside a
-    window); each row is channel, time, patch row, patch column with the image repeated T times.
-    A 2-D (grayscale) input is treated as three equal channels.
+    window); each patch is channel, patch row, patch column, its values the image repeated T times. A 2-D
+    (grayscale) input stays one channel: its values are three equal ones.
     """
     height, width = pixels.shape[:2]
     grid_h, grid_w = height // patch_size, width // patch_size
@@ -266,13 +229,8 @@ def patchify(
         patches = pixels.reshape(*blocks, pixels.shape[2]).transpose(0, 3, 1, 4, 6, 2, 5)
     else:
         patches = pixels.reshape(blocks).transpose(0, 3, 1, 4, 2, 5)[:, :, :, :, None]
-    num_patches, area = grid_h * grid_w, patch_size * patch_size
-    patch_bytes = torch.from_numpy(np.array(patches, order="C")).view(num_patches, -1, 1, area)
-    # numpy allocates large arrays on huge pages: far fewer page faults than torch.empty for fresh memory.
-    out = torch.from_numpy(np.empty((num_patches, 3, temporal_patch_size, area), dtype=np.float32))
-    out.copy_(patch_bytes.expand_as(out))
-    normalizer.normalize_(out.view(num_patches, 3, -1))
-    return out.view(num_patches, -1)
+    data = torch.from_numpy(np.array(patches, order="C")).view(grid_h * grid_w, -1, 1, patch_size * patch_size)
+    return PatchPixels(data, temporal_patch_size, normalizer)
 
 
 # -- processor ---------------------------------------------------------------------------------------
@@ -302,19 +260,17 @@ class ImageProcessor:
             image = image.resize((width, height), resample=config.resample)
         shape = (height, width, 3) if image.mode == "RGB" else (height, width)
         pixels = np.frombuffer(image.tobytes(), dtype=np.uint8).reshape(shape)
-        pixel_values = patchify(
-            pixels, self._normalizer, config.patch_size, config.merge_size, config.temporal_patch_size
-        )
-        return MultimodalItem("image", pixel_values, _grid(height, width, config))
+        patches = patchify(pixels, self._normalizer, config.patch_size, config.merge_size, config.temporal_patch_size)
+        return MultimodalItem("image", patches, _grid(height, width, config))
 
     def describe(
         self, width: int, height: int, min_pixels: int | None = None, max_pixels: int | None = None
     ) -> MultimodalItem:
-        """The item `preprocess` makes of a `width` x `height` image, with `meta` pixel values: its grid,
+        """The item `preprocess` makes of a `width` x `height` image, with `meta` pixels: its grid,
         for which no pixel is needed."""
         config = self.config.with_overrides(min_pixels, max_pixels)
         grid = _grid(*self._target_size(width, height, config), config)
-        return MultimodalItem("image", meta_pixel_values(grid, config.patch_size, config.temporal_patch_size), grid)
+        return MultimodalItem("image", meta_pixels(grid, config.patch_size, config.temporal_patch_size), grid)
 
     @staticmethod
     def _target_size(width: int, height: int, config: ImageProcessorConfig) -> tuple[int, int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from vlm_serve.multimodal.pixels import PatchPixels
+
 if TYPE_CHECKING:
     import torch
 
@@ -33,21 +35,31 @@ class MediaTimings:
 class MultimodalItem:
     """One image or video after preprocessing.
 
-    `pixel_values` is `(t * h * w, C * temporal_patch * patch * patch)` in patch order (the layout the
-    vision tower's 3D patch embedding expects) and `grid_thw` is `(t, h, w)` in patches. In the prompt
-    ids the item occupies `spans`: `(start, end)` runs of its placeholder token. An image has one span;
-    a video has one span per temporal patch group, separated by its timestamp text. A pixel-free item
-    (made for a PD decode server, which never runs the vision tower) has a `meta` tensor of that shape
-    instead, and the same grid, spans, timestamps and hash.
+    `pixels` are its patches, kept as bytes until the vision tower makes their values
+    (`pixel_values`: `(t * h * w, C * temporal_patch * patch * patch)` in patch order, the layout of the
+    tower's 3D patch embedding), and `grid_thw` is `(t, h, w)` in patches. A tensor given as `pixels` is
+    taken as those values. In the prompt ids the item occupies `spans`: `(start, end)` runs of its
+    placeholder token. An image has one span; a video has one span per temporal patch group, separated by
+    its timestamp text. A pixel-free item (made for a PD decode server, which never runs the vision tower)
+    has `meta` pixels of the shape instead, and the same grid, spans, timestamps and hash.
     """
 
     modality: Modality
-    pixel_values: torch.Tensor
+    pixels: PatchPixels
     grid_thw: tuple[int, int, int]
     spans: list[tuple[int, int]] = field(default_factory=list)
     timestamps: list[float] | None = None  # video: seconds of each temporal patch group
     hash: int | None = None  # content hash (set by mm_cache); keys the caches and the pad value
     timings: MediaTimings = field(default_factory=MediaTimings)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pixels, PatchPixels):
+            self.pixels = PatchPixels(self.pixels)
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """The float32 values the vision tower reads, made on the host (a `meta` tensor if pixel-free)."""
+        return self.pixels.values()
 
     def num_tokens(self, merge_size: int) -> int:
         t, h, w = self.grid_thw

@@ -18,7 +18,7 @@ without its bytes (see `MultimodalProcessor`).
 
 A pixel-free processor (`pixels=False`, a PD decode server's, which never runs the vision tower) reads
 only each item's header: image size and EXIF orientation, video frame count, rate and size. Its ids,
-grids, spans, timestamps and hashes are the full processor's; its pixel values are `meta` tensors.
+grids, spans, timestamps and hashes are the full processor's; its pixels are `meta` tensors.
 """
 
 from __future__ import annotations
@@ -394,10 +394,10 @@ class _UuidIndex:
 
 
 def _cached_bytes(item: MultimodalItem) -> int:
-    """The memory a processed item holds: its pixel values, or a pixel-free item's grid and timestamps."""
-    if item.pixel_values.is_meta:
+    """The memory a processed item holds: its pixels, or a pixel-free item's grid and timestamps."""
+    if item.pixels.is_meta:
         return 256 + 32 * len(item.timestamps or ())
-    return item.pixel_values.nbytes
+    return item.pixels.nbytes
 
 
 def _required_token_id(tokenizer: Tokenizer, token: str) -> int:

@@ -35,10 +35,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vlm_serve.multimodal.image_processor import (
-    PixelNormalizer,
     check_aspect_ratio,
     load_json,
-    meta_pixel_values,
+    meta_pixels,
     positive_float,
     read_pixel_limits,
     reject_disabled_steps,
@@ -59,6 +58,7 @@ from vlm_serve.multimodal.media import (
     read_media,
     to_rgb,
 )
+from vlm_serve.multimodal.pixels import PatchPixels, PixelNormalizer
 
 DEFAULT_VIDEO_FPS = 24.0  # assumed when a stream states no frame rate, as transformers does
 FRAME_LIST_FPS = 1.0  # the rate of a video sent as a list of frames, as vLLM assumes it
@@ -215,8 +215,8 @@ def video_normalizer(rescale_factor: float, mean: tuple[float, ...], std: tuple[
 
 def patchify_video(
     frames: torch.Tensor, normalizer: PixelNormalizer, patch_size: int, merge_size: int, temporal_patch_size: int
-) -> torch.Tensor:
-    """`(F, 3, h, w)` uint8 frames (F a multiple of T) -> `(F/T * h/P * w/P, 3 * T * P * P)` float32."""
+) -> PatchPixels:
+    """`(F, 3, h, w)` uint8 frames (F a multiple of T) -> their `F/T * h/P * w/P` patches, as bytes."""
     num_frames, channels, height, width = frames.shape
     grid_t, grid_h, grid_w = num_frames // temporal_patch_size, height // patch_size, width // patch_size
     patches = frames.view(
@@ -230,11 +230,8 @@ def patchify_video(
         merge_size,
         patch_size,
     ).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    num_patches = grid_t * grid_h * grid_w
-    out = torch.from_numpy(np.empty((num_patches, channels, temporal_patch_size * patch_size**2), dtype=np.float32))
-    out.view(patches.shape).copy_(patches)
-    normalizer.normalize_(out)
-    return out.view(num_patches, -1)
+    data = patches.contiguous().view(grid_t * grid_h * grid_w, channels, temporal_patch_size, patch_size**2)
+    return PatchPixels(data, temporal_patch_size, normalizer)
 
 
 # -- decoding ----------------------------------------------------------------------------------------
@@ -349,7 +346,7 @@ class VideoProcessor:
         pixels: bool = True,
     ) -> MultimodalItem:
         """Decode `source` (bytes, path, `data:` URL), sample frames by fps and build the video item.
-        With `pixels` False, the same item without pixels (`meta` pixel values): its grid and
+        With `pixels` False, the same item without pixels (`meta` pixels): its grid and
         timestamps, from the container's frame count, rate and size; no frame is decoded.
         The item's `timings` get the probing, the decoding and the resizing/normalising time."""
         config = self.config.with_overrides(min_pixels, max_pixels, fps, max_frames)
@@ -477,15 +474,15 @@ class VideoProcessor:
         pixels: list[torch.Tensor] | None = None,
     ) -> MultimodalItem:
         """The item of the frames at `indices`, resized to `size`: with their `pixels` patchified, or
-        without pixels (`meta` pixel values)."""
+        without pixels (`meta` pixels)."""
         temporal = config.temporal_patch_size
         grid = (-(-len(indices) // temporal), size[0] // config.patch_size, size[1] // config.patch_size)
         if pixels is None:
-            pixel_values = meta_pixel_values(grid, config.patch_size, temporal)
+            patches = meta_pixels(grid, config.patch_size, temporal)
         else:
             frames = torch.stack(pixels + [pixels[-1]] * (-len(pixels) % temporal))
-            pixel_values = patchify_video(frames, self._normalizer, config.patch_size, config.merge_size, temporal)
-        return MultimodalItem("video", pixel_values, grid, timestamps=group_timestamps(indices, video_fps, temporal))
+            patches = patchify_video(frames, self._normalizer, config.patch_size, config.merge_size, temporal)
+        return MultimodalItem("video", patches, grid, timestamps=group_timestamps(indices, video_fps, temporal))
 
 
 def write_video(

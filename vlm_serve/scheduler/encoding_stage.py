@@ -70,7 +70,7 @@ class EncodingStage:
                 missing -= 1
                 continue
             self.inflight[key] = [(req, i)]
-            self.to_submit.append(EncodeTask(key, item.grid_thw, item.pixel_values, req.tower_lora))
+            self.to_submit.append(EncodeTask(key, item.grid_thw, item.pixels, req.tower_lora))
         self.outstanding[req] = missing
         if missing == 0:
             self.ready_now.append(req)

@@ -236,9 +236,10 @@ class Req:
             raise ValueError("the prompt is empty")
         placeholder = [False] * len(self.origin_input_ids)
         for item in self.mm_items:
-            if item.pixel_values.dim() != 2 or item.pixel_values.shape[0] != item.num_patches:
+            shape = item.pixels.values_shape
+            if len(shape) != 2 or shape[0] != item.num_patches:
                 raise ValueError(
-                    f"{item.modality} pixel values of shape {tuple(item.pixel_values.shape)} do not match its grid "
+                    f"{item.modality} pixel values of shape {tuple(shape)} do not match its grid "
                     f"{item.grid_thw} ({item.num_patches} patches)"
                 )
             for start, end in item.spans:

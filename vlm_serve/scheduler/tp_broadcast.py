@@ -74,12 +74,9 @@ class TPBroadcast:
 
 
 def without_pixels(message: Any) -> Any:
-    """A generate request as TP ranks other than 0 get it: pixel values become shape-only (meta)
-    tensors, so the message stays small and its checks give every rank the same answer."""
+    """A generate request as TP ranks other than 0 get it: pixels become shape-only (meta) tensors, so the
+    message stays small and its checks give every rank the same answer."""
     if not isinstance(message, TokenizedGenerateReq) or not message.mm_items:
         return message
-    items = [
-        dataclasses.replace(it, pixel_values=torch.empty(it.pixel_values.shape, device="meta"))
-        for it in message.mm_items
-    ]
+    items = [dataclasses.replace(it, pixels=it.pixels.without_data()) for it in message.mm_items]
     return dataclasses.replace(message, mm_items=items)

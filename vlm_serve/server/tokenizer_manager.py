@@ -263,9 +263,8 @@ class TokenizerManager:
 
 
 def _in_shared_memory(processed: ProcessedInput) -> ProcessedInput:
-    """`processed` with its pixel values in shared memory: the scheduler maps these pages instead of
-    copying them."""
+    """`processed` with its pixels in shared memory: the scheduler maps these pages instead of copying them
+    (a pixel-free item's are `meta`: no memory to share)."""
     for item in processed.mm_items:
-        if not item.pixel_values.is_meta:  # a pixel-free item's are `meta`: no memory to share
-            item.pixel_values.share_memory_()
+        item.pixels.share_memory_()
     return processed
