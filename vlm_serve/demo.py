@@ -13,9 +13,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import html
+import io
 import json
 import logging
 import mimetypes
+import os
 import signal
 import tempfile
 import threading
@@ -148,6 +150,7 @@ def _file_path(f: Any) -> str:
 # ---- videos the browser can play -----------------------------------------------------------------------
 
 BROWSER_CODECS = {"h264", "vp8", "vp9", "av1"}  # what browsers play (in MP4 or WebM)
+EXAMPLES_FOLDER = "vlm-serve-examples"  # under the temp folder: the same files for every demo, drawn once
 SHOWN_PREFIX = "playable-"  # a display copy's name: the prefix, the key of the file it shows, ".mp4"
 _shown: dict[str, str] = {}  # display copy key -> the file it shows (what the model is sent)
 _shown_lock = threading.Lock()
@@ -547,14 +550,26 @@ def builtin_examples(folder: Path) -> list[dict]:
     for i, example in enumerate(examples):
         files = []
         for j, image in enumerate(example.images):
-            files.append(str(folder / f"example-{i}-{j}.png"))
-            image.save(files[-1])
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            files.append(_write_if_changed(folder / f"example-{i}-{j}.png", buffer.getvalue()))
         if example.video is not None:
-            files.append(str(folder / f"example-{i}.mp4"))
-            write_video(files[-1], example.video, VIDEO_FPS, codec="libx264")  # (H.264: browsers play it)
+            buffer = io.BytesIO()
+            write_video(buffer, example.video, VIDEO_FPS, codec="libx264")  # (H.264: browsers play it)
+            files.append(_write_if_changed(folder / f"example-{i}.mp4", buffer.getvalue()))
         media = f"{len(files)} pictures" if len(files) > 1 else "a clip" if example.video else "a picture"
         out.append({"text": example.question, "files": files, "display_text": f"{example.question} ({media})"})
     return out
+
+
+def _write_if_changed(path: Path, data: bytes) -> str:
+    """`path` (as a string), holding `data`: written whole, so that a page reading it never sees a part, unless
+    it already holds it (the examples' folder is shared by every demo on the machine)."""
+    if not (path.exists() and path.read_bytes() == data):
+        partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    return str(path)
 
 
 # ---- the page ----------------------------------------------------------------------------------------
@@ -569,7 +584,7 @@ def build_demo(
     import gradio as gr
 
     init = initial_settings(backend, settings)
-    examples = builtin_examples(Path(tempfile.mkdtemp(prefix="vlm-serve-examples-")))
+    examples = builtin_examples(Path(tempfile.gettempdir()) / EXAMPLES_FOLDER)
     stream_turn = _responder(backend)
     with gr.Blocks(title="vlm-serve", fill_height=True, analytics_enabled=False) as demo:
         gr.Markdown(

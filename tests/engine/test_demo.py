@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -244,6 +245,22 @@ def test_a_picture_attached_in_a_later_turn_gets_an_answer_about_that_picture(ch
     ]:
         history = list(respond([*history, *user_turns(message)], *CONTROLS))[-1]
         assert history[-2]["content"][0]["text"] == answer  # (then the usage note)
+
+
+def test_the_examples_are_drawn_once_into_a_folder_every_demo_shares(chat, tmp_path, monkeypatch):
+    """(Each page drew them into a new temporary folder, never removed: a test run left hundreds.)"""
+    from vlm_serve.demo import builtin_examples
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "temp").mkdir()
+    for _ in range(2):
+        build_demo(chat)
+    assert [f.name for f in (tmp_path / "temp").iterdir() if f.name.startswith("vlm")] == ["vlm-serve-examples"]
+    first = builtin_examples(tmp_path / "examples")
+    written = {f: (Path(f).read_bytes(), Path(f).stat().st_mtime_ns) for e in first for f in e["files"]}
+    again = builtin_examples(tmp_path / "examples")
+    assert again == first and sorted(str(f) for f in (tmp_path / "examples").iterdir()) == sorted(written)
+    assert all((Path(f).read_bytes(), Path(f).stat().st_mtime_ns) == w for f, w in written.items())  # not redrawn
 
 
 def test_other_models_are_sent_the_whole_conversation(tiny_moe_dir):
