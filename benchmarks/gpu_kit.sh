@@ -9,8 +9,8 @@
 # its parts, joined by "+", for a rerun of some (e.g. flashinfer:figures+parity,suite):
 #   torch: parity and server without FlashInfer (the torch attention backend; its figures and profile,
 #     eager decode bound by kernel launches, were measured on an H200: `torch:figures+profile` reruns them);
-#   flashinfer: parity, figures (bandwidth, TTFT split) and profile (batch 1 timeline) with FlashInfer (where
-#     it runs: half precision, its head sizes);
+#   flashinfer: parity, figures (bandwidth, TTFT split) and profile (timelines: dense and MoE at batch 1, the
+#     picture's TTFT, batch 160) with FlashInfer (where it runs: half precision, its head sizes);
 #   suite: the model tests under pytest on CUDA (FlashInfer installed), for the time left; its parts are test
 #     files (e.g. suite:test_engine+test_speculative).
 # Each step's records go under OUT/<step>/ and are packed into OUT/kit.tgz (a call returns 8 files at most).

@@ -20,7 +20,8 @@ Parts, in order of value (each writes its records under OUT and a line to OUT/su
   and with the tower inline.
   The parity part also checks that decode replayed from CUDA graphs gives the eager tokens.
 - `profile`: torch's profiler over decode steps, per attention backend (where the time goes), and on CUDA
-  over 20 steps at batch 1 as users run it: the device-busy share and the longest host gaps.
+  as users run it, over 20 steps at batch 1 of the dense model and of the MoE (the kernels by device time),
+  a picture's TTFT and 10 steps at batch 160: the device-busy share and the longest host gaps.
 
 On CPU (`--device cpu`, what CI runs) every part but `suite` runs, at tiny sizes.
 """
@@ -576,35 +577,43 @@ def idle_summary(trace, seconds: float, steps: int) -> dict:
 def run_profile(check: Check, device: torch.device, size: str) -> None:
     """Where a decode step's time goes, on the dense model: torch's profiler over 16 steps at batch 16 per
     attention backend, in the normal loop (the tables by CPU and by device time in OUT/profile-<backend>.txt);
-    and on CUDA, as users run it (the overlap loop, CUDA graphs), over decode steps at batch 1 and 160 and a
-    1024 x 1024 picture's TTFT: the device-busy share and the longest host gaps (OUT/profile-timelines.json;
-    batch 1's trace OUT/trace-batch1.json.gz, the TTFT's kernels OUT/profile-ttft.txt)."""
+    and on CUDA, as users run it (the overlap loop, CUDA graphs), over decode steps of the dense model at
+    batch 1 and 160, a 1024 x 1024 picture's TTFT and the MoE's decode at batch 1: the device-busy share and
+    the longest host gaps (OUT/profile-timelines.json; at batch 1 the kernels by device time and the trace,
+    OUT/profile-{dense,moe}-batch1.txt and trace-*.json.gz; the TTFT's kernels OUT/profile-ttft.txt)."""
     from torch.profiler import ProfilerActivity, profile
 
     from vlm_serve.engine import Engine
     from vlm_serve.testing.tiny_model import create_tiny_model
 
-    path = create_tiny_model(
-        Path(tempfile.mkdtemp(prefix="gpu-check-profile-")), arch="dense", size=size, weights=False, dtype="bfloat16"
-    )
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-profile-"))
+    path = create_tiny_model(folder / "dense", arch="dense", size=size, weights=False, dtype="bfloat16")
     config = json.loads((path / "config.json").read_text())["text_config"]
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
     if device.type == "cuda":
+        moe_path = create_tiny_model(folder / "moe", arch="moe", size=size, weights=False, dtype="bfloat16")
+        figures: dict = {}
+
+        def timeline(engine, name: str, batch: int, steps: int) -> None:
+            decode_timeline(engine, steps, activities, batch)  # warm-up
+            trace, seconds = decode_timeline(engine, steps, activities, batch)
+            figures[name] = idle_summary(trace, seconds, steps)
+            if batch == 1:
+                stem = name.replace(" ", "-")
+                (check.out / f"profile-{stem}.txt").write_text(
+                    trace.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+                )
+                trace.export_chrome_trace(str(check.out / f"trace-{stem}.json"))
+                subprocess.run(["gzip", "-f", str(check.out / f"trace-{stem}.json")], check=False)
+            (check.out / "profile-timelines.json").write_text(json.dumps(figures, indent=1))  # (as each comes)
+
+        def summary(*names: str) -> str:
+            return json.dumps({name: {k: v for k, v in figures[name].items() if k != "top_gaps"} for name in names})
 
         def timelines() -> str:
-            figures = {}
             with Engine(path, load_format="dummy", device="cuda", dtype=dtype, vit_dp=0) as engine:
-                for batch, steps in ((1, 20), (160, 10)):
-                    decode_timeline(engine, steps, activities, batch)  # warm-up
-                    trace, seconds = decode_timeline(engine, steps, activities, batch)
-                    figures[f"batch {batch}"] = idle_summary(trace, seconds, steps)
-                    if batch == 1:
-                        (check.out / "profile-batch1.txt").write_text(
-                            trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-                        )
-                        trace.export_chrome_trace(str(check.out / "trace-batch1.json"))
-                        subprocess.run(["gzip", "-f", str(check.out / "trace-batch1.json")], check=False)
+                timeline(engine, "dense batch1", 1, 20)
                 engine.generate_processed([_picture(engine, _upload(1))], max_tokens=1, temperature=0)  # warm-up
                 prompt = _picture(engine, _upload(2))
                 with profile(activities=activities) as trace:
@@ -613,12 +622,18 @@ def run_profile(check: Check, device: torch.device, size: str) -> None:
                     figures["1024 x 1024 picture's TTFT"] = idle_summary(trace, time.perf_counter() - began, 1)
                 table = trace.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
                 (check.out / "profile-ttft.txt").write_text(table)
-            (check.out / "profile-timelines.json").write_text(json.dumps(figures, indent=1))
-            return json.dumps({name: {k: v for k, v in f.items() if k != "top_gaps"} for name, f in figures.items()})
+                timeline(engine, "dense batch160", 160, 10)
+            return summary("dense batch1", "1024 x 1024 picture's TTFT", "dense batch160")
+
+        def moe_timeline() -> str:
+            with Engine(moe_path, load_format="dummy", device="cuda", dtype=dtype, vit_dp=0) as engine:
+                timeline(engine, "moe batch1", 1, 20)
+            return summary("moe batch1")
 
         check.run(
             f"dense {size}: timelines of decode at batch 1 and 160 (as users run it) and of a picture's TTFT", timelines
         )
+        check.run(f"moe {size}: timeline of decode at batch 1 (its kernels: profile-moe-batch1.txt)", moe_timeline)
     profiled = backends(device, dtype, config["head_dim"])
     for backend in profiled[-1:] if device.type == "cuda" else profiled:  # (CUDA: the torch one's was measured)
 
