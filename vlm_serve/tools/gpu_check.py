@@ -63,7 +63,7 @@ BFLOAT16_SLACK = 1.25
 BFLOAT16_ARGMAX_ERRORS = 2.0
 SUITE = [  # in order of value: a lent GPU's time may end before the last
     "tests/llm/test_cuda_paths.py", "tests/parity/test_model_parity.py", "tests/deployments/test_server.py",
-    "tests/encoder/test_encoder_pool.py", "tests/llm/test_fp8_triton.py", "tests/llm/test_moe_layer.py",
+    "tests/encoder/test_encoder_pool.py", "tests/llm/test_gemm_triton.py", "tests/llm/test_moe_layer.py",
     "tests/engine/test_engine.py", "tests/tools/test_builtin_model.py", "tests/scheduler/test_speculative.py",
     "tests/llm/test_vision_passes.py", "tests/parity/test_low_precision.py", "tests/llm/test_lora_kernels.py",
     "tests/llm/test_rowwise_triton.py", "tests/llm/test_decode_syncs.py",
@@ -495,6 +495,71 @@ def itl_while_pictures_arrive(engine, decoding: int = 8, pictures: int = 6, toke
     }
 
 
+def moe_block_figures(size: str, rows: tuple[int, ...] = (1, 16, 64)) -> dict:
+    """The MoE block of the `size` preset (bfloat16, random) at decode sizes on CUDA, in µs a call (CUDA
+    events over 50 calls): the whole block eagerly and replayed from a CUDA graph, and its two expert GEMMs
+    each way as torch's grouped GEMM and as `gemm_triton.grouped_linear` run them, with the GB/s those read
+    of the experts the rows touch: which of the two to take at decode sizes."""
+    from vlm_serve.llm.kernels import gemm_triton
+    from vlm_serve.llm.layers.activation import silu_and_mul
+    from vlm_serve.llm.layers.moe import SparseMoeBlock
+    from vlm_serve.testing.tiny_model import SIZES
+
+    shape = SIZES[size]
+    hidden, experts = shape.moe.hidden, shape.experts
+    with torch.device("cuda"):
+        block = SparseMoeBlock(hidden, experts.intermediate, experts.num_experts, experts.per_token)
+        block = block.to(torch.bfloat16)
+        for weight in (block.gate.weight, block.w13, block.w2):
+            weight.data.normal_(0, weight.shape[-1] ** -0.5)
+    per_expert = (block.w13[0].nbytes + block.w2[0].nbytes) / 1e9
+
+    def micros(fn, calls: int = 50) -> float:
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return 1000 * start.elapsed_time(end) / calls
+
+    def triton_experts(xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        ends = ends.to(torch.int32)
+        gate_up = gemm_triton.grouped_linear(xs, block.w13, ends)
+        return gemm_triton.grouped_linear(silu_and_mul(gate_up), block.w2, ends)
+
+    figures = {}
+    for n in rows:
+        x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda")
+        seen = []
+        grouped = block._grouped_mm
+
+        def seeing(xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+            seen.append((xs, ends))
+            return grouped(xs, ends)
+
+        block._grouped_mm = seeing
+        block(x)  # (the rows as the block groups them by expert)
+        block._grouped_mm = grouped
+        xs, ends = seen[0]
+        touched = int((torch.diff(ends, prepend=ends.new_zeros(1)) > 0).sum())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            block(x)
+        row = {"experts_touched": touched, "block_eager_us": micros(lambda: block(x))}
+        row["block_graph_us"] = micros(graph.replay)
+        for name, fn in (("torch_grouped", grouped), ("triton_grouped", triton_experts)):
+            us = micros(lambda fn=fn: fn(xs, ends))
+            row[f"{name}_us"], row[f"{name}_gb_s"] = us, touched * per_expert / (us / 1e6)
+        reference = grouped(xs, ends).float()  # (the two agree to bfloat16's rounding: their difference, per mille)
+        row["triton_off_per_mille"] = 1000 * float((triton_experts(xs, ends).float() - reference).abs().max())
+        row["triton_off_per_mille"] /= float(reference.abs().max())
+        figures[f"rows {n}"] = {k: round(v, 1) for k, v in row.items()}
+    return figures
+
+
 def run_figures(check: Check, device: torch.device, size: str) -> None:
     from vlm_serve.engine import Engine
     from vlm_serve.testing.tiny_model import create_tiny_model
@@ -514,6 +579,13 @@ def run_figures(check: Check, device: torch.device, size: str) -> None:
             return json.dumps(figures[f"{arch} {size}"])
 
         check.run(f"{arch} {size}: decode with its bandwidth, TTFT split", measure)
+    if device.type == "cuda":
+
+        def moe_block() -> str:
+            figures[f"moe {size} block"] = moe_block_figures(size)
+            return json.dumps(figures[f"moe {size} block"])
+
+        check.run(f"moe {size}: its block at decode sizes, torch's grouped GEMM against Triton's", moe_block)
     for vit_dp, name in ((1, "encoder pool"), (0, "inline")):
         path = folder / "dense"
 

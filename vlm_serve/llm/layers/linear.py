@@ -12,7 +12,7 @@ from torch import nn
 
 from vlm_serve.checkpoint import weight_format
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
-from vlm_serve.llm.kernels import fp8_triton, linear_cpu
+from vlm_serve.llm.kernels import gemm_triton, linear_cpu
 from vlm_serve.llm.lora.layer import LORA_BATCH, LoRASlots
 from vlm_serve.quantization import FP8_DTYPE, dequantize_rows, shard_scales
 
@@ -109,9 +109,9 @@ class LinearBase(nn.Module):
             return linear_cpu.linear(x, self.panels, self.bias)
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
-        if x.is_cuda and self.weight.dtype == FP8_DTYPE and fp8_triton.available():
+        if x.is_cuda and self.weight.dtype == FP8_DTYPE and gemm_triton.available():
             block_cols = self.fp8.weight_block_size[1]
-            return fp8_triton.fp8_linear(
+            return gemm_triton.fp8_linear(
                 x, self.weight, self.weight_scale_inv, block_cols, self.scale_offset, self.bias
             )
         return F.linear(x, self.dense_weight(x.dtype), self.bias)  # (a format no kernel reads: converted per call)

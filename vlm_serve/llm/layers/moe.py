@@ -13,7 +13,7 @@ from torch import nn
 
 from vlm_serve.checkpoint import weight_format
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
-from vlm_serve.llm.kernels import fp8_triton
+from vlm_serve.llm.kernels import gemm_triton
 from vlm_serve.llm.kernels.moe_cpu import PackedExperts, moe_forward, pack_experts
 from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.linear import ReplicatedLinear, frozen_parameter
@@ -206,10 +206,10 @@ class SparseMoeBlock(nn.Module):
         """Every expert in one grouped GEMM each way, with no host sync (CUDA): FP8 experts through the
         block-scaled Triton GEMM, which reads them as stored; others through torch's grouped GEMM."""
         ends = ends.to(torch.int32)
-        if self.w13.dtype == FP8_DTYPE and fp8_triton.available():
+        if self.w13.dtype == FP8_DTYPE and gemm_triton.available():
             block = self.fp8.weight_block_size[1]
-            gate_up = fp8_triton.fp8_grouped_linear(xs, self.w13, self.w13_scale, ends, block, 0)
-            ys = fp8_triton.fp8_grouped_linear(
+            gate_up = gemm_triton.fp8_grouped_linear(xs, self.w13, self.w13_scale, ends, block, 0)
+            ys = gemm_triton.fp8_grouped_linear(
                 silu_and_mul(gate_up), self.w2, self.w2_scale, ends, block, self.w2_scale_offset
             )
         else:

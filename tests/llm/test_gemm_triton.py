@@ -1,5 +1,5 @@
-"""The CUDA GEMM of block-scaled FP8 weights (kernels/fp8_triton.py) computes the product of the
-activations and the dequantized weights. On a GPU the kernel runs compiled; elsewhere Triton's interpreter
+"""The CUDA GEMMs of kernels/gemm_triton.py: of block-scaled FP8 weights, the product of the activations
+and the dequantized weights; grouped by expert, each expert's rows times its weights. On a GPU the kernel runs compiled; elsewhere Triton's interpreter
 runs it on CPU (it checks the arithmetic, masks and scale indexing, not the speed). Each check is a script
 run in a subprocess, since Triton reads TRITON_INTERPRET when a kernel is defined."""
 
@@ -36,7 +36,7 @@ def run_kernel_script(script: str) -> None:
 
 
 CHECK = """
-from vlm_serve.llm.kernels.fp8_triton import fp8_linear
+from vlm_serve.llm.kernels.gemm_triton import fp8_linear
 
 for rows, n, k, row0, col0, bias in [(1, 64, 128, 0, 0, False), (5, 96, 200, 64, 32, True), (33, 130, 70, 3, 100, True)]:
     weight, scales, offset = fp8_shard(n, k, row0, col0)
@@ -55,7 +55,7 @@ def test_the_triton_fp8_gemm_equals_the_product_with_dequantized_weights():
 
 
 GROUPED = """
-from vlm_serve.llm.kernels.fp8_triton import fp8_grouped_linear
+from vlm_serve.llm.kernels.gemm_triton import fp8_grouped_linear
 
 experts, n, k = 5, 96, 200
 shards = [fp8_shard(n, k, 0, 64) for _ in range(experts)]  # (each starts 64 columns into a scale block)
@@ -78,8 +78,36 @@ def test_the_grouped_fp8_gemm_multiplies_each_experts_rows_by_that_expert():
     run_kernel_script(GROUPED)
 
 
+GROUPED_HALF = """
+from vlm_serve.llm.kernels.gemm_triton import grouped_linear
+
+experts, n, k = 5, 96, 200
+weights = torch.randn(experts, n, k).to(DTYPE)
+for counts in ([1, 0, 1, 1, 0], [0, 0, 0, 0, 2], [40, 1, 0, 0, 17]):
+    rows = sum(counts) + 3  # (3 rows routed to other ranks' experts, after the groups: left unwritten)
+    xs = torch.randn(rows, k).to(DTYPE)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = grouped_linear(xs, weights, ends)
+    start = 0
+    for e, count in enumerate(counts):
+        expected = xs[start : start + count].float() @ weights[e].float().T
+        assert torch.allclose(got[start : start + count].float(), expected, **HALF_TOL), (counts, e)
+        start += count
+print("ok")
+"""
+
+
+def test_the_grouped_gemm_of_half_precision_experts_multiplies_each_experts_rows_by_that_expert():
+    """(Decode's shape first: one row for each of several experts.)"""
+    run_triton_script(
+        SHARD + GROUPED_HALF,
+        on_gpu="DTYPE = torch.bfloat16\nHALF_TOL = dict(rtol=2e-2, atol=1e-1)\n",
+        on_cpu="import torch\nDTYPE = torch.float32\nHALF_TOL = dict(rtol=1e-4, atol=1e-4)\n",
+    )
+
+
 MOE = """
-from vlm_serve.llm.kernels import fp8_triton
+from vlm_serve.llm.kernels import gemm_triton
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.quantization import Fp8Config, row_scales
 
@@ -99,7 +127,7 @@ moe._expert_loop = moe._grouped_mm = loop  # (not prepacked: each expert dequant
 looped = moe(x)
 moe._expert_loop = moe._grouped_mm = grouped_gemm
 calls = []
-fp8_triton.fp8_grouped_linear = lambda *args, gemm=fp8_triton.fp8_grouped_linear: calls.append(1) or gemm(*args)
+gemm_triton.fp8_grouped_linear = lambda *args, gemm=gemm_triton.fp8_grouped_linear: calls.append(1) or gemm(*args)
 grouped = moe(x)
 assert len(calls) == 2, calls  # gate_up, then down
 assert torch.allclose(grouped, looped, **TOL), (grouped - looped).abs().max()

@@ -1,14 +1,18 @@
-"""Block-scaled FP8 weights times activations on CUDA: a Triton GEMM that reads the e4m3 weights as stored
-(one byte each), scales them in registers and multiplies in the activations' dtype with float32 sums.
+"""Weights times activations on CUDA as Triton GEMMs that read the weights as stored: block-scaled FP8
+weights (one byte each, scaled in registers, multiplied in the activations' dtype with float32 sums), and
+a grouped GEMM of experts, each expert's rows by its weights (FP8 or half precision).
 
-A weight-only ("W8A16") product: the activations stay bfloat16 rather than being quantized per token
+FP8 is a weight-only ("W8A16") product: the activations stay bfloat16 rather than being quantized per token
 group as vLLM's and SGLang's W8A8 FP8 GEMMs do. At decode batch sizes, where reading the weights bounds
 the step, it reads what those read; at prefill sizes it runs at bfloat16's tensor-core rate instead of
 FP8's. It takes the scales as `LinearBase` keeps them: one per row per block of `block_cols` columns,
 the shard's first column `offset` columns into its block (`quantization.shard_scales`).
 
-Selected automatically for FP8 layers on CUDA; on CPU the C kernels read FP8 instead. The tests run it
-through Triton's interpreter (`TRITON_INTERPRET=1`) on CPU, which checks its arithmetic, not its speed.
+Selected automatically for FP8 layers on CUDA; on CPU the C kernels read FP8 instead. The grouped GEMM of
+half-precision experts (`grouped_linear`, tiles of 16 rows at decode sizes, as fused MoE kernels take) is
+measured against torch's grouped GEMM by the GPU kit before either is chosen over the other. The tests run
+the kernels through Triton's interpreter (`TRITON_INTERPRET=1`) on CPU, which checks their arithmetic, not
+their speed.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ except ImportError:  # (no Triton: FP8 layers on CUDA dequantize per call)
 if triton is not None:
 
     @triton.jit
-    def _fp8_gemm_kernel(
+    def _gemm_kernel(
         x_ptr,
         w_ptr,
         s_ptr,
@@ -43,6 +47,7 @@ if triton is not None:
         stride_sn,
         stride_ym,
         GROUPED: tl.constexpr,
+        SCALED: tl.constexpr,
         BLOCK_COLS: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
@@ -58,7 +63,8 @@ if triton is not None:
             end = tl.where(expert >= 0, tl.load(ends_ptr + tl.maximum(expert, 0)), 0)
             k_end = tl.where(expert >= 0, K, 0)
             w_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_we
-            s_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_se
+            if SCALED:
+                s_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_se
         else:
             rows = tl.program_id(0) * BM + tl.arange(0, BM)
             end = M
@@ -72,10 +78,12 @@ if triton is not None:
                 other=0.0,
             )
             w_mask = (cols[:, None] < N) & (ks[None, :] < K)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            block = (ks + offset) // BLOCK_COLS
-            s = tl.load(s_ptr + cols[:, None] * stride_sn + block[None, :], mask=w_mask, other=0.0)
-            acc += tl.dot(x, tl.trans((w * s).to(x.dtype)))
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            if SCALED:  # (FP8: each weight times its row's scale of its block of columns)
+                block = (ks + offset) // BLOCK_COLS
+                s = tl.load(s_ptr + cols[:, None] * stride_sn + block[None, :], mask=w_mask, other=0.0)
+                w = w.to(tl.float32) * s
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         tl.store(
             y_ptr + rows[:, None] * stride_ym + cols[None, :],
             acc.to(y_ptr.dtype.element_ty),
@@ -102,7 +110,7 @@ def fp8_linear(
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     bm = _tile_rows(x2.shape[0])
     grid = (triton.cdiv(x2.shape[0], bm), triton.cdiv(n, BN))
-    _fp8_gemm_kernel[grid](
+    _gemm_kernel[grid](
         x2,
         weight,
         row_scales,
@@ -121,6 +129,7 @@ def fp8_linear(
         row_scales.stride(0),
         y.stride(0),
         GROUPED=False,
+        SCALED=True,
         BLOCK_COLS=block_cols,
         BM=bm,
         BN=BN,
@@ -138,13 +147,29 @@ def fp8_grouped_linear(
     device) times expert e's real weight (N, K).T: `weights` (E, N, K) float8_e4m3fn, `row_scales` (E, N,
     K blocks) as `fp8_linear` takes them. Rows past ends[-1] are left unwritten. No host sync: the tiles
     are laid out on the device, as many launched as the most the rows could need."""
+    return _grouped(xs, weights, row_scales, ends, block_cols, offset)
+
+
+def grouped_linear(xs: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`fp8_grouped_linear` of weights (E, N, K) in a half-precision dtype, read as they are."""
+    return _grouped(xs, weights, None, ends, 1, 0)
+
+
+def _grouped(
+    xs: torch.Tensor,
+    weights: torch.Tensor,
+    row_scales: torch.Tensor | None,
+    ends: torch.Tensor,
+    block_cols: int,
+    offset: int,
+) -> torch.Tensor:
     experts, n, k = weights.shape
     xs = _rows(xs)
     y = torch.empty(xs.shape[0], n, dtype=xs.dtype, device=xs.device)
     bm = _tile_rows(xs.shape[0])
     tile_expert, tile_row0 = _expert_tiles(ends, bm, triton.cdiv(xs.shape[0], bm) + experts)
     grid = (tile_expert.shape[0], triton.cdiv(n, BN))
-    _fp8_gemm_kernel[grid](
+    _gemm_kernel[grid](
         xs,
         weights,
         row_scales,
@@ -159,10 +184,11 @@ def fp8_grouped_linear(
         xs.stride(0),
         weights.stride(0),
         weights.stride(1),
-        row_scales.stride(0),
-        row_scales.stride(1),
+        row_scales.stride(0) if row_scales is not None else 0,
+        row_scales.stride(1) if row_scales is not None else 0,
         y.stride(0),
         GROUPED=True,
+        SCALED=row_scales is not None,
         BLOCK_COLS=block_cols,
         BM=bm,
         BN=BN,
