@@ -5,9 +5,9 @@ for images) bit for bit: the same RGB conversion and Pillow resize, and values c
 resized uint8 pixels exactly as `(v * rescale_factor - mean) / std` is computed there (float64 product
 rounded to float32, then float32 arithmetic). It is faster because it does less after the resize: the
 uint8 pixels are patchified as bytes, and stay bytes (`PatchPixels`) until the vision tower's device
-writes them once as float32 straight into the final layout (both temporal copies) and normalises them in
-place — by a division and a subtraction when these reproduce the reference value of all 256 bytes bit
-for bit (they do for Qwen3-VL's mean = std = 0.5), otherwise by a 256-entry per-channel table.
+writes them as float32 (one frame), normalises them in place — by a division and a subtraction when these
+reproduce the reference value of all 256 bytes bit for bit (they do for Qwen3-VL's mean = std = 0.5),
+otherwise by a 256-entry per-channel table — and repeats that frame for the temporal patch's two.
 Grayscale images are resized as one band.
 """
 

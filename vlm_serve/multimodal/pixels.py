@@ -80,10 +80,6 @@ class PatchPixels:
         return self.data.dtype.is_floating_point
 
     @property
-    def num_patches(self) -> int:
-        return self.data.shape[0]
-
-    @property
     def is_meta(self) -> bool:
         return self.data.is_meta
 
