@@ -14,7 +14,7 @@ from typing import TypeVar
 import torch
 from safetensors import safe_open
 
-from vlm_serve.quantization import Fp8Config
+from vlm_serve.quantization import Fp8Config, IntQuantConfig, QuantConfig
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -43,11 +43,20 @@ class WeightFormat:
     """How the linear layers (and experts, embeddings) being built store their weights."""
 
     dtype: torch.dtype | None = None  # None: the default dtype
-    fp8: Fp8Config | None = None  # an FP8 checkpoint: each linear weight takes the format it is stored in
+    # a quantized checkpoint's: each linear weight takes the format it is stored in as it loads
+    quantization: QuantConfig | None = None
 
     @property
     def weight_dtype(self) -> torch.dtype:
         return self.dtype or torch.get_default_dtype()
+
+    @property
+    def fp8(self) -> Fp8Config | None:
+        return self.quantization if isinstance(self.quantization, Fp8Config) else None
+
+    @property
+    def int_weights(self) -> IntQuantConfig | None:
+        return self.quantization if isinstance(self.quantization, IntQuantConfig) else None
 
 
 _WEIGHT_FORMAT: ContextVar[WeightFormat] = ContextVar("weight_format", default=WeightFormat())
@@ -73,10 +82,10 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> None:
 
 
 def check_dummy(config, dummy: bool) -> None:
-    """Random weights are drawn in the model's plain format: an FP8 checkpoint's block scales are not made."""
+    """Random weights are drawn in the model's plain format: a quantized checkpoint's scales are not made."""
     if dummy and config.quantization is not None:
         raise ValueError(
-            "load_format dummy does not make FP8 weights: serve the checkpoint's config without "
+            "load_format dummy does not make quantized weights: serve the checkpoint's config without "
             "its quantization_config, or load its weights"
         )
 

@@ -28,7 +28,7 @@ from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 if TYPE_CHECKING:
     import torch
 
-    from vlm_serve.quantization import Fp8Config
+    from vlm_serve.quantization import QuantConfig
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 BUILTIN_DRAFT_MAX_BATCH = 4  # the built-in model's default speculative_disable_by_batch_size
@@ -38,6 +38,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 CHOICES: dict[str, tuple[str, ...]] = {  # the settings that take one of a few names
     "dtype": ("auto", *DTYPES),
     "load_format": ("auto", "dummy"),
+    # (quantization.QUANT_METHODS, and vLLM's names of its kernels for the same checkpoints: int_config.ALIASES)
+    "quantization": ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin", "cpu_awq", "cpu_gptq"),
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "cpu", "torch", "flashinfer"),
     "schedule_policy": SCHEDULE_POLICIES,
@@ -56,6 +58,7 @@ FLAG_ALIASES = {  # other names the peers give a setting's flag
     "max_loras": ("--max-loras-per-batch",),  # (SGLang's: every resident adapter may be in one batch)
 }
 OPTIONAL_CHOICES = {
+    "quantization",
     "reasoning_parser",
     "speculative_algorithm",
     "hicache_storage_backend",
@@ -119,6 +122,9 @@ class ModelSettings(Settings):
     # weights as stored (bfloat16 for the published ones), with float32 activations on CPU
     dtype: str = "auto"
     load_format: str = "auto"  # dummy: random weights, no weight file read (speed figures of a config's shapes)
+    # the checkpoint's quantized format (fp8, compressed-tensors, awq, gptq), read from its config.json;
+    # given, a checkpoint of another format (or of none) is refused
+    quantization: str | None = None
     device: str = "auto"  # auto = cuda if available, else cpu
     seed: int = 0  # seed of the sampler's random numbers where a request gives none
 
@@ -613,10 +619,11 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: str
     eos_token_ids: list[int]
-    quantization: Fp8Config | None = None  # an FP8 checkpoint's `quantization_config`
+    quantization: QuantConfig | None = None  # a quantized checkpoint's `quantization_config`
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+    def from_pretrained(cls, model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
+        """The checkpoint's config; `quantization` (`--quantization`) the format it must be quantized in."""
         from vlm_serve.quantization import read_quantization_config  # (torch: only where a model is read)
 
         path = Path(model_dir)
@@ -643,7 +650,7 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             torch_dtype=dtype or "bfloat16",
             eos_token_ids=_eos_token_ids(path, raw),
-            quantization=read_quantization_config(path) if "quantization_config" in raw else None,
+            quantization=read_quantization_config(path, quantization),
         )
 
 

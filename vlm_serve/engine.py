@@ -183,7 +183,7 @@ class Engine:
         self.server_args = with_local_model(ServerArgs(model=None if model is None else str(model), **options))
         self.model_name = self.server_args.served_model_name
         path = Path(self.server_args.model)
-        self.model_config = ModelConfig.from_pretrained(path)
+        self.model_config = ModelConfig.from_pretrained(path, self.server_args.quantization)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.processor = MultimodalProcessor.from_pretrained(
             path,

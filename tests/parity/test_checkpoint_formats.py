@@ -367,8 +367,11 @@ def test_config_round_trips_through_json(checkpoint):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"quant_method": "awq"}, r"quant_method 'awq' is not supported \(supported: 'fp8'\)"),
-        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors' is not supported"),
+        (
+            {"quant_method": "bitsandbytes"},
+            r"quant_method 'bitsandbytes' is not supported \(supported: 'fp8', 'compressed-tensors', 'awq', 'gptq'\)",
+        ),
+        ({"quant_method": "hqq"}, "quant_method 'hqq' is not supported"),
         ({"quant_method": None}, "quant_method None is not supported"),
         ({"fmt": "e5m2"}, "FP8 format 'e5m2' is not supported"),
         ({"activation_scheme": "static"}, "activation_scheme 'static' is not supported"),

@@ -85,7 +85,7 @@ def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loa
     try:
         jobs = context.socket(zmq.PULL)
         jobs.bind(addresses.jobs[index])
-        config = ModelConfig.from_pretrained(server_args.model)
+        config = ModelConfig.from_pretrained(server_args.model, server_args.quantization)
         device = rank_device(server_args, index)
         visual = load_vision_tower(server_args, config, device)
     except Exception as exc:  # noqa: BLE001 - reported to the pool, which fails to start

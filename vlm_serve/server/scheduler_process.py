@@ -74,7 +74,7 @@ def run_scheduler_process(
             dist.init_process_group(
                 backend, init_method=f"tcp://{dist_init_addr}", rank=tp_rank, world_size=server_args.tp_size
             )
-        model_config = ModelConfig.from_pretrained(server_args.model)
+        model_config = ModelConfig.from_pretrained(server_args.model, server_args.quantization)
         runner = ModelRunner(server_args, model_config)
         encoder, io = None, None  # rank 0 alone encodes and talks to the other processes
         if tp_rank == 0:

@@ -46,6 +46,7 @@ COMMON = {
     "kernel_isa": (STR,),
     "kernel_lanes": (I32,),
     "kernel_panel": (I32,),
+    "kernel_int_panel": (I32,),
     "kernel_runs_here": (I32,),
     "kernel_bf16_dot": (I32,),
 }
@@ -109,6 +110,7 @@ class CpuKernel:
     def describe(self) -> None:
         self.runs_here = bool(self.kernel_runs_here())
         self.isa, self.lanes, self.panel = self.kernel_isa().decode(), self.kernel_lanes(), self.kernel_panel()
+        self.int_panel = self.kernel_int_panel()  # (integer codes' panels are wider: tiles.h's PANEL_INT)
         # bfloat16 weights multiply x rounded to bfloat16 (AVX-512-BF16's dot products, tiles.h's BF16_DOT)
         self.bf16_dot = bool(self.kernel_bf16_dot())
 

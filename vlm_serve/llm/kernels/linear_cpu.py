@@ -1,5 +1,6 @@
 """Linear layers through linear_cpu.c on CPU: the weight packed once into column panels in its own format
-(float32, bfloat16, float16, or FP8 e4m3 with block scales), read as stored and summed in float32.
+(float32, bfloat16, float16, FP8 e4m3 with block scales, or 4- and 8-bit integer codes with a scale and zero
+point per group: `pack_int`), read as stored and summed in float32.
 
 FP8 weights come as the published block-quantized checkpoints hold them: float8_e4m3fn (out, in) and a
 float32 `weight_scale_inv` with one scale per `block` (128 x 128): the weight is the fp8 value times its
@@ -26,6 +27,7 @@ LIBRARY = KernelLibrary(
 )
 
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}  # tiles.h's W_*
+INT_FORMATS = {4: 4, 8: 5}  # integer codes by their bits: tiles.h's W_U4, W_U8
 E4M3_SHIFT = 2.0**120  # e4m3's bits placed in a float32 read as its value / 2^120 (tiles.h)
 BLOCK = (128, 128)  # the published FP8 checkpoints' weight_block_size
 
@@ -53,12 +55,15 @@ class Panels:
     inp: int
     layout: Layout
     features: int  # the weight's outputs: `out` less the zero rows that make it whole vectors
+    format: int | None = None  # tiles.h's W_*; None: the weight's dtype's (FORMATS)
 
     def __post_init__(self) -> None:
-        count, _, width, _ = self.weight.shape
+        count, _, width, *_ = self.weight.shape
         self.out = count * width
+        if self.format is None:
+            self.format = FORMATS[self.weight.dtype]
         # the kernel's arguments after x's: read once, not at every call
-        self.args = (self.weight, FORMATS[self.weight.dtype], *self.layout.args(), self.out, width)
+        self.args = (self.weight, self.format, *self.layout.args(), self.out, width)
 
 
 def pack(
@@ -90,6 +95,64 @@ def pack(
     if layout is None:
         return None
     return Panels(kernel, kernel.panels(weight, layout.width, layout.lead), weight.shape[1], layout, features)
+
+
+def pack_int(
+    codes: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int | None
+) -> Panels | None:
+    """Integer codes as `layers.quantized.IntWeight` holds them (out, in * bits / 8) uint8, 4-bit ones two to a
+    byte (the even column low), with their scales (out, groups) and zero points (out, groups; None: 2^(bits - 1))
+    per `group_size` input columns (None: per row), in column panels (`int_panels`); None where the kernel
+    is not built or the weight is not on CPU."""
+    if codes.device.type != "cpu" or codes.dim() != 2:
+        return None
+    kernel = LIBRARY.get()
+    if kernel is None:
+        return None
+    features = codes.shape[0]
+    codes, scale, zero = pad_rows(kernel, codes, scale, zero)
+    weight, layout = int_panels(kernel, codes, bits, scale, zero, group_size)
+    return Panels(kernel, weight, codes.shape[1] * 8 // bits, layout, features, INT_FORMATS[bits])
+
+
+def pad_rows(
+    kernel: CpuKernel, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Integer codes, scales and zero points with zero rows up to whole vectors (weights of 0)."""
+    missing = -codes.shape[-2] % kernel.lanes
+    if not missing:
+        return codes, scale, zero
+    pad = torch.nn.functional.pad
+    return (
+        pad(codes, (0, 0, 0, missing)),
+        pad(scale, (0, 0, 0, missing)),
+        None if zero is None else pad(zero, (0, 0, 0, missing)),
+    )
+
+
+def int_panels(
+    kernel: CpuKernel,
+    codes: torch.Tensor,
+    bits: int,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int | None,
+) -> tuple[torch.Tensor, Layout]:
+    """Integer weights (..., out, in * bits / 8) as tiles.h's W_U4 / W_U8 panels (..., out / width, groups
+    of k, width) of 32-bit lanes, each a column's 32 / bits consecutive rows of k (what the packed bytes
+    already hold: 4 of them side by side), and their layout: per panel and block of k (a group, or all of
+    k), the columns' scales and then their biases, -zero * scale."""
+    *stack, out, nbytes = codes.shape
+    width = kernel.int_panel if out % kernel.int_panel == 0 else kernel.lanes
+    rows = 32 // bits  # rows of k to a lane
+    lanes = torch.nn.functional.pad(codes, (0, -nbytes % 4)).view(torch.int32)  # (..., out, groups of k)
+    weight = lanes.unflatten(-2, (out // width, width)).transpose(-2, -1).contiguous()
+    k = nbytes * 8 // bits
+    block = group_size or -(-k // rows) * rows
+    zero = (1 << (bits - 1)) if zero is None else zero.float()
+    per_block = torch.stack([scale.float(), -zero * scale.float()], dim=-2)  # (..., out, 2, blocks)
+    per_panel = per_block.unflatten(-3, (out // width, width)).permute(*range(len(stack)), -4, -1, -2, -3)
+    return weight, Layout(width, per_panel.contiguous(), block, block, 0)
 
 
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:

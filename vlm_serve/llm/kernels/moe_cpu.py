@@ -1,6 +1,6 @@
 """The MoE experts of one layer through moe_cpu.c on CPU, one call for every expert: the weights packed
-once into column panels in their own format (float32, bfloat16, float16, or FP8 e4m3 with block scales:
-as linear_cpu.py takes them), summed in float32."""
+once into column panels in their own format (float32, bfloat16, float16, FP8 e4m3 with block scales, or 4-
+and 8-bit integer codes with group scales: as linear_cpu.py takes them), summed in float32."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ from dataclasses import dataclass
 import torch
 
 from vlm_serve.llm.kernels import I32, I64, PTR, CpuKernel, KernelLibrary, scratch
-from vlm_serve.llm.kernels.linear_cpu import BLOCK, FORMATS, Layout, check_scale, panel_layout
+from vlm_serve.llm.kernels.linear_cpu import (
+    BLOCK,
+    FORMATS,
+    INT_FORMATS,
+    Layout,
+    check_scale,
+    int_panels,
+    panel_layout,
+)
 
 CHUNK = 32  # moe_cpu.c's rows per task
 
@@ -62,12 +70,13 @@ class PackedExperts:
     layout2: Layout
     hidden: int
     intermediate: int
+    format: int | None = None  # tiles.h's W_*; None: the weights' dtype's (FORMATS)
 
     def __post_init__(self) -> None:
         l13, l2 = self.layout13, self.layout2
         # the kernel's weight arguments, read once, not at every call
         self.args = (
-            FORMATS[self.w13.dtype],
+            FORMATS[self.w13.dtype] if self.format is None else self.format,
             self.w13,
             *l13.args(),
             l13.width,
@@ -108,6 +117,29 @@ def pack_experts(
         return None
     p13, p2 = kernel.panels(w13, layout13.width, layout13.lead), kernel.panels(w2, layout2.width, layout2.lead)
     return PackedExperts(kernel, p13, layout13, p2, layout2, w13.shape[2], w2.shape[2])
+
+
+def pack_int_experts(
+    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    bits: int,
+    group_size: int | None,
+) -> PackedExperts | None:
+    """Integer experts, each (codes, scales, zero points or None) as `linear_cpu.pack_int` takes one weight,
+    with a leading dimension of experts: w13 (experts, 2I, H * bits / 8), w2 (experts, H, I * bits / 8); None
+    where the kernel is not built, they are not on CPU, or 2I or H is not whole vectors."""
+    if w13[0].device.type != "cpu":
+        return None
+    kernel = LIBRARY.get()
+    if kernel is None:
+        return None
+    (codes13, scale13, zero13), (codes2, scale2, zero2) = w13, w2
+    if codes13.shape[-2] % kernel.lanes or codes2.shape[-2] % kernel.lanes:
+        return None
+    p13, layout13 = int_panels(kernel, codes13, bits, scale13, zero13, group_size)
+    p2, layout2 = int_panels(kernel, codes2, bits, scale2, zero2, group_size)
+    hidden, intermediate = codes2.shape[-2], codes2.shape[-1] * 8 // bits
+    return PackedExperts(kernel, p13, layout13, p2, layout2, hidden, intermediate, INT_FORMATS[bits])
 
 
 def moe_forward(

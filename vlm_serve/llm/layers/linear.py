@@ -13,23 +13,25 @@ from torch import nn
 from vlm_serve.checkpoint import weight_format
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 from vlm_serve.llm.kernels import gemm_triton, linear_cpu
+from vlm_serve.llm.layers.quantized import IntWeight, Pieces, quantize_per_token
 from vlm_serve.llm.lora.layer import LORA_BATCH, LoRASlots
 from vlm_serve.quantization import FP8_DTYPE, dequantize_rows, shard_scales
 
 
 class LinearBase(nn.Module):
-    """A linear layer's shard: its weight as the checkpoint stores it (float32, bfloat16, or FP8 with
-    block scales), cut out of the full checkpoint tensor row by row (`rows`) and column by column
-    (`columns`) as it loads."""
+    """A linear layer's shard: its weight as the checkpoint stores it (float32, bfloat16, FP8 with block
+    scales, or 4- and 8-bit integer codes with group scales: `int_weight`), cut out of the full checkpoint
+    tensor row by row (`rows`) and column by column (`columns`) as it loads."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # (this shard's: the weight may be packed)
         weights = weight_format()
-        # of an FP8 checkpoint, the weight takes its storage when it loads: FP8 where the checkpoint
-        # stores it so (with `weight_scale_inv`), the weights' dtype where it does not (routers, ...)
-        self.fp8 = weights.fp8
-        device = "meta" if self.fp8 is not None else None
+        # of a quantized checkpoint, the weight takes its storage when it loads: FP8 (with
+        # `weight_scale_inv`) or integer codes (`load_int`) where the checkpoint stores it so, the weights'
+        # dtype where it does not (routers, ...)
+        self.fp8, self.int_config = weights.fp8, weights.int_weights
+        device = "meta" if weights.quantization is not None else None
         self.weight = frozen_parameter(
             torch.empty(out_features, in_features, dtype=weights.weight_dtype, device=device)
         )
@@ -47,6 +49,8 @@ class LinearBase(nn.Module):
         self.panels: linear_cpu.Panels | None = None
         self.packed: torch.Tensor | None = None
         self.lora: LoRASlots | None = None  # LoRA adapters' weights, where one targets this layer
+        self.int_weight: IntWeight | None = None  # an integer-quantized checkpoint's codes (`load_int`)
+        self.pieces: dict[int | str | None, Pieces] = {}  # its tensors that came, by shard, until each is whole
 
     def rows(self, shard_id: int | str | None) -> tuple[int, int, int]:
         """Where the shard's rows of checkpoint tensor `shard_id` go: (first row here, rows, first row there)."""
@@ -63,6 +67,8 @@ class LinearBase(nn.Module):
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         """Copies this shard's part of a checkpoint tensor (the weight, or the bias) into `param`."""
         if param is not self.bias:
+            if self.int_weight is not None:
+                raise ValueError("an unquantized weight for a layer whose other parts are quantized")
             if self.weight.is_meta:  # (the checkpoint's first piece of it)
                 dtype = loaded.dtype if loaded.dtype == FP8_DTYPE else self.weight.dtype
                 self.weight = frozen_parameter(torch.empty(self.weight.shape, dtype=dtype, device=self.device))
@@ -90,8 +96,37 @@ class LinearBase(nn.Module):
             self.weight_scale_inv = torch.empty(self.weight.shape[0], scales.shape[1], device=self.device)
         self.weight_scale_inv[here : here + count] = scales
 
+    def load_int(self, module: str, piece: str, tensor: torch.Tensor, shard_id: int | str | None = None) -> None:
+        """One tensor of an integer-quantized checkpoint's module `module` (the weight of shard `shard_id`):
+        kept until the module's others have come, then read into this shard's codes."""
+        found = None if self.int_config is None else self.int_config.layout_of(module)
+        if found is None:
+            raise ValueError(f"{module}.{piece}: a quantized tensor for a layer the quantization_config keeps as is")
+        if not self.weight.is_meta and self.int_weight is None:
+            raise ValueError(f"{module}.{piece}: quantized, beside an unquantized weight of the same layer")
+        scheme, layout = found
+        if shard_id not in self.pieces:
+            self.pieces[shard_id] = Pieces(module, scheme, layout, self.checkpoint_shape(shard_id))
+        part = self.pieces[shard_id].add(piece, tensor)
+        if part is None:
+            return
+        if self.int_weight is None:
+            self.int_weight = IntWeight.empty(scheme, (), self.out_features, self.in_features, self.device)
+            self.weight = frozen_parameter(torch.empty(0, device=self.device))  # (the codes hold it)
+        elif self.int_weight.scheme != scheme:
+            raise ValueError(f"{module}: quantized otherwise than the projections it is fused with")
+        here, count, there = self.rows(shard_id)
+        columns = (self.columns(), self.columns() + self.in_features)
+        self.int_weight.store((), slice(here, here + count), part.rows(there, count), columns, module)
+
+    def missing_pieces(self) -> list[str]:
+        """The tensors of quantized modules that came in part: those not there."""
+        return [name for pieces in self.pieces.values() for name in pieces.missing()]
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a plain matrix in `dtype` (an FP8 one dequantized)."""
+        """The weight as a plain matrix in `dtype` (an FP8 or integer one dequantized)."""
+        if self.int_weight is not None:
+            return self.int_weight.dense(dtype)
         if self.weight.dtype == FP8_DTYPE:
             return dequantize_rows(
                 self.weight, self.weight_scale_inv, self.fp8.weight_block_size[1], self.scale_offset, dtype
@@ -105,6 +140,10 @@ class LinearBase(nn.Module):
         return y
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int_weight is not None:
+            x = self.int_weight.permuted(x)
+            if self.int_weight.scheme.int8_activations:
+                x = quantize_per_token(x)  # (as W8A8 computes: x rounded to int8 per row, then scaled back)
         if self.panels is not None:
             return linear_cpu.linear(x, self.panels, self.bias)
         if self.packed is not None:
@@ -117,6 +156,14 @@ class LinearBase(nn.Module):
         return F.linear(x, self.dense_weight(x.dtype), self.bias)  # (a format no kernel reads: converted per call)
 
     def prepack(self) -> None:
+        if self.int_weight is not None:
+            held = self.int_weight
+            self.panels = linear_cpu.pack_int(
+                held.codes, held.scheme.bits, held.scale, held.zero, held.scheme.group_size
+            )
+            if self.panels is not None:
+                held.free()
+            return
         if self.weight.dtype == FP8_DTYPE:
             if self.weight_scale_inv is None:
                 raise ValueError("an FP8 weight came without its weight_scale_inv")

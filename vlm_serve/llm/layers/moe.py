@@ -14,9 +14,10 @@ from torch import nn
 from vlm_serve.checkpoint import weight_format
 from vlm_serve.llm.distributed import divide, get_parallel_state, tp_all_reduce
 from vlm_serve.llm.kernels import gemm_triton
-from vlm_serve.llm.kernels.moe_cpu import PackedExperts, moe_forward, pack_experts
+from vlm_serve.llm.kernels.moe_cpu import PackedExperts, moe_forward, pack_experts, pack_int_experts
 from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.linear import ReplicatedLinear, frozen_parameter
+from vlm_serve.llm.layers.quantized import IntWeight, Pieces, quantize_per_token
 from vlm_serve.llm.lora.experts import ExpertLoRASlots
 from vlm_serve.llm.lora.layer import LORA_BATCH
 from vlm_serve.quantization import FP8_DTYPE, dequantize_rows, shard_scales
@@ -40,11 +41,11 @@ class SparseMoeBlock(nn.Module):
         self.moe_tp_rank, self.moe_tp_size = state.moe_tp_rank, state.moe_tp_size
         self.hidden_size = hidden_size
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
-        # (experts, out, in) like nn.Linear weights: gate and up stacked in w13. Of an FP8 checkpoint they
-        # take their storage when they load (FP8 with scales per row, `shard_scales`)
+        # (experts, out, in) like nn.Linear weights: gate and up stacked in w13. Of a quantized checkpoint
+        # they take their storage when they load (FP8 with scales per row, `shard_scales`; or integer codes)
         weights = weight_format()
-        self.fp8 = weights.fp8
-        device = "meta" if self.fp8 is not None else None
+        self.fp8, self.int_config = weights.fp8, weights.int_weights
+        device = "meta" if weights.quantization is not None else None
         shape13, shape2 = (
             (self.num_local_experts, 2 * self.intermediate, hidden_size),
             (self.num_local_experts, hidden_size, self.intermediate),
@@ -56,6 +57,11 @@ class SparseMoeBlock(nn.Module):
         self.w2_scale: torch.Tensor | None = None
         self.w2_scale_offset = 0  # where this rank's slice of the intermediate starts in its block
         self.packed: PackedExperts | None = None  # for the CPU kernel, by `prepack`
+        # an integer-quantized checkpoint's experts: w13's and w2's codes, and each projection's tensors
+        # that came, until it is whole
+        self.w13_int: IntWeight | None = None
+        self.w2_int: IntWeight | None = None
+        self.pieces: dict[tuple[int, str], Pieces] = {}
         self.lora: ExpertLoRASlots | None = None  # LoRA adapters of the experts, where one targets them
         # whether `prepack` keeps the weights as they are too: a LoRA server's batches through an adapter of
         # the experts run them module by module (their delta goes between the two products)
@@ -102,6 +108,42 @@ class SparseMoeBlock(nn.Module):
                 )
             self.w13_scale[e, self._half(proj)] = scales
 
+    def load_expert_int(self, expert: int, proj: str, module: str, piece: str, tensor: torch.Tensor) -> None:
+        """One tensor of an integer-quantized expert's projection `module` (`gate_proj`, `up_proj` or
+        `down_proj`, as Linear layers one by one): kept until the projection's others have come."""
+        e = expert - self.expert_start
+        if not 0 <= e < self.num_local_experts:
+            return
+        found = None if self.int_config is None else self.int_config.layout_of(module)
+        if found is None:
+            raise ValueError(f"{module}.{piece}: a quantized tensor for experts the quantization_config keeps as is")
+        scheme, layout = found
+        inter, hidden = self.intermediate * self.moe_tp_size, self.hidden_size
+        key = (expert, proj)
+        if key not in self.pieces:
+            shape = (hidden, inter) if proj == "down_proj" else (inter, hidden)
+            self.pieces[key] = Pieces(module, scheme, layout, shape)
+        part = self.pieces[key].add(piece, tensor)
+        if part is None:
+            return
+        if self.w13_int is None:
+            stack = (self.num_local_experts,)
+            self.w13_int = IntWeight.empty(scheme, stack, 2 * self.intermediate, hidden, self.device)
+            self.w2_int = IntWeight.empty(scheme, stack, hidden, self.intermediate, self.device)
+            self.w13 = frozen_parameter(torch.empty(0, device=self.device))  # (the codes hold them)
+            self.w2 = frozen_parameter(torch.empty(0, device=self.device))
+        elif self.w13_int.scheme != scheme:
+            raise ValueError(f"{module}: quantized otherwise than the other experts")
+        cols = self.intermediate_slice()
+        if proj == "down_proj":
+            self.w2_int.store((e,), slice(0, hidden), part, (cols.start, cols.stop), module)
+        else:
+            self.w13_int.store((e,), self._half(proj), part.rows(cols.start, self.intermediate), (0, hidden), module)
+
+    def missing_pieces(self) -> list[str]:
+        """The tensors of quantized experts that came in part: those not there."""
+        return [name for pieces in self.pieces.values() for name in pieces.missing()]
+
     def intermediate_slice(self) -> slice:
         """This rank's slice of an expert's intermediate dimension."""
         return slice(self.moe_tp_rank * self.intermediate, (self.moe_tp_rank + 1) * self.intermediate)
@@ -112,6 +154,8 @@ class SparseMoeBlock(nn.Module):
 
     def expert_weights(self, which: int, dtype: torch.dtype) -> torch.Tensor:
         """w13 (`which` 0) or w2 (1) of every local expert as plain matrices in `dtype` (FP8 dequantized)."""
+        if self.w13_int is not None:
+            return (self.w13_int, self.w2_int)[which].dense(dtype)
         weights = (self.w13, self.w2)[which]
         if weights.dtype != FP8_DTYPE:
             return weights.to(dtype)
@@ -137,6 +181,14 @@ class SparseMoeBlock(nn.Module):
         """The experts in the CPU kernel's layout, in their dtype (float32, bfloat16, float16, or FP8 with
         its scales, on CPU, where the kernel builds). At decode batch sizes it reads the weights 3-4x faster
         than a matmul per expert."""
+        if self.w13_int is not None:
+            w13, w2, scheme = self.w13_int, self.w2_int, self.w13_int.scheme
+            self.packed = pack_int_experts(
+                (w13.codes, w13.scale, w13.zero), (w2.codes, w2.scale, w2.zero), scheme.bits, scheme.group_size
+            )
+            if self.packed is not None and not self.keep_dense:
+                self.w13_int.free(), self.w2_int.free()
+            return
         if self.w13.dtype == FP8_DTYPE:
             if self.w13_scale is None or self.w2_scale is None:
                 raise ValueError("FP8 experts came without their weight_scale_inv")
@@ -151,6 +203,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
+        if self.w13_int is not None and self.w13_int.scheme.int8_activations:
+            x = quantize_per_token(x)  # (W8A8: the experts' input rounded to int8 per token; the router's is not)
         lora = LORA_BATCH.get() if self.lora is not None else None
         if self.packed is not None and lora is None:
             out = moe_forward(x, logits, self.top_k, self.norm_topk_prob, self.expert_start, self.packed)

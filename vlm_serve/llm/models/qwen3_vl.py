@@ -24,8 +24,10 @@ from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from vlm_serve.llm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.layers.norm import RMSNorm, qkv_heads
+from vlm_serve.llm.layers.quantized import is_int_piece
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding
 from vlm_serve.llm.lora.layer import LORA_BATCH
+from vlm_serve.quantization import IntQuantConfig
 
 
 class Qwen3VLAttention(nn.Module):
@@ -190,7 +192,7 @@ class Qwen3VLModel(nn.Module):
 
 
 # checkpoint name piece -> (our parameter's name piece, shard id)
-_EXPERT = re.compile(r"(.+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)")
+_EXPERT = re.compile(r"(.+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
 _STACKED = [
     (".q_proj.", ".qkv_proj.", "q"),
     (".k_proj.", ".qkv_proj.", "k"),
@@ -246,16 +248,27 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         modules = dict(self.named_modules())
         loaded: set[str] = set()
+        quantization = self.config.quantization
         for name, tensor in weights:
+            module, piece = name.rsplit(".", 1)
+            if isinstance(quantization, IntQuantConfig) and piece == "weight" and tensor.is_floating_point():
+                linear = _EXPERT.fullmatch(name) or isinstance(modules.get(stacked_name(module)[0]), LinearBase)
+                if linear and quantization.stored_quantized(module):
+                    raise ValueError(f"{name} is stored unquantized, but the quantization_config quantizes {module}")
             expert = _EXPERT.fullmatch(name)
-            if expert is not None:  # one expert's projection (Qwen's FP8 checkpoints store them so)
+            if expert is not None:  # one expert's projection (quantized checkpoints store them so)
                 block, index, proj, kind = expert.groups()
                 moe = modules[f"{block}.mlp"]
-                if kind == "weight_scale_inv":
+                if is_int_piece(kind, tensor):
+                    moe.load_expert_int(int(index), proj, module, kind, tensor)
+                    loaded.add(f"{block}.mlp.{'w2' if proj == 'down_proj' else 'w13'}")
+                elif kind == "weight_scale_inv":
                     moe.load_expert_scale(int(index), proj, tensor)
-                else:
+                elif kind == "weight":
                     moe.load_expert(int(index), proj, tensor)
                     loaded.add(f"{block}.mlp.{'w2' if proj == 'down_proj' else 'w13'}")
+                else:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 continue
             if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
                 moe: SparseMoeBlock = modules[name.rsplit(".experts.", 1)[0]]
@@ -268,6 +281,13 @@ class Qwen3VLForConditionalGeneration(nn.Module):
                     loaded.add(name.replace("experts.down_proj", "w2"))
                 continue
             target, shard_id = stacked_name(name)
+            if is_int_piece(piece, tensor):  # a piece of an integer-quantized weight
+                layer = modules.get(target.rsplit(".", 1)[0])
+                if not isinstance(layer, LinearBase):
+                    raise ValueError(f"checkpoint tensor {name!r}: a quantized {module} is not supported")
+                layer.load_int(module, piece, tensor, shard_id)
+                loaded.add(f"{target.rsplit('.', 1)[0]}.weight")
+                continue
             if target.endswith(".weight_scale_inv"):  # an FP8 weight's block scales
                 layer = modules.get(target.removesuffix(".weight_scale_inv"))
                 if not isinstance(layer, LinearBase):
@@ -280,6 +300,9 @@ class Qwen3VLForConditionalGeneration(nn.Module):
             loaded.add(target)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
+        parts = [name for m in modules.values() if hasattr(m, "missing_pieces") for name in m.missing_pieces()]
+        if parts:
+            raise ValueError(f"checkpoint is missing {len(parts)} tensors of quantized weights, e.g. {parts[:5]}")
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")

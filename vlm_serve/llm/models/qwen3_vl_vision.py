@@ -18,8 +18,10 @@ from vlm_serve.checkpoint import WeightFormat, build_module, checkpoint_files, i
 from vlm_serve.config import ModelConfig, VisionConfig
 from vlm_serve.llm.kernels import rowwise_cpu
 from vlm_serve.llm.layers.linear import ReplicatedLinear, prepack_weights
+from vlm_serve.llm.layers.quantized import is_int_piece
 from vlm_serve.llm.layers.sdpa import sdpa
 from vlm_serve.llm.lora.layer import LoRABatch, lora_batch
+from vlm_serve.quantization import IntQuantConfig
 
 Grid = tuple[int, int, int]
 VISION_PREFIX = "model.visual."  # the tower's tensors in a Qwen3-VL checkpoint
@@ -309,6 +311,14 @@ def _load_weights(model: Qwen3VLVisionModel, config: ModelConfig) -> None:
         if not name.startswith(VISION_PREFIX):
             continue
         target = name[len(VISION_PREFIX) :]
+        module, piece = name.rsplit(".", 1)
+        linear = isinstance(model.get_submodule(target.rsplit(".", 1)[0]), ReplicatedLinear) if "." in target else False
+        quantized = isinstance(config.quantization, IntQuantConfig) and config.quantization.stored_quantized(module)
+        if is_int_piece(piece, tensor) or (linear and quantized and piece == "weight"):
+            raise ValueError(
+                f"{name}: the checkpoint quantizes the vision tower, which is served as stored in float only "
+                "(quantize with the tower in the ignore list, as the published checkpoints do)"
+            )
         if target not in params or params[target].shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the vision tower")
         params[target].data.copy_(tensor)

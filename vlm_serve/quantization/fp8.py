@@ -11,17 +11,14 @@ DeepSeek-V3 and Qwen; transformers reads it with `FineGrainedFP8Config`, vLLM an
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
-QUANT_METHODS = ("fp8",)  # the `quant_method`s this project reads
 
 
 @dataclass(frozen=True)
@@ -37,28 +34,20 @@ class Fp8Config:
     @classmethod
     def from_dict(cls, config: dict) -> Fp8Config:
         """Reads `config.json`'s `quantization_config`; refuses what this project cannot serve, by name."""
-        method = config.get("quant_method")
-        if method not in QUANT_METHODS:
-            raise ValueError(
-                f"quantization_config: quant_method {method!r} is not supported (supported: "
-                f"{', '.join(repr(m) for m in QUANT_METHODS)})"
-            )
         fmt = config.get("fmt", "e4m3")
         if fmt != "e4m3":
-            raise ValueError(f"quantization_config: FP8 format {fmt!r} is not supported (supported: 'e4m3')")
+            raise ValueError(f"FP8 format {fmt!r} is not supported (supported: 'e4m3')")
         scheme = config.get("activation_scheme", "dynamic")
         if scheme != "dynamic":
-            raise ValueError(
-                f"quantization_config: activation_scheme {scheme!r} is not supported (supported: 'dynamic')"
-            )
+            raise ValueError(f"activation_scheme {scheme!r} is not supported (supported: 'dynamic')")
         scale_fmt = config.get("scale_fmt")
         if scale_fmt not in (None, "float"):
-            raise ValueError(f"quantization_config: scale_fmt {scale_fmt!r} is not supported (float32 scales only)")
+            raise ValueError(f"scale_fmt {scale_fmt!r} is not supported (float32 scales only)")
         block = config.get("weight_block_size")
         if block is None:
-            raise ValueError("quantization_config: FP8 without weight_block_size (per-tensor scales) is not supported")
+            raise ValueError("FP8 without weight_block_size (per-tensor scales) is not supported")
         if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-            raise ValueError(f"quantization_config: weight_block_size must be two positive integers, got {block!r}")
+            raise ValueError(f"weight_block_size must be two positive integers, got {block!r}")
         return cls(tuple(block), tuple(config.get("modules_to_not_convert") or ()))
 
     def to_dict(self) -> dict:
@@ -92,18 +81,6 @@ class Fp8Config:
         """Shape of `weight_scale_inv` for a `[out_features, in_features]` weight (partial blocks count)."""
         rows, cols = self.weight_block_size
         return math.ceil(out_features / rows), math.ceil(in_features / cols)
-
-
-def read_quantization_config(model_dir: str | Path) -> Fp8Config | None:
-    """The checkpoint's quantization (from `config.json`), or None when its weights are not quantized."""
-    path = Path(model_dir) / "config.json"
-    config = json.loads(path.read_text()).get("quantization_config")
-    if config is None:
-        return None
-    try:
-        return Fp8Config.from_dict(config)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
 
 
 def quantize_fp8_blocks(
