@@ -23,6 +23,7 @@ from helpers import (
     ServerProcess,
     descendants,
     openai_client,
+    run_process,
     running_server,
     stop_processes,
     stop_started,
@@ -30,6 +31,7 @@ from helpers import (
 from vlm_serve.llm import kernels
 from vlm_serve.llm.kernels import Target
 from vlm_serve.testing.eagle3_draft import create_eagle3_draft
+from vlm_serve.testing.quantized import Recipe, quantize_checkpoints
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
 
@@ -220,6 +222,38 @@ def tiny_fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         arch: create_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}-fp8"), arch=arch, seed=0, quantize="fp8")
         for arch in ("moe", "dense")
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_fp16_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny checkpoints in float16, by arch ("moe", "dense"): what the integer ones are quantized from."""
+    return {
+        arch: create_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}-fp16"), arch=arch, seed=0, dtype="float16")
+        for arch in ("moe", "dense")
+    }
+
+
+# The integer-quantized test checkpoints: llm-compressor's round-to-nearest schemes over the float16 ones (whose
+# scales are then float16, as published). The MoE's experts (intermediate 48) take groups of 16.
+INT_RECIPES = {
+    "dense-w4a16": Recipe(4, 32, True),
+    "dense-w4a16-asym": Recipe(4, 32, False),
+    "dense-w8a16": Recipe(8, None, True),
+    "dense-w8a16-asym": Recipe(8, 32, False),
+    "dense-w8a8": Recipe(8, None, True, int8_activations=True),
+    "moe-w4a16": Recipe(4, 16, True),
+    "moe-w4a16-asym": Recipe(4, 16, False),
+    "moe-w8a8": Recipe(8, None, True, int8_activations=True),
+}
+
+
+@pytest.fixture(scope="session")
+def int_checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_fp16_dirs: dict[str, Path]) -> dict[str, Path]:
+    """Every checkpoint of INT_RECIPES, made at once by llm-compressor (a process of its own: its tests are
+    marked `server`)."""
+    root = tmp_path_factory.mktemp("int-checkpoints")
+    jobs = [(tiny_fp16_dirs[name.split("-")[0]], root / name, recipe) for name, recipe in INT_RECIPES.items()]
+    return dict(zip(INT_RECIPES, quantize_checkpoints(jobs, run=run_process)))
 
 
 @pytest.fixture(scope="session")

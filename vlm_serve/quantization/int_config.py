@@ -111,11 +111,13 @@ def _target_kind(target: str) -> str:
 
 
 def _matches(module: str, entry: str, method: str) -> bool:
+    if entry == "Linear":
+        return True
     if method == "awq":  # (AutoAWQ's and vLLM's: a piece of the name)
         return entry in module
     if entry.startswith("re:"):
         return re.match(entry[3:], module) is not None
-    return entry == "Linear" or entry == module
+    return entry == module
 
 
 # -- compressed-tensors -------------------------------------------------------------------------------------

@@ -119,6 +119,12 @@ class LinearBase(nn.Module):
         columns = (self.columns(), self.columns() + self.in_features)
         self.int_weight.store((), slice(here, here + count), part.rows(there, count), columns, module)
 
+    def fusable(self) -> bool:
+        """Whether the kernels' fused decoder layer computes this layer as its forward does: not where
+        its input's columns are reordered first (act order) or rounded to int8 (W8A8)."""
+        held = self.int_weight
+        return held is None or (held.perm is None and not held.scheme.int8_activations)
+
     def missing_pieces(self) -> list[str]:
         """The tensors of quantized modules that came in part: those not there."""
         return [name for pieces in self.pieces.values() for name in pieces.missing()]
@@ -140,11 +146,11 @@ class LinearBase(nn.Module):
         return y
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int_weight is not None:
-            x = self.int_weight.permuted(x)
-            if self.int_weight.scheme.int8_activations:
-                x = quantize_per_token(x)  # (as W8A8 computes: x rounded to int8 per row, then scaled back)
+        if self.int_weight is not None and self.int_weight.scheme.int8_activations:
+            x = quantize_per_token(x)  # (as W8A8 computes: x rounded to int8 per row, then scaled back)
         if self.panels is not None:
+            if self.int_weight is not None:
+                x = self.int_weight.permuted(x)  # (the codes' order: act order's)
             return linear_cpu.linear(x, self.panels, self.bias)
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)

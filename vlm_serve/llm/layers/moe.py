@@ -140,6 +140,12 @@ class SparseMoeBlock(nn.Module):
         else:
             self.w13_int.store((e,), self._half(proj), part.rows(cols.start, self.intermediate), (0, hidden), module)
 
+    def fusable(self) -> bool:
+        """Whether the kernels' fused decoder layer computes these experts as their forward does (see
+        `LinearBase.fusable`)."""
+        held = self.w13_int
+        return held is None or (held.perm is None and self.w2_int.perm is None and not held.scheme.int8_activations)
+
     def missing_pieces(self) -> list[str]:
         """The tensors of quantized experts that came in part: those not there."""
         return [name for pieces in self.pieces.values() for name in pieces.missing()]
@@ -183,6 +189,8 @@ class SparseMoeBlock(nn.Module):
         than a matmul per expert."""
         if self.w13_int is not None:
             w13, w2, scheme = self.w13_int, self.w2_int, self.w13_int.scheme
+            if w13.perm is not None or w2.perm is not None:  # (act order: each expert's own; module by module)
+                return
             self.packed = pack_int_experts(
                 (w13.codes, w13.scale, w13.zero), (w2.codes, w2.scale, w2.zero), scheme.bits, scheme.group_size
             )

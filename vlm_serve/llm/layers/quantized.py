@@ -5,7 +5,7 @@ each, until the kernels take them in their own layout (`linear_cpu.pack_int`).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -107,7 +107,9 @@ class Pieces:
         if piece == "weight_shape":
             self._weight_shape()
         elif self._g_idx(self.held[piece], columns, self.scheme.groups(columns)) is not None:
-            raise ValueError(f"{self.module}.{piece}: its columns' groups come after the weight, which was read in order")
+            raise ValueError(
+                f"{self.module}.{piece}: its columns' groups come after the weight, which was read in order"
+            )
         del self.held[piece]
 
     def _weight_shape(self) -> None:
@@ -185,14 +187,16 @@ class Pieces:
 class IntWeight:
     """A layer's (or a stack of experts', with leading dimensions) integer weight shard, packed:
     `codes` uint8 (..., out, in * bits / 8), two 4-bit codes to a byte (`pack_nibbles`); `scale` float32
-    (..., out, groups); `zero` int16 (..., out, groups), None where symmetric; `perm`: the input columns in
-    the order the codes hold them (act order: columns sorted by group), None where in order."""
+    (..., out, groups); `zero` int16 (..., out, groups), None where symmetric; `perm` (..., in): each matrix's
+    input columns in the order its codes hold them (act order: the columns sorted by group), None where all
+    are in order."""
 
     scheme: IntScheme
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
     perm: torch.Tensor | None = None
+    orders: dict = field(default_factory=dict)  # each matrix's order as its first part gave it (None: in order)
 
     @classmethod
     def empty(cls, scheme: IntScheme, stack: tuple[int, ...], out: int, inp: int, device) -> IntWeight:
@@ -220,22 +224,30 @@ class IntWeight:
                 "parallelism must split a quantized weight between groups)"
             )
         codes = part.codes[:, start:end]
-        if part.g_idx is not None:
-            if (start, end) != (0, part.codes.shape[1]):
-                raise ValueError(
-                    f"{module}: act order (g_idx) with its input columns split over TP ranks is not supported"
-                )
-            perm = torch.sort(part.g_idx, stable=True).indices
-            if self.perm is not None and not torch.equal(self.perm, perm):
+        order = None if part.g_idx is None else self._order(part.g_idx, (start, end), module)
+        if index in self.orders:
+            known = self.orders[index]
+            if (known is None) != (order is None) or (order is not None and not torch.equal(known, order)):
                 raise ValueError(f"{module}: the fused projections order their input columns differently (g_idx)")
-            self.perm, codes = perm, codes[:, perm]
-        elif self.perm is not None:
-            raise ValueError(f"{module}: the fused projections order their input columns differently (g_idx)")
+        self.orders[index] = order
+        if order is not None:
+            if self.perm is None:
+                self.perm = torch.arange(end - start).expand(*self.codes.shape[:-2], end - start).clone()
+            self.perm[index], codes = order, codes[:, order]
         g0, g1 = (0, 1) if self.scheme.group_size is None else (start // group, -(-end // group))
         self.codes[index][rows] = pack_nibbles(codes) if self.scheme.bits == 4 else codes
         self.scale[index][rows] = part.scale[:, g0:g1]
         if self.zero is not None:
             self.zero[index][rows] = part.zero[:, g0:g1]
+
+    def _order(self, g_idx: torch.Tensor, columns: tuple[int, int], module: str) -> torch.Tensor:
+        """The columns sorted by their groups (act order), which must then be runs of `group_size`."""
+        if columns != (0, g_idx.numel()):
+            raise ValueError(f"{module}: act order (g_idx) with its input columns split over TP ranks is not supported")
+        g_idx, order = torch.sort(g_idx, stable=True)
+        if not torch.equal(g_idx, torch.arange(g_idx.numel()) // self.scheme.group_size):
+            raise ValueError(f"{module}: g_idx gives groups of other sizes than group_size {self.scheme.group_size}")
+        return order
 
     def free(self) -> None:
         """Lets the codes go once the kernels hold them in their own layout (the scheme and order stay)."""
@@ -248,12 +260,16 @@ class IntWeight:
         return unpack_nibbles(self.codes) if self.scheme.bits == 4 else self.codes
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The real weight (..., out, in) in `dtype`, its columns in the codes' order (`perm`)."""
+        """The real weight (..., out, in) in `dtype`, its columns in their own order."""
         zero = self.zero if self.zero is not None else self.scheme.zero
-        return dequantize(self.unpacked(), self.scale, zero, self.scheme.group_size, dtype)
+        weight = dequantize(self.unpacked(), self.scale, zero, self.scheme.group_size, dtype)
+        if self.perm is None:
+            return weight
+        inverse = torch.argsort(self.perm, dim=-1).to(weight.device)
+        return torch.gather(weight, -1, inverse.unsqueeze(-2).expand_as(weight))
 
     def permuted(self, x: torch.Tensor) -> torch.Tensor:
-        """x's input columns in the codes' order."""
+        """x's input columns in the codes' order (one matrix's), as the kernels read them."""
         return x if self.perm is None else x.index_select(-1, self.perm.to(x.device))
 
     def nbytes(self) -> int:

@@ -99,8 +99,8 @@ class Qwen3VLDecoderLayer(nn.Module):
             or get_parallel_state().tp_size > 1
             or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)
             or len({n.eps for n in norms}) > 1
-            or any(linear.panels is None for linear in linears)
-            or (moe and mlp.packed is None)
+            or any(linear.panels is None or not linear.fusable() for linear in linears)
+            or (moe and (mlp.packed is None or not mlp.fusable()))
         ):
             return
         args = [decoder_cpu.linear_args(linear.panels, linear.bias) for linear in linears]
