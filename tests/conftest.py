@@ -243,6 +243,7 @@ INT_RECIPES = {
     "dense-w8a8": Recipe(8, None, True, int8_activations=True),
     "moe-w4a16": Recipe(4, 16, True),
     "moe-w4a16-asym": Recipe(4, 16, False),
+    "moe-w8a16": Recipe(8, None, True),
     "moe-w8a8": Recipe(8, None, True, int8_activations=True),
 }
 

@@ -1,7 +1,8 @@
 """A decoder layer on CPU as two decoder_cpu.c calls (its attention half and its MLP or MoE half) computes
 what its modules compute one kernel call at a time, bit for bit: the layer's output, its residual stream
 and the K/V it writes to the pool, for decode, prefill on a cached prefix and both in one batch, dense and
-MoE layers, weights in float32, bfloat16 and FP8, on every ISA the kernels are built for
+MoE layers, weights in float32, bfloat16, FP8 and 4- and 8-bit integers (llm-compressor's W4A16 and W8A16:
+their checkpoints are made in a process, so those cases are marked `server`), on every ISA the kernels are built for
 (cpu_targets.py). Where a part is not on the kernels, the layer runs its modules."""
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from vlm_serve.llm.kernels.decoder_cpu import DecoderStep
 from vlm_serve.llm.layers.attention import CpuAttnBackend
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
+from vlm_serve.quantization import Fp8Config
 from vlm_serve.testing.tiny_model import create_tiny_model
 
 FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "fp8": {"quantize": "fp8"}}
+INT_FORMATS = {"w4a16": "w4a16-asym", "w8a16": "w8a16"}  # (conftest.py's INT_RECIPES; the MoE's w8a16: its W8A8's
+# weights are those, its activations are not the fused layer's)
 BATCHES = {  # (tokens per request, new ones)
     "decode": ([9, 1, 40], [1, 1, 1]),
     "prefill on a prefix": ([30, 12], [18, 12]),
@@ -29,11 +33,13 @@ BATCHES = {  # (tokens per request, new ones)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict:
+def checkpoints(tmp_path_factory, request) -> dict:
     """(arch, format) -> a tiny checkpoint's folder, made on first use."""
     made = {}
 
     def get(arch: str, form: str):
+        if form in INT_FORMATS:
+            return request.getfixturevalue("int_checkpoints")[f"{arch}-{INT_FORMATS[form]}"]
         if (arch, form) not in made:
             folder = tmp_path_factory.mktemp(f"{arch}-{form}")
             made[arch, form] = create_tiny_model(folder, arch=arch, seed=3, **FORMATS[form])
@@ -46,7 +52,7 @@ def text_model_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: i
     """The model's text model (its layers' weights packed for the current target), and a batch over a KV pool
     whose prefixes hold random K/V, its new tokens' slots scattered."""
     config = ModelConfig.from_pretrained(path)
-    weight_dtype = getattr(torch, config.torch_dtype) if config.quantization is None else torch.bfloat16
+    weight_dtype = torch.bfloat16 if isinstance(config.quantization, Fp8Config) else getattr(torch, config.torch_dtype)
     model = load_model(config, torch.device("cpu"), torch.float32, weight_dtype)
     text = config.text
     g = torch.Generator().manual_seed(seed)
@@ -83,7 +89,7 @@ def run_layer(layer, inputs, batch, fused: bool, with_residual: bool):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch_name", list(BATCHES))
-@pytest.mark.parametrize("form", list(FORMATS))
+@pytest.mark.parametrize("form", [*FORMATS, *(pytest.param(f, marks=pytest.mark.server) for f in INT_FORMATS)])
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_the_two_calls_compute_what_the_modules_do_bit_for_bit(arch, form, batch_name, checkpoints, kernel_target):
     seq_lens, ext_lens = BATCHES[batch_name]

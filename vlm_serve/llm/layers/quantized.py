@@ -24,14 +24,16 @@ from vlm_serve.quantization.int_packing import (
 
 # the tensors of one module, by layout: those it must have, and those it may
 PIECES = {
-    "pack-quantized": ({"weight_packed", "weight_scale"}, {"weight_shape", "weight_zero_point", "weight_g_idx"}),
+    "pack-quantized": ({"weight_packed", "weight_scale"}, {"weight_shape", "weight_zero_point"}),
     "int-quantized": ({"weight", "weight_scale"}, set()),
     "awq": ({"qweight", "qzeros", "scales"}, set()),
     "gptq": ({"qweight", "qzeros", "scales"}, {"g_idx"}),
     "gptq_v2": ({"qweight", "qzeros", "scales"}, {"g_idx"}),
 }
 # every name a quantized module's tensors end with (`<module>.<piece>`)
-PIECE_NAMES = frozenset().union(*(required | optional for required, optional in PIECES.values())) - {"weight"}
+PIECE_NAMES = frozenset().union(*(required | optional for required, optional in PIECES.values()), {"weight_g_idx"}) - {
+    "weight"
+}
 
 
 def is_int_piece(piece: str, tensor: torch.Tensor) -> bool:
@@ -74,7 +76,7 @@ class Pieces:
         self.required = set(required)
         if layout == "pack-quantized" and not scheme.symmetric:
             self.required.add("weight_zero_point")
-        if layout == "pack-quantized" and scheme.act_order:
+        if layout == "pack-quantized" and scheme.act_order:  # (actorder "group": each column's group)
             self.required.add("weight_g_idx")
         if layout.startswith("gptq") and scheme.act_order:
             self.required.add("g_idx")

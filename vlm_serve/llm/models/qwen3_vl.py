@@ -252,7 +252,9 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         for name, tensor in weights:
             module, piece = name.rsplit(".", 1)
             if isinstance(quantization, IntQuantConfig) and piece == "weight" and tensor.is_floating_point():
-                linear = _EXPERT.fullmatch(name) or isinstance(modules.get(stacked_name(module)[0]), LinearBase)
+                linear = _EXPERT.fullmatch(name) or isinstance(
+                    modules.get(stacked_name(name)[0].removesuffix(".weight")), LinearBase
+                )
                 if linear and quantization.stored_quantized(module):
                     raise ValueError(f"{name} is stored unquantized, but the quantization_config quantizes {module}")
             expert = _EXPERT.fullmatch(name)

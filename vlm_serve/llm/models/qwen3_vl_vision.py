@@ -305,14 +305,14 @@ def load_vision_model(
 
 def _load_weights(model: Qwen3VLVisionModel, config: ModelConfig) -> None:
     """The checkpoint's vision tensors into `model`; every parameter must get one."""
-    params = dict(model.named_parameters())
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
     loaded = set()
     for name, tensor in iter_weights(checkpoint_files(config.path)):
         if not name.startswith(VISION_PREFIX):
             continue
         target = name[len(VISION_PREFIX) :]
         module, piece = name.rsplit(".", 1)
-        linear = isinstance(model.get_submodule(target.rsplit(".", 1)[0]), ReplicatedLinear) if "." in target else False
+        linear = isinstance(modules.get(target.rsplit(".", 1)[0]), ReplicatedLinear)
         quantized = isinstance(config.quantization, IntQuantConfig) and config.quantization.stored_quantized(module)
         if is_int_piece(piece, tensor) or (linear and quantized and piece == "weight"):
             raise ValueError(

@@ -1,0 +1,111 @@
+"""4- and 8-bit integer weights in the CPU kernels' panels (tiles.h's W_U4 / W_U8): the linear and MoE kernels
+compute what torch computes with the dequantized weights, (codes - zero) * scale per group, in float32, on
+every ISA the kernels are built for (cpu_targets.py): groups of 32 to 128 columns and per channel,
+symmetric and with zero points, a last group in part, panels whole and one vector wide, one row to more
+than a tile widens. A row's result is the same bits whatever rows are batched with it. And the check is
+not blind: a wrong nibble order, a zero point off by one, a scale of the wrong group each fail it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm_serve.llm.kernels import linear_cpu, moe_cpu
+from vlm_serve.quantization.int_packing import dequantize, pack_nibbles
+
+SHAPES = [(64, 128, 32), (96, 192, 64), (128, 256, 128), (48, 96, None), (40, 104, 32)]  # (out, in, group)
+
+
+def integers(out: int, inp: int, bits: int, group: int | None, symmetric: bool, seed: int = 0, stack=()):
+    """Random codes (..., out, in), float16-valued scales and zero points (None: symmetric) per group."""
+    g = torch.Generator().manual_seed(seed + out * inp + bits)
+    groups = 1 if group is None else -(-inp // group)
+    codes = torch.randint(0, 1 << bits, (*stack, out, inp), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(*stack, out, groups, generator=g) * 0.05 + 0.001).half().float()
+    zero = None if symmetric else torch.randint(0, 1 << bits, (*stack, out, groups), generator=g).to(torch.int16)
+    return codes, scale, zero
+
+
+def packed(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return pack_nibbles(codes) if bits == 4 else codes
+
+
+def reference(codes, scale, zero, bits, group) -> torch.Tensor:
+    return dequantize(codes, scale, (1 << (bits - 1)) if zero is None else zero, group)
+
+
+def close(y: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(((y - want).abs() <= 1e-5 * want.abs().max() + 1e-6).all())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 40])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero points"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_integer_panels_compute_the_dequantized_product(shape, bits, symmetric, rows, kernel_target):
+    out, inp, group = shape
+    codes, scale, zero = integers(out, inp, bits, group, symmetric)
+    panels = linear_cpu.pack_int(packed(codes, bits), bits, scale, zero, group)
+    assert panels is not None and panels.format == linear_cpu.INT_FORMATS[bits]
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(out)
+    want = x @ reference(codes, scale, zero, bits, group).T + bias
+    assert close(linear_cpu.linear(x, panels, bias), want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(bits, kernel_target):
+    codes, scale, zero = integers(128, 320, bits, 64, False)
+    panels = linear_cpu.pack_int(packed(codes, bits), bits, scale, zero, 64)
+    x = torch.randn(70, 320, generator=torch.Generator().manual_seed(1))
+    whole = linear_cpu.linear(x, panels, None)  # (past the tiles: the widened path)
+    for n in (1, 2, 3, 5, 13):
+        assert torch.equal(linear_cpu.linear(x[:n], panels, None), whole[:n]), n
+
+
+FAULTS = {
+    "nibble order": lambda codes, scale, zero: (((codes & 0xF) << 4 | codes >> 4), scale, zero),
+    "zero point off by one": lambda codes, scale, zero: (codes, scale, zero + 1),
+    "scale of the wrong group": lambda codes, scale, zero: (codes, scale.roll(1, dims=-1), zero),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_planted_fault_fails_the_check(fault, native_kernels):
+    codes, scale, zero = integers(64, 256, 4, 32, False)
+    x = torch.randn(3, 256)
+    want = x @ reference(codes, scale, zero, 4, 32).T
+    right = linear_cpu.pack_int(pack_nibbles(codes), 4, scale, zero, 32)
+    assert close(linear_cpu.linear(x, right, None), want)
+    bad_codes, bad_scale, bad_zero = FAULTS[fault](pack_nibbles(codes), scale, zero)
+    wrong = linear_cpu.pack_int(bad_codes, 4, bad_scale, bad_zero, 32)
+    assert not close(linear_cpu.linear(x, wrong, None), want)
+
+
+def experts_reference(x, logits, top_k, w13, w2) -> torch.Tensor:
+    """The experts' sum as SparseMoeBlock's torch path computes it: top-k by softmax, renormalized."""
+    probs = logits.softmax(-1)
+    weights, chosen = probs.topk(top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(top_k):
+            e = chosen[t, k]
+            gate, up = (x[t] @ w13[e].T).chunk(2)
+            out[t] += weights[t, k] * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_integer_experts_compute_the_dequantized_layer(bits, tokens, kernel_target):
+    experts, hidden, inter, group = 8, 64, 96, 32
+    c13, s13, z13 = integers(2 * inter, hidden, bits, group, False, stack=(experts,))
+    c2, s2, z2 = integers(hidden, inter, bits, group, True, seed=1, stack=(experts,))
+    packs = moe_cpu.pack_int_experts((packed(c13, bits), s13, z13), (packed(c2, bits), s2, None), bits, group)
+    assert packs is not None
+    g = torch.Generator().manual_seed(tokens)
+    x, logits = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, experts, generator=g)
+    want = experts_reference(x, logits, 2, reference(c13, s13, z13, bits, group), reference(c2, s2, None, bits, group))
+    got = moe_cpu.moe_forward(x, logits, 2, True, 0, packs)
+    assert ((got - want).abs() <= 1e-4 * want.abs().max()).all()
