@@ -110,7 +110,11 @@ def soak(
             return
         settle(wait_all=False)
         tally.sent += 1
-        in_flight.add(pool.submit(lambda: (call, judge(client, deployment.url, call, reference.url))))
+        in_flight.add(
+            pool.submit(
+                lambda: (call, judge(client, deployment.url, call, reference.url if deployment.builtin else None))
+            )
+        )
 
     send()
     settle(wait_all=True)

@@ -100,6 +100,11 @@ def _worker(
         ("dense", 1, False, "fp8"),
         ("moe", 1, False, "fp8"),
         ("moe", 2, False, "fp8"),
+        # 4- and 8-bit integer weights (llm-compressor's), sharded between their groups
+        ("dense", 1, False, "w4a16-asym"),
+        ("dense", 1, True, "w8a16-asym"),
+        ("moe", 1, False, "w8a16"),  # (per channel: its experts' 24 columns a rank would cut groups of 16)
+        ("moe", 2, True, "w4a16-asym"),
     ],
     ids=[
         *(f"{name}-{loop}" for loop in ("normal", "overlap") for name in ("dense-tp2", "moe-tp2", "moe-tp2-ep2")),
@@ -108,13 +113,20 @@ def _worker(
         "dense-tp2-fp8",
         "moe-tp2-fp8",
         "moe-tp2-ep2-fp8",
+        "dense-tp2-w4a16",
+        "dense-tp2-w8a16-overlap",
+        "moe-tp2-w8a16",
+        "moe-tp2-ep2-w4a16-overlap",
     ],
 )
 def test_two_ranks_match_one(
-    arch, ep_size, overlap, weights, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs, tiny_fp8_dirs
+    arch, ep_size, overlap, weights, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs, tiny_fp8_dirs, request
 ):
     float32 = {"moe": tiny_moe_dir, "dense": tiny_dense_dir}
-    model_dir = str({"bf16": tiny_bf16_dirs, "fp8": tiny_fp8_dirs}.get(weights, float32)[arch])
+    if weights.startswith("w"):
+        model_dir = str(request.getfixturevalue("int_checkpoints")[f"{arch}-{weights}"])
+    else:
+        model_dir = str({"bf16": tiny_bf16_dirs, "fp8": tiny_fp8_dirs}.get(weights, float32)[arch])
     ref_logits, ref_tokens = _run(model_dir, 1, 1, overlap)
     assert len(ref_tokens) == NEW_TOKENS
     results = mp.Manager().dict()

@@ -5,9 +5,10 @@ goes to a log file.
 
 The matrix covers the scheduler's paths: the default (the built-in model drafts with its EAGLE-3 head, in
 the overlap loop), the same in the normal loop, n-gram drafts, the overlap loop and the normal loop without drafts, small prefill chunks on pages of 4
-tokens, TP 2 with EP 2 and an encoder pool of 2, and PD; a LoRA adapter in the chunked and TP 2 / EP 2 ones.
-The overlap loop without drafts is the reference that other set-ups' greedy answers must equal (it serves
-the adapter too).
+tokens, TP 2 with EP 2 and an encoder pool of 2, and PD; a LoRA adapter in the chunked and TP 2 / EP 2 ones;
+and the built-in model quantized to 4 bits by llm-compressor (W4A16, its EAGLE-3 head in float beside it,
+small chunks, the adapter over the 4-bit base). The overlap loop without drafts is the reference that
+other set-ups' greedy answers must equal (it serves the adapter too); the 4-bit model answers otherwise.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from pathlib import Path
 
 import httpx
 
-from vlm_serve.builtin import BUILTIN_MODEL
+from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 from vlm_serve.server.ports import free_port
 from vlm_serve.testing.lora_adapter import ADAPTER, make_adapter
+from vlm_serve.testing.quantized import W4A16, quantize_checkpoints
 
 NO_DRAFTS = ("--speculative-algorithm", "none")
 # prefixes overflow a small KV pool into a host-memory tier, and come back from it
@@ -37,6 +39,9 @@ STORAGE_TIER = ("--page-size", "16", "--hicache-storage-backend", "file", "--hic
 # a LoRA adapter (`ADAPTER`, made by peft with random weights in the set-up's log folder, the same in each) of
 # the attention, the experts and the vision tower, beside the base
 LORA = ("--enable-lora", "--lora-paths", f"{ADAPTER}={{logs}}/{ADAPTER}-adapter")
+# the built-in model in 4 bits (made by llm-compressor in the set-up's log folder), its draft head as it is
+W4A16_BUILTIN = ("--model", "{logs}/builtin-w4a16", "--speculative-algorithm", "eagle3")
+W4A16_BUILTIN += ("--speculative-draft-model-path", str(BUILTIN_DRAFT))
 SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags (None: a PD pair, default flags)
     "default": (),
     "eagle3-normal": ("--disable-overlap-schedule",),
@@ -55,6 +60,7 @@ SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags
     ),  # fmt: skip
     "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2", *HOST_TIER, *STORAGE_TIER, *LORA),
     "pd": None,
+    "w4a16": (*W4A16_BUILTIN, "--chunked-prefill-size", "32", *LORA),
 }
 REFERENCE = "overlap"
 START_TIMEOUT = 180.0
@@ -88,6 +94,10 @@ def _in_child() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _run_child(command: list[str], **options) -> subprocess.CompletedProcess:
+    return subprocess.run(command, preexec_fn=_in_child, **options)
 
 
 @dataclass
@@ -191,6 +201,11 @@ class Deployment:
         self.start()
 
     @property
+    def builtin(self) -> bool:
+        """Whether it serves the built-in model as it ships (whose greedy answers the reference's must equal)."""
+        return "--model" not in (SETUPS[self.name] or ())
+
+    @property
     def adapter(self) -> bool:
         """Whether its servers serve the LoRA adapter `ADAPTER`."""
         return "--enable-lora" in (SETUPS[self.name] or ())
@@ -198,6 +213,10 @@ class Deployment:
     def _serve(self, name: str, flags: tuple[str, ...]) -> Process:
         if "--enable-lora" in flags and not (self.logs / self.name / f"{ADAPTER}-adapter").is_dir():
             make_adapter(self.logs / self.name / f"{ADAPTER}-adapter")
+        if "{logs}/builtin-w4a16" in flags and not (self.logs / self.name / "builtin-w4a16").is_dir():
+            quantized = self.logs / self.name / "builtin-w4a16"
+            quantize_checkpoints([(BUILTIN_MODEL, quantized, W4A16)], run=_run_child)
+            (quantized / "training.json").write_bytes((BUILTIN_MODEL / "training.json").read_bytes())
         port = free_port()
         command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(BUILTIN_MODEL), "--port", str(port)]
         command += [flag.replace("{logs}", str(self.logs / self.name)) for flag in flags]

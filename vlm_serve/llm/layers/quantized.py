@@ -219,7 +219,7 @@ class IntWeight:
         """Rows `rows` of matrix `index` (of the stack) from the checkpoint weight `part`: its rows as they
         are, its columns [start, end) (a row-parallel shard's), which must begin and end on a group."""
         start, end = columns
-        group = self.scheme.group_size or part.codes.shape[1]
+        group = self.scheme.group_size or 1  # (per channel: a row's one scale, wherever it is cut)
         if start % group or (end % group and end != part.codes.shape[1]):
             raise ValueError(
                 f"{module}: the shard's input columns {start} ... {end - 1} cut groups of {group} (tensor "
