@@ -146,6 +146,8 @@ def int_panels(
     width = kernel.int_panel if out % kernel.int_panel == 0 else kernel.lanes
     rows = 32 // bits  # rows of k to a lane
     lanes = torch.nn.functional.pad(codes, (0, -nbytes % 4)).view(torch.int32)  # (..., out, groups of k)
+    if bits == 4 and kernel.bf16_dot:  # (rows 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high: tiles.h)
+        lanes = dot_lanes(lanes)
     weight = lanes.unflatten(-2, (out // width, width)).transpose(-2, -1).contiguous()
     k = nbytes * 8 // bits
     block = group_size or -(-k // rows) * rows
@@ -153,6 +155,16 @@ def int_panels(
     per_block = torch.stack([scale.float(), -zero * scale.float()], dim=-2)  # (..., out, 2, blocks)
     per_panel = per_block.unflatten(-3, (out // width, width)).permute(*range(len(stack)), -4, -1, -2, -3)
     return weight, Layout(width, per_panel.contiguous(), block, block, 0)
+
+
+def dot_lanes(lanes: torch.Tensor) -> torch.Tensor:
+    """int32 lanes of 8 nibbles, row j in nibble j, with the even rows' nibbles in the low half in turn and the
+    odd rows' in the high half, as tiles.h's tile_int4_dot reads them."""
+    words = lanes.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(words)
+    for j in range(8):
+        out |= ((words >> (4 * j)) & 0xF) << (4 * (j // 2) + 16 * (j % 2))
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:

@@ -287,6 +287,59 @@ tile_bf16_dot(const float *const *a, int nr, const char *w, int64_t lead, int64_
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < nv; v++) _mm512_storeu_ps(c[r] + v * LANES, acc[r][v]);
 }
+
+/* tile_int() for W_U4 panels with vdpbf16ps (BF16_DOT), whose builds lay a lane's nibbles out as rows 0, 2,
+ * 4, 6 in its low half and 1, 3, 5, 7 in its high (`linear_cpu.int_panels`): pair p of a group, rows 2p and
+ * 2p + 1, is (lane >> 4p) & 0x000F000F, which or-ed with 0x43004300 is the pair of bfloat16 values 128 + q,
+ * exactly. One dot instruction multiplies it by the row's pair of x rounded to bfloat16 (as bfloat16
+ * weights are multiplied) and adds both: half the instructions per weight of the float32 path. A block's
+ * sum less 128 times its sum of x (rounded alike) is sum x q, which scale_block scales. */
+static inline __attribute__((always_inline)) void
+tile_int4_dot(const float *const *a, int nr, const char *w, const float *scale, int64_t first, int64_t block,
+              int64_t k, int nv, float *const *c, int accumulate) {
+    const int64_t groups = (k + 7) / 8, row = nv * LANES * 4; /* bytes per group of 8 rows */
+    const __m512i mask = _mm512_set1_epi32(0x000F000F), ones = _mm512_set1_epi32(0x43004300);
+    vec acc[MR][NVI];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = accumulate ? load(c[r] + v * LANES) : splat(0.0f);
+    uint32_t pairs[MR][DOT_PAIRS] __attribute__((aligned(64)));
+    for (int64_t g0 = 0, g1 = first / 8 < groups ? first / 8 : groups; g0 < groups;
+         g0 = g1, g1 = groups - g1 > block / 8 ? g1 + block / 8 : groups, scale += 2 * nv * LANES) {
+        vec part[MR][NVI] = {{{0}}}, xsum[MR] = {{0}};
+        for (int64_t q0 = 4 * g0; q0 < 4 * g1; q0 += DOT_PAIRS) { /* the block's pairs of rows, in chunks */
+            const int64_t n = 4 * g1 - q0 < DOT_PAIRS ? 4 * g1 - q0 : DOT_PAIRS;
+            for (int r = 0; r < nr; r++) {
+                round_pairs(a[r], 2 * q0, k, n, pairs[r]); /* (zeros past k) */
+                for (int64_t i = 0; i < n; i += 16) {
+                    const __m512i both = _mm512_loadu_si512(pairs[r] + i);
+                    xsum[r] += (vec)_mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+                    xsum[r] += (vec)_mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000)));
+                }
+            }
+            for (int64_t g = 0; g < n / 4; g++) {
+                __m512i bits[NVI];
+                for (int v = 0; v < nv; v++) bits[v] = _mm512_loadu_si512(w + (q0 / 4 + g) * row + v * LANES * 4);
+                for (int p = 0; p < 4; p++)
+                    for (int v = 0; v < nv; v++) {
+                        __m512bh b = (__m512bh)_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits[v], 4 * p), mask), ones);
+                        IN_REGISTER(b);
+                        for (int r = 0; r < nr; r++) {
+                            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pairs[r][4 * g + p]);
+                            part[r][v] = (vec)_mm512_dpbf16_ps((__m512)part[r][v], x, b);
+                        }
+                    }
+            }
+        }
+        float xs[MR];
+        for (int r = 0; r < nr; r++) {
+            xs[r] = hsum(xsum[r]);
+            for (int v = 0; v < nv; v++) part[r][v] -= splat(128.0f * xs[r]);
+        }
+        scale_block(acc, part, xs, nr, scale, nv);
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
+}
 #endif
 
 /* c[r][0 : nv * LANES] = a[r][0 : k] @ panel (k, nv * LANES) for r < nr (+ c[r] where `accumulate`),
@@ -301,6 +354,12 @@ tile(int format, const float *const *a, int nr, const void *panel, const float *
 #if BF16_DOT
     if (format == W_BF16) {
         tile_bf16_dot(a, nr, panel, lead, k, nv, c, accumulate);
+        return;
+    }
+#endif
+#if BF16_DOT
+    if (format == W_U4) {
+        tile_int4_dot(a, nr, panel, scale, first, block, k, nv, c, accumulate);
         return;
     }
 #endif
@@ -560,7 +619,7 @@ static inline __attribute__((always_inline)) void
 matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width,
                float *const *c) {
     const int tile_rows = TILE_ROWS(format);
-    if ((format != W_F16 && format != W_E4M3 && !is_int(format)) || rows <= 2 * tile_rows) {
+    if ((format != W_F16 && format != W_E4M3 && !is_int(format)) || rows <= 2 * tile_rows || (BF16_DOT && format == W_U4)) {
         for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
 #ifdef TILE_FUNCTIONS
             matmul_as(format, a + r0, rows - r0 < tile_rows ? rows - r0 : tile_rows, w, k, n, width, c + r0);
@@ -571,7 +630,7 @@ matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64
         }
         return;
     }
-    if (is_int(format)) {
+    if (is_int(format) && !(BF16_DOT && format == W_U4)) { /* (the dot tiles: never widened, see tile_int4_dot) */
         for (int64_t r0 = 0; r0 < rows; r0 += INT_ROWS)
             matmul_rows_int(format, a + r0, rows - r0 < INT_ROWS ? rows - r0 : INT_ROWS, w, k, n, width, c + r0);
         return;
