@@ -1,6 +1,7 @@
 """4- and 8-bit integer weights in the CPU kernels' panels (tiles.h's W_U4 / W_U8): the linear and MoE kernels
-compute what torch computes with the dequantized weights, (codes - zero) * scale per group, in float32, on
-every ISA the kernels are built for (cpu_targets.py): groups of 32 to 128 columns and per channel,
+compute what torch computes with the dequantized weights, (codes - zero) * scale per group, in float32 (x
+rounded to bfloat16 for 4-bit weights where the kernels have AVX-512-BF16's dot products, as for bfloat16
+weights: tiles.h's tile_int4_dot), on every ISA the kernels are built for (cpu_targets.py): groups of 32 to 128 columns and per channel,
 symmetric and with zero points, a last group in part, panels whole and one vector wide, one row to more
 than a tile widens. A row's result is the same bits whatever rows are batched with it. And the check is
 not blind: a wrong nibble order, a zero point off by one, a scale of the wrong group each fail it."""
@@ -13,7 +14,14 @@ import torch
 from vlm_serve.llm.kernels import linear_cpu, moe_cpu
 from vlm_serve.quantization.int_packing import dequantize, pack_nibbles
 
-SHAPES = [(64, 128, 32), (96, 192, 64), (128, 256, 128), (48, 96, None), (40, 104, 32)]  # (out, in, group)
+SHAPES = [
+    (64, 128, 32),
+    (96, 192, 64),
+    (128, 256, 128),
+    (48, 96, None),
+    (40, 104, 32),
+    (64, 48, 16),
+]  # (out, in, group)
 
 
 def integers(out: int, inp: int, bits: int, group: int | None, symmetric: bool, seed: int = 0, stack=()):
@@ -34,6 +42,11 @@ def reference(codes, scale, zero, bits, group) -> torch.Tensor:
     return dequantize(codes, scale, (1 << (bits - 1)) if zero is None else zero, group)
 
 
+def as_multiplied(x: torch.Tensor, bits: int, kernel) -> torch.Tensor:
+    """x as the kernel multiplies it by `bits`-bit codes: rounded to bfloat16 for 4 bits with BF16_DOT."""
+    return x.bfloat16().float() if bits == 4 and kernel.bf16_dot else x
+
+
 def close(y: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((y - want).abs() <= 1e-5 * want.abs().max() + 1e-6).all())
 
@@ -49,7 +62,7 @@ def test_integer_panels_compute_the_dequantized_product(shape, bits, symmetric, 
     assert panels is not None and panels.format == linear_cpu.INT_FORMATS[bits]
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(out)
-    want = x @ reference(codes, scale, zero, bits, group).T + bias
+    want = as_multiplied(x, bits, panels.kernel) @ reference(codes, scale, zero, bits, group).T + bias
     assert close(linear_cpu.linear(x, panels, bias), want)
 
 
@@ -74,16 +87,17 @@ FAULTS = {
 def test_a_planted_fault_fails_the_check(fault, native_kernels):
     codes, scale, zero = integers(64, 256, 4, 32, False)
     x = torch.randn(3, 256)
-    want = x @ reference(codes, scale, zero, 4, 32).T
     right = linear_cpu.pack_int(pack_nibbles(codes), 4, scale, zero, 32)
+    want = as_multiplied(x, 4, right.kernel) @ reference(codes, scale, zero, 4, 32).T
     assert close(linear_cpu.linear(x, right, None), want)
     bad_codes, bad_scale, bad_zero = FAULTS[fault](pack_nibbles(codes), scale, zero)
     wrong = linear_cpu.pack_int(bad_codes, 4, bad_scale, bad_zero, 32)
     assert not close(linear_cpu.linear(x, wrong, None), want)
 
 
-def experts_reference(x, logits, top_k, w13, w2) -> torch.Tensor:
-    """The experts' sum as SparseMoeBlock's torch path computes it: top-k by softmax, renormalized."""
+def experts_reference(x, logits, top_k, w13, w2, rounded=lambda x: x) -> torch.Tensor:
+    """The experts' sum as SparseMoeBlock's torch path computes it: top-k by softmax, renormalized; each
+    product's input as `rounded` gives it."""
     probs = logits.softmax(-1)
     weights, chosen = probs.topk(top_k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
@@ -91,21 +105,22 @@ def experts_reference(x, logits, top_k, w13, w2) -> torch.Tensor:
     for t in range(x.shape[0]):
         for k in range(top_k):
             e = chosen[t, k]
-            gate, up = (x[t] @ w13[e].T).chunk(2)
-            out[t] += weights[t, k] * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
+            gate, up = (rounded(x[t]) @ w13[e].T).chunk(2)
+            out[t] += weights[t, k] * (rounded(torch.nn.functional.silu(gate) * up) @ w2[e].T)
     return out
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_integer_experts_compute_the_dequantized_layer(bits, tokens, kernel_target):
-    experts, hidden, inter, group = 8, 64, 96, 32
+    experts, hidden, inter, group = 8, 64, 48, 16
     c13, s13, z13 = integers(2 * inter, hidden, bits, group, False, stack=(experts,))
     c2, s2, z2 = integers(hidden, inter, bits, group, True, seed=1, stack=(experts,))
     packs = moe_cpu.pack_int_experts((packed(c13, bits), s13, z13), (packed(c2, bits), s2, None), bits, group)
     assert packs is not None
     g = torch.Generator().manual_seed(tokens)
     x, logits = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, experts, generator=g)
-    want = experts_reference(x, logits, 2, reference(c13, s13, z13, bits, group), reference(c2, s2, None, bits, group))
+    w13, w2 = reference(c13, s13, z13, bits, group), reference(c2, s2, None, bits, group)
+    want = experts_reference(x, logits, 2, w13, w2, lambda x: as_multiplied(x, bits, packs.kernel))
     got = moe_cpu.moe_forward(x, logits, 2, True, 0, packs)
     assert ((got - want).abs() <= 1e-4 * want.abs().max()).all()

@@ -310,6 +310,7 @@ tile_int4_dot(const float *const *a, int nr, const char *w, const float *scale, 
             const int64_t n = 4 * g1 - q0 < DOT_PAIRS ? 4 * g1 - q0 : DOT_PAIRS;
             for (int r = 0; r < nr; r++) {
                 round_pairs(a[r], 2 * q0, k, n, pairs[r]); /* (zeros past k) */
+                for (int64_t i = n; i % 16; i++) pairs[r][i] = 0;  /* (and past the block: xsum adds 16 at a time) */
                 for (int64_t i = 0; i < n; i += 16) {
                     const __m512i both = _mm512_loadu_si512(pairs[r] + i);
                     xsum[r] += (vec)_mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
