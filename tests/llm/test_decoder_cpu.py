@@ -23,8 +23,7 @@ from vlm_serve.quantization import Fp8Config
 from vlm_serve.testing.tiny_model import create_tiny_model
 
 FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "fp8": {"quantize": "fp8"}}
-INT_FORMATS = {"w4a16": "w4a16-asym", "w8a16": "w8a16"}  # (conftest.py's INT_RECIPES; the MoE's w8a16: its W8A8's
-# weights are those, its activations are not the fused layer's)
+INT_FORMATS = {"w4a16": "w4a16-asym", "w8a16": "w8a16", "w8a8": "w8a8"}  # (conftest.py's INT_RECIPES)
 BATCHES = {  # (tokens per request, new ones)
     "decode": ([9, 1, 40], [1, 1, 1]),
     "prefill on a prefix": ([30, 12], [18, 12]),

@@ -4,7 +4,9 @@ rounded to bfloat16 for 4-bit weights where the kernels have AVX-512-BF16's dot 
 weights: tiles.h's tile_int4_dot), on every ISA the kernels are built for (cpu_targets.py): groups of 32 to 128 columns and per channel,
 symmetric and with zero points, a last group in part, panels whole and one vector wide, one row to more
 than a tile widens. A row's result is the same bits whatever rows are batched with it. And the check is
-not blind: a wrong nibble order, a zero point off by one, a scale of the wrong group each fail it."""
+not blind: a wrong nibble order, a zero point off by one, a scale of the wrong group each fail it. W8A8's
+int8 weights times x rounded to int8 per row (int8.h: VNNI, AVX2's vpmaddubsw, Arm's sdot or portable C)
+compute what torch computes on x so rounded, to float32 rounding."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from vlm_serve.llm.kernels import linear_cpu, moe_cpu
+from vlm_serve.llm.layers.quantized import quantize_per_token
 from vlm_serve.quantization.int_packing import dequantize, pack_nibbles
 
 SHAPES = [
@@ -122,5 +125,41 @@ def test_integer_experts_compute_the_dequantized_layer(bits, tokens, kernel_targ
     x, logits = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, experts, generator=g)
     w13, w2 = reference(c13, s13, z13, bits, group), reference(c2, s2, None, bits, group)
     want = experts_reference(x, logits, 2, w13, w2, lambda x: as_multiplied(x, bits, packs.kernel))
+    got = moe_cpu.moe_forward(x, logits, 2, True, 0, packs)
+    assert ((got - want).abs() <= 1e-4 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("shape", [(64, 256), (48, 100), (128, 320)], ids=str)
+def test_w8a8_panels_compute_the_product_of_x_rounded_to_int8(shape, rows, kernel_target):
+    out, inp = shape
+    g = torch.Generator().manual_seed(out + inp)
+    q = torch.randint(-127, 128, (out, inp), generator=g)
+    scale = torch.rand(out, 1, generator=g) * 0.01
+    panels = linear_cpu.pack_int((q + 128).to(torch.uint8), 8, scale, None, None, int8_activations=True)
+    assert panels.format == linear_cpu.W_I8
+    x = torch.randn(rows, inp, generator=g)
+    x[0, :3] = 0  # (a row's zeros, and below a row of zeros)
+    if rows > 1:
+        x[1] = 0
+    want = quantize_per_token(x) @ (q.float() * scale).T
+    got = linear_cpu.linear(x, panels, None)
+    assert close(got, want)
+    assert torch.equal(linear_cpu.linear(x[:1], panels, None), got[:1])  # (exact integer sums: any batch)
+
+
+def test_w8a8_experts(kernel_target):
+    experts, hidden, inter = 8, 64, 48
+    g = torch.Generator().manual_seed(5)
+    q13, q2 = (
+        torch.randint(-127, 128, (experts, 2 * inter, hidden), generator=g),
+        torch.randint(-127, 128, (experts, hidden, inter), generator=g),
+    )
+    s13, s2 = torch.rand(experts, 2 * inter, 1, generator=g) * 0.02, torch.rand(experts, hidden, 1, generator=g) * 0.02
+    packs = moe_cpu.pack_int_experts(
+        ((q13 + 128).to(torch.uint8), s13, None), ((q2 + 128).to(torch.uint8), s2, None), 8, None, True
+    )
+    x, logits = torch.randn(6, hidden, generator=g), torch.randn(6, experts, generator=g)
+    want = experts_reference(x, logits, 2, q13.float() * s13, q2.float() * s2, quantize_per_token)
     got = moe_cpu.moe_forward(x, logits, 2, True, 0, packs)
     assert ((got - want).abs() <= 1e-4 * want.abs().max()).all()

@@ -28,6 +28,7 @@ LIBRARY = KernelLibrary(
 
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}  # tiles.h's W_*
 INT_FORMATS = {4: 4, 8: 5}  # integer codes by their bits: tiles.h's W_U4, W_U8
+W_I8 = 6  # int8 weights times int8 activations (W8A8): int8.h
 E4M3_SHIFT = 2.0**120  # e4m3's bits placed in a float32 read as its value / 2^120 (tiles.h)
 BLOCK = (128, 128)  # the published FP8 checkpoints' weight_block_size
 
@@ -98,12 +99,18 @@ def pack(
 
 
 def pack_int(
-    codes: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int | None
+    codes: torch.Tensor,
+    bits: int,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int | None,
+    int8_activations: bool = False,
 ) -> Panels | None:
     """Integer codes as `layers.quantized.IntWeight` holds them (out, in * bits / 8) uint8, 4-bit ones two to a
     byte (the even column low), with their scales (out, groups) and zero points (out, groups; None: 2^(bits - 1))
     per `group_size` input columns (None: per row), in column panels (`int_panels`); None where the kernel
-    is not built or the weight is not on CPU."""
+    is not built or the weight is not on CPU. With `int8_activations` (W8A8: symmetric 8-bit codes per
+    channel) the kernel rounds each row of x to int8 and sums in int32 (int8.h)."""
     if codes.device.type != "cpu" or codes.dim() != 2:
         return None
     kernel = LIBRARY.get()
@@ -111,8 +118,9 @@ def pack_int(
         return None
     features = codes.shape[0]
     codes, scale, zero = pad_rows(kernel, codes, scale, zero)
-    weight, layout = int_panels(kernel, codes, bits, scale, zero, group_size)
-    return Panels(kernel, weight, codes.shape[1] * 8 // bits, layout, features, INT_FORMATS[bits])
+    weight, layout = int_panels(kernel, codes, bits, scale, zero, group_size, int8_activations)
+    form = W_I8 if int8_activations else INT_FORMATS[bits]
+    return Panels(kernel, weight, codes.shape[1] * 8 // bits, layout, features, form)
 
 
 def pad_rows(
@@ -137,22 +145,32 @@ def int_panels(
     scale: torch.Tensor,
     zero: torch.Tensor | None,
     group_size: int | None,
+    int8_activations: bool = False,
 ) -> tuple[torch.Tensor, Layout]:
     """Integer weights (..., out, in * bits / 8) as tiles.h's W_U4 / W_U8 panels (..., out / width, groups
     of k, width) of 32-bit lanes, each a column's 32 / bits consecutive rows of k (what the packed bytes
     already hold: 4 of them side by side), and their layout: per panel and block of k (a group, or all of
-    k), the columns' scales and then their biases, -zero * scale."""
+    k), the columns' scales and then their biases, -zero * scale. For W8A8 (`int8_activations`: symmetric
+    8-bit codes per channel) the lanes hold the signed weights, codes - 128, and each panel's scales are
+    followed by its columns' sums of weights (int32), as int8.h reads them."""
     *stack, out, nbytes = codes.shape
     width = kernel.int_panel if out % kernel.int_panel == 0 else kernel.lanes
     rows = 32 // bits  # rows of k to a lane
+    if int8_activations:
+        codes = codes ^ 0x80  # (the signed weights' bytes)
     lanes = torch.nn.functional.pad(codes, (0, -nbytes % 4)).view(torch.int32)  # (..., out, groups of k)
     if bits == 4 and kernel.bf16_dot:  # (rows 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high: tiles.h)
         lanes = dot_lanes(lanes)
     weight = lanes.unflatten(-2, (out // width, width)).transpose(-2, -1).contiguous()
     k = nbytes * 8 // bits
     block = group_size or -(-k // rows) * rows
-    zero = (1 << (bits - 1)) if zero is None else zero.float()
-    per_block = torch.stack([scale.float(), -zero * scale.float()], dim=-2)  # (..., out, 2, blocks)
+    if int8_activations:
+        sums = codes.view(torch.int8).sum(-1, dtype=torch.int32, keepdim=True).view(torch.float32)
+        second = sums
+    else:
+        zero = (1 << (bits - 1)) if zero is None else zero.float()
+        second = -zero * scale.float()
+    per_block = torch.stack([scale.float(), second], dim=-2)  # (..., out, 2, blocks)
     per_panel = per_block.unflatten(-3, (out // width, width)).permute(*range(len(stack)), -4, -1, -2, -3)
     return weight, Layout(width, per_panel.contiguous(), block, block, 0)
 

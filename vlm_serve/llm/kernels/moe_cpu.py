@@ -13,6 +13,7 @@ from vlm_serve.llm.kernels.linear_cpu import (
     BLOCK,
     FORMATS,
     INT_FORMATS,
+    W_I8,
     Layout,
     check_scale,
     int_panels,
@@ -124,10 +125,12 @@ def pack_int_experts(
     w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     bits: int,
     group_size: int | None,
+    int8_activations: bool = False,
 ) -> PackedExperts | None:
     """Integer experts, each (codes, scales, zero points or None) as `linear_cpu.pack_int` takes one weight,
     with a leading dimension of experts: w13 (experts, 2I, H * bits / 8), w2 (experts, H, I * bits / 8); None
-    where the kernel is not built, they are not on CPU, or 2I or H is not whole vectors."""
+    where the kernel is not built, they are not on CPU, or 2I or H is not whole vectors. `int8_activations`:
+    W8A8, the inputs of both products rounded to int8 per row by the kernel."""
     if w13[0].device.type != "cpu":
         return None
     kernel = LIBRARY.get()
@@ -136,10 +139,11 @@ def pack_int_experts(
     (codes13, scale13, zero13), (codes2, scale2, zero2) = w13, w2
     if codes13.shape[-2] % kernel.lanes or codes2.shape[-2] % kernel.lanes:
         return None
-    p13, layout13 = int_panels(kernel, codes13, bits, scale13, zero13, group_size)
-    p2, layout2 = int_panels(kernel, codes2, bits, scale2, zero2, group_size)
+    p13, layout13 = int_panels(kernel, codes13, bits, scale13, zero13, group_size, int8_activations)
+    p2, layout2 = int_panels(kernel, codes2, bits, scale2, zero2, group_size, int8_activations)
     hidden, intermediate = codes2.shape[-2], codes2.shape[-1] * 8 // bits
-    return PackedExperts(kernel, p13, layout13, p2, layout2, hidden, intermediate, INT_FORMATS[bits])
+    form = W_I8 if int8_activations else INT_FORMATS[bits]
+    return PackedExperts(kernel, p13, layout13, p2, layout2, hidden, intermediate, form)
 
 
 def moe_forward(

@@ -54,12 +54,13 @@ BASELINE int kernel_int_panel(void) { return PANEL_INT; }
 #define W_E4M3 3
 #define W_U4 4
 #define W_U8 5
+#define W_I8 6 /* int8 weights times int8 activations (W8A8): int8.h */
 
 static inline int is_int(int format) { return format == W_U4 || format == W_U8; }
 
 /* rows of k a 32-bit lane holds (G) */
 static inline int lane_rows(int format) {
-    return format == W_F32 ? 1 : format == W_U4 ? 8 : format == W_E4M3 || format == W_U8 ? 4 : 2;
+    return format == W_F32 ? 1 : format == W_U4 ? 8 : format == W_E4M3 || format == W_U8 || format == W_I8 ? 4 : 2;
 }
 
 /* A (k, n) matrix of weights in panels, as the products below read it. */
@@ -74,7 +75,7 @@ typedef struct {
 } Weights;
 
 /* floats of `scale` per panel and block of k */
-static inline int64_t block_floats(int format, int width) { return is_int(format) ? 2 * width : 1; }
+static inline int64_t block_floats(int format, int width) { return is_int(format) || format == W_I8 ? 2 * width : 1; }
 
 /* a float32 matrix: one block of k, no scales */
 static inline Weights plain(const float *w, int64_t k) { return (Weights){w, NULL, k, k, 0}; }
@@ -405,7 +406,7 @@ tile(int format, const float *const *a, int nr, const void *panel, const float *
 static inline Weights nth_matrix(int format, Weights w, int64_t k, int64_t n, int width, int64_t i) {
     const int G = lane_rows(format);
     const int64_t groups = (w.lead + k + G - 1) / G;
-    const int scaled = format == W_E4M3 || is_int(format);
+    const int scaled = format == W_E4M3 || is_int(format) || format == W_I8;
     const int64_t blocks = !scaled || k <= w.first ? 1 : 1 + (k - w.first + w.block - 1) / w.block;
     w.data = (const char *)w.data + i * groups * n * 4;
     w.scale = scaled ? w.scale + i * n / width * blocks * block_floats(format, width) : NULL;
@@ -432,6 +433,7 @@ static inline Weights nth_matrix(int format, Weights w, int64_t k, int64_t n, in
         case W_E4M3: { const int FORMAT = W_E4M3; __VA_ARGS__; } break; \
         case W_U4: { const int FORMAT = W_U4; __VA_ARGS__; } break;     \
         case W_U8: { const int FORMAT = W_U8; __VA_ARGS__; } break;     \
+        case W_I8: { const int FORMAT = W_I8; __VA_ARGS__; } break;     \
         default: { const int FORMAT = W_F32; __VA_ARGS__; } break;      \
     }
 
@@ -611,6 +613,8 @@ matmul_rows_int(int format, const float *const *a, int64_t rows, Weights w, int6
     }
 }
 
+#include "int8.h" /* (W_I8's products: matmul_rows_i8) */
+
 /* matmul_as over any number of rows: tiles of up to TILE_ROWS rows, each reading the panels as stored.
  * From more than two tiles' rows on, float16, FP8 and integer panels are widened to float32 instead, WIDE_ROWS
  * rows of k at a time, once for all the tiles rather than once per tile (measured with FP8 on AVX2, one
@@ -619,6 +623,10 @@ matmul_rows_int(int format, const float *const *a, int64_t rows, Weights w, int6
 static inline __attribute__((always_inline)) void
 matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width,
                float *const *c) {
+    if (format == W_I8) {
+        matmul_rows_i8(a, rows, w, k, n, width, c);
+        return;
+    }
     const int tile_rows = TILE_ROWS(format);
     if ((format != W_F16 && format != W_E4M3 && !is_int(format)) || rows <= 2 * tile_rows || (BF16_DOT && format == W_U4)) {
         for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {

@@ -120,10 +120,9 @@ class LinearBase(nn.Module):
         self.int_weight.store((), slice(here, here + count), part.rows(there, count), columns, module)
 
     def fusable(self) -> bool:
-        """Whether the kernels' fused decoder layer computes this layer as its forward does: not where
-        its input's columns are reordered first (act order) or rounded to int8 (W8A8)."""
-        held = self.int_weight
-        return held is None or (held.perm is None and not held.scheme.int8_activations)
+        """Whether the kernels' fused decoder layer computes this layer as its forward does: not where its
+        input's columns are reordered first (act order)."""
+        return self.int_weight is None or self.int_weight.perm is None
 
     def missing_pieces(self) -> list[str]:
         """The tensors of quantized modules that came in part: those not there."""
@@ -146,8 +145,8 @@ class LinearBase(nn.Module):
         return y
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int_weight is not None and self.int_weight.scheme.int8_activations:
-            x = quantize_per_token(x)  # (as W8A8 computes: x rounded to int8 per row, then scaled back)
+        if self.panels is None and self.int_weight is not None and self.int_weight.scheme.int8_activations:
+            x = quantize_per_token(x)  # (as W8A8 computes: x rounded to int8 per row; the kernels do it themselves)
         if self.panels is not None:
             if self.int_weight is not None:
                 x = self.int_weight.permuted(x)  # (the codes' order: act order's)
@@ -163,9 +162,9 @@ class LinearBase(nn.Module):
 
     def prepack(self) -> None:
         if self.int_weight is not None:
-            held = self.int_weight
+            held, scheme = self.int_weight, self.int_weight.scheme
             self.panels = linear_cpu.pack_int(
-                held.codes, held.scheme.bits, held.scale, held.zero, held.scheme.group_size
+                held.codes, scheme.bits, held.scale, held.zero, scheme.group_size, scheme.int8_activations
             )
             if self.panels is not None:
                 held.free()

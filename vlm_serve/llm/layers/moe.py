@@ -143,8 +143,7 @@ class SparseMoeBlock(nn.Module):
     def fusable(self) -> bool:
         """Whether the kernels' fused decoder layer computes these experts as their forward does (see
         `LinearBase.fusable`)."""
-        held = self.w13_int
-        return held is None or (held.perm is None and self.w2_int.perm is None and not held.scheme.int8_activations)
+        return self.w13_int is None or (self.w13_int.perm is None and self.w2_int.perm is None)
 
     def missing_pieces(self) -> list[str]:
         """The tensors of quantized experts that came in part: those not there."""
@@ -192,7 +191,11 @@ class SparseMoeBlock(nn.Module):
             if w13.perm is not None or w2.perm is not None:  # (act order: each expert's own; module by module)
                 return
             self.packed = pack_int_experts(
-                (w13.codes, w13.scale, w13.zero), (w2.codes, w2.scale, w2.zero), scheme.bits, scheme.group_size
+                (w13.codes, w13.scale, w13.zero),
+                (w2.codes, w2.scale, w2.zero),
+                scheme.bits,
+                scheme.group_size,
+                scheme.int8_activations,
             )
             if self.packed is not None and not self.keep_dense:
                 self.w13_int.free(), self.w2_int.free()
@@ -211,9 +214,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.w13_int is not None and self.w13_int.scheme.int8_activations:
-            x = quantize_per_token(x)  # (W8A8: the experts' input rounded to int8 per token; the router's is not)
         lora = LORA_BATCH.get() if self.lora is not None else None
+        if self.w13_int is not None and self.w13_int.scheme.int8_activations and (self.packed is None or lora):
+            x = quantize_per_token(x)  # (W8A8: the experts' input rounded to int8 per token; the kernel's does it)
         if self.packed is not None and lora is None:
             out = moe_forward(x, logits, self.top_k, self.norm_topk_prob, self.expert_start, self.packed)
             return tp_all_reduce(out)

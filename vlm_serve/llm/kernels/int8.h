@@ -1,0 +1,135 @@
+/* W8A8 (tiles.h's W_I8): int8 weights, symmetric per output channel (compressed-tensors' int-quantized), times
+ * each row of x rounded to int8 as it comes (dynamic, symmetric: scale amax / 127, what compressed-tensors'
+ * `token` strategy computes), summed exactly in int32 and scaled once: y = (sum x_q w_q) * s_x * s_w.
+ *
+ * A panel's lanes hold 4 rows of k of a column as signed bytes; per panel, its columns' weight scales and
+ * then their sums of weights (as int32, for the unsigned dot products below). The products of 4 rows at a
+ * time, by ISA (each the instruction its CPU has for it; the C vector extensions have no such operation):
+ * - AVX-512-VNNI, AVX-VNNI: vpdpbusd, unsigned by signed bytes into int32: x + 128 by w, less 128 times the
+ *   column's sum of w at the end;
+ * - AVX2: vpmaddubsw of |x| by w with x's sign (no pair reaches int16's bounds: |x|, |w| <= 127), then
+ *   vpmaddwd by ones into int32;
+ * - Arm with the dot product extension: sdot, signed by signed;
+ * - elsewhere (SSE, NEON without it) each row's bytes widened to int32 and multiplied.
+ */
+#ifndef VLM_SERVE_INT8_H
+#define VLM_SERVE_INT8_H
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "tiles.h"
+
+#if defined(__AVX512VNNI__) && LANES == 16
+#include <immintrin.h>
+#define I8_DOT "AVX-512-VNNI"
+#define I8_UNSIGNED 1
+static inline ivec dot4(ivec acc, int32_t x, ivec w) {
+    return (ivec)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(x), (__m512i)w);
+}
+#elif defined(__AVXVNNI__) && LANES == 8
+#include <immintrin.h>
+#define I8_DOT "AVX-VNNI"
+#define I8_UNSIGNED 1
+static inline ivec dot4(ivec acc, int32_t x, ivec w) {
+    return (ivec)_mm256_dpbusd_avx_epi32((__m256i)acc, _mm256_set1_epi32(x), (__m256i)w);
+}
+#elif defined(__AVX2__) && LANES == 8
+#include <immintrin.h>
+#define I8_DOT "AVX2"
+#define I8_UNSIGNED 0
+static inline ivec dot4(ivec acc, int32_t x, ivec w) {
+    const __m256i xb = _mm256_set1_epi32(x);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8((__m256i)w, xb));
+    return acc + (ivec)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#elif defined(__ARM_FEATURE_DOTPROD) && LANES == 4
+#include <arm_neon.h>
+#define I8_DOT "NEON dot product"
+#define I8_UNSIGNED 0
+static inline ivec dot4(ivec acc, int32_t x, ivec w) {
+    return (ivec)vdotq_s32((int32x4_t)acc, (int8x16_t)w, vreinterpretq_s8_s32(vdupq_n_s32(x)));
+}
+#else
+#define I8_DOT "portable"
+#define I8_UNSIGNED 0
+static inline ivec dot4(ivec acc, int32_t x, ivec w) {
+    for (int j = 0; j < 4; j++) acc += ((w << (24 - 8 * j)) >> 24) * (int32_t)(int8_t)(x >> (8 * j));
+    return acc;
+}
+#endif
+
+BASELINE const char *kernel_int8_dot(void) { return I8_DOT; }
+
+/* x[0 : k] rounded to int8 with its own scale, returned: q = round(x / s) (to nearest even), s = amax / 127
+ * (the smallest float where x is all zeros); q is padded with zeros to whole groups of 4 and, where the
+ * products take unsigned bytes, offset by 128. */
+static inline float quantize_row(const float *x, int64_t k, int8_t *q) {
+    vec m = splat(0.0f);
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES) m = vmax(m, vmax(load(x + i), -load(x + i)));
+    float amax = hmax(m);
+    for (; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float s = amax > 0 ? amax / 127.0f : 0x1p-126f;
+    for (i = 0; i < k; i++) q[i] = (int8_t)((int)rintf(x[i] / s) ^ (I8_UNSIGNED ? 0x80 : 0));
+    for (; i % 4; i++) q[i] = (int8_t)(I8_UNSIGNED ? 0x80 : 0);
+    return s;
+}
+
+#define I8_ROWS (REGISTERS < 32 ? 2 : MR) /* rows per tile: its int32 sums, NVI vectors a row, in registers */
+
+/* c[r][0 : nv * LANES] = (xq[r] @ panel) * sx[r] * the columns' scales, for r < nr: the panel's k rows in
+ * groups of 4 (whole, zero-padded), its `scale` floats: nv * LANES weight scales, then as many int32 sums
+ * of weights */
+static inline __attribute__((always_inline)) void
+tile_i8(const int8_t *const *xq, const float *sx, int nr, const char *w, const float *scale, int64_t k, int nv,
+        float *const *c) {
+    const int64_t groups = (k + 3) / 4, row = nv * LANES * 4;
+    ivec acc[MR][NVI] = {{{0}}};
+    for (int64_t g = 0; g < groups; g++) {
+        ivec b[NVI];
+        for (int v = 0; v < nv; v++) {
+            memcpy(&b[v], w + g * row + v * LANES * 4, sizeof b[v]);
+            IN_REGISTER(b[v]);
+        }
+        for (int r = 0; r < nr; r++) {
+            int32_t x;
+            memcpy(&x, xq[r] + 4 * g, 4);
+            for (int v = 0; v < nv; v++) acc[r][v] = dot4(acc[r][v], x, b[v]);
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        const vec ws = load(scale + v * LANES);
+        ivec sums;
+        memcpy(&sums, scale + (nv + v) * LANES, sizeof sums);
+        for (int r = 0; r < nr; r++) {
+            const ivec exact = I8_UNSIGNED ? acc[r][v] - 128 * sums : acc[r][v];
+            store(c[r] + v * LANES, __builtin_convertvector(exact, vec) * (ws * splat(sx[r])));
+        }
+    }
+}
+
+/* matmul_rows_as for W_I8 panels: each tile's rows of x quantized once, then every panel */
+static inline __attribute__((always_inline)) void
+matmul_rows_i8(const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width, float *const *c) {
+    const int64_t kp = (k + 3) / 4 * 4;
+    int8_t *buffer = malloc(I8_ROWS * kp);
+    for (int64_t r0 = 0; r0 < rows; r0 += I8_ROWS) {
+        const int nr = rows - r0 < I8_ROWS ? rows - r0 : I8_ROWS;
+        const int8_t *xq[MR];
+        float sx[MR];
+        for (int r = 0; r < nr; r++) sx[r] = quantize_row(a[r0 + r], k, buffer + r * kp), xq[r] = buffer + r * kp;
+        for (int64_t j = 0; j < n; j += width) {
+            float *cj[MR];
+            for (int r = 0; r < nr; r++) cj[r] = c[r0 + r] + j;
+            const Weights panel = nth_matrix(W_I8, w, k, width, width, j / width);
+            if (width == PANEL_INT)
+                tile_i8(xq, sx, nr, panel.data, panel.scale, k, NVI, cj);
+            else
+                tile_i8(xq, sx, nr, panel.data, panel.scale, k, 1, cj);
+        }
+    }
+    free(buffer);
+}
+
+#endif
