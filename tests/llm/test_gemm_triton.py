@@ -138,3 +138,100 @@ print("ok")
 @pytest.mark.slow
 def test_fp8_experts_on_cuda_take_the_grouped_fp8_gemm_each_way():
     run_kernel_script(MOE)
+
+
+# integer weights as `layers.quantized.IntWeight` holds them
+INTEGERS = """
+from vlm_serve.quantization.int_packing import dequantize, pack_nibbles
+from vlm_serve.llm.layers.quantized import quantize_per_token
+
+def integers(stack, n, k, bits, group, symmetric):
+    groups = 1 if group is None else -(-k // group)
+    codes = torch.randint(0, 1 << bits, (*stack, n, k), dtype=torch.uint8)
+    scale = torch.rand(*stack, n, groups) * 0.05
+    zero = None if symmetric else torch.randint(0, 1 << bits, (*stack, n, groups)).to(torch.int16)
+    packed = pack_nibbles(codes) if bits == 4 else codes
+    real = dequantize(codes, scale, (1 << (bits - 1)) if zero is None else zero, group)
+    return packed, scale, zero, real
+"""
+
+INT_CHECK = """
+from vlm_serve.llm.kernels.gemm_triton import int_linear
+
+for bits, group, symmetric, i8 in [(4, 32, True, False), (4, 64, False, False), (4, None, True, False),
+                                   (8, 32, False, False), (8, None, True, False), (8, None, True, True)]:
+    for rows, n, k, bias in [(1, 64, 128, False), (5, 96, 192, True), (33, 130, 64, True)]:
+        codes, scale, zero, real = integers((), n, k, bits, group, symmetric)
+        x = torch.randn(rows, k)
+        b = torch.randn(n) if bias else None
+        expected = torch.nn.functional.linear(quantize_per_token(x) if i8 else x, real, b)
+        got = int_linear(x, codes, scale, zero, bits, group, i8, b)
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, **TOL), (bits, group, symmetric, i8, rows, (got - expected).abs().max())
+print("ok")
+"""
+
+
+def test_the_triton_integer_gemm_equals_the_product_with_dequantized_weights():
+    """W4A16 and W8A16 (groups and per channel, symmetric or with zero points), and W8A8 (int8 dot products
+    of x rounded per row)."""
+    run_kernel_script(INTEGERS + INT_CHECK)
+
+
+INT_GROUPED = """
+from vlm_serve.llm.kernels.gemm_triton import int_grouped_linear
+
+experts, n, k = 5, 96, 128
+for bits, group, symmetric, i8 in [(4, 32, False, False), (8, None, True, True)]:
+    codes, scale, zero, real = integers((experts,), n, k, bits, group, symmetric)
+    for counts in ([3, 0, 17, 1, 0], [0, 0, 0, 0, 2]):
+        rows = sum(counts) + 3  # (rows routed to other ranks' experts: left unwritten)
+        xs = torch.randn(rows, k)
+        ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+        got = int_grouped_linear(xs, codes, scale, zero, bits, group, ends, i8)
+        start = 0
+        for e, count in enumerate(counts):
+            inputs = xs[start : start + count]
+            expected = (quantize_per_token(inputs) if i8 else inputs) @ real[e].T
+            assert torch.allclose(got[start : start + count], expected, **TOL), (bits, counts, e)
+            start += count
+print("ok")
+"""
+
+
+def test_the_grouped_integer_gemm_multiplies_each_experts_rows_by_that_expert():
+    run_kernel_script(INTEGERS + INT_GROUPED)
+
+
+INT_MOE = """
+from vlm_serve.llm.kernels import gemm_triton
+from vlm_serve.llm.layers.moe import SparseMoeBlock
+from vlm_serve.llm.layers.quantized import IntWeight
+from vlm_serve.quantization import IntScheme
+
+experts, hidden, inter = 16, 64, 96
+calls = []
+gemm_triton.int_grouped_linear = lambda *a, gemm=gemm_triton.int_grouped_linear: calls.append(1) or gemm(*a)
+for scheme in (IntScheme(4, 32, False), IntScheme(8, None, True, int8_activations=True)):
+    moe = SparseMoeBlock(hidden, inter, experts, 4)
+    moe.gate.weight.data = torch.randn(experts, hidden) * 0.3
+    c13, s13, z13, _ = integers((experts,), 2 * inter, hidden, scheme.bits, scheme.group_size, scheme.symmetric)
+    c2, s2, z2, _ = integers((experts,), hidden, inter, scheme.bits, scheme.group_size, scheme.symmetric)
+    moe.w13_int, moe.w2_int = IntWeight(scheme, c13, s13 * 0.5, z13), IntWeight(scheme, c2, s2 * 0.5, z2)
+    x = torch.randn(9, hidden)
+    loop, grouped_gemm = moe._expert_loop, moe._grouped_mm
+    moe._expert_loop = moe._grouped_mm = loop  # (each expert dequantized, a matmul each)
+    looped = moe(x)
+    moe._expert_loop = moe._grouped_mm = grouped_gemm
+    calls.clear()
+    grouped = moe(x)
+    assert len(calls) == 2, calls  # gate_up, then down
+    assert torch.allclose(grouped, looped, **TOL), (scheme, (grouped - looped).abs().max())
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_integer_experts_on_cuda_take_the_grouped_integer_gemm_each_way():
+    """(W8A8's experts round each product's input to int8 per row either way.)"""
+    run_kernel_script(INTEGERS + INT_MOE)

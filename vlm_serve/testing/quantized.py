@@ -110,11 +110,6 @@ def quantize_checkpoints(
     return [Path(out) for _, out, _ in jobs]
 
 
-def checkpoint_bytes(model_dir: Path) -> int:
-    """Bytes of a checkpoint's weight files."""
-    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-
-
 if __name__ == "__main__":  # python -m vlm_serve.testing.quantized SOURCE OUT [bits group|channel sym|asym a16|a8]
     source, out, *spec = sys.argv[1:]
     bits, group, sym, acts = (spec or ["4", "32", "sym", "a16"])[:4]

@@ -1,6 +1,8 @@
 """Weights times activations on CUDA as Triton GEMMs that read the weights as stored: block-scaled FP8
-weights (one byte each, scaled in registers, multiplied in the activations' dtype with float32 sums), and
-a grouped GEMM of experts, each expert's rows by its weights (FP8 or half precision).
+weights (one byte each, scaled in registers, multiplied in the activations' dtype with float32 sums),
+4- and 8-bit integer codes with a scale and zero point per group (W4A16, W8A16: dequantized in registers;
+W8A8: int8 times the activations rounded to int8 per row, summed in int32), and a grouped GEMM of experts,
+each expert's rows by its weights (FP8, integer or half precision).
 
 FP8 is a weight-only ("W8A16") product: the activations stay bfloat16 rather than being quantized per token
 group as vLLM's and SGLang's W8A8 FP8 GEMMs do. At decode batch sizes, where reading the weights bounds
@@ -87,6 +89,98 @@ if triton is not None:
         tl.store(
             y_ptr + rows[:, None] * stride_ym + cols[None, :],
             acc.to(y_ptr.dtype.element_ty),
+            mask=(rows[:, None] < end) & (cols[None, :] < N),
+        )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _int_gemm_kernel(
+        x_ptr,
+        xs_ptr,
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        y_ptr,
+        tile_expert_ptr,
+        tile_row0_ptr,
+        ends_ptr,
+        M,
+        N,
+        K,
+        groups,
+        stride_xm,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_ym,
+        GROUPED: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        ZERO: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        I8: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        # the tiles as _gemm_kernel lays them out; codes (N, K * BITS / 8) bytes, 4-bit ones two to a byte
+        # (the even column low); scales and zero points (N, groups) of GROUP columns. I8 (W8A8): x holds
+        # int8 rows and xs their scales, the weights are symmetric int8 (codes - 128)
+        k_end = K
+        if GROUPED:
+            expert = tl.load(tile_expert_ptr + tl.program_id(0))
+            rows = tl.load(tile_row0_ptr + tl.program_id(0)) + tl.arange(0, BM)
+            end = tl.where(expert >= 0, tl.load(ends_ptr + tl.maximum(expert, 0)), 0)
+            k_end = tl.where(expert >= 0, K, 0)
+            e = tl.maximum(expert, 0).to(tl.int64)
+            w_ptr += e * stride_we
+            s_ptr += e * stride_se
+            if HAS_ZERO:
+                z_ptr += e * stride_se
+        else:
+            rows = tl.program_id(0) * BM + tl.arange(0, BM)
+            end = M
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        if I8:
+            acc = tl.zeros((BM, BN), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, k_end, BK):
+            ks = k0 + tl.arange(0, BK)
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                mask=(rows[:, None] < end) & (ks[None, :] < K),
+                other=0,
+            )
+            w_mask = (cols[:, None] < N) & (ks[None, :] < K)
+            if BITS == 4:
+                byte = tl.load(w_ptr + cols[:, None] * stride_wn + (ks // 2)[None, :], mask=w_mask, other=0)
+                q = (byte.to(tl.int32) >> ((ks % 2) * 4)[None, :]) & 0xF
+            else:
+                q = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0).to(tl.int32)
+            if I8:
+                acc += tl.dot(x, tl.trans((q - 128).to(tl.int8)))
+            else:
+                g = ks // GROUP
+                s = tl.load(s_ptr + cols[:, None] * stride_sn + g[None, :], mask=w_mask, other=0.0)
+                if HAS_ZERO:
+                    z = tl.load(z_ptr + cols[:, None] * stride_sn + g[None, :], mask=w_mask, other=0).to(tl.float32)
+                else:
+                    z = ZERO
+                w = (q.to(tl.float32) - z) * s
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        if I8:  # (one scale per row of x and per weight row)
+            sx = tl.load(xs_ptr + rows, mask=rows < end, other=0.0)
+            sw = tl.load(s_ptr + cols * stride_sn, mask=cols < N, other=0.0)
+            out = acc.to(tl.float32) * sx[:, None] * sw[None, :]
+        else:
+            out = acc
+        tl.store(
+            y_ptr + rows[:, None] * stride_ym + cols[None, :],
+            out.to(y_ptr.dtype.element_ty),
             mask=(rows[:, None] < end) & (cols[None, :] < N),
         )
 
@@ -221,3 +315,98 @@ def _expert_tiles(ends: torch.Tensor, bm: int, most: int) -> tuple[torch.Tensor,
     expert = torch.where(inside, expert, 0)
     row0 = starts[expert] + (t - (tile_ends - tiles)[expert]) * bm
     return torch.where(inside, expert, -1).to(torch.int32), row0.to(torch.int32)
+
+
+def int_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group_size: int | None,
+    int8_activations: bool = False,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (..., K) @ the real weight (N, K).T + bias, in x's dtype, of integer codes as `layers.quantized.IntWeight`
+    holds them: codes (N, K * bits / 8) uint8 (4-bit: two to a byte), scales and zero points (N, groups) of
+    `group_size` columns (None: per row; zero None: 2^(bits - 1)). `int8_activations` (W8A8): each row of
+    x rounded to int8 first, the product summed in int32."""
+    lead, n = x.shape[:-1], codes.shape[0]
+    k = codes.shape[1] * 8 // bits
+    x2 = _rows(x.reshape(-1, k))
+    y = _int_gemm(
+        x2,
+        codes.unsqueeze(0),
+        scale.unsqueeze(0),
+        None if zero is None else zero.unsqueeze(0),
+        bits,
+        group_size,
+        int8_activations,
+        None,
+    )
+    if bias is not None:
+        y += bias
+    return y.reshape(*lead, n)
+
+
+def int_grouped_linear(
+    xs: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group_size: int | None,
+    ends: torch.Tensor,
+    int8_activations: bool = False,
+) -> torch.Tensor:
+    """`fp8_grouped_linear` of integer experts: codes (E, N, K * bits / 8), scales and zero points (E, N,
+    groups), as `int_linear` takes one expert's."""
+    return _int_gemm(_rows(xs), codes, scale, zero, bits, group_size, int8_activations, ends)
+
+
+def _int_gemm(x, codes, scale, zero, bits, group_size, int8_activations, ends):
+    experts, n, _ = codes.shape
+    k = codes.shape[2] * 8 // bits
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    xs = None
+    if int8_activations:  # (dynamic, symmetric, per row: as compressed-tensors' `token` strategy)
+        xs = x.float().abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        x = torch.round(x.float() / xs[:, None]).clamp(-128, 127).to(torch.int8)
+    bm = _tile_rows(x.shape[0])
+    if ends is None:
+        tile_expert = tile_row0 = None
+        grid = (triton.cdiv(x.shape[0], bm), triton.cdiv(n, BN))
+    else:
+        tile_expert, tile_row0 = _expert_tiles(ends, bm, triton.cdiv(x.shape[0], bm) + experts)
+        grid = (tile_expert.shape[0], triton.cdiv(n, BN))
+    _int_gemm_kernel[grid](
+        x,
+        xs,
+        codes,
+        scale,
+        zero,
+        y,
+        tile_expert,
+        tile_row0,
+        ends,
+        x.shape[0],
+        n,
+        k,
+        scale.shape[-1],
+        x.stride(0),
+        codes.stride(0),
+        codes.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        y.stride(0),
+        GROUPED=ends is not None,
+        BITS=bits,
+        GROUP=group_size or k,
+        ZERO=1 << (bits - 1),
+        HAS_ZERO=zero is not None,
+        I8=int8_activations,
+        BM=bm,
+        BN=BN,
+        BK=BK,
+    )
+    return y

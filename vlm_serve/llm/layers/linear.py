@@ -145,7 +145,14 @@ class LinearBase(nn.Module):
         return y
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is None and self.int_weight is not None and self.int_weight.scheme.int8_activations:
+        held = self.int_weight
+        if held is not None and x.is_cuda and gemm_triton.available():
+            scheme = held.scheme
+            return gemm_triton.int_linear(
+                held.permuted(x), held.codes, held.scale, held.zero, scheme.bits, scheme.group_size,
+                scheme.int8_activations, self.bias,
+            )  # fmt: skip
+        if self.panels is None and held is not None and held.scheme.int8_activations:
             x = quantize_per_token(x)  # (as W8A8 computes: x rounded to int8 per row; the kernels do it themselves)
         if self.panels is not None:
             if self.int_weight is not None:

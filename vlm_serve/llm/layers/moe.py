@@ -140,6 +140,11 @@ class SparseMoeBlock(nn.Module):
         else:
             self.w13_int.store((e,), self._half(proj), part.rows(cols.start, self.intermediate), (0, hidden), module)
 
+    @property
+    def int8_activations(self) -> bool:
+        """W8A8 experts: each product's input rounded to int8 per row."""
+        return self.w13_int is not None and self.w13_int.scheme.int8_activations
+
     def fusable(self) -> bool:
         """Whether the kernels' fused decoder layer computes these experts as their forward does (see
         `LinearBase.fusable`)."""
@@ -215,8 +220,6 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         lora = LORA_BATCH.get() if self.lora is not None else None
-        if self.w13_int is not None and self.w13_int.scheme.int8_activations and (self.packed is None or lora):
-            x = quantize_per_token(x)  # (W8A8: the experts' input rounded to int8 per token; the kernel's does it)
         if self.packed is not None and lora is None:
             out = moe_forward(x, logits, self.top_k, self.norm_topk_prob, self.expert_start, self.packed)
             return tp_all_reduce(out)
@@ -260,7 +263,8 @@ class SparseMoeBlock(nn.Module):
     ) -> torch.Tensor:
         """Rows lo:hi times expert e's w13 (`which` 0) or w2 (1), for each (e, lo, hi) of `active`."""
         weights = self.expert_weights(which, rows.dtype)  # (converted per call where no kernel reads them)
-        parts = [F.linear(rows[lo:hi], weights[e]) for e, lo, hi in active]
+        inputs = quantize_per_token(rows) if self.int8_activations else rows  # (W8A8; an adapter's delta: not)
+        parts = [F.linear(inputs[lo:hi], weights[e]) for e, lo, hi in active]
         if slots is not None:
             for part, (e, lo, hi) in zip(parts, active):
                 self.lora.add_delta(part, rows[lo:hi], which, e, slots[lo:hi])
@@ -271,7 +275,13 @@ class SparseMoeBlock(nn.Module):
         """Every expert in one grouped GEMM each way, with no host sync (CUDA): FP8 experts through the
         block-scaled Triton GEMM, which reads them as stored; others through torch's grouped GEMM."""
         ends = ends.to(torch.int32)
-        if self.w13.dtype == FP8_DTYPE and gemm_triton.available():
+        if self.w13_int is not None and gemm_triton.available() and self.w13_int.perm is None:
+            w13, w2, scheme = self.w13_int, self.w2_int, self.w13_int.scheme
+            form = (scheme.bits, scheme.group_size)
+            i8 = scheme.int8_activations
+            gate_up = gemm_triton.int_grouped_linear(xs, w13.codes, w13.scale, w13.zero, *form, ends, i8)
+            ys = gemm_triton.int_grouped_linear(silu_and_mul(gate_up), w2.codes, w2.scale, w2.zero, *form, ends, i8)
+        elif self.w13.dtype == FP8_DTYPE and gemm_triton.available():
             block = self.fp8.weight_block_size[1]
             gate_up = gemm_triton.fp8_grouped_linear(xs, self.w13, self.w13_scale, ends, block, 0)
             ys = gemm_triton.fp8_grouped_linear(
