@@ -214,15 +214,24 @@ scale_block(vec acc[MR][NVI], vec part[MR][NVI], const float *xs, int nr, const 
     }
 }
 
+/* c[r][0 : nv * LANES] = (c[r] where `add`, else 0) + part[r] s + xs[r] b: scale_block on the sums kept in
+ * c between blocks (registers are the blocks' part sums') */
+static inline __attribute__((always_inline)) void
+scale_block_into(float *const *c, vec part[MR][NVI], const float *xs, int nr, const float *scale, int nv, int add) {
+    vec acc[MR][NVI];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = add ? load(c[r] + v * LANES) : splat(0.0f);
+    scale_block(acc, part, xs, nr, scale, nv);
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
+}
+
 /* tile() for W_U4 and W_U8 panels (no lead): a block of k at a time, part sums scaled at its end */
 static inline __attribute__((always_inline)) void
 tile_int(int format, const float *const *a, int nr, const char *w, const float *scale, int64_t first, int64_t block,
          int64_t k, int nv, float *const *c, int accumulate) {
     const int G = lane_rows(format);
     const int64_t groups = (k + G - 1) / G, whole = k / G, row = nv * LANES * 4; /* bytes per group */
-    vec acc[MR][NVI];
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < nv; v++) acc[r][v] = accumulate ? load(c[r] + v * LANES) : splat(0.0f);
     for (int64_t g0 = 0, g1 = first / G < groups ? first / G : groups; g0 < groups;
          g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups, scale += 2 * nv * LANES) {
         vec part[MR][NVI] = {{{0}}};
@@ -235,10 +244,8 @@ tile_int(int format, const float *const *a, int nr, const char *w, const float *
         float xs[MR];
         const int64_t p1 = g1 * G < k ? g1 * G : k;
         for (int r = 0; r < nr; r++) xs[r] = row_sum(a[r] + g0 * G, p1 - g0 * G);
-        scale_block(acc, part, xs, nr, scale, nv);
+        scale_block_into(c, part, xs, nr, scale, nv, g0 > 0 || accumulate);
     }
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
 }
 
 #if BF16_DOT
@@ -300,9 +307,6 @@ tile_int4_dot(const float *const *a, int nr, const char *w, const float *scale, 
               int64_t k, int nv, float *const *c, int accumulate) {
     const int64_t groups = (k + 7) / 8, row = nv * LANES * 4; /* bytes per group of 8 rows */
     const __m512i mask = _mm512_set1_epi32(0x000F000F), ones = _mm512_set1_epi32(0x43004300);
-    vec acc[MR][NVI];
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < nv; v++) acc[r][v] = accumulate ? load(c[r] + v * LANES) : splat(0.0f);
     uint32_t pairs[MR][DOT_PAIRS] __attribute__((aligned(64)));
     for (int64_t g0 = 0, g1 = first / 8 < groups ? first / 8 : groups; g0 < groups;
          g0 = g1, g1 = groups - g1 > block / 8 ? g1 + block / 8 : groups, scale += 2 * nv * LANES) {
@@ -337,10 +341,8 @@ tile_int4_dot(const float *const *a, int nr, const char *w, const float *scale, 
             xs[r] = hsum(xsum[r]);
             for (int v = 0; v < nv; v++) part[r][v] -= splat(128.0f * xs[r]);
         }
-        scale_block(acc, part, xs, nr, scale, nv);
+        scale_block_into(c, part, xs, nr, scale, nv, g0 > 0 || accumulate);
     }
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
 }
 #endif
 
