@@ -20,41 +20,55 @@
 
 #include "tiles.h"
 
+/* A row's 4 bytes of x, made ready once for all the vectors of weights they multiply (`spread`), and
+ * acc + their products with each column's 4 weights (`dot4`). */
 #if defined(__AVX512VNNI__) && LANES == 16
 #include <immintrin.h>
 #define I8_DOT "AVX-512-VNNI"
 #define I8_UNSIGNED 1
-static inline ivec dot4(ivec acc, int32_t x, ivec w) {
-    return (ivec)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(x), (__m512i)w);
+typedef struct { ivec x; } spread_t;
+static inline spread_t spread(int32_t x) { return (spread_t){(ivec)_mm512_set1_epi32(x)}; }
+static inline ivec dot4(ivec acc, spread_t x, ivec w) {
+    return (ivec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)x.x, (__m512i)w);
 }
 #elif defined(__AVXVNNI__) && LANES == 8
 #include <immintrin.h>
 #define I8_DOT "AVX-VNNI"
 #define I8_UNSIGNED 1
-static inline ivec dot4(ivec acc, int32_t x, ivec w) {
-    return (ivec)_mm256_dpbusd_avx_epi32((__m256i)acc, _mm256_set1_epi32(x), (__m256i)w);
+typedef struct { ivec x; } spread_t;
+static inline spread_t spread(int32_t x) { return (spread_t){(ivec)_mm256_set1_epi32(x)}; }
+static inline ivec dot4(ivec acc, spread_t x, ivec w) {
+    return (ivec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)x.x, (__m256i)w);
 }
 #elif defined(__AVX2__) && LANES == 8
 #include <immintrin.h>
 #define I8_DOT "AVX2"
 #define I8_UNSIGNED 0
-static inline ivec dot4(ivec acc, int32_t x, ivec w) {
+typedef struct { ivec x, abs; } spread_t; /* (x's sign goes onto the weights, |x| is the unsigned operand) */
+static inline spread_t spread(int32_t x) {
     const __m256i xb = _mm256_set1_epi32(x);
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8((__m256i)w, xb));
+    return (spread_t){(ivec)xb, (ivec)_mm256_abs_epi8(xb)};
+}
+static inline ivec dot4(ivec acc, spread_t x, ivec w) {
+    const __m256i pairs = _mm256_maddubs_epi16((__m256i)x.abs, _mm256_sign_epi8((__m256i)w, (__m256i)x.x));
     return acc + (ivec)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 #elif defined(__ARM_FEATURE_DOTPROD) && LANES == 4
 #include <arm_neon.h>
 #define I8_DOT "NEON dot product"
 #define I8_UNSIGNED 0
-static inline ivec dot4(ivec acc, int32_t x, ivec w) {
-    return (ivec)vdotq_s32((int32x4_t)acc, (int8x16_t)w, vreinterpretq_s8_s32(vdupq_n_s32(x)));
-}
+typedef struct { int8x16_t x; } spread_t;
+static inline spread_t spread(int32_t x) { return (spread_t){vreinterpretq_s8_s32(vdupq_n_s32(x))}; }
+static inline ivec dot4(ivec acc, spread_t x, ivec w) { return (ivec)vdotq_s32((int32x4_t)acc, (int8x16_t)w, x.x); }
 #else
 #define I8_DOT "portable"
 #define I8_UNSIGNED 0
-static inline ivec dot4(ivec acc, int32_t x, ivec w) {
-    for (int j = 0; j < 4; j++) acc += ((w << (24 - 8 * j)) >> 24) * (int32_t)(int8_t)(x >> (8 * j));
+typedef struct { int32_t x[4]; } spread_t;
+static inline spread_t spread(int32_t x) {
+    return (spread_t){{(int8_t)x, (int8_t)(x >> 8), (int8_t)(x >> 16), (int8_t)(x >> 24)}};
+}
+static inline ivec dot4(ivec acc, spread_t x, ivec w) {
+    for (int j = 0; j < 4; j++) acc += ((w << (24 - 8 * j)) >> 24) * x.x[j];
     return acc;
 }
 #endif
@@ -71,7 +85,12 @@ static inline float quantize_row(const float *x, int64_t k, int8_t *q) {
     float amax = hmax(m);
     for (; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
     const float s = amax > 0 ? amax / 127.0f : 0x1p-126f;
-    for (i = 0; i < k; i++) q[i] = (int8_t)((int)rintf(x[i] / s) ^ (I8_UNSIGNED ? 0x80 : 0));
+    const vec round = splat(12582912.0f), scale = splat(s); /* (1.5 * 2^23 added and taken away: to nearest even) */
+    for (i = 0; i + LANES <= k; i += LANES) {
+        const ivec v = __builtin_convertvector((load(x + i) / scale + round) - round, ivec) ^ (I8_UNSIGNED ? 0x80 : 0);
+        for (int j = 0; j < LANES; j++) q[i + j] = (int8_t)v[j];
+    }
+    for (; i < k; i++) q[i] = (int8_t)((int)rintf(x[i] / s) ^ (I8_UNSIGNED ? 0x80 : 0));
     for (; i % 4; i++) q[i] = (int8_t)(I8_UNSIGNED ? 0x80 : 0);
     return s;
 }
@@ -87,15 +106,16 @@ tile_i8(const int8_t *const *xq, const float *sx, int nr, const char *w, const f
     const int64_t groups = (k + 3) / 4, row = nv * LANES * 4;
     ivec acc[MR][NVI] = {{{0}}};
     for (int64_t g = 0; g < groups; g++) {
-        ivec b[NVI];
-        for (int v = 0; v < nv; v++) {
-            memcpy(&b[v], w + g * row + v * LANES * 4, sizeof b[v]);
-            IN_REGISTER(b[v]);
-        }
+        spread_t x[MR];
         for (int r = 0; r < nr; r++) {
-            int32_t x;
-            memcpy(&x, xq[r] + 4 * g, 4);
-            for (int v = 0; v < nv; v++) acc[r][v] = dot4(acc[r][v], x, b[v]);
+            int32_t bytes;
+            memcpy(&bytes, xq[r] + 4 * g, 4);
+            x[r] = spread(bytes);
+        }
+        for (int v = 0; v < nv; v++) {
+            ivec b;
+            memcpy(&b, w + g * row + v * LANES * 4, sizeof b);
+            for (int r = 0; r < nr; r++) acc[r][v] = dot4(acc[r][v], x[r], b);
         }
     }
     for (int v = 0; v < nv; v++) {
@@ -109,6 +129,20 @@ tile_i8(const int8_t *const *xq, const float *sx, int nr, const char *w, const f
     }
 }
 
+/* c[r][0 : n] for the rows xq (quantized, scales sx) of a (k, n) W_I8 matrix in panels `width` wide */
+static inline __attribute__((always_inline)) void
+panels_i8(const int8_t *const *xq, const float *sx, int nr, Weights w, int64_t k, int64_t n, int width, float *const *c) {
+    for (int64_t j = 0; j < n; j += width) {
+        float *cj[MR];
+        for (int r = 0; r < nr; r++) cj[r] = c[r] + j;
+        const Weights panel = nth_matrix(W_I8, w, k, width, width, j / width);
+        if (width == PANEL_INT)
+            tile_i8(xq, sx, nr, panel.data, panel.scale, k, NVI, cj);
+        else
+            tile_i8(xq, sx, nr, panel.data, panel.scale, k, 1, cj);
+    }
+}
+
 /* matmul_rows_as for W_I8 panels: each tile's rows of x quantized once, then every panel */
 static inline __attribute__((always_inline)) void
 matmul_rows_i8(const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width, float *const *c) {
@@ -119,15 +153,7 @@ matmul_rows_i8(const float *const *a, int64_t rows, Weights w, int64_t k, int64_
         const int8_t *xq[MR];
         float sx[MR];
         for (int r = 0; r < nr; r++) sx[r] = quantize_row(a[r0 + r], k, buffer + r * kp), xq[r] = buffer + r * kp;
-        for (int64_t j = 0; j < n; j += width) {
-            float *cj[MR];
-            for (int r = 0; r < nr; r++) cj[r] = c[r0 + r] + j;
-            const Weights panel = nth_matrix(W_I8, w, k, width, width, j / width);
-            if (width == PANEL_INT)
-                tile_i8(xq, sx, nr, panel.data, panel.scale, k, NVI, cj);
-            else
-                tile_i8(xq, sx, nr, panel.data, panel.scale, k, 1, cj);
-        }
+        panels_i8(xq, sx, nr, w, k, n, width, c + r0);
     }
     free(buffer);
 }

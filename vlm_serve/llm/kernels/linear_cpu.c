@@ -18,8 +18,15 @@
 /* The product's tasks, shared out over the threads of the parallel region it is called in (every thread
  * calls it; they meet at its end). x: (M, K) rows `x_stride` floats apart; w: (N, K) in N / width panels
  * in `format` (W_*); bias: (N) or NULL; y: (M, N). */
+static void linear_i8_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int64_t N,
+                            int width, const float *bias, float *y);
+
 static void linear_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int format,
                          int64_t N, int width, const float *bias, float *y) {
+    if (format == W_I8) {
+        linear_i8_tasks(x, M, K, x_stride, weights, N, width, bias, y);
+        return;
+    }
     const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
 #pragma omp for schedule(guided)
     for (int64_t t = 0; t < panels * blocks; t++) {
@@ -34,6 +41,36 @@ static void linear_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride,
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < width; j++) c[r][j] += bias[p * width + j];
     }
+}
+
+/* linear_tasks for W_I8 panels: x's rows rounded to int8 once, shared out over the threads first, then the
+ * panels' tasks */
+static void linear_i8_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int64_t N,
+                            int width, const float *bias, float *y) {
+    const int64_t kp = (K + 3) / 4 * 4, panels = N / width, blocks = (M + ROWS - 1) / ROWS;
+    int8_t *xq;
+    float *sx;
+#pragma omp single copyprivate(xq, sx)
+    xq = malloc(M * kp), sx = malloc(M * sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; r++) sx[r] = quantize_row(x + r * x_stride, K, xq + r * kp);
+#pragma omp for schedule(guided)
+    for (int64_t t = 0; t < panels * blocks; t++) {
+        const int64_t p = t % panels, r0 = t / panels * ROWS, rows = M - r0 < ROWS ? M - r0 : ROWS;
+        const Weights panel = nth_matrix(W_I8, weights, K, width, width, p);
+        for (int64_t i = 0; i < rows; i += I8_ROWS) {
+            const int nr = rows - i < I8_ROWS ? rows - i : I8_ROWS;
+            const int8_t *q[MR];
+            float *c[MR];
+            for (int r = 0; r < nr; r++) q[r] = xq + (r0 + i + r) * kp, c[r] = y + (r0 + i + r) * N + p * width;
+            panels_i8(q, sx + r0 + i, nr, panel, K, width, width, c);
+            if (bias != NULL)
+                for (int r = 0; r < nr; r++)
+                    for (int j = 0; j < width; j++) c[r][j] += bias[p * width + j];
+        }
+    }
+#pragma omp single
+    free(xq), free(sx);
 }
 
 /* linear_tasks on `threads` threads; w packed as tiles.h's Weights (data w, scale, first, block, lead) */
