@@ -17,14 +17,10 @@ from vlm_serve.llm.kernels import linear_cpu, moe_cpu
 from vlm_serve.llm.layers.quantized import quantize_per_token
 from vlm_serve.quantization.int_packing import dequantize, pack_nibbles
 
-SHAPES = [
-    (64, 128, 32),
-    (96, 192, 64),
-    (128, 256, 128),
-    (48, 96, None),
-    (40, 104, 32),
-    (64, 48, 16),
-]  # (out, in, group)
+SHAPES = [  # (out, in, group, symmetric)
+    (64, 128, 32, True), (96, 192, 64, False), (128, 256, 128, True), (48, 96, None, False), (40, 104, 32, False),
+    (64, 48, 16, True),
+]  # fmt: skip
 
 
 def integers(out: int, inp: int, bits: int, group: int | None, symmetric: bool, seed: int = 0, stack=()):
@@ -54,12 +50,11 @@ def close(y: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((y - want).abs() <= 1e-5 * want.abs().max() + 1e-6).all())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 40])
-@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero points"])
+@pytest.mark.parametrize("rows", [1, 7, 40])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_integer_panels_compute_the_dequantized_product(shape, bits, symmetric, rows, kernel_target):
-    out, inp, group = shape
+def test_integer_panels_compute_the_dequantized_product(shape, bits, rows, kernel_target):
+    out, inp, group, symmetric = shape
     codes, scale, zero = integers(out, inp, bits, group, symmetric)
     panels = linear_cpu.pack_int(packed(codes, bits), bits, scale, zero, group)
     assert panels is not None and panels.format == linear_cpu.INT_FORMATS[bits]
