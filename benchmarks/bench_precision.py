@@ -178,7 +178,9 @@ def main() -> None:
     threads = torch.get_num_threads()
     kernel = linear_cpu.LIBRARY.get()
     _, roof = roofs(torch, "native", threads)
-    print(f"CPU: {model} ({isa}), {threads} threads; kernels: {kernel.isa}, W8A8 products: {kernel.int8_dot}, ")
+    print(
+        f"CPU: {model} ({isa}), {threads} threads; kernels: {kernel.isa}, W8A8 products: {kernel.kernel_int8_dot().decode()}, "
+    )
     print(f"bfloat16 dot products: {'yes' if kernel.bf16_dot else 'no'}; memory read roof {roof:.1f} GB/s")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

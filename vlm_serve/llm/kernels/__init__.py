@@ -47,7 +47,6 @@ COMMON = {
     "kernel_lanes": (I32,),
     "kernel_panel": (I32,),
     "kernel_int_panel": (I32,),
-    "kernel_int8_dot": (STR,),
     "kernel_runs_here": (I32,),
     "kernel_bf16_dot": (I32,),
 }
@@ -112,7 +111,6 @@ class CpuKernel:
         self.runs_here = bool(self.kernel_runs_here())
         self.isa, self.lanes, self.panel = self.kernel_isa().decode(), self.kernel_lanes(), self.kernel_panel()
         self.int_panel = self.kernel_int_panel()  # (integer codes' panels are wider: tiles.h's PANEL_INT)
-        self.int8_dot = self.kernel_int8_dot().decode()  # W8A8's products: the instructions int8.h took
         # bfloat16 weights multiply x rounded to bfloat16 (AVX-512-BF16's dot products, tiles.h's BF16_DOT)
         self.bf16_dot = bool(self.kernel_bf16_dot())
 

@@ -11,7 +11,7 @@
  * against 19.5 one panel at a time, float32 and bfloat16 alike; at 16 rows within 4% either way.)
  */
 #define TILE_FUNCTIONS
-#include "tiles.h"
+#include "int8.h"
 
 #define ROWS 64 /* rows per task: a task's rows of x stay in cache while its panel streams */
 

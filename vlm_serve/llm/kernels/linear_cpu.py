@@ -18,12 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm_serve.llm.kernels import I32, I64, PTR, CpuKernel, KernelLibrary
+from vlm_serve.llm.kernels import I32, I64, PTR, STR, CpuKernel, KernelLibrary
 from vlm_serve.quantization import row_scales
 
 LIBRARY = KernelLibrary(
     "linear_cpu",
-    {"linear_forward": (None, PTR, I64, I64, I64, PTR, I32, PTR, I64, I64, I64, I64, I32, PTR, PTR, I32)},
+    {
+        "linear_forward": (None, PTR, I64, I64, I64, PTR, I32, PTR, I64, I64, I64, I64, I32, PTR, PTR, I32),
+        "kernel_int8_dot": (STR,),  # W8A8's products: the instructions int8.h took
+    },
 )
 
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}  # tiles.h's W_*

@@ -17,7 +17,7 @@
 #include <omp.h>
 
 #define TILE_FUNCTIONS
-#include "tiles.h"
+#include "int8.h"
 
 #define CHUNK 32    /* rows per task: an expert's weights stay in cache across a task's tiles */
 
@@ -85,10 +85,16 @@ moe_forward_as(int format, const float *x, int64_t K, const int64_t *order, cons
         float *g[CHUNK], *yr[CHUNK];
         for (int64_t r = 0; r < rows; r++)
             xr[r] = x + order[r0 + r] / K * H, g[r] = gate_up + r * 2 * I, yr[r] = ys + (r0 + r) * H;
-        matmul_rows_as(format, xr, rows, e13, H, 2 * I, width13, g);
+        if (format == W_I8)
+            matmul_rows_i8(xr, rows, e13, H, 2 * I, width13, g);
+        else
+            matmul_rows_as(format, xr, rows, e13, H, 2 * I, width13, g);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < I; i++) g[r][i] = g[r][i] / (1.0f + expf(-g[r][i])) * g[r][I + i];
-        matmul_rows_as(format, (const float *const *)g, rows, e2, I, H, width2, yr);
+        if (format == W_I8)
+            matmul_rows_i8((const float *const *)g, rows, e2, I, H, width2, yr);
+        else
+            matmul_rows_as(format, (const float *const *)g, rows, e2, I, H, width2, yr);
         for (int64_t r = 0; r < rows; r++) {
             const float w = weights[order[r0 + r]];
             for (int64_t h = 0; h < H; h++) yr[r][h] *= w;

@@ -54,7 +54,7 @@ BASELINE int kernel_int_panel(void) { return PANEL_INT; }
 #define W_E4M3 3
 #define W_U4 4
 #define W_U8 5
-#define W_I8 6 /* int8 weights times int8 activations (W8A8): int8.h */
+#define W_I8 6 /* int8 weights times int8 activations (W8A8): int8.h's, not these tiles */
 
 static inline int is_int(int format) { return format == W_U4 || format == W_U8; }
 
@@ -615,8 +615,6 @@ matmul_rows_int(int format, const float *const *a, int64_t rows, Weights w, int6
     }
 }
 
-#include "int8.h" /* (W_I8's products: matmul_rows_i8) */
-
 /* matmul_as over any number of rows: tiles of up to TILE_ROWS rows, each reading the panels as stored.
  * From more than two tiles' rows on, float16, FP8 and integer panels are widened to float32 instead, WIDE_ROWS
  * rows of k at a time, once for all the tiles rather than once per tile (measured with FP8 on AVX2, one
@@ -625,10 +623,6 @@ matmul_rows_int(int format, const float *const *a, int64_t rows, Weights w, int6
 static inline __attribute__((always_inline)) void
 matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width,
                float *const *c) {
-    if (format == W_I8) {
-        matmul_rows_i8(a, rows, w, k, n, width, c);
-        return;
-    }
     const int tile_rows = TILE_ROWS(format);
     if ((format != W_F16 && format != W_E4M3 && !is_int(format)) || rows <= 2 * tile_rows || (BF16_DOT && format == W_U4)) {
         for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
