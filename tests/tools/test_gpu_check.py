@@ -47,9 +47,11 @@ def test_the_kit_passes_its_cpu_half_and_records_every_part(tmp_path):
     assert dense["decode_batch_4"]["mb_per_step"] >= dense["decode_batch_1"]["mb_per_step"] > 0
     ttft = dense["ttft_ms_1024px_picture"]
     assert ttft["tower"] > 0 and abs(ttft["engine"] - ttft["tower"] - ttft["prefill_and_rest"]) < 0.11  # (rounded)
-    # a JPEG's bytes are decoded, hashed and patchified; each stage's time is within the preprocessing's
+    # a JPEG's bytes are decoded, hashed and patchified; each stage's time is within the preprocessing's (the
+    # hash of 3 MB can round to 0.0 ms)
     stages = dense["preprocess_ms_by_stage"]
-    assert all(v > 0 for v in stages.values()) and sum(stages.values()) <= ttft["preprocess"] + 0.15
+    assert stages["decode"] > 0 and stages["preprocess"] > 0 and stages["hash"] >= 0
+    assert sum(stages.values()) <= ttft["preprocess"] + 0.15
     for name in ("dense tiny ITL, encoder pool", "dense tiny ITL, inline"):
         assert figures[name]["itl_p99_ms"] >= figures[name]["itl_p50_ms"] > 0
     assert "aten::" in (tmp_path / "profile-cpu.txt").read_text()

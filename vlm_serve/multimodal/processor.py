@@ -2,7 +2,9 @@
 
 Each `<|image_pad|>` in the prompt becomes `t * h * w / merge²` image pad tokens; each `<|video_pad|>`
 becomes, per temporal patch group, `<{seconds:.1f} seconds><|vision_start|>` + pad tokens +
-`<|vision_end|>` — the text transformers' `Qwen3VLProcessor` produces. The expanded text is tokenized
+`<|vision_end|>`, the chat template's `<|vision_start|>` and `<|vision_end|>` around the whole video dropped —
+the text transformers' `Qwen3VLProcessor` produces (4.57, whose text the published models were trained on,
+and 5.25; the 5.x releases between kept the outer pair). The expanded text is tokenized
 as a whole (as there), and each item's pad runs are recorded as its `spans`.
 
 Every item carries its content hash (`mm_cache.hashing.media_hash`). A processed-input cache keyed by
@@ -339,6 +341,9 @@ class MultimodalProcessor:
             IMAGE_PAD: iter(IMAGE_PAD * item.num_tokens(image_merge) for item in images),
             VIDEO_PAD: iter(self._video_text(item, video_merge) for item in videos),
         }
+        # each group of a video's frames comes in a <|vision_start|> ... <|vision_end|> of its own, so the chat
+        # template's pair around the whole video goes, as transformers' Qwen3VLProcessor (4.57, 5.25) drops it
+        prompt = prompt.replace(VISION_START + VIDEO_PAD + VISION_END, VIDEO_PAD)
         return _PLACEHOLDER.sub(lambda match: next(replacements[match.group()]), prompt)
 
     @staticmethod
