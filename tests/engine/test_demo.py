@@ -338,7 +338,7 @@ class Page:
         driver.switch_to.new_window("tab")
         self.handle = driver.current_window_handle
         driver.get(url)
-        self.wait = WebDriverWait(driver, 60)
+        self.wait = WebDriverWait(driver, 60, poll_frequency=0.1)
         self.find("#chat-input textarea")
 
     def find(self, css: str):
@@ -349,9 +349,9 @@ class Page:
         return self.wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, css)))
 
     def ask(self, text: str, *files: Path, send: bool = True) -> None:
-        for i, file in enumerate(files):
-            self.find("#chat-input input[type=file]").send_keys(str(file))
-            self.until(lambda i=i: self.attached() > i)
+        if files:  # (all at once: ChromeDriver adds a file sent to a file input to those it already holds)
+            self.find("#chat-input input[type=file]").send_keys("\n".join(map(str, files)))
+            self.until(lambda: self.attached() >= len(files))
         self.find("#chat-input textarea").send_keys(text)
         if send:
             self.send()
@@ -430,16 +430,20 @@ def served(backend) -> Iterator[str]:
         demo.close()
 
 
-@pytest.fixture
-def slow_steps(engine, monkeypatch) -> None:
-    """Each engine step takes 0.2 s more: an answer of a few tokens lasts long enough to be seen under way."""
+def slow_down(engine, monkeypatch, seconds: float) -> None:
+    """Each engine step takes `seconds` more: an answer of a few tokens lasts long enough to be seen under way."""
     step = engine.step
 
     def slowed() -> None:
-        time.sleep(0.2)
+        time.sleep(seconds)
         step()
 
     monkeypatch.setattr(engine, "step", slowed)
+
+
+@pytest.fixture
+def slow_steps(engine, monkeypatch) -> None:
+    slow_down(engine, monkeypatch, 0.2)
 
 
 @page_test
@@ -548,7 +552,8 @@ def test_two_people_asking_at_once_are_answered_together_in_one_batch(browser, e
 
 
 @page_test
-def test_stop_ends_the_answer_early_and_the_engine_is_left_idle(browser, engine, chat, image, slow_steps):
+def test_stop_ends_the_answer_early_and_the_engine_is_left_idle(browser, engine, chat, image, monkeypatch):
+    slow_down(engine, monkeypatch, 1.0)  # (the answer's few tokens last seconds: the page sees it under way)
     with served(chat) as url:
         page = Page(browser, url)
         page.ask(PROMPT, image)
