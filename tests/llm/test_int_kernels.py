@@ -64,6 +64,34 @@ def test_integer_panels_compute_the_dequantized_product(shape, bits, rows, kerne
     assert close(linear_cpu.linear(x, panels, bias), want)
 
 
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scales_stored_in_16_bits_are_read_as_stored(dtype, bits, rows, kernel_target):
+    codes, scale, zero = integers(96, 192, bits, 32, False)
+    scale = scale.to(dtype)
+    panels = linear_cpu.pack_int(packed(codes, bits), bits, scale, zero, 32)
+    assert panels.layout.scale_format == linear_cpu.FORMATS[dtype]
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    want = as_multiplied(x, bits, panels.kernel) @ reference(codes, scale, zero, bits, 32).T
+    assert close(linear_cpu.linear(x, panels, None), want)
+
+
+def test_groups_of_32_4_bit_codes_are_held_in_at_most_115_percent_of_their_checkpoint_bytes(native_kernels):
+    out, inp = 256, 512
+    codes, scale, zero = integers(out, inp, 4, 32, False)
+    panels = linear_cpu.pack_int(pack_nibbles(codes), 4, scale.bfloat16(), zero, 32)
+    held = sum(t.numel() * t.element_size() for t in (panels.weight, panels.layout.scale))
+    stored = out * inp // 2 + scale.numel() * 2 + zero.numel() // 2  # (int4 codes, bfloat16 scales, int4 zeros)
+    assert held <= 1.15 * stored, held / stored
+
+
+def test_a_zero_point_past_a_byte_is_left_to_torch(native_kernels):
+    codes, scale, zero = integers(64, 128, 8, 32, False)
+    zero[0, 0] = 256  # (GPTQ's first format stores 8-bit zero points less one: 255 reads as 256)
+    assert linear_cpu.pack_int(codes, 8, scale, zero, 32) is None
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(bits, kernel_target):
     codes, scale, zero = integers(128, 320, bits, 64, False)

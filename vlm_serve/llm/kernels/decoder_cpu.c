@@ -15,12 +15,10 @@
 #include "moe_cpu.c"
 #include "rowwise_cpu.c"
 
-/* A linear layer's weight as linear_forward takes it: its panels, their format and FP8 scales (tiles.h's
- * Weights), its N outputs and panel width, and its bias or NULL. */
-#define LINEAR(p)                                                                                            \
-    const void *p##_w, int p##_format, const float *p##_scale, int64_t p##_first, int64_t p##_block,          \
-        int64_t p##_lead, int64_t p##_n, int p##_width, const float *p##_bias
-#define WEIGHTS(p) (Weights){p##_w, p##_scale, p##_first, p##_block, p##_lead}, p##_format, p##_n, p##_width, p##_bias
+/* A linear layer's weight as linear_forward takes it: its format, its panels and scales (tiles.h's
+ * WEIGHT_ARGS), its N outputs and panel width, and its bias or NULL. */
+#define LINEAR(p) int p##_format, WEIGHT_ARGS(p), int64_t p##_n, int p##_width, const float *p##_bias
+#define WEIGHTS(p) WEIGHTS_OF(p), p##_format, p##_n, p##_width, p##_bias
 
 /* Each half takes the layer's weights first (bound once, `CpuKernel.bind`), then the call's own tensors,
  * then the step's (the same for every layer of a forward: made C values once). */
@@ -76,13 +74,10 @@ void mlp_block_f32(LINEAR(gate_up), LINEAR(down), int64_t H, int64_t T, const fl
  * pos (T K); starts (E + 2); task_expert and task_row (T K + E); ys (T K, H); gate_up (threads, 32
  * (moe_cpu.c's CHUNK), 2I). */
 void moe_block_f32(LINEAR(router), int64_t E_all, int64_t K, int renormalize, int64_t expert_start, int64_t E,
-                   int format,
-                   const void *w13, const float *scale13, int64_t first13, int64_t block13, int64_t lead13,
-                   int width13, const void *w2, const float *scale2, int64_t first2, int64_t block2, int64_t lead2,
-                   int width2, int64_t H, int64_t I, int64_t T, const float *h, float *logits, float *weights,
+                   int format, WEIGHT_ARGS(w13), int width13, WEIGHT_ARGS(w2), int width2, int64_t H, int64_t I, int64_t T, const float *h, float *logits, float *weights,
                    int64_t *expert, int64_t *order, int64_t *starts, int64_t *task_expert, int64_t *task_row,
                    int64_t *pos, float *ys, float *gate_up, float *out, int threads) {
-    const Weights p13 = {w13, scale13, first13, block13, lead13}, p2 = {w2, scale2, first2, block2, lead2};
+    const Weights p13 = WEIGHTS_OF(w13), p2 = WEIGHTS_OF(w2);
     int64_t ntasks = 0;
 #pragma omp parallel num_threads(threads)
     {

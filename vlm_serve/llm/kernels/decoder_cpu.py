@@ -15,11 +15,11 @@ import torch
 
 from vlm_serve.llm.kernels import F32, I32, I64, PTR, CpuKernel, KernelLibrary, scratch
 from vlm_serve.llm.kernels.attention_cpu import PagedBatch
-from vlm_serve.llm.kernels.linear_cpu import Panels, padded_bias
-from vlm_serve.llm.kernels.moe_cpu import CHUNK, PackedExperts
+from vlm_serve.llm.kernels.linear_cpu import WEIGHT, Panels, padded_bias
+from vlm_serve.llm.kernels.moe_cpu import CHUNK, EXPERTS, PackedExperts
 
-LINEAR = (PTR, I32, PTR, I64, I64, I64, I64, I32, PTR)  # decoder_cpu.c's LINEAR: panels' args, then a bias
-EXPERTS = (I32, PTR, PTR, I64, I64, I64, I32, PTR, PTR, I64, I64, I64, I32, I64, I64)  # PackedExperts.args
+LINEAR = (I32, *WEIGHT, I64, I32, PTR)  # decoder_cpu.c's LINEAR: panels' args, then a bias
+OUTPUTS = len(LINEAR) - 3  # where a LINEAR's count of outputs is
 LIBRARY = KernelLibrary(
     "decoder_cpu",
     {  # (the layer's weights; the call's own tensors; the step's)
@@ -96,11 +96,11 @@ class DecoderLayerCalls:
         self.intermediate, self.experts = 0, None
         if mlp is not None:
             gate_up, down = mlp
-            self.intermediate = gate_up[6] // 2
+            self.intermediate = gate_up[OUTPUTS] // 2
             self.mlp_call = kernel.bind("mlp_block_f32", *gate_up, *down, shape.hidden)
             return
         router, num_experts, self.top_k, renormalize, expert_start, self.experts = moe
-        self.router_n = router[6]  # (its outputs: the experts, and zero rows up to whole vectors)
+        self.router_n = router[OUTPUTS]  # (its outputs: the experts, and zero rows up to whole vectors)
         self.mlp_call = kernel.bind(
             "moe_block_f32",
             *router,
@@ -167,7 +167,8 @@ class DecoderStep:
             _scratch(tokens * hidden, "o"),
             *batch.work(head_dim),
         )
-        self.attention_args = self.kernel.c_values("attention_block_f32", 33, args)
+        # (after the norms and eps, qkv and o, the shape, and the call's five)
+        self.attention_args = self.kernel.c_values("attention_block_f32", 15 + 2 * len(LINEAR), args)
 
     def _mlp_args(self, calls: DecoderLayerCalls) -> None:
         if calls.intermediate in self.mlp_args:
@@ -176,12 +177,13 @@ class DecoderStep:
         if calls.experts is None:
             gate_up = _scratch(tokens * 2 * calls.intermediate, "gate_up")
             act = _scratch(tokens * calls.intermediate, "act")
-            args = self.kernel.c_values("mlp_block_f32", 19, (tokens, self.h, gate_up, act, self.out, threads))
+            step = 2 * len(LINEAR) + 1  # (after gate_up, down and the hidden size)
+            args = self.kernel.c_values("mlp_block_f32", step, (tokens, self.h, gate_up, act, self.out, threads))
         else:
             pairs, local, hidden = tokens * calls.top_k, calls.experts.w13.shape[0], calls.shape.hidden
             args = self.kernel.c_values(
                 "moe_block_f32",
-                29,
+                len(LINEAR) + 5 + len(EXPERTS),  # (after the router, the routing's five and the experts)
                 (
                     tokens,
                     self.h,

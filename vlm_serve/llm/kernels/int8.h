@@ -95,8 +95,6 @@ static inline float quantize_row(const float *x, int64_t k, int8_t *q) {
     return s;
 }
 
-#define I8_ROWS (REGISTERS < 32 ? 2 : MR) /* rows per tile: its int32 sums, NVI vectors a row, in registers */
-
 /* c[r][0 : nv * LANES] = (xq[r] @ panel) * sx[r] * the columns' scales, for r < nr: the panel's k rows in
  * groups of 4 (whole, zero-padded), its `scale` floats: nv * LANES weight scales, then as many int32 sums
  * of weights */
@@ -127,35 +125,6 @@ tile_i8(const int8_t *const *xq, const float *sx, int nr, const char *w, const f
             store(c[r] + v * LANES, __builtin_convertvector(exact, vec) * (ws * splat(sx[r])));
         }
     }
-}
-
-/* c[r][0 : n] for the rows xq (quantized, scales sx) of a (k, n) W_I8 matrix in panels `width` wide */
-static inline __attribute__((always_inline)) void
-panels_i8(const int8_t *const *xq, const float *sx, int nr, Weights w, int64_t k, int64_t n, int width, float *const *c) {
-    for (int64_t j = 0; j < n; j += width) {
-        float *cj[MR];
-        for (int r = 0; r < nr; r++) cj[r] = c[r] + j;
-        const Weights panel = nth_matrix(W_I8, w, k, width, width, j / width);
-        if (width == PANEL_INT)
-            tile_i8(xq, sx, nr, panel.data, panel.scale, k, NVI, cj);
-        else
-            tile_i8(xq, sx, nr, panel.data, panel.scale, k, 1, cj);
-    }
-}
-
-/* matmul_rows_as for W_I8 panels: each tile's rows of x quantized once, then every panel */
-static inline __attribute__((always_inline)) void
-matmul_rows_i8(const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width, float *const *c) {
-    const int64_t kp = (k + 3) / 4 * 4;
-    int8_t *buffer = malloc(I8_ROWS * kp);
-    for (int64_t r0 = 0; r0 < rows; r0 += I8_ROWS) {
-        const int nr = rows - r0 < I8_ROWS ? rows - r0 : I8_ROWS;
-        const int8_t *xq[MR];
-        float sx[MR];
-        for (int r = 0; r < nr; r++) sx[r] = quantize_row(a[r0 + r], k, buffer + r * kp), xq[r] = buffer + r * kp;
-        panels_i8(xq, sx, nr, w, k, n, width, c + r0);
-    }
-    free(buffer);
 }
 
 #endif

@@ -11,20 +11,20 @@
  * against 19.5 one panel at a time, float32 and bfloat16 alike; at 16 rows within 4% either way.)
  */
 #define TILE_FUNCTIONS
-#include "int8.h"
+#include "rounded.h"
 
 #define ROWS 64 /* rows per task: a task's rows of x stay in cache while its panel streams */
 
 /* The product's tasks, shared out over the threads of the parallel region it is called in (every thread
  * calls it; they meet at its end). x: (M, K) rows `x_stride` floats apart; w: (N, K) in N / width panels
  * in `format` (W_*); bias: (N) or NULL; y: (M, N). */
-static void linear_i8_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int64_t N,
-                            int width, const float *bias, float *y);
+static void linear_rounded_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int format,
+                                 int64_t N, int width, const float *bias, float *y);
 
 static void linear_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int format,
                          int64_t N, int width, const float *bias, float *y) {
-    if (format == W_I8) {
-        linear_i8_tasks(x, M, K, x_stride, weights, N, width, bias, y);
+    if (rounded(format)) {
+        linear_rounded_tasks(x, M, K, x_stride, weights, format, N, width, bias, y);
         return;
     }
     const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
@@ -43,40 +43,49 @@ static void linear_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride,
     }
 }
 
-/* linear_tasks for W_I8 panels: x's rows rounded to int8 once, shared out over the threads first, then the
- * panels' tasks */
-static void linear_i8_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int64_t N,
-                            int width, const float *bias, float *y) {
-    const int64_t kp = (K + 3) / 4 * 4, panels = N / width, blocks = (M + ROWS - 1) / ROWS;
-    int8_t *xq;
-    float *sx;
-#pragma omp single copyprivate(xq, sx)
-    xq = malloc(M * kp), sx = malloc(M * sizeof(float));
+/* linear_tasks for rounded(format) panels (rounded.h): x's rows rounded once, shared out over the threads
+ * first, then the panels' tasks */
+static void linear_rounded_tasks(const float *x, int64_t M, int64_t K, int64_t x_stride, Weights weights, int format,
+                                 int64_t N, int width, const float *bias, float *y) {
+    const Rounding size = rounding(format, weights, K);
+    const int64_t panels = N / width, blocks = (M + ROWS - 1) / ROWS;
+    char *values;
+    float *figures;
+#pragma omp single copyprivate(values, figures)
+    values = malloc(M * size.bytes), figures = malloc(M * size.floats * sizeof(float));
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < M; r++) sx[r] = quantize_row(x + r * x_stride, K, xq + r * kp);
+    for (int64_t r = 0; r < M; r++)
+        round_row(format, x + r * x_stride, weights, K, values + r * size.bytes, figures + r * size.floats);
 #pragma omp for schedule(guided)
     for (int64_t t = 0; t < panels * blocks; t++) {
         const int64_t p = t % panels, r0 = t / panels * ROWS, rows = M - r0 < ROWS ? M - r0 : ROWS;
-        const Weights panel = nth_matrix(W_I8, weights, K, width, width, p);
-        for (int64_t i = 0; i < rows; i += I8_ROWS) {
-            const int nr = rows - i < I8_ROWS ? rows - i : I8_ROWS;
-            const int8_t *q[MR];
+        const Weights panel = nth_matrix(format, weights, K, width, width, p);
+        for (int64_t i = 0; i < rows; i += ROUNDED_ROWS) {
+            const int nr = rows - i < ROUNDED_ROWS ? rows - i : ROUNDED_ROWS;
+            const void *v[MR];
+            const float *f[MR];
             float *c[MR];
-            for (int r = 0; r < nr; r++) q[r] = xq + (r0 + i + r) * kp, c[r] = y + (r0 + i + r) * N + p * width;
-            panels_i8(q, sx + r0 + i, nr, panel, K, width, width, c);
+            for (int r = 0; r < nr; r++) {
+                const int64_t row = r0 + i + r;
+                v[r] = values + row * size.bytes, f[r] = figures + row * size.floats, c[r] = y + row * N + p * width;
+            }
+            /* (each format's copy compiled for it) */
+            if (format == W_I8)
+                panels_rounded(W_I8, v, f, nr, panel, K, width, width, c);
+            else
+                panels_rounded(W_U4, v, f, nr, panel, K, width, width, c);
             if (bias != NULL)
                 for (int r = 0; r < nr; r++)
                     for (int j = 0; j < width; j++) c[r][j] += bias[p * width + j];
         }
     }
 #pragma omp single
-    free(xq), free(sx);
+    free(values), free(figures);
 }
 
-/* linear_tasks on `threads` threads; w packed as tiles.h's Weights (data w, scale, first, block, lead) */
-void linear_forward(const float *x, int64_t M, int64_t K, int64_t x_stride, const void *w, int format,
-                    const float *scale, int64_t first, int64_t block, int64_t lead, int64_t N, int width,
-                    const float *bias, float *y, int threads) {
+/* linear_tasks on `threads` threads; w packed as tiles.h's Weights (WEIGHT_ARGS) in `format` */
+void linear_forward(const float *x, int64_t M, int64_t K, int64_t x_stride, int format, WEIGHT_ARGS(w), int64_t N,
+                    int width, const float *bias, float *y, int threads) {
 #pragma omp parallel num_threads(threads)
-    linear_tasks(x, M, K, x_stride, (Weights){w, scale, first, block, lead}, format, N, width, bias, y);
+    linear_tasks(x, M, K, x_stride, WEIGHTS_OF(w), format, N, width, bias, y);
 }

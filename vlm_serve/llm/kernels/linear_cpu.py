@@ -21,10 +21,11 @@ import torch
 from vlm_serve.llm.kernels import I32, I64, PTR, STR, CpuKernel, KernelLibrary
 from vlm_serve.quantization import row_scales
 
+WEIGHT = (PTR, PTR, I64, I64, I64, I32)  # tiles.h's WEIGHT_ARGS: the panels, then their Layout's args
 LIBRARY = KernelLibrary(
     "linear_cpu",
     {
-        "linear_forward": (None, PTR, I64, I64, I64, PTR, I32, PTR, I64, I64, I64, I64, I32, PTR, PTR, I32),
+        "linear_forward": (None, PTR, I64, I64, I64, I32, *WEIGHT, I64, I32, PTR, PTR, I32),
         "kernel_int8_dot": (STR,),  # W8A8's products: the instructions int8.h took
     },
 )
@@ -41,13 +42,16 @@ class Layout:
     """How a weight, or a stack of them, lies in panels (tiles.h's Weights, less the data)."""
 
     width: int  # output columns per panel
-    scale: torch.Tensor | None  # FP8: (..., out / width, k blocks), each panel's block scales * 2^120
+    # FP8: (..., out / width, k blocks) float32, each panel's block scales * 2^120; integer codes: bytes,
+    # (..., out / width, k blocks, width * (scale bytes + 1)), each panel's scales, then zero points
+    scale: torch.Tensor | None
     first: int  # input rows (k) of the first scale block; all of them (rounded up to groups) without scales
     block: int  # input rows of each later block
     lead: int  # zero rows before the first (the first block ends on a group of 4 rows)
+    scale_format: int = 0  # integer codes: their scales' format (FORMATS: float32, bfloat16, float16)
 
     def args(self) -> tuple:
-        return self.scale, self.first, self.block, self.lead
+        return self.scale, self.first, self.block, self.lead, self.scale_format
 
 
 @dataclass
@@ -67,7 +71,7 @@ class Panels:
         if self.format is None:
             self.format = FORMATS[self.weight.dtype]
         # the kernel's arguments after x's: read once, not at every call
-        self.args = (self.weight, self.format, *self.layout.args(), self.out, width)
+        self.args = (self.format, self.weight, *self.layout.args(), self.out, width)
 
 
 def pack(
@@ -112,9 +116,10 @@ def pack_int(
     """Integer codes as `layers.quantized.IntWeight` holds them (out, in * bits / 8) uint8, 4-bit ones two to a
     byte (the even column low), with their scales (out, groups) and zero points (out, groups; None: 2^(bits - 1))
     per `group_size` input columns (None: per row), in column panels (`int_panels`); None where the kernel
-    is not built or the weight is not on CPU. With `int8_activations` (W8A8: symmetric 8-bit codes per
-    channel) the kernel rounds each row of x to int8 and sums in int32 (int8.h)."""
-    if codes.device.type != "cpu" or codes.dim() != 2:
+    is not built, the weight is not on CPU or a zero point does not fit the kernel's byte (`fits_bytes`).
+    With `int8_activations` (W8A8: symmetric 8-bit codes per channel) the kernel rounds each row of x to int8
+    and sums in int32 (int8.h)."""
+    if codes.device.type != "cpu" or codes.dim() != 2 or not fits_bytes(zero):
         return None
     kernel = LIBRARY.get()
     if kernel is None:
@@ -141,6 +146,15 @@ def pad_rows(
     )
 
 
+def fits_bytes(zero: torch.Tensor | None) -> bool:
+    """Whether zero points are bytes, as the kernels hold them (GPTQ's first format can store an 8-bit zero point
+    of 256)."""
+    return zero is None or bool(((zero >= 0) & (zero <= 255)).all())
+
+
+SCALE_FORMATS = {torch.bfloat16: 1, torch.float16: 2}  # integer scales held as stored (tiles.h); others: float32
+
+
 def int_panels(
     kernel: CpuKernel,
     codes: torch.Tensor,
@@ -153,9 +167,10 @@ def int_panels(
     """Integer weights (..., out, in * bits / 8) as tiles.h's W_U4 / W_U8 panels (..., out / width, groups
     of k, width) of 32-bit lanes, each a column's 32 / bits consecutive rows of k (what the packed bytes
     already hold: 4 of them side by side), and their layout: per panel and block of k (a group, or all of
-    k), the columns' scales and then their biases, -zero * scale. For W8A8 (`int8_activations`: symmetric
-    8-bit codes per channel) the lanes hold the signed weights, codes - 128, and each panel's scales are
-    followed by its columns' sums of weights (int32), as int8.h reads them."""
+    k), the columns' scales in their own dtype where it is 16-bit (else float32), then their zero points, a
+    byte each. For W8A8 (`int8_activations`: symmetric 8-bit codes per channel) the lanes hold the signed
+    weights, codes - 128, and each panel's float32 scales are followed by its columns' sums of weights
+    (int32), as int8.h reads them."""
     *stack, out, nbytes = codes.shape
     width = kernel.int_panel if out % kernel.int_panel == 0 else kernel.lanes
     rows = 32 // bits  # rows of k to a lane
@@ -169,13 +184,19 @@ def int_panels(
     block = group_size or -(-k // rows) * rows
     if int8_activations:
         sums = codes.view(torch.int8).sum(-1, dtype=torch.int32, keepdim=True).view(torch.float32)
-        second = sums
-    else:
-        zero = (1 << (bits - 1)) if zero is None else zero.float()
-        second = -zero * scale.float()
-    per_block = torch.stack([scale.float(), second], dim=-2)  # (..., out, 2, blocks)
-    per_panel = per_block.unflatten(-3, (out // width, width)).permute(*range(len(stack)), -4, -1, -2, -3)
-    return weight, Layout(width, per_panel.contiguous(), block, block, 0)
+        per_block = torch.stack([scale.float(), sums], dim=-2)  # (..., out, 2, blocks)
+        per_panel = per_block.unflatten(-3, (out // width, width)).permute(*range(len(stack)), -4, -1, -2, -3)
+        return weight, Layout(width, per_panel.contiguous(), block, block, 0)
+    scale_format = SCALE_FORMATS.get(scale.dtype, 0)
+    scale = scale if scale_format else scale.float()
+    zero = torch.full_like(scale, 1 << (bits - 1), dtype=torch.uint8) if zero is None else zero.to(torch.uint8)
+
+    def by_panel(values: torch.Tensor) -> torch.Tensor:  # (..., out, blocks) -> bytes (..., panels, blocks, width *)
+        values = values.unflatten(-2, (out // width, width)).transpose(-2, -1).contiguous()
+        return values.view(torch.uint8)
+
+    per_panel = torch.cat([by_panel(scale), by_panel(zero)], dim=-1)
+    return weight, Layout(width, per_panel.contiguous(), block, block, 0, scale_format)
 
 
 def dot_lanes(lanes: torch.Tensor) -> torch.Tensor:

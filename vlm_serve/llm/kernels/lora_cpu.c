@@ -271,7 +271,7 @@ static void expand_panel(const lora_t *p, const float *b, int64_t o, int n, int 
             a[r] = p->t + (row0 + r0 + r) * p->rank;
             c[r] = direct ? (float *)p->y + (row0 + r0 + r) * p->y_stride + o : products + r * width;
         }
-        run_tile(W_F32, a, rows, panel, NULL, p->rank, p->rank, 0, p->rank, width / LANES, c, direct);
+        run_tile(W_F32, a, rows, panel, NULL, W_F32, p->rank, p->rank, 0, p->rank, width / LANES, c, direct);
         if (direct) continue;
         for (int r = 0; r < rows; r++) {
             char *y = (char *)p->y + ((row0 + r0 + r) * p->y_stride + o) * size;

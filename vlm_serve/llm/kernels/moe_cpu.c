@@ -17,7 +17,7 @@
 #include <omp.h>
 
 #define TILE_FUNCTIONS
-#include "int8.h"
+#include "rounded.h"
 
 #define CHUNK 32    /* rows per task: an expert's weights stay in cache across a task's tiles */
 
@@ -85,14 +85,14 @@ moe_forward_as(int format, const float *x, int64_t K, const int64_t *order, cons
         float *g[CHUNK], *yr[CHUNK];
         for (int64_t r = 0; r < rows; r++)
             xr[r] = x + order[r0 + r] / K * H, g[r] = gate_up + r * 2 * I, yr[r] = ys + (r0 + r) * H;
-        if (format == W_I8)
-            matmul_rows_i8(xr, rows, e13, H, 2 * I, width13, g);
+        if (rounded(format))
+            matmul_rows_rounded(format, xr, rows, e13, H, 2 * I, width13, g);
         else
             matmul_rows_as(format, xr, rows, e13, H, 2 * I, width13, g);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < I; i++) g[r][i] = g[r][i] / (1.0f + expf(-g[r][i])) * g[r][I + i];
-        if (format == W_I8)
-            matmul_rows_i8((const float *const *)g, rows, e2, I, H, width2, yr);
+        if (rounded(format))
+            matmul_rows_rounded(format, (const float *const *)g, rows, e2, I, H, width2, yr);
         else
             matmul_rows_as(format, (const float *const *)g, rows, e2, I, H, width2, yr);
         for (int64_t r = 0; r < rows; r++) {
@@ -137,15 +137,12 @@ static void experts_and_sum(int format, const float *x, int64_t T, int64_t K, co
 }
 
 /* x, out: (T, H); order: (T * K) pair numbers; starts: (E + 1); weights: (T * K) by pair number;
- * w13: E (H, 2I) matrices, w2: E (I, H) ones, packed (tiles.h's Weights: data, scale, first, block, lead)
- * in `format` (W_*); ys: scratch for (T * K, H) floats; pos: scratch for T * K int64s; gate_up: scratch
+ * w13: E (H, 2I) matrices, w2: E (I, H) ones, packed (tiles.h's Weights: WEIGHT_ARGS) in `format` (W_*); ys: scratch for (T * K, H) floats; pos: scratch for T * K int64s; gate_up: scratch
  * for threads * CHUNK * 2I floats. */
 void moe_forward(const float *x, int64_t T, int64_t K, const int64_t *order, const int64_t *starts, int64_t E,
-                 const float *weights, int format, const void *w13, const float *scale13, int64_t first13,
-                 int64_t block13, int64_t lead13, int width13, const void *w2, const float *scale2, int64_t first2,
-                 int64_t block2, int64_t lead2, int width2, int64_t H, int64_t I, float *out, float *ys, int64_t *pos,
-                 float *gate_up, int threads) {
-    const Weights p13 = {w13, scale13, first13, block13, lead13}, p2 = {w2, scale2, first2, block2, lead2};
+                 const float *weights, int format, WEIGHT_ARGS(w13), int width13, WEIGHT_ARGS(w2), int width2, int64_t H,
+                 int64_t I, float *out, float *ys, int64_t *pos, float *gate_up, int threads) {
+    const Weights p13 = WEIGHTS_OF(w13), p2 = WEIGHTS_OF(w2);
     int64_t ntasks = 0;
     for (int64_t e = 0; e < E; e++) ntasks += (starts[e + 1] - starts[e] + CHUNK - 1) / CHUNK;
     int64_t task_expert[ntasks + 1], task_row[ntasks + 1];

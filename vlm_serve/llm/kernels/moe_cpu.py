@@ -14,48 +14,22 @@ from vlm_serve.llm.kernels.linear_cpu import (
     FORMATS,
     INT_FORMATS,
     W_I8,
+    WEIGHT,
     Layout,
     check_scale,
+    fits_bytes,
     int_panels,
     panel_layout,
 )
 
 CHUNK = 32  # moe_cpu.c's rows per task
+EXPERTS = (I32, *WEIGHT, I32, *WEIGHT, I32, I64, I64)  # PackedExperts.args
 
 LIBRARY = KernelLibrary(
     "moe_cpu",
     {
         "moe_route_f32": (None, PTR, I64, I64, I64, I32, I64, I64, PTR, PTR, PTR, PTR, I32),
-        "moe_forward": (
-            None,
-            PTR,
-            I64,
-            I64,
-            PTR,
-            PTR,
-            I64,
-            PTR,
-            I32,
-            PTR,
-            PTR,
-            I64,
-            I64,
-            I64,
-            I32,
-            PTR,
-            PTR,
-            I64,
-            I64,
-            I64,
-            I32,
-            I64,
-            I64,
-            PTR,
-            PTR,
-            PTR,
-            PTR,
-            I32,
-        ),
+        "moe_forward": (None, PTR, I64, I64, PTR, PTR, I64, PTR, *EXPERTS, PTR, PTR, PTR, PTR, I32),
     },
 )
 
@@ -129,9 +103,9 @@ def pack_int_experts(
 ) -> PackedExperts | None:
     """Integer experts, each (codes, scales, zero points or None) as `linear_cpu.pack_int` takes one weight,
     with a leading dimension of experts: w13 (experts, 2I, H * bits / 8), w2 (experts, H, I * bits / 8); None
-    where the kernel is not built, they are not on CPU, or 2I or H is not whole vectors. `int8_activations`:
-    W8A8, the inputs of both products rounded to int8 per row by the kernel."""
-    if w13[0].device.type != "cpu":
+    where the kernel is not built, they are not on CPU, 2I or H is not whole vectors, or a zero point is not a
+    byte. `int8_activations`: W8A8, the inputs of both products rounded to int8 per row by the kernel."""
+    if w13[0].device.type != "cpu" or not (fits_bytes(w13[2]) and fits_bytes(w2[2])):
         return None
     kernel = LIBRARY.get()
     if kernel is None:

@@ -45,8 +45,10 @@ BASELINE int kernel_int_panel(void) { return PANEL_INT; }
  *   becomes 480 * scale): checkpoints hold none.
  * - W_U4 and W_U8: unsigned integer codes q of 4 or 8 bits (compressed-tensors', AWQ's and GPTQ's
  *   weights, `quantization.int_config`), 8 or 4 rows of k to a lane, the first in the lowest bits. The
- *   weight is q * s + b, each column with its own scale s and bias b = -zero * s for each block of k (a
- *   quantization group; one block of all of k per channel): see tile_int.
+ *   weight is (q - z) s, each column with its own scale s and zero point z for each block of k (a
+ *   quantization group; one block of all of k per channel), s as the checkpoint stores it (float32,
+ *   bfloat16 or float16: a 16-bit scale widened exactly) and z a byte: at groups of 32 4-bit codes, 16
+ *   bytes, the scale and zero add 3 where float32 scales and biases added 8. See tile_int.
  * Where the build asks for AVX-512-BF16's dot products, W_BF16 panels are the exception: see BF16_DOT. */
 #define W_F32 0
 #define W_BF16 1
@@ -66,19 +68,30 @@ static inline int lane_rows(int format) {
 /* A (k, n) matrix of weights in panels, as the products below read it. */
 typedef struct {
     const void *data;     /* n / width panels of (lead + k) / G groups, rounded up, of (width, G) weights */
-    const float *scale;   /* W_E4M3: per panel, its multiplier for each block of k (scale * 2^120); W_U4,
-                             W_U8: per panel and block of k, its columns' `width` scales, then their biases
-                             (-zero * scale); else NULL */
+    const void *scale;    /* W_E4M3: per panel, its float32 multiplier for each block of k (scale * 2^120);
+                             W_U4, W_U8: per panel and block of k, its columns' `width` scales in
+                             scale_format, then their zero points, a byte each; W_I8: int8.h's; else NULL */
     int64_t first, block; /* W_E4M3, W_U4, W_U8: k rows of the first block and of every later one (the last
                              may be shorter; lead + first and block are whole groups); else k and k */
     int64_t lead;         /* zero rows before row 0 */
+    int scale_format;     /* W_U4, W_U8: their scales' format, W_F32, W_BF16 or W_F16 */
 } Weights;
 
-/* floats of `scale` per panel and block of k */
-static inline int64_t block_floats(int format, int width) { return is_int(format) || format == W_I8 ? 2 * width : 1; }
+/* A weight's fields as the kernels' entry points take them, after its format: WEIGHT_ARGS(p) declares
+ * them, WEIGHTS_OF(p) is the Weights they make. */
+#define WEIGHT_ARGS(p) \
+    const void *p##_w, const void *p##_scale, int64_t p##_first, int64_t p##_block, int64_t p##_lead, int p##_scale_format
+#define WEIGHTS_OF(p) ((Weights){p##_w, p##_scale, p##_first, p##_block, p##_lead, p##_scale_format})
+
+static inline int scale_bytes(int scale_format) { return scale_format == W_F32 ? 4 : 2; }
+
+/* bytes of `scale` per panel and block of k */
+static inline int64_t block_bytes(int format, int width, int scale_format) {
+    return is_int(format) ? (int64_t)width * (scale_bytes(scale_format) + 1) : format == W_I8 ? 8 * width : 4;
+}
 
 /* a float32 matrix: one block of k, no scales */
-static inline Weights plain(const float *w, int64_t k) { return (Weights){w, NULL, k, k, 0}; }
+static inline Weights plain(const float *w, int64_t k) { return (Weights){w, NULL, k, k, 0, W_F32}; }
 
 typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
 
@@ -100,8 +113,8 @@ static inline __attribute__((always_inline)) vec unpack(int format, uvec bits, i
 }
 
 /* Integer codes are summed a block of k at a time and scaled at its end: each row's products with the
- * block's codes, part = sum x q, and its sum of x, xs, make sum x (q s + b) = part s + xs b for each column
- * (tile_int). Row j of a group is had from its lane without a shift, but for the last (the lane's top bits,
+ * block's codes, part = sum x q, and its sum of x, xs, make sum x (q - z) s = (part - xs z) s for each
+ * column (tile_int). Row j of a group is had from its lane without a shift, but for the last (the lane's top bits,
  * which would read as negative): masked in place it is the integer q 2^(bits j), which multiplies x
  * 2^-(bits j), the same product exactly. So each weight costs a mask, a conversion and a multiply-add. */
 
@@ -198,42 +211,76 @@ static inline __attribute__((always_inline)) float row_sum(const float *x, int64
     return total;
 }
 
-/* acc[r] += part[r] s + xs[r] b for the nv vectors of a panel, their block's scales s and biases b at
- * `scale` (block_floats): a block of integer codes done */
+typedef uint16_t hvec __attribute__((vector_size(LANES * 2)));
+typedef uint8_t bvec __attribute__((vector_size(LANES)));
+
+/* the LANES scales at p, stored in scale_format, as float32 */
+static inline __attribute__((always_inline)) vec load_scales(const char *p, int scale_format) {
+    if (scale_format == W_F32) {
+        vec s;
+        memcpy(&s, p, sizeof s);
+        return s;
+    }
+    hvec h;
+    memcpy(&h, p, sizeof h);
+    return unpack(scale_format, __builtin_convertvector(h, uvec), 0, splat(0x1p112f));
+}
+
+/* Runs the statements with the constant SCALE_FORMAT equal to scale_format (W_F32, W_BF16 or W_F16): a copy
+ * per format of integer scales, so that a block's end (every 32 rows of k for groups of 32) does not branch on
+ * it (measured: groups of 32 at one row 25% slower with the branches). */
+#define WITH_SCALE_FORMAT(scale_format, ...)                                   \
+    switch (scale_format) {                                                    \
+        case W_BF16: { const int SCALE_FORMAT = W_BF16; __VA_ARGS__; } break;  \
+        case W_F16: { const int SCALE_FORMAT = W_F16; __VA_ARGS__; } break;    \
+        default: { const int SCALE_FORMAT = W_F32; __VA_ARGS__; } break;       \
+    }
+
+/* acc[r] += (part[r] - xs[r] z) s for the nv vectors of a panel, their block's scales s (in scale_format)
+ * and zero points z at `scale` (block_bytes): a block of integer codes done */
 static inline __attribute__((always_inline)) void
-scale_block(vec acc[MR][NVI], vec part[MR][NVI], const float *xs, int nr, const float *scale, int nv) {
+scale_block(vec acc[MR][NVI], vec part[MR][NVI], const float *xs, int nr, const char *scale, int scale_format,
+            int nv) {
+    const char *zeros = scale + nv * LANES * scale_bytes(scale_format);
     for (int v = 0; v < nv; v++) {
-        const vec s = load(scale + v * LANES), b = load(scale + (nv + v) * LANES);
+        bvec zb;
+        memcpy(&zb, zeros + v * LANES, sizeof zb);
+        const vec s = load_scales(scale + v * LANES * scale_bytes(scale_format), scale_format);
+        const vec z = __builtin_convertvector(zb, vec);
         for (int r = 0; r < nr; r++) { /* (each step alone, so that every caller rounds the same) */
-            vec t = part[r][v] * s;
+            vec t = splat(xs[r]) * z;
             IN_REGISTER(t);
-            t = splat(xs[r]) * b + t;
+            t = part[r][v] - t;
+            IN_REGISTER(t);
+            t = t * s;
             IN_REGISTER(t);
             acc[r][v] = acc[r][v] + t;
         }
     }
 }
 
-/* c[r][0 : nv * LANES] = (c[r] where `add`, else 0) + part[r] s + xs[r] b: scale_block on the sums kept in
+/* c[r][0 : nv * LANES] = (c[r] where `add`, else 0) + (part[r] - xs[r] z) s: scale_block on the sums kept in
  * c between blocks (registers are the blocks' part sums') */
 static inline __attribute__((always_inline)) void
-scale_block_into(float *const *c, vec part[MR][NVI], const float *xs, int nr, const float *scale, int nv, int add) {
+scale_block_into(float *const *c, vec part[MR][NVI], const float *xs, int nr, const char *scale, int scale_format,
+                 int nv, int add) {
     vec acc[MR][NVI];
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = add ? load(c[r] + v * LANES) : splat(0.0f);
-    scale_block(acc, part, xs, nr, scale, nv);
+    scale_block(acc, part, xs, nr, scale, scale_format, nv);
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
 }
 
 /* tile() for W_U4 and W_U8 panels (no lead): a block of k at a time, part sums scaled at its end */
 static inline __attribute__((always_inline)) void
-tile_int(int format, const float *const *a, int nr, const char *w, const float *scale, int64_t first, int64_t block,
-         int64_t k, int nv, float *const *c, int accumulate) {
+tile_int(int format, const float *const *a, int nr, const char *w, const char *scale, int scale_format,
+         int64_t first, int64_t block, int64_t k, int nv, float *const *c, int accumulate) {
     const int G = lane_rows(format);
     const int64_t groups = (k + G - 1) / G, whole = k / G, row = nv * LANES * 4; /* bytes per group */
     for (int64_t g0 = 0, g1 = first / G < groups ? first / G : groups; g0 < groups;
-         g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups, scale += 2 * nv * LANES) {
+         g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups,
+                 scale += block_bytes(format, nv * LANES, scale_format)) {
         vec part[MR][NVI] = {{{0}}};
         int64_t g = g0;
         for (const int64_t end = g1 < whole ? g1 : whole; g < end; g++) {
@@ -244,7 +291,7 @@ tile_int(int format, const float *const *a, int nr, const char *w, const float *
         float xs[MR];
         const int64_t p1 = g1 * G < k ? g1 * G : k;
         for (int r = 0; r < nr; r++) xs[r] = row_sum(a[r] + g0 * G, p1 - g0 * G);
-        scale_block_into(c, part, xs, nr, scale, nv, g0 > 0 || accumulate);
+        scale_block_into(c, part, xs, nr, scale, scale_format, nv, g0 > 0 || accumulate);
     }
 }
 
@@ -296,62 +343,14 @@ tile_bf16_dot(const float *const *a, int nr, const char *w, int64_t lead, int64_
         for (int v = 0; v < nv; v++) _mm512_storeu_ps(c[r] + v * LANES, acc[r][v]);
 }
 
-/* tile_int() for W_U4 panels with vdpbf16ps (BF16_DOT), whose builds lay a lane's nibbles out as rows 0, 2,
- * 4, 6 in its low half and 1, 3, 5, 7 in its high (`linear_cpu.int_panels`): pair p of a group, rows 2p and
- * 2p + 1, is (lane >> 4p) & 0x000F000F, which or-ed with 0x43004300 is the pair of bfloat16 values 128 + q,
- * exactly. One dot instruction multiplies it by the row's pair of x rounded to bfloat16 (as bfloat16
- * weights are multiplied) and adds both: half the instructions per weight of the float32 path. A block's
- * sum less 128 times its sum of x (rounded alike) is sum x q, which scale_block scales. */
-static inline __attribute__((always_inline)) void
-tile_int4_dot(const float *const *a, int nr, const char *w, const float *scale, int64_t first, int64_t block,
-              int64_t k, int nv, float *const *c, int accumulate) {
-    const int64_t groups = (k + 7) / 8, row = nv * LANES * 4; /* bytes per group of 8 rows */
-    const __m512i mask = _mm512_set1_epi32(0x000F000F), ones = _mm512_set1_epi32(0x43004300);
-    uint32_t pairs[MR][DOT_PAIRS] __attribute__((aligned(64)));
-    for (int64_t g0 = 0, g1 = first / 8 < groups ? first / 8 : groups; g0 < groups;
-         g0 = g1, g1 = groups - g1 > block / 8 ? g1 + block / 8 : groups, scale += 2 * nv * LANES) {
-        vec part[MR][NVI] = {{{0}}}, xsum[MR] = {{0}};
-        for (int64_t q0 = 4 * g0; q0 < 4 * g1; q0 += DOT_PAIRS) { /* the block's pairs of rows, in chunks */
-            const int64_t n = 4 * g1 - q0 < DOT_PAIRS ? 4 * g1 - q0 : DOT_PAIRS;
-            for (int r = 0; r < nr; r++) {
-                round_pairs(a[r], 2 * q0, k, n, pairs[r]); /* (zeros past k) */
-                for (int64_t i = n; i % 16; i++) pairs[r][i] = 0;  /* (and past the block: xsum adds 16 at a time) */
-                for (int64_t i = 0; i < n; i += 16) {
-                    const __m512i both = _mm512_loadu_si512(pairs[r] + i);
-                    xsum[r] += (vec)_mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-                    xsum[r] += (vec)_mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000)));
-                }
-            }
-            for (int64_t g = 0; g < n / 4; g++) {
-                __m512i bits[NVI];
-                for (int v = 0; v < nv; v++) bits[v] = _mm512_loadu_si512(w + (q0 / 4 + g) * row + v * LANES * 4);
-                for (int p = 0; p < 4; p++)
-                    for (int v = 0; v < nv; v++) {
-                        __m512bh b = (__m512bh)_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits[v], 4 * p), mask), ones);
-                        IN_REGISTER(b);
-                        for (int r = 0; r < nr; r++) {
-                            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pairs[r][4 * g + p]);
-                            part[r][v] = (vec)_mm512_dpbf16_ps((__m512)part[r][v], x, b);
-                        }
-                    }
-            }
-        }
-        float xs[MR];
-        for (int r = 0; r < nr; r++) {
-            xs[r] = hsum(xsum[r]);
-            for (int v = 0; v < nv; v++) part[r][v] -= splat(128.0f * xs[r]);
-        }
-        scale_block_into(c, part, xs, nr, scale, nv, g0 > 0 || accumulate);
-    }
-}
 #endif
 
 /* c[r][0 : nv * LANES] = a[r][0 : k] @ panel (k, nv * LANES) for r < nr (+ c[r] where `accumulate`),
  * the panel in `format`, `scale` its multipliers (W_E4M3). Each row's sum runs over k in order, whatever
  * nr is: a row's result does not depend on the rows batched with it. */
 static inline __attribute__((always_inline)) void
-tile(int format, const float *const *a, int nr, const void *panel, const float *scale, int64_t first,
-     int64_t block, int64_t lead, int64_t k, int nv, float *const *c, int accumulate) {
+tile(int format, const float *const *a, int nr, const void *panel, const void *scale, int scale_format,
+     int64_t first, int64_t block, int64_t lead, int64_t k, int nv, float *const *c, int accumulate) {
     const int G = lane_rows(format);
     const int64_t groups = (lead + k + G - 1) / G, row = nv * LANES * 4; /* bytes per group */
     const int64_t whole0 = lead > 0, whole1 = (lead + k) / G;         /* the groups of G rows of k */
@@ -361,17 +360,13 @@ tile(int format, const float *const *a, int nr, const void *panel, const float *
         return;
     }
 #endif
-#if BF16_DOT
-    if (format == W_U4) {
-        tile_int4_dot(a, nr, panel, scale, first, block, k, nv, c, accumulate);
-        return;
-    }
-#endif
     if (is_int(format)) {
-        tile_int(format, a, nr, panel, scale, first, block, k, nv, c, accumulate);
+        WITH_SCALE_FORMAT(scale_format,
+                          tile_int(format, a, nr, panel, scale, SCALE_FORMAT, first, block, k, nv, c, accumulate));
         return;
     }
     const char *w = panel;
+    const float *multiplier = scale; /* (W_E4M3) */
     vec acc[MR][NV] = {{{0}}};
     if (accumulate)
         for (int r = 0; r < nr; r++)
@@ -384,7 +379,7 @@ tile(int format, const float *const *a, int nr, const void *panel, const float *
     } else { /* blocks of k, in groups */
         for (int64_t g0 = 0, g1 = (lead + first) / G < groups ? (lead + first) / G : groups; g0 < groups;
              g0 = g1, g1 = groups - g1 > block / G ? g1 + block / G : groups) {
-            const vec m = splat(format == W_E4M3 ? *scale++ : 0x1p112f);
+            const vec m = splat(format == W_E4M3 ? *multiplier++ : 0x1p112f);
             for (int64_t g = g0; g < g1;) {
                 if (g >= whole0 && g < whole1) {
                     for (const int64_t end = g1 < whole1 ? g1 : whole1; g < end; g++) {
@@ -411,7 +406,8 @@ static inline Weights nth_matrix(int format, Weights w, int64_t k, int64_t n, in
     const int scaled = format == W_E4M3 || is_int(format) || format == W_I8;
     const int64_t blocks = !scaled || k <= w.first ? 1 : 1 + (k - w.first + w.block - 1) / w.block;
     w.data = (const char *)w.data + i * groups * n * 4;
-    w.scale = scaled ? w.scale + i * n / width * blocks * block_floats(format, width) : NULL;
+    w.scale = scaled ? (const char *)w.scale + i * n / width * blocks * block_bytes(format, width, w.scale_format)
+                     : NULL;
     return w;
 }
 
@@ -443,14 +439,14 @@ static inline Weights nth_matrix(int format, Weights w, int64_t k, int64_t n, in
  * (the weight kernels): its loop has the registers to itself. Inlined into the large loops around it,
  * GCC kept some row pointers on the stack and reloaded them at every step of k: 25% slower. */
 #define TILE_ARGS                                                                                           \
-    const float *const *a, const void *panel, const float *scale, int64_t first, int64_t block, int64_t lead, \
-        int64_t k, float *const *c, int accumulate
+    const float *const *a, const void *panel, const void *scale, int scale_format, int64_t first, int64_t block, \
+        int64_t lead, int64_t k, float *const *c, int accumulate
 #ifdef TILE_FUNCTIONS
 _Static_assert(MR == 6 && W_F32 == 0 && W_BF16 == 1 && W_F16 == 2 && W_E4M3 == 3 && W_U4 == 4 && W_U8 == 5,
                "the table below");
 #define TILE_FN(F, R, NAME, V)                                                                   \
     static __attribute__((noinline)) void tile_##F##_##R##_##NAME(TILE_ARGS) {                   \
-        tile(F, a, R, panel, scale, first, block, lead, k, V, c, accumulate);                    \
+        tile(F, a, R, panel, scale, scale_format, first, block, lead, k, V, c, accumulate);      \
     }
 #define TILE_FNS(F, V)                                                                           \
     TILE_FN(F, 1, one, 1) TILE_FN(F, 2, one, 1) TILE_FN(F, 3, one, 1) TILE_FN(F, 4, one, 1)      \
@@ -477,14 +473,15 @@ static void (*const tile_functions[6][2][MR])(TILE_ARGS) = {
 
 /* tile() for nr <= MR rows and a panel of nv (NV or 1) vectors */
 static inline __attribute__((always_inline)) void
-run_tile(int format, const float *const *a, int nr, const void *panel, const float *scale, int64_t first,
-         int64_t block, int64_t lead, int64_t k, int nv, float *const *c, int accumulate) {
+run_tile(int format, const float *const *a, int nr, const void *panel, const void *scale, int scale_format,
+         int64_t first, int64_t block, int64_t lead, int64_t k, int nv, float *const *c, int accumulate) {
 #ifdef TILE_FUNCTIONS
-    tile_functions[format][nv != 1][nr - 1](a, panel, scale, first, block, lead, k, c, accumulate);
+    tile_functions[format][nv != 1][nr - 1](a, panel, scale, scale_format, first, block, lead, k, c, accumulate);
 #else
-    WITH_TILE_HEIGHT(nr, if (nv == 1) tile(format, a, NR, panel, scale, first, block, lead, k, 1, c, accumulate);
-                         else tile(format, a, NR, panel, scale, first, block, lead, k, is_int(format) ? NVI : NV, c,
-                                   accumulate));
+    WITH_TILE_HEIGHT(nr, if (nv == 1) tile(format, a, NR, panel, scale, scale_format, first, block, lead, k, 1, c,
+                                           accumulate);
+                         else tile(format, a, NR, panel, scale, scale_format, first, block, lead, k,
+                                   is_int(format) ? NVI : NV, c, accumulate));
 #endif
 }
 
@@ -496,7 +493,8 @@ matmul_as(int format, const float *const *a, int nr, Weights w, int64_t k, int64
         float *cj[MR];
         for (int r = 0; r < nr; r++) cj[r] = c[r] + j;
         const Weights panel = nth_matrix(format, w, k, width, width, j / width);
-        run_tile(format, a, nr, panel.data, panel.scale, w.first, w.block, w.lead, k, width / LANES, cj, 0);
+        run_tile(format, a, nr, panel.data, panel.scale, w.scale_format, w.first, w.block, w.lead, k, width / LANES,
+                 cj, 0);
     }
 }
 
@@ -547,14 +545,14 @@ widen(int format, Weights w, int64_t k, int64_t q0, int64_t q1, int nv, float *o
     const int G = lane_rows(format);
     const int64_t groups = (w.lead + k + G - 1) / G, row = nv * LANES * 4;
     const int64_t end = q1 / G < groups ? q1 / G : groups;
-    const float *scale = w.scale;
+    const float *multiplier = w.scale; /* (W_E4M3) */
     *p0 = q0 - w.lead > 0 ? q0 - w.lead : 0;
     *p1 = q1 - w.lead < k ? q1 - w.lead : k;
     /* blocks of k, in groups, as tile() walks them */
     for (int64_t g0 = 0, g1 = (w.lead + w.first) / G < groups ? (w.lead + w.first) / G : groups; g0 < end;
-         g0 = g1, g1 = groups - g1 > w.block / G ? g1 + w.block / G : groups, scale += block_floats(format, nv * LANES)) {
+         g0 = g1, g1 = groups - g1 > w.block / G ? g1 + w.block / G : groups, multiplier++) {
         if (g1 <= q0 / G) continue;
-        const vec m = splat(format == W_E4M3 ? *scale : 0x1p112f);
+        const vec m = splat(format == W_E4M3 ? *multiplier : 0x1p112f);
         for (int64_t g = g0 > q0 / G ? g0 : q0 / G; g < g1 && g < end; g++) {
             const int64_t p = g * G - w.lead; /* the group's first row */
             float *to = out + (p - *p0) * nv * LANES;
@@ -579,9 +577,9 @@ matmul_rows_int(int format, const float *const *a, int64_t rows, Weights w, int6
     float wide[WIDE_ROWS * PANEL_INT], part[INT_ROWS * PANEL_INT], xs[INT_ROWS];
     for (int64_t j = 0; j < n; j += width) {
         const Weights panel = nth_matrix(format, w, k, width, width, j / width);
-        const float *scale = panel.scale;
+        const char *scale = panel.scale;
         for (int64_t b0 = 0, b1 = w.first < k ? w.first : k; b0 < k;
-             b0 = b1, b1 = k - b1 > w.block ? b1 + w.block : k, scale += 2 * width) {
+             b0 = b1, b1 = k - b1 > w.block ? b1 + w.block : k, scale += block_bytes(format, width, w.scale_format)) {
             for (int64_t q0 = b0; q0 < b1; q0 += WIDE_ROWS) {
                 const int64_t q1 = b1 - q0 > WIDE_ROWS ? q0 + WIDE_ROWS : b1;
                 if (nv == NVI)
@@ -594,7 +592,7 @@ matmul_rows_int(int format, const float *const *a, int64_t rows, Weights w, int6
                         float *pr[MR] = {0};
                         for (int r = 0; r < MR && r0 + r < rows; r++)
                             ar[r] = a[r0 + r] + q0, pr[r] = part + (r0 + r) * width + h * sub;
-                        run_tile(W_F32, ar, rows - r0 < MR ? rows - r0 : MR, wide + h * WIDE_ROWS * sub, NULL, q1 - q0,
+                        run_tile(W_F32, ar, rows - r0 < MR ? rows - r0 : MR, wide + h * WIDE_ROWS * sub, NULL, W_F32, q1 - q0,
                                  q1 - q0, 0, q1 - q0, sub / LANES, pr, q0 > b0);
                     }
             }
@@ -607,7 +605,7 @@ matmul_rows_int(int format, const float *const *a, int64_t rows, Weights w, int6
                         acc[r][v] = b0 > 0 ? load(c[r0 + r] + j + v * LANES) : splat(0.0f);
                         pt[r][v] = load(part + (r0 + r) * width + v * LANES);
                     }
-                scale_block(acc, pt, xs + r0, nr, scale, nv);
+                scale_block(acc, pt, xs + r0, nr, scale, w.scale_format, nv);
                 for (int r = 0; r < nr; r++)
                     for (int v = 0; v < nv; v++) store(c[r0 + r] + j + v * LANES, acc[r][v]);
             }
@@ -619,12 +617,13 @@ matmul_rows_int(int format, const float *const *a, int64_t rows, Weights w, int6
  * From more than two tiles' rows on, float16, FP8 and integer panels are widened to float32 instead, WIDE_ROWS
  * rows of k at a time, once for all the tiles rather than once per tile (measured with FP8 on AVX2, one
  * thread, 4096 x 4096: 16 rows 14% faster, 64 and 128 rows 26%; 7 rows 24% slower). The same values are summed in
- * the same order either way: a row's result does not depend on the rows batched with it. */
+ * the same order either way: a row's result does not depend on the rows batched with it. (W_I8 panels, and
+ * W_U4 ones where BF16_DOT lays them out for its dot products, take rounded.h's products instead.) */
 static inline __attribute__((always_inline)) void
 matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64_t k, int64_t n, int width,
                float *const *c) {
     const int tile_rows = TILE_ROWS(format);
-    if ((format != W_F16 && format != W_E4M3 && !is_int(format)) || rows <= 2 * tile_rows || (BF16_DOT && format == W_U4)) {
+    if ((format != W_F16 && format != W_E4M3 && !is_int(format)) || rows <= 2 * tile_rows) {
         for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
 #ifdef TILE_FUNCTIONS
             matmul_as(format, a + r0, rows - r0 < tile_rows ? rows - r0 : tile_rows, w, k, n, width, c + r0);
@@ -635,7 +634,7 @@ matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64
         }
         return;
     }
-    if (is_int(format) && !(BF16_DOT && format == W_U4)) { /* (the dot tiles: never widened, see tile_int4_dot) */
+    if (is_int(format)) {
         for (int64_t r0 = 0; r0 < rows; r0 += INT_ROWS)
             matmul_rows_int(format, a + r0, rows - r0 < INT_ROWS ? rows - r0 : INT_ROWS, w, k, n, width, c + r0);
         return;
@@ -653,7 +652,7 @@ matmul_rows_as(int format, const float *const *a, int64_t rows, Weights w, int64
                 const float *ar[MR] = {0};
                 float *cr[MR] = {0};
                 for (int r = 0; r < MR && r0 + r < rows; r++) ar[r] = a[r0 + r] + p0, cr[r] = c[r0 + r] + j;
-                run_tile(W_F32, ar, rows - r0 < MR ? rows - r0 : MR, wide, NULL, p1 - p0, p1 - p0, 0, p1 - p0,
+                run_tile(W_F32, ar, rows - r0 < MR ? rows - r0 : MR, wide, NULL, W_F32, p1 - p0, p1 - p0, 0, p1 - p0,
                          width / LANES, cr, q0 > 0);
             }
         }

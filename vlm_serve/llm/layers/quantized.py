@@ -43,8 +43,9 @@ def is_int_piece(piece: str, tensor: torch.Tensor) -> bool:
 
 @dataclass
 class IntTensor:
-    """One checkpoint weight, read: codes (out, in) uint8, scale (out, groups) float32, zero (out, groups)
-    int16 or None (symmetric), and each input column's group (in) where the checkpoint orders them so."""
+    """One checkpoint weight, read: codes (out, in) uint8, scale (out, groups) in the checkpoint's dtype, zero
+    (out, groups) int16 or None (symmetric), and each input column's group (in) where the checkpoint orders
+    them so."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -170,7 +171,7 @@ class Pieces:
         scale = self.held[piece]
         if not scale.is_floating_point():
             raise ValueError(f"{self.module}.{piece} is {scale.dtype}, not floating point")
-        return scale.float()
+        return scale
 
     def _g_idx(self, g_idx: torch.Tensor, columns: int, groups: int) -> torch.Tensor | None:
         """Each column's group, or None where they are the runs of columns the groups are anyway."""
@@ -188,8 +189,8 @@ class Pieces:
 @dataclass
 class IntWeight:
     """A layer's (or a stack of experts', with leading dimensions) integer weight shard, packed:
-    `codes` uint8 (..., out, in * bits / 8), two 4-bit codes to a byte (`pack_nibbles`); `scale` float32
-    (..., out, groups); `zero` int16 (..., out, groups), None where symmetric; `perm` (..., in): each matrix's
+    `codes` uint8 (..., out, in * bits / 8), two 4-bit codes to a byte (`pack_nibbles`); `scale` (..., out,
+    groups) in the checkpoint's dtype (the first part's; float32 where parts differ); `zero` int16 (..., out, groups), None where symmetric; `perm` (..., in): each matrix's
     input columns in the order its codes hold them (act order: the columns sorted by group), None where all
     are in order."""
 
@@ -219,6 +220,8 @@ class IntWeight:
         """Rows `rows` of matrix `index` (of the stack) from the checkpoint weight `part`: its rows as they
         are, its columns [start, end) (a row-parallel shard's), which must begin and end on a group."""
         start, end = columns
+        if self.scale.dtype != part.scale.dtype:
+            self.scale = self.scale.to(part.scale.dtype if not self.orders else torch.float32)
         group = self.scheme.group_size or 1  # (per channel: a row's one scale, wherever it is cut)
         if start % group or (end % group and end != part.codes.shape[1]):
             raise ValueError(
