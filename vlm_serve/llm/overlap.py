@@ -21,6 +21,8 @@ import torch
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
 from vlm_serve.llm.kernels import release_thread_team, set_thread_team
 
+IDLE_RELEASE_S = 0.05  # idle seconds after which the forward thread releases its OpenMP team
+
 T = TypeVar("T")
 
 
@@ -139,11 +141,22 @@ class ForwardThread:
         out.to_host()
         return out
 
+    def _next(self) -> Any:
+        """The next forward to run, waited for. A thread idle for IDLE_RELEASE_S lets its OpenMP team go first:
+        another engine's forwards in this process would otherwise run beside more OpenMP threads than cores,
+        where libgomp stops spinning at barriers (measured: one engine's decode at half speed once a second
+        engine of the process had run a step)."""
+        try:
+            return self._queue.get(timeout=IDLE_RELEASE_S)
+        except queue.Empty:
+            release_thread_team()
+            return self._queue.get()
+
     def _loop(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
         stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with stream, torch.inference_mode():
-            while (item := self._queue.get()) is not None:
+            while (item := self._next()) is not None:
                 fn, args, future = item
                 start = time.perf_counter()
                 try:
