@@ -21,9 +21,6 @@ typedef struct {
     int64_t bytes, floats; /* of a rounded row's values and figures */
 } Rounding;
 
-/* blocks of k of a matrix: `first` rows, then `block` each */
-static inline int64_t blocks_of(Weights w, int64_t k) { return k <= w.first ? 1 : 1 + (k - w.first + w.block - 1) / w.block; }
-
 static inline Rounding rounding(int format, Weights w, int64_t k) {
     if (format == W_I8) return (Rounding){(k + 3) / 4 * 4, 1};
     return (Rounding){((k + 7) / 8 * 4 + 15) / 16 * 16 * 4, blocks_of(w, k)}; /* (whole vectors of pairs) */

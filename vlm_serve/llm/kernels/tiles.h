@@ -399,12 +399,15 @@ tile(int format, const float *const *a, int nr, const void *panel, const void *s
         for (int v = 0; v < nv; v++) store(c[r] + v * LANES, acc[r][v]);
 }
 
+/* blocks of k of a matrix with scales: `first` rows, then `block` each */
+static inline int64_t blocks_of(Weights w, int64_t k) { return k <= w.first ? 1 : 1 + (k - w.first + w.block - 1) / w.block; }
+
 /* matrix i of a stack of (k, n) matrices in panels `width` wide (panel i of a matrix: n = width) */
 static inline Weights nth_matrix(int format, Weights w, int64_t k, int64_t n, int width, int64_t i) {
     const int G = lane_rows(format);
     const int64_t groups = (w.lead + k + G - 1) / G;
     const int scaled = format == W_E4M3 || is_int(format) || format == W_I8;
-    const int64_t blocks = !scaled || k <= w.first ? 1 : 1 + (k - w.first + w.block - 1) / w.block;
+    const int64_t blocks = scaled ? blocks_of(w, k) : 1;
     w.data = (const char *)w.data + i * groups * n * 4;
     w.scale = scaled ? (const char *)w.scale + i * n / width * blocks * block_bytes(format, width, w.scale_format)
                      : NULL;
