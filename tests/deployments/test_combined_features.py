@@ -7,9 +7,10 @@ process, as on a GPU), small prefill chunks on pages of 4 and TP 2 / EP 2 with a
 with a KV pool of 2,048 tokens over a host-memory tier, the latter also over a storage tier; the former
 also serving a LoRA adapter, through which some of its requests go), a PD pair behind sglang-router, its
 prefill server with a host tier), and the built-in model in 4 bits (W4A16: its float EAGLE-3 head, small
-chunks, the adapter over the 4-bit base). Every request is answered with a 200 and a well-formed answer
+chunks, the adapter over the 4-bit base) and in int8 (W8A8: n-gram drafts in the normal loop, pages of 16
+over a host tier, the adapter). Every request is answered with a 200 and a well-formed answer
 (`vlm_serve.testing.answers.problems`); a deterministic one answers the same a second time (streamed or
-not), and a greedy one as the overlap loop without drafts does (the 4-bit model's as itself); no process dies; afterwards every server
+not), and a greedy one as the overlap loop without drafts does (a quantized model's as itself); no process dies; afterwards every server
 is idle and healthy, failed no request, and stops cleanly.
 
 The draws are derandomized (the same examples every run); a failing one is shrunk by hypothesis (a set-up

@@ -6,9 +6,10 @@ goes to a log file.
 The matrix covers the scheduler's paths: the default (the built-in model drafts with its EAGLE-3 head, in
 the overlap loop), the same in the normal loop, n-gram drafts, the overlap loop and the normal loop without drafts, small prefill chunks on pages of 4
 tokens, TP 2 with EP 2 and an encoder pool of 2, and PD; a LoRA adapter in the chunked and TP 2 / EP 2 ones;
-and the built-in model quantized to 4 bits by llm-compressor (W4A16, its EAGLE-3 head in float beside it,
-small chunks, the adapter over the 4-bit base). The overlap loop without drafts is the reference that
-other set-ups' greedy answers must equal (it serves the adapter too); the 4-bit model answers otherwise.
+and the built-in model quantized by llm-compressor: to 4 bits (W4A16, its EAGLE-3 head in float beside it,
+small chunks, the adapter over the 4-bit base) and to int8 weights and activations (W8A8: n-gram drafts in the
+normal loop, pages of 16 over a host tier, the adapter). The overlap loop without drafts is the reference that
+other set-ups' greedy answers must equal (it serves the adapter too); the quantized models answer otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import httpx
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 from vlm_serve.server.ports import free_port
 from vlm_serve.testing.lora_adapter import ADAPTER, make_adapter
-from vlm_serve.testing.quantized import W4A16, quantize_checkpoints
+from vlm_serve.testing.quantized import W4A16, W8A8, Recipe, quantize_checkpoints
 
 NO_DRAFTS = ("--speculative-algorithm", "none")
 # prefixes overflow a small KV pool into a host-memory tier, and come back from it
@@ -39,7 +40,9 @@ STORAGE_TIER = ("--page-size", "16", "--hicache-storage-backend", "file", "--hic
 # a LoRA adapter (`ADAPTER`, made by peft with random weights in the set-up's log folder, the same in each) of
 # the attention, the experts and the vision tower, beside the base
 LORA = ("--enable-lora", "--lora-paths", f"{ADAPTER}={{logs}}/{ADAPTER}-adapter")
-# the built-in model in 4 bits (made by llm-compressor in the set-up's log folder), its draft head as it is
+# the built-in model quantized (made by llm-compressor in the set-up's log folder, as `--model {logs}/NAME`)
+QUANTIZED: dict[str, Recipe] = {"builtin-w4a16": W4A16, "builtin-w8a8": W8A8}
+# in 4 bits, its draft head as it is
 W4A16_BUILTIN = ("--model", "{logs}/builtin-w4a16", "--speculative-algorithm", "eagle3")
 W4A16_BUILTIN += ("--speculative-draft-model-path", str(BUILTIN_DRAFT))
 SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags (None: a PD pair, default flags)
@@ -61,6 +64,18 @@ SETUPS: dict[str, tuple[str, ...] | None] = {  # name -> `vlm-serve serve` flags
     "tp2-ep2": ("--tp-size", "2", "--ep-size", "2", "--vit-dp", "2", *HOST_TIER, *STORAGE_TIER, *LORA),
     "pd": None,
     "w4a16": (*W4A16_BUILTIN, "--chunked-prefill-size", "32", *LORA),
+    # int8 weights and int8 activation rows: n-gram drafts in the normal loop, pages of 16 over a host tier
+    "w8a8": (
+        "--model",
+        "{logs}/builtin-w8a8",
+        "--speculative-algorithm",
+        "ngram",
+        "--disable-overlap-schedule",
+        "--page-size",
+        "16",
+        *HOST_TIER,
+        *LORA,
+    ),  # fmt: skip
 }
 REFERENCE = "overlap"
 START_TIMEOUT = 180.0
@@ -213,10 +228,11 @@ class Deployment:
     def _serve(self, name: str, flags: tuple[str, ...]) -> Process:
         if "--enable-lora" in flags and not (self.logs / self.name / f"{ADAPTER}-adapter").is_dir():
             make_adapter(self.logs / self.name / f"{ADAPTER}-adapter")
-        if "{logs}/builtin-w4a16" in flags and not (self.logs / self.name / "builtin-w4a16").is_dir():
-            quantized = self.logs / self.name / "builtin-w4a16"
-            quantize_checkpoints([(BUILTIN_MODEL, quantized, W4A16)], run=_run_child)
-            (quantized / "training.json").write_bytes((BUILTIN_MODEL / "training.json").read_bytes())
+        for folder, recipe in QUANTIZED.items():
+            quantized = self.logs / self.name / folder
+            if f"{{logs}}/{folder}" in flags and not quantized.is_dir():
+                quantize_checkpoints([(BUILTIN_MODEL, quantized, recipe)], run=_run_child)
+                (quantized / "training.json").write_bytes((BUILTIN_MODEL / "training.json").read_bytes())
         port = free_port()
         command = [sys.executable, "-m", "vlm_serve.cli", "serve", "--model", str(BUILTIN_MODEL), "--port", str(port)]
         command += [flag.replace("{logs}", str(self.logs / self.name)) for flag in flags]
