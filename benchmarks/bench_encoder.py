@@ -78,8 +78,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, encode_tasks
-from vlm_serve.encoder.pool import EncoderPool
 from vlm_serve.engine import Engine, Submission
 from vlm_serve.llm.layers.linear import LinearBase
 from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, Qwen3VLVisionModel, load_vision_model
@@ -89,6 +87,8 @@ from vlm_serve.server.ports import free_port
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder import EncodeResult, EncodeTask, encode_tasks
+from vlm_serve.vision.pool import EncoderPool
 
 # The benchmark checkpoint's vision tower (the text model is the tiny MoE one).
 VISION_HIDDEN = 256

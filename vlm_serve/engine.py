@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from vlm_serve.config import ENGINE_CONCERNS, DisaggregationSettings, ModelConfig, ServerArgs
-from vlm_serve.encoder.pool import create_encoder
 from vlm_serve.llm.lora.adapter import LoRAError
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.messages.backend import (
@@ -50,6 +49,7 @@ from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampl
 from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.server.detokenizer_manager import DetokenizerManager
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.pool import create_encoder
 
 
 @dataclass

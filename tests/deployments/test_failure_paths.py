@@ -18,12 +18,12 @@ import torch
 
 import request_faults
 from vlm_serve.config import ServerArgs
-from vlm_serve.encoder.encoder import EncodeTask
-from vlm_serve.encoder.pool import EncoderPool
 from vlm_serve.engine import Engine
 from vlm_serve.errors import BadRequest, InternalError, ServiceUnavailable
 from vlm_serve.multimodal.pixels import PatchPixels
 from vlm_serve.testing.media import make_image
+from vlm_serve.vision.encoder import EncodeTask
+from vlm_serve.vision.pool import EncoderPool
 
 MAX_TOKENS = 6
 TEXT = [{"role": "user", "content": "Tell me about the sea."}]

@@ -14,13 +14,13 @@ import torch.multiprocessing as mp
 
 from helpers import free_port
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.encoder.pool import create_encoder
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.testing.logits import prefill_logits
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.pool import create_encoder
 
 pytestmark = pytest.mark.server  # every test here starts tensor-parallel ranks
 

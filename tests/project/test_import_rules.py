@@ -18,10 +18,11 @@ GROUND = {"errors", "sampling_params", "tokenizer", "detokenizer", "quantization
 # The layers, lowest first: a part imports its own modules and those of the layers before it.
 LAYERS: list[set[str]] = [
     GROUND,
-    {"multimodal"},  # media, preprocessing, items, hashing and caches: the front end's side of pictures
+    {"mm_cache"},  # content hashes and the processed-input and embedding caches
+    {"multimodal"},  # media loading, preprocessing, the processor and the item types: the front end's side of pictures
     {"messages"},  # the typed messages between processes
     {"llm"},  # the model executor
-    {"encoder"},  # the vision encoder beside the scheduler, or its pool of processes
+    {"vision"},  # the vision encoder beside the scheduler, or its pool of processes
     {"disaggregation"},  # PD's KV transport
     {"scheduler"},  # the control plane
     {"server"},  # the HTTP server and its processes

@@ -10,9 +10,8 @@ import threading
 import pytest
 import torch
 
-import vlm_serve.encoder.encoder as encoder_module
+import vlm_serve.vision.encoder as encoder_module
 from vlm_serve.config import ModelConfig
-from vlm_serve.encoder.encoder import InlineEncoder
 from vlm_serve.engine import Engine
 from vlm_serve.errors import InternalError
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
@@ -24,6 +23,7 @@ from vlm_serve.scheduler.metrics import Histogram
 from vlm_serve.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder import InlineEncoder
 
 
 def _conv(image, text: str = "Describe.", text_first: bool = False) -> list[dict]:

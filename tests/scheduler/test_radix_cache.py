@@ -8,8 +8,9 @@ import torch
 
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
-from vlm_serve.multimodal.hashing import pad_input_ids, pad_value
+from vlm_serve.mm_cache.hashing import pad_value
 from vlm_serve.multimodal.items import MultimodalItem
+from vlm_serve.multimodal.padding import pad_input_ids
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import Req

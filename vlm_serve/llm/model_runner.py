@@ -35,7 +35,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 class ModelRunner:
     """Owns the language model, its KV pools and its attention backend: batch in, next tokens out.
 
-    The vision tower is not here: the encoders (`encoder/`) run it and hand the scheduler embeddings."""
+    The vision tower is not here: the encoders (`vision/`) run it and hand the scheduler embeddings."""
 
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
         self.server_args = server_args

@@ -1,5 +1,5 @@
 """The multimodal data that preprocessing hands to the model: prompt ids plus one entry per image or
-video, and where each item's time went. A neutral module: multimodal/, encoder/, scheduler/ and llm/ all import it."""
+video, and where each item's time went. A neutral module: multimodal/, vision/, scheduler/ and llm/ all import it."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class MultimodalItem:
     grid_thw: tuple[int, int, int]
     spans: list[tuple[int, int]] = field(default_factory=list)
     timestamps: list[float] | None = None  # video: seconds of each temporal patch group
-    hash: int | None = None  # content hash (set by mm_cache); keys the caches and the pad value
+    hash: int | None = None  # content hash (mm_cache.hashing); keys the caches and the pad value
     timings: MediaTimings = field(default_factory=MediaTimings)
 
     def __post_init__(self) -> None:

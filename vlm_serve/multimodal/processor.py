@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlm_serve.multimodal.cache import MultimodalCache
-from vlm_serve.multimodal.hashing import media_hash
+from vlm_serve.mm_cache.cache import MultimodalCache
+from vlm_serve.mm_cache.hashing import media_hash
 from vlm_serve.multimodal.image_processor import ImageProcessor
 from vlm_serve.multimodal.items import MediaTimings, MultimodalItem, ProcessedInput
 from vlm_serve.multimodal.media import (

@@ -22,7 +22,7 @@ from vlm_serve.messages.backend import (
     TokenizedGenerateReq,
     UnloadLoRAReq,
 )
-from vlm_serve.multimodal.hashing import pad_input_ids
+from vlm_serve.multimodal.padding import pad_input_ids
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.grammar_queue import GrammarQueue
 from vlm_serve.scheduler.metrics import SchedulerMetrics

@@ -32,7 +32,6 @@ from vlm_serve.checkpoint import checkpoint_fingerprint
 from vlm_serve.config import ServerArgs
 from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.transfer import KVLayout
-from vlm_serve.encoder.encoder import VisionEncoder
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from vlm_serve.llm.mem_cache.hicache_factory import create_storage_backend
@@ -70,6 +69,7 @@ from vlm_serve.scheduler.stats import SchedulerMetricsMixin
 from vlm_serve.scheduler.storage_prefetch import StoragePrefetch
 from vlm_serve.scheduler.tp_broadcast import TPBroadcast
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder import VisionEncoder
 
 logger = logging.getLogger(__name__)
 

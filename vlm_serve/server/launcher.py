@@ -23,7 +23,6 @@ import torch.multiprocessing as mp
 
 from vlm_serve.config import API_KEY_ENV, ServerArgs
 from vlm_serve.disaggregation.bootstrap import BootstrapServer
-from vlm_serve.encoder.pool import EncoderRanks, PoolAddresses
 from vlm_serve.messages.backend import SchedulerLimits
 from vlm_serve.model_source import with_local_model
 from vlm_serve.process import starting_children
@@ -32,6 +31,7 @@ from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
 from vlm_serve.server.ports import PortArgs, free_port
 from vlm_serve.server.processes import ServerProcesses
 from vlm_serve.server.scheduler_process import run_scheduler_process
+from vlm_serve.vision.pool import EncoderRanks, PoolAddresses
 
 STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint takes minutes)
 

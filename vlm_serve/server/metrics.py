@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vlm_serve.messages.backend import StatsOut
-from vlm_serve.multimodal.cache import MultimodalCache
+from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.multimodal.items import MEDIA_STAGES
 from vlm_serve.scheduler.metrics import Histogram
 from vlm_serve.server.tokenizer_manager import ServerMetrics

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vlm_serve.encoder.pool import PoolAddresses
+    from vlm_serve.vision.pool import PoolAddresses
 
 
 @dataclass

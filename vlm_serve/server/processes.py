@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
-from vlm_serve.encoder.pool import EncoderRanks
+from vlm_serve.vision.pool import EncoderRanks
 
 CHILD_STOP_TIMEOUT = 10.0
 

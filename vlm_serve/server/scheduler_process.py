@@ -16,13 +16,13 @@ import torch.multiprocessing as mp
 import zmq
 
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.encoder.pool import create_encoder
 from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.process import IDLE_POLL_MS, exits_at_once, init_child_process
 from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.pool import create_encoder
 
 logger = logging.getLogger(__name__)
 

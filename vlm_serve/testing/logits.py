@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from vlm_serve.llm.forward_batch import ForwardMode
-from vlm_serve.multimodal.hashing import pad_input_ids
 from vlm_serve.multimodal.items import MultimodalItem
+from vlm_serve.multimodal.padding import pad_input_ids
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
 from vlm_serve.scheduler.scheduler import Scheduler

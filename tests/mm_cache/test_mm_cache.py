@@ -17,8 +17,8 @@ import vlm_serve.multimodal.processor as processor_module
 from vlm_serve.cli import build_parser
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
-from vlm_serve.multimodal.cache import MultimodalCache
-from vlm_serve.multimodal.hashing import media_hash
+from vlm_serve.mm_cache.cache import MultimodalCache
+from vlm_serve.mm_cache.hashing import media_hash
 from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
 from vlm_serve.testing.media import make_image, make_video

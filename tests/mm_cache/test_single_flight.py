@@ -20,17 +20,17 @@ import torch.multiprocessing as mp
 
 from helpers import free_port
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.encoder.pool import create_encoder
 from vlm_serve.engine import Engine, _QueueIO
 from vlm_serve.errors import MediaError
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
-from vlm_serve.multimodal.cache import MultimodalCache
+from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.pool import create_encoder
 
 SAFETY_WAIT = 60.0  # seconds a held computation waits for the others to queue behind it, at most
 

@@ -13,9 +13,6 @@ import torch
 
 from helpers import run_process
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.encoder import pool as encoder_pool
-from vlm_serve.encoder.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
-from vlm_serve.encoder.pool import EncoderPool
 from vlm_serve.engine import Engine
 from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
 from vlm_serve.multimodal.items import MultimodalItem
@@ -25,6 +22,9 @@ from vlm_serve.process import llm_threads
 from vlm_serve.scheduler.schedule_batch import Req
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision import pool as encoder_pool
+from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
+from vlm_serve.vision.pool import EncoderPool
 
 CPU = torch.device("cpu")
 

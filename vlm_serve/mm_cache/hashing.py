@@ -8,24 +8,22 @@ processed inputs, so the hash keys the processed-input cache, the embedding cach
 A pad value stands in for every placeholder token of one item in the scheduler's ids, so the prefix
 cache tells two different images apart and matches the same image across requests. It keeps 62 bits
 of the 128-bit hash (a collision between two live images is then practically impossible). The model
-never embeds a pad value: its embedding rows are replaced by the item's vision embeddings.
+never embeds a pad value: its embedding rows are replaced by the item's vision embeddings (a prompt's ids
+padded so: `multimodal/padding.py`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import xxhash
 from PIL import Image
-
-from vlm_serve.multimodal.items import Modality, MultimodalItem
 
 PAD_VALUE_BITS = 62
 _READ_CHUNK = 1 << 20
 
 
-def media_hash(data: bytes | Path | Image.Image | tuple[bytes, ...], modality: Modality, settings: object) -> int:
+def media_hash(data: bytes | Path | Image.Image | tuple[bytes, ...], modality: str, settings: object) -> int:
     """128-bit hash of raw media (bytes, a local file, a decoded PIL image, or a tuple of encoded frames:
     a video sent as still images) under `settings`, a frozen settings dataclass whose repr lists every
     value that shapes the processed item."""
@@ -49,29 +47,6 @@ def media_hash(data: bytes | Path | Image.Image | tuple[bytes, ...], modality: M
     return h.intdigest()
 
 
-def item_hash(item: MultimodalItem) -> int:
-    """128-bit hash of what determines an item's embeddings: its modality, grid and pixels (for items built
-    without the processor, which sets `hash` itself)."""
-    data = item.pixels.data
-    h = xxhash.xxh3_128()
-    h.update(f"{item.modality}:{item.grid_thw}:{data.dtype}:{tuple(data.shape)}".encode())
-    h.update(data.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.intdigest()
-
-
 def pad_value(content_hash: int, vocab_size: int) -> int:
     """An id above the vocabulary, unique to the content hash (fits in int64)."""
     return vocab_size + content_hash % (1 << PAD_VALUE_BITS)
-
-
-def pad_input_ids(input_ids: list[int], items: list[MultimodalItem], vocab_size: int) -> list[int]:
-    """`input_ids` with each item's placeholder spans replaced by its pad value (hashing items that
-    have no hash yet)."""
-    padded = list(input_ids)
-    for item in items:
-        if item.hash is None:
-            item.hash = item_hash(item)
-        value = pad_value(item.hash, vocab_size)
-        for start, end in item.spans:
-            padded[start:end] = [value] * (end - start)
-    return padded
