@@ -80,7 +80,9 @@ from torch import nn
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.engine import Engine, Submission
 from vlm_serve.llm.layers.linear import LinearBase
-from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, Qwen3VLVisionModel, load_vision_model
+from vlm_serve.llm.models.base import VISION_PREFIX, VisionTower
+from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.llm.models.registry import model_family
 from vlm_serve.multimodal.items import MEDIA_STAGES, MediaTimings, MultimodalItem
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.server.ports import free_port
@@ -112,7 +114,7 @@ CPU = torch.device("cpu")
 
 
 @torch.no_grad()
-def init_tower(tower: Qwen3VLVisionModel, seed: int) -> None:
+def init_tower(tower: VisionTower, seed: int) -> None:
     """Seeded random weights: normal(0, INIT_STD) for linear, convolution and embedding weights, zero
     biases, LayerNorms weight 1 and bias 0."""
     generator = torch.Generator().manual_seed(seed)
@@ -146,7 +148,8 @@ def build_checkpoint(path: Path, seed: int) -> None:
     edit_json(path / "config.json", lambda config: config["vision_config"].update(vision))
     # the image budget is stored as pixel counts in `size` (transformers 5's form)
     edit_json(path / "preprocessor_config.json", lambda config: config["size"].update(longest_edge=MAX_IMAGE_PIXELS))
-    tower = Qwen3VLVisionModel(ModelConfig.from_pretrained(path).vision)
+    config = ModelConfig.from_pretrained(path)
+    tower = model_family(config).vision(config.vision)
     init_tower(tower, seed)
     weights_file = path / "model.safetensors"
     tensors = {name: t for name, t in load_file(weights_file).items() if not name.startswith(VISION_PREFIX)}
@@ -217,7 +220,7 @@ def encode_with_pool(pool: EncoderPool, tasks: list[EncodeTask]) -> EncodeRound:
     return EncodeRound(seconds, rank_cpu_seconds(pool) - cpu, sum(r.vit for r in results))
 
 
-def encode_in_process(visual: Qwen3VLVisionModel, max_patches: int, tasks: list[EncodeTask]) -> EncodeRound:
+def encode_in_process(visual: VisionTower, max_patches: int, tasks: list[EncodeTask]) -> EncodeRound:
     """`encode_tasks` on all tasks in this process with one torch thread, as a rank runs its job."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ import torch
 from cpu_isa import describe_cpu
 
 from vlm_serve.engine import Engine
-from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
+from vlm_serve.llm.models.base import VisionOutput
 from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 

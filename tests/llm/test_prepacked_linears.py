@@ -15,8 +15,8 @@ from vlm_serve.config import ModelConfig
 from vlm_serve.llm.kernels import CACHE_ENV, linear_cpu
 from vlm_serve.llm.layers.embedding import ParallelLMHead
 from vlm_serve.llm.layers.linear import LinearBase, ReplicatedLinear, packable
-from vlm_serve.llm.models import qwen3_vl_vision as vision_tower
-from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.llm.models import loader
+from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.quantization import row_scales, shard_scale
 from weight_formats import E4M3, as_multiplied, dequantize, every_value, quantize_fp8, within_bfloat16_rounding
 
@@ -225,7 +225,7 @@ def test_float32_cpu_tower_is_prepacked_and_encodes_as_the_plain_weights_do(tiny
         pytest.skip("neither oneDNN nor a C compiler here")
     assert linears and all((m.panels is not None or m.packed is not None) and m.weight.numel() == 0 for m in linears)
 
-    monkeypatch.setattr(vision_tower, "prepack_weights", lambda model: None)
+    monkeypatch.setattr(loader, "prepack_weights", lambda model: None)
     plain = load_vision_model(config, CPU, torch.float32)
     vision = config.vision
     grids = [(2, 4, 6), (1, 8, 4)]

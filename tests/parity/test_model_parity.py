@@ -13,7 +13,7 @@ import transformers
 
 from helpers import hf_inputs
 from vlm_serve.engine import Engine
-from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.testing.logits import prefill_logits
 from vlm_serve.testing.media import make_image, make_video
 

@@ -14,7 +14,7 @@ import vlm_serve.vision.encoder as encoder_module
 from vlm_serve.config import ModelConfig
 from vlm_serve.engine import Engine
 from vlm_serve.errors import InternalError
-from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.multimodal.items import MEDIA_STAGES
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.sampling_params import SamplingParams
@@ -85,15 +85,14 @@ def test_a_tiny_cache_evicts_unpinned_entries_only(tiny_moe_dir, make_req):
 def test_an_item_the_encoder_rejects_fails_only_its_request(tiny_moe_dir, monkeypatch):
     with Engine(tiny_moe_dir, dtype="float32", vit_dp=0) as engine:
         good, bad = (engine.processor.process_messages(_conv(make_image(64 * k, 64, seed=k))) for k in (1, 2))
-        visual = engine.scheduler.encoding.encoder.visual
-        encode = visual.encode
+        encode = encoder_module.encode_in_passes
 
-        def fail_on_the_bad_grid(pixels, grids, max_patches):
+        def fail_on_the_bad_grid(visual, pixels, grids, max_patches, slots=None):
             if bad.mm_items[0].grid_thw in grids:
                 raise RuntimeError("out of memory")
-            return encode(pixels, grids, max_patches)
+            return encode(visual, pixels, grids, max_patches, slots)
 
-        monkeypatch.setattr(visual, "encode", fail_on_the_bad_grid)
+        monkeypatch.setattr(encoder_module, "encode_in_passes", fail_on_the_bad_grid)
         ok, failed = (engine.submit(x, max_tokens=3, temperature=0) for x in (good, bad))
         while not (ok.done and failed.done and engine.scheduler.is_idle()):
             engine.step()

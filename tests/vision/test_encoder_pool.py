@@ -14,7 +14,7 @@ import torch
 from helpers import run_process
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.engine import Engine
-from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.multimodal.pixels import PatchPixels
 from vlm_serve.multimodal.processor import MultimodalProcessor

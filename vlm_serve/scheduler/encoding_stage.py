@@ -12,7 +12,7 @@ evicted under it, and chunked prefill takes each chunk's rows straight from them
 
 from __future__ import annotations
 
-from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
+from vlm_serve.llm.models.base import VisionOutput
 from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder, embedding_key

@@ -17,7 +17,7 @@ from vlm_serve.llm.layers.sampler import SampleRow, set_drafts
 from vlm_serve.llm.lora.layer import LoRABatch
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
-from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
+from vlm_serve.llm.models.base import VisionOutput
 from vlm_serve.llm.prompt_logprobs import PromptLogprobSpan
 from vlm_serve.llm.speculative.draft_state import ChainRequest
 from vlm_serve.messages.backend import SpeculativeCounts

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from vlm_serve.llm.distributed import ParallelState
 from vlm_serve.llm.model_runner import ModelRunner
-from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput
+from vlm_serve.llm.models.base import VisionOutput
 from vlm_serve.messages.backend import TokenizedGenerateReq
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req

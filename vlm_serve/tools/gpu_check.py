@@ -65,7 +65,7 @@ SUITE = [  # in order of value: a lent GPU's time may end before the last
     "tests/llm/test_cuda_paths.py", "tests/parity/test_model_parity.py", "tests/deployments/test_server.py",
     "tests/vision/test_encoder_pool.py", "tests/llm/test_gemm_triton.py", "tests/llm/test_moe_layer.py",
     "tests/engine/test_engine.py", "tests/tools/test_builtin_model.py", "tests/scheduler/test_speculative.py",
-    "tests/llm/test_vision_passes.py", "tests/parity/test_low_precision.py", "tests/llm/test_lora_kernels.py",
+    "tests/vision/test_vision_passes.py", "tests/parity/test_low_precision.py", "tests/llm/test_lora_kernels.py",
     "tests/llm/test_rowwise_triton.py", "tests/llm/test_decode_syncs.py",
 ]  # fmt: skip
 

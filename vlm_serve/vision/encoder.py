@@ -19,7 +19,7 @@ import torch
 
 from vlm_serve.llm.kernels import set_thread_team
 from vlm_serve.llm.lora.adapter import TowerAdapter, TowerLoRA
-from vlm_serve.llm.models.qwen3_vl_vision import Grid, Qwen3VLVisionModel, VisionOutput
+from vlm_serve.llm.models.base import Grid, VisionOutput, VisionTower
 from vlm_serve.multimodal.pixels import PatchPixels
 
 T = TypeVar("T")
@@ -67,7 +67,7 @@ class Executor(Protocol):
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future: ...
 
 
-def encode_tasks(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> list[EncodeResult]:
+def encode_tasks(visual: VisionTower, tasks: list[EncodeTask], max_patches: int) -> list[EncodeResult]:
     """Runs `tasks` through the vision tower together. If the batch fails, each task is retried alone,
     so one bad item fails only itself."""
     adapters: TowerLoRA | None = visual.adapters
@@ -90,10 +90,37 @@ def encode_tasks(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patche
     ]
 
 
+def encode_in_passes(
+    visual: VisionTower, pixel_values: torch.Tensor, grids: list[Grid], max_patches: int, slots: list[int] | None = None
+) -> VisionOutput:
+    """The tower's forward in passes of at most `max_patches` patches (at least one temporal patch group),
+    so peak memory is bounded by the setting, not by a video's length. Attention never crosses a
+    temporal patch group, so cutting a video between groups gives the same embeddings."""
+    passes: list[list[tuple[int, Grid, int]]] = [[]]  # (first pixel row, grid, LoRA slot) of each piece
+    size, row = 0, 0
+    for (t, h, w), slot in zip(grids, slots or [-1] * len(grids), strict=True):
+        step = max(1, max_patches // (h * w))  # groups per piece
+        for start in range(0, t, step):
+            piece = (min(step, t - start), h, w)
+            patches = piece[0] * h * w
+            if size + patches > max_patches and passes[-1]:
+                passes.append([])
+                size = 0
+            passes[-1].append((row, piece, slot))
+            size += patches
+            row += patches
+    outs = []
+    for pieces in passes:
+        first, (last, (t, h, w), _) = pieces[0][0], pieces[-1]  # a pass's pieces are consecutive rows
+        pass_slots = [s for _, _, s in pieces] if slots is not None else None
+        outs.append(visual(pixel_values[first : last + t * h * w], [g for _, g, _ in pieces], pass_slots))
+    return VisionOutput.cat(outs)
+
+
 @torch.inference_mode()
-def _forward(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: int) -> tuple[list[VisionOutput], float]:
+def _forward(visual: VisionTower, tasks: list[EncodeTask], max_patches: int) -> tuple[list[VisionOutput], float]:
     start = time.perf_counter()
-    device = visual.pos_embed.weight.device
+    device = visual.device
     # (the values are made on the device from the bytes: a picture's values, 8 times their size, never cross)
     pixels = [t.pixels.values(device) for t in tasks]
     pixels = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
@@ -103,9 +130,9 @@ def _forward(visual: Qwen3VLVisionModel, tasks: list[EncodeTask], max_patches: i
         if adapters is None:
             raise ValueError("a LoRA adapter of the vision tower, asked of an encoder started without --enable-lora")
         with adapters.using([t.lora for t in tasks]) as slots:
-            out = visual.encode(pixels, grids, max_patches, slots)
+            out = encode_in_passes(visual, pixels, grids, max_patches, slots)
     else:
-        out = visual.encode(pixels, grids, max_patches)
+        out = encode_in_passes(visual, pixels, grids, max_patches)
     merge = visual.merge * visual.merge
     outputs = out.split([t.num_patches // merge for t in tasks])
     if out.embeds.is_cuda:
@@ -181,7 +208,7 @@ class InlineEncoder(VisionEncoder):
     With a `CoreShare` (CPU), tasks polled while the LLM is busy are encoded on a thread of their own
     instead, beside the forwards."""
 
-    def __init__(self, visual: Qwen3VLVisionModel, max_patches: int, cores: CoreShare | None = None) -> None:
+    def __init__(self, visual: VisionTower, max_patches: int, cores: CoreShare | None = None) -> None:
         super().__init__()
         self.visual = visual
         self.max_patches = max_patches

@@ -43,7 +43,8 @@ import zmq
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.llm.lora.adapter import TowerLoRA
-from vlm_serve.llm.models.qwen3_vl_vision import VisionOutput, load_vision_model
+from vlm_serve.llm.models.base import VisionOutput
+from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.process import exits_at_once, init_child_process, rank_threads, starting_children, stop_signals_deferred
 from vlm_serve.vision.encoder import CoreShare, EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 

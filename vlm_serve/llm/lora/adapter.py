@@ -27,8 +27,8 @@ from vlm_serve.llm.layers.linear import LinearBase
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.lora.experts import ExpertLoRASlots
 from vlm_serve.llm.lora.layer import LoRASlots
-from vlm_serve.llm.models.qwen3_vl import stacked_name
-from vlm_serve.llm.models.qwen3_vl_vision import VISION_PREFIX, Qwen3VLVisionModel
+from vlm_serve.llm.models.base import VISION_PREFIX, stacked_name
+from vlm_serve.llm.models.registry import model_family
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -222,7 +222,7 @@ class LoRAManager:
 def tower_modules(model_config: ModelConfig) -> set[str]:
     """The names adapters give the vision tower's linear layers (the tower built without memory)."""
     with torch.device("meta"):
-        tower = Qwen3VLVisionModel(model_config.vision)
+        tower = model_family(model_config).vision(model_config.vision)
     return {TOWER + name for name, m in tower.named_modules() if isinstance(m, LinearBase)}
 
 

@@ -19,14 +19,15 @@ from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.kernels import decoder_cpu
 from vlm_serve.llm.kernels.attention_cpu import PagedBatch
-from vlm_serve.llm.layers.activation import silu_and_mul
 from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from vlm_serve.llm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vlm_serve.llm.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
+from vlm_serve.llm.layers.mlp import GatedMLP
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.layers.norm import RMSNorm, qkv_heads
 from vlm_serve.llm.layers.quantized import is_int_piece
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding
 from vlm_serve.llm.lora.layer import LORA_BATCH
+from vlm_serve.llm.models.base import load_param, stacked_name
 from vlm_serve.quantization import IntQuantConfig
 
 
@@ -56,16 +57,6 @@ class Qwen3VLAttention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
-class Qwen3VLMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class Qwen3VLDecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, layer_id: int) -> None:
         super().__init__()
@@ -79,7 +70,7 @@ class Qwen3VLDecoderLayer(nn.Module):
                 config.norm_topk_prob,
             )
         else:
-            self.mlp = Qwen3VLMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # the layer as two decoder_cpu.c calls, where every part of it runs on the C kernels (`prepack`)
@@ -184,42 +175,15 @@ class Qwen3VLTextModel(nn.Module):
 
 class Qwen3VLModel(nn.Module):
     """The checkpoint's `model.` part that the LLM runs; `model.visual` (the vision tower) is loaded by the
-    encoders (`vision.vision_tower.load_vision_model`), which hand the LLM its embeddings."""
+    encoders (`loader.load_vision_model`), which hand the LLM its embeddings."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.language_model = Qwen3VLTextModel(config.text)
 
 
-# checkpoint name piece -> (our parameter's name piece, shard id)
+# one expert's projection, as quantized checkpoints store them
 _EXPERT = re.compile(r"(.+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
-_STACKED = [
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-]
-
-
-def stacked_name(name: str) -> tuple[str, str | int | None]:
-    """Our parameter's name for a checkpoint tensor's, and its shard in a fused projection (None: whole)."""
-    for ckpt_piece, our_piece, shard_id in _STACKED:
-        if ckpt_piece in name:
-            return name.replace(ckpt_piece, our_piece), shard_id
-    return name, None
-
-
-def load_param(param: torch.nn.Parameter, name: str, tensor: torch.Tensor, shard_id: str | int | None) -> None:
-    """A checkpoint tensor into its parameter: through the parameter's loader (which shards it for this
-    rank and converts it to the parameter's dtype), or copied whole if the shapes agree."""
-    loader = getattr(param, "weight_loader", None)
-    if loader is not None:
-        loader(param, tensor, shard_id)
-    elif param.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-    else:
-        param.data.copy_(tensor)
 
 
 class Qwen3VLForConditionalGeneration(nn.Module):

@@ -8,55 +8,16 @@ the LLM's hidden size) and the deepstack features taken after the configured blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_serve.checkpoint import WeightFormat, build_module, checkpoint_files, iter_weights, randomize
-from vlm_serve.config import ModelConfig, VisionConfig
+from vlm_serve.config import VisionConfig
 from vlm_serve.llm.kernels import rowwise_cpu
-from vlm_serve.llm.layers.linear import ReplicatedLinear, prepack_weights
-from vlm_serve.llm.layers.quantized import is_int_piece
+from vlm_serve.llm.layers.linear import ReplicatedLinear
 from vlm_serve.llm.layers.sdpa import sdpa
 from vlm_serve.llm.lora.layer import LoRABatch, lora_batch
-from vlm_serve.quantization import IntQuantConfig
-
-Grid = tuple[int, int, int]
-VISION_PREFIX = "model.visual."  # the tower's tensors in a Qwen3-VL checkpoint
-
-
-@dataclass
-class VisionOutput:
-    """Vision embeddings of one or more items (their rows concatenated), with the deepstack features."""
-
-    embeds: torch.Tensor  # (merged tokens, out_hidden)
-    deepstack: list[torch.Tensor]  # one (merged tokens, out_hidden) per deepstack index
-
-    @property
-    def nbytes(self) -> int:
-        return self.embeds.nbytes + sum(d.nbytes for d in self.deepstack)
-
-    def rows(self, start: int, end: int) -> VisionOutput:
-        return VisionOutput(self.embeds[start:end], [d[start:end] for d in self.deepstack])
-
-    def split(self, sizes: list[int]) -> list[VisionOutput]:
-        """One output per item of `sizes` rows, each with its own storage (so each can be freed alone)."""
-        outputs, start = [], 0
-        for size in sizes:
-            piece = self.rows(start, start + size)
-            outputs.append(VisionOutput(piece.embeds.clone(), [d.clone() for d in piece.deepstack]))
-            start += size
-        return outputs
-
-    @staticmethod
-    def cat(outputs: list[VisionOutput]) -> VisionOutput:
-        if len(outputs) == 1:
-            return outputs[0]
-        return VisionOutput(
-            torch.cat([o.embeds for o in outputs]), [torch.cat(layer) for layer in zip(*(o.deepstack for o in outputs))]
-        )
+from vlm_serve.llm.models.base import Grid, VisionOutput
 
 
 def _block_order(x: torch.Tensor, merge: int) -> torch.Tensor:
@@ -192,13 +153,15 @@ class Qwen3VLVisionModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.pos_embed.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.pos_embed.weight.device
+
     def forward(self, pixel_values: torch.Tensor, grids: list[Grid], slots: list[int] | None = None) -> VisionOutput:
-        """pixel_values: the items' patches concatenated, (sum t*h*w, C*T*P*P); grids: their (t, h, w);
-        slots: each item's LoRA adapter slot (-1: the base; None: every item the base)."""
-        device = self.pos_embed.weight.device
-        x = self.patch_embed(pixel_values.to(device))
+        """`base.VisionTower`'s forward."""
+        x = self.patch_embed(pixel_values.to(self.device))
         x = x + torch.cat([self._pos_embed(g) for g in grids]).to(x.dtype)
-        angles = torch.cat([self._rope_angles(g) for g in grids]).to(device)
+        angles = torch.cat([self._rope_angles(g) for g in grids]).to(x.device)
         cos, sin = angles.cos(), angles.sin()
         segments = self._segments(grids)
         patches = merged = None  # (the blocks' rows are patches, the mergers' merge x merge blocks of them)
@@ -215,32 +178,6 @@ class Qwen3VLVisionModel(nn.Module):
                     deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
         with lora_batch(merged):
             return VisionOutput(self.merger(x), deepstack)
-
-    def encode(
-        self, pixel_values: torch.Tensor, grids: list[Grid], max_patches: int, slots: list[int] | None = None
-    ) -> VisionOutput:
-        """`forward` in passes of at most `max_patches` patches (at least one temporal patch group),
-        so peak memory is bounded by the setting, not by a video's length. Attention never crosses a
-        temporal patch group, so cutting a video between groups gives the same embeddings."""
-        passes: list[list[tuple[int, Grid, int]]] = [[]]  # (first pixel row, grid, LoRA slot) of each piece
-        size, row = 0, 0
-        for (t, h, w), slot in zip(grids, slots or [-1] * len(grids), strict=True):
-            step = max(1, max_patches // (h * w))  # groups per piece
-            for start in range(0, t, step):
-                piece = (min(step, t - start), h, w)
-                patches = piece[0] * h * w
-                if size + patches > max_patches and passes[-1]:
-                    passes.append([])
-                    size = 0
-                passes[-1].append((row, piece, slot))
-                size += patches
-                row += patches
-        outs = []
-        for pieces in passes:
-            first, (last, (t, h, w), _) = pieces[0][0], pieces[-1]  # a pass's pieces are consecutive rows
-            pass_slots = [s for _, _, s in pieces] if slots is not None else None
-            outs.append(self(pixel_values[first : last + t * h * w], [g for _, g, _ in pieces], pass_slots))
-        return VisionOutput.cat(outs)
 
     def _pos_embed(self, grid: Grid) -> torch.Tensor:
         """The learned square position table resampled bilinearly to the grid, in merge-block order."""
@@ -282,47 +219,3 @@ class Qwen3VLVisionModel(nn.Module):
             segments.append((start, h * w, t))
             start += t * h * w
         return segments
-
-
-def load_vision_model(
-    config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    weight_dtype: torch.dtype | None = None,
-    dummy: bool = False,
-) -> Qwen3VLVisionModel:
-    """The vision tower alone (for an encoder rank, or rank 0's inline encoder), computing in `dtype`, its
-    linear weights stored in `weight_dtype` (default: `dtype`) and prepacked where the device and dtype
-    allow (`prepack_weights`); `dummy`: random weights."""
-    model = build_module(lambda: Qwen3VLVisionModel(config.vision), device, dtype, WeightFormat(weight_dtype))
-    if dummy:
-        randomize(model)
-    else:
-        _load_weights(model, config)
-    prepack_weights(model)
-    return model.eval()
-
-
-def _load_weights(model: Qwen3VLVisionModel, config: ModelConfig) -> None:
-    """The checkpoint's vision tensors into `model`; every parameter must get one."""
-    params, modules = dict(model.named_parameters()), dict(model.named_modules())
-    loaded = set()
-    for name, tensor in iter_weights(checkpoint_files(config.path)):
-        if not name.startswith(VISION_PREFIX):
-            continue
-        target = name[len(VISION_PREFIX) :]
-        module, piece = name.rsplit(".", 1)
-        linear = isinstance(modules.get(target.rsplit(".", 1)[0]), ReplicatedLinear)
-        quantized = isinstance(config.quantization, IntQuantConfig) and config.quantization.stored_quantized(module)
-        if is_int_piece(piece, tensor) or (linear and quantized and piece == "weight"):
-            raise ValueError(
-                f"{name}: the checkpoint quantizes the vision tower, which is served as stored in float only "
-                "(quantize with the tower in the ignore list, as the published checkpoints do)"
-            )
-        if target not in params or params[target].shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the vision tower")
-        params[target].data.copy_(tensor)
-        loaded.add(target)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {missing[:5]}")

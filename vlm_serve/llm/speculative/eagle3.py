@@ -25,9 +25,10 @@ from vlm_serve.config import TextConfig
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlm_serve.llm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, prepack_weights
+from vlm_serve.llm.layers.mlp import GatedMLP
 from vlm_serve.llm.layers.norm import RMSNorm
 from vlm_serve.llm.layers.rotary import MRotaryEmbedding, apply_rotary
-from vlm_serve.llm.models.qwen3_vl import Qwen3VLMLP, load_param, stacked_name
+from vlm_serve.llm.models.base import load_param, stacked_name
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class Eagle3DecoderLayer(nn.Module):
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size)
-        self.mlp = Qwen3VLMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -9,10 +9,11 @@ import torch
 
 from helpers import run_process
 from vlm_serve.config import ModelConfig
-from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.llm.models.loader import load_vision_model
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
+from vlm_serve.vision.encoder import encode_in_passes
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_passes_give_the_embeddings_of_one_pass(items, max_patches):
     with torch.no_grad():
         whole = visual(pixels, grids)
         seen.clear()
-        parts = visual.encode(pixels, grids, max_patches)
+        parts = encode_in_passes(visual, pixels, grids, max_patches)
     hook.remove()
     for a, b in zip([parts.embeds, *parts.deepstack], [whole.embeds, *whole.deepstack]):
         assert a.shape == b.shape
@@ -57,16 +58,17 @@ def test_passes_give_the_embeddings_of_one_pass(items, max_patches):
 _PEAK_RSS_SCRIPT = """
 import re, sys, torch
 from vlm_serve.config import ModelConfig
-from vlm_serve.llm.models.qwen3_vl_vision import load_vision_model
+from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.vision.encoder import encode_in_passes
 torch.set_num_threads(1)
 visual = load_vision_model(ModelConfig.from_pretrained(sys.argv[1]), torch.device("cpu"), torch.float32)
 t, h, w = 300, 16, 16
 pixels = torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
 with torch.inference_mode():
-    visual.encode(pixels[: 2 * h * w], [(2, h, w)], 2 * h * w)  # first-call allocations happen here
+    encode_in_passes(visual, pixels[: 2 * h * w], [(2, h, w)], 2 * h * w)  # first-call allocations happen here
     peak = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
     before = peak()
-    out = visual.encode(pixels, [(t, h, w)], int(sys.argv[2]))
+    out = encode_in_passes(visual, pixels, [(t, h, w)], int(sys.argv[2]))
     grew = peak() - before
 torch.save(out.embeds, sys.argv[3])
 print(grew - out.nbytes // 1024)  # beyond the embeddings returned, which any way of encoding must hold
