@@ -17,12 +17,11 @@ class ModelFamily:
     """A family's classes: `language(config)` the decoder the scheduler runs (forward on a ForwardBatch,
     `compute_logits`, `load_weights`), `vision(config.vision)` its tower (`base.VisionTower`)."""
 
-    name: str
     language: type[nn.Module]
     vision: type[nn.Module]
 
 
-QWEN3_VL = ModelFamily("Qwen3-VL", Qwen3VLForConditionalGeneration, Qwen3VLVisionModel)
+QWEN3_VL = ModelFamily(Qwen3VLForConditionalGeneration, Qwen3VLVisionModel)
 ARCHITECTURES: dict[str, ModelFamily] = {
     "Qwen3VLForConditionalGeneration": QWEN3_VL,
     "Qwen3VLMoeForConditionalGeneration": QWEN3_VL,
