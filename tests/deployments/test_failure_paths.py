@@ -92,7 +92,7 @@ def test_an_image_the_vision_tower_raises_on_is_an_internal_error_streamed_or_no
         raise RuntimeError("CUDA error: an illegal memory access")
 
     with monkeypatch.context() as patch:
-        patch.setattr(visual, "encode", broken)
+        patch.setattr(visual, "forward", broken)
         with pytest.raises(InternalError, match="image 0 of the request could not be encoded: .*illegal") as raised:
             engine.chat(conversation, max_tokens=MAX_TOKENS)
         assert raised.value.status == 500 and raised.value.code == "encoder_error"
