@@ -31,7 +31,7 @@ import torch
 from vlm_serve.disaggregation.bootstrap import BootstrapServer
 from vlm_serve.disaggregation.mooncake import MooncakeBackend
 from vlm_serve.disaggregation.transfer import KVLayout, KVPoll
-from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
+from vlm_serve.kv_cache.memory_pool import KVPoolLayout, TokenToKVPool
 from vlm_serve.messages.backend import BootstrapInfo
 from vlm_serve.testing.tiny_model import SIZES
 
@@ -44,9 +44,8 @@ def rank(
 ) -> tuple[TokenToKVPool, MooncakeBackend]:
     """A rank's KV pool (room for the prompt and a page in front) and its Mooncake backend."""
     text = SIZES[size].dense
-    pool = TokenToKVPool(
-        tokens, page_size, text.layers, text.kv_heads, text.head_dim, torch.float32, torch.device("cpu")
-    )
+    layout = KVPoolLayout(text.layers, text.kv_heads, text.head_dim, page_size, torch.float32)
+    pool = TokenToKVPool(tokens, layout, torch.device("cpu"))
     meta = torch.zeros(META_SLOTS, META_BYTES, dtype=torch.uint8)
     bootstrap = None if bootstrap_port is None else (HOST, bootstrap_port)
     backend = MooncakeBackend(mode, 0, 1, HOST, KVLayout.of(pool, meta), bootstrap)
@@ -89,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
 
     text = SIZES[args.size].dense
-    per_token = TokenToKVPool.bytes_per_token(text.layers, text.kv_heads, text.head_dim, torch.float32)
+    per_token = KVPoolLayout(text.layers, text.kv_heads, text.head_dim, 1, torch.float32).bytes_per_token
     total = per_token * args.tokens
     print(
         f"KV of a {args.tokens}-token prompt, {args.size} preset ({text.layers} layers, {text.kv_heads} KV heads, "

@@ -63,9 +63,8 @@ class LoopbackSender(KVSender):
         assert start == self.room.received, f"room {self.key}: positions from {self.room.received} due, not {start}"
         src, dst = self.hub.pools["prefill"], self.hub.pools["decode"]
         to = torch.tensor(self.room.slots[start : start + len(slots)])
-        for buffers in ("k_buffer", "v_buffer"):
-            for a, b in zip(getattr(src, buffers), getattr(dst, buffers), strict=True):
-                b[to] = a[torch.tensor(slots, dtype=torch.int64)]
+        for a, b in zip(src.buffers(), dst.buffers(), strict=True):
+            b[to] = a[torch.tensor(slots, dtype=torch.int64)]
         self.room.received = start + len(slots)
         if meta is not None:
             self.room.meta = meta

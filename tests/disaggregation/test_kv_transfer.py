@@ -24,12 +24,13 @@ from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.fake import FAILURE_ENV, FakeBackend
 from vlm_serve.disaggregation.mooncake import MooncakeBackend, contiguous_runs, pieces, transfer_engine_class
 from vlm_serve.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender
-from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
+from vlm_serve.kv_cache.memory_pool import KVPoolLayout, TokenToKVPool
 from vlm_serve.messages.backend import BootstrapInfo
 from vlm_serve.server.ports import free_port
 
 pytestmark = pytest.mark.server  # the two sides of a transfer run in two processes
 
+CPU = torch.device("cpu")
 HOST = "127.0.0.1"
 POOL_SLOTS, LAYERS, KV_HEADS, HEAD_DIM = 128, 2, 2, 16  # 4 buffers of 128 bytes per slot
 SLOT_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
@@ -55,10 +56,10 @@ class Side:
         env: dict[str, str] | None = None,
     ) -> None:
         self.mode = mode
-        self.pool = TokenToKVPool(POOL_SLOTS, page_size, LAYERS, KV_HEADS, head_dim, torch.float32, torch.device("cpu"))
+        self.pool = TokenToKVPool(POOL_SLOTS, KVPoolLayout(LAYERS, KV_HEADS, head_dim, page_size, torch.float32), CPU)
         if mode == "prefill":
             generator = torch.Generator().manual_seed(0)
-            for buffer in [*self.pool.k_buffer, *self.pool.v_buffer]:
+            for buffer in self.pool.buffers():
                 buffer.copy_(torch.randn(buffer.shape, generator=generator))
         self.meta = torch.zeros(META_SLOTS, META_BYTES, dtype=torch.uint8)
         bootstrap = None if bootstrap_port is None else (HOST, bootstrap_port)
@@ -106,7 +107,7 @@ class Side:
 
     def kv(self, slots: list[int]) -> bytes:
         """The bytes of these slots, buffer by buffer."""
-        return b"".join(buffer[slots].numpy().tobytes() for buffer in [*self.pool.k_buffer, *self.pool.v_buffer])
+        return b"".join(buffer[slots].numpy().tobytes() for buffer in self.pool.buffers())
 
     def num_rooms(self) -> int:
         return self.backend.num_rooms
@@ -501,7 +502,7 @@ def test_bootstrap_server_registers_and_looks_up_ranks_and_stops_quietly(capfd: 
 
 
 def test_create_transfer_backend_makes_the_chosen_backend_and_registers_prefill_ranks() -> None:
-    pool = TokenToKVPool(16, 1, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    pool = TokenToKVPool(16, KVPoolLayout(LAYERS, KV_HEADS, HEAD_DIM, 1, torch.float32), CPU)
     records = torch.zeros(2, 64, dtype=torch.uint8)  # (alive while the backends have it registered)
     layout = KVLayout.of(pool, records)
     assert layout.slot_bytes == [KV_HEADS * HEAD_DIM * 4] * 2 * LAYERS and layout.meta_slot_bytes == 64

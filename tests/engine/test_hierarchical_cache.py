@@ -15,7 +15,7 @@ import pytest
 import vlm_serve.scheduler.scheduler as scheduler_module
 import vlm_serve.scheduler.storage_prefetch as storage_prefetch_module
 from vlm_serve.engine import Engine
-from vlm_serve.llm.mem_cache.hicache_storage import HiCacheFile
+from vlm_serve.kv_cache.hicache_storage import HiCacheFile
 from vlm_serve.testing.lora_adapter import make_adapter
 from vlm_serve.testing.media import make_image, make_video
 

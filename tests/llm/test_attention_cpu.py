@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vlm_serve.kv_cache.memory_pool import KVPoolLayout, ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.kernels import attention_cpu
 from vlm_serve.llm.layers.attention import CpuAttnBackend, TorchAttnBackend, create_attention_backend
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
 def reference(q, k_cache, v_cache, kv_slots, seq_lens, ext_lens, scale):
@@ -88,7 +88,7 @@ def test_large_scores_do_not_overflow(kernel_target):
 
 def pools(dtype=torch.float32, head_dim=64):
     cpu = torch.device("cpu")
-    return ReqToTokenPool(4, 128, cpu), TokenToKVPool(256, 1, 1, 2, head_dim, dtype, cpu)
+    return ReqToTokenPool(4, 128, cpu), TokenToKVPool(256, KVPoolLayout(1, 2, head_dim, 1, dtype), cpu)
 
 
 def test_auto_picks_the_kernel_for_float32_on_cpu_and_torch_where_it_cannot_run(native_kernels):

@@ -13,11 +13,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.engine import Engine
+from vlm_serve.kv_cache.memory_pool import KVPoolLayout, ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.cuda_graph_runner import bucket_for, capture_sizes
 from vlm_serve.llm.layers.attention import TorchAttnBackend, create_attention_backend
 from vlm_serve.llm.layers.attention.flashinfer_backend import padded_decode_indices
 from vlm_serve.llm.layers.moe import SparseMoeBlock
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.multimodal.image_processor import image_normalizer
 from vlm_serve.multimodal.pixels import PatchPixels, PixelNormalizer
 from vlm_serve.testing.media import make_image
@@ -26,7 +26,7 @@ from vlm_serve.testing.tiny_model import create_tiny_model
 
 def pools(device: str, dtype: torch.dtype, head_dim: int):
     device = torch.device(device)
-    return ReqToTokenPool(4, 128, device), TokenToKVPool(256, 1, 1, 2, head_dim, dtype, device)
+    return ReqToTokenPool(4, 128, device), TokenToKVPool(256, KVPoolLayout(1, 2, head_dim, 1, dtype), device)
 
 
 def test_flashinfer_asked_for_where_it_cannot_run_is_refused_naming_what_it_needs():

@@ -14,10 +14,10 @@ import torch
 
 from vlm_serve.config import ModelConfig
 from vlm_serve.engine import Engine
+from vlm_serve.kv_cache.memory_pool import KVPoolLayout, ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.kernels import attention_cpu, decoder_cpu
 from vlm_serve.llm.kernels.decoder_cpu import DecoderStep
 from vlm_serve.llm.layers.attention import CpuAttnBackend
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
 from vlm_serve.quantization import Fp8Config
 from vlm_serve.testing.tiny_model import create_tiny_model
@@ -56,10 +56,9 @@ def text_model_and_batch(path, seq_lens: list[int], ext_lens: list[int], seed: i
     text = config.text
     g = torch.Generator().manual_seed(seed)
     slots = 4 * sum(seq_lens) + 16
-    pool = TokenToKVPool(
-        slots, 1, text.num_hidden_layers, text.num_key_value_heads, text.head_dim, torch.float32, torch.device("cpu")
-    )
-    for buffer in (*pool.k_buffer, *pool.v_buffer):
+    layout = KVPoolLayout(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, 1, torch.float32)
+    pool = TokenToKVPool(slots, layout, torch.device("cpu"))
+    for buffer in pool.buffers():
         buffer.copy_(torch.randn(buffer.shape, generator=g))
     rows = (torch.randperm(slots - 1, generator=g)[: len(seq_lens) * max(seq_lens)] + 1).view(len(seq_lens), -1).int()
     new = torch.cat([row[n - e : n] for row, n, e in zip(rows, seq_lens, ext_lens)]).long()
@@ -95,7 +94,7 @@ def test_the_two_calls_compute_what_the_modules_do_bit_for_bit(arch, form, batch
     text_model, batch, pool, inputs = text_model_and_batch(checkpoints(arch, form), seq_lens, ext_lens)
     layers = text_model.layers
     assert all(layer.fused is not None for layer in layers)
-    buffers = (*pool.k_buffer, *pool.v_buffer)
+    buffers = pool.buffers()
     before = [c.clone() for c in buffers]
 
     def run(layer, fused: bool, with_residual: bool):

@@ -1,8 +1,7 @@
 """The decoder's row-wise Triton kernels (kernels/rowwise_triton.py) give what the module-by-module torch
 operations give, which CUDA runs in their place: RMSNorm with and without the residual add, QK norm with the
-rotary embedding, silu(gate) * up, the store of K and V rows into their slots; float32 to summation order,
-bfloat16 equal but for a rare unit in the last place (a float32 sum taken in another order that lands by a
-rounding boundary). Rows of any stride, widths
+rotary embedding, silu(gate) * up; float32 to summation order, bfloat16 equal but for a rare unit in the last
+place (a float32 sum taken in another order that lands by a rounding boundary). Rows of any stride, widths
 that are no power of two, no rows at all. Compiled on a GPU, else under Triton's interpreter on CPU (whose
 bfloat16 casts truncate: there bfloat16 is held to two units in the last place only)."""
 
@@ -100,20 +99,6 @@ for dtype in (torch.float32, torch.bfloat16):
 print("ok")
 """
 
-STORE = """
-for dtype in (torch.float32, torch.bfloat16):
-    for tokens, heads, d in ((1, 2, 32), (7, 8, 128), (0, 2, 32)):
-        k_buffer, v_buffer = torch.randn(20, heads, d).to(dtype), torch.randn(20, heads, d).to(dtype)
-        want_k, want_v = k_buffer.clone(), v_buffer.clone()
-        slots = torch.randperm(19)[:tokens] + 1
-        k = torch.randn(tokens, heads, d).to(dtype)
-        v = wide(tokens, heads * d, dtype).view(tokens, heads, d)  # (a view of the qkv rows)
-        want_k[slots], want_v[slots] = k, v
-        rowwise_triton.store_kv(k_buffer, v_buffer, slots, k, v)
-        assert torch.equal(k_buffer, want_k) and torch.equal(v_buffer, want_v)
-print("ok")
-"""
-
 
 def test_rms_norm_with_and_without_the_residual_add_equals_torchs():
     run_triton_script(COMMON + NORMS)
@@ -125,7 +110,3 @@ def test_qk_norm_with_the_rotary_embedding_equals_torchs():
 
 def test_silu_and_mul_equals_torchs():
     run_triton_script(COMMON + SILU)
-
-
-def test_a_steps_k_and_v_rows_go_to_their_slots_and_nowhere_else():
-    run_triton_script(COMMON + STORE)

@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"mm_cache"},  # content hashes and the processed-input and embedding caches
     {"multimodal"},  # media loading, preprocessing, the processor and the item types: the front end's side of pictures
     {"messages"},  # the typed messages between processes
+    {"kv_cache"},  # the KV pools, their layout, the radix trees and their host and storage tiers
     {"llm"},  # the model executor
     {"vision"},  # the vision encoder beside the scheduler, or its pool of processes
     {"disaggregation"},  # PD's KV transport

@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.radix_cache import RadixCache
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
 from vlm_serve.scheduler.schedule_policy import (
     CLIP_MAX_NEW_TOKENS,
@@ -27,7 +27,7 @@ _rids = itertools.count()
 
 def make_cache(size: int = 256, page_size: int = 1, disable: bool = False) -> RadixCache:
     req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device=CPU)
-    return RadixCache(req_to_token_pool, TokenToKVPoolAllocator(size, page_size, CPU), page_size, disable)
+    return RadixCache(req_to_token_pool, TokenToKVPoolAllocator(size, page_size, CPU), disable)
 
 
 @pytest.fixture

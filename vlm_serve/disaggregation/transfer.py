@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-    from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
+    from vlm_serve.kv_cache.memory_pool import TokenToKVPool
     from vlm_serve.messages.backend import BootstrapInfo
 
 Mode = Literal["prefill", "decode"]
@@ -62,7 +62,7 @@ class KVLayout:
     def of(cls, pool: TokenToKVPool, meta: torch.Tensor) -> KVLayout:
         """The layout of `pool`'s buffers and of `meta`, a (records, bytes per record) tensor. The tensors
         must outlive every backend made with it: the layout holds their addresses, not them."""
-        buffers = [*pool.k_buffer, *pool.v_buffer]
+        buffers = pool.buffers()
         if not all(b.is_contiguous() for b in [*buffers, meta]):
             raise ValueError("KV and metadata buffers must be contiguous to be transferred as bytes")
         return cls(

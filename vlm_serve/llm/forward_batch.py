@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
+from vlm_serve.kv_cache.memory_pool import TokenToKVPool
 
 SAMPLED = -1  # in `ForwardBatch.draft_next_ids`
 

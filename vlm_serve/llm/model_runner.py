@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.memory_pool import KVPoolLayout, ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.cuda_graph_runner import CudaGraphRunner
 from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardOutput
@@ -15,8 +17,6 @@ from vlm_serve.llm.layers.attention import create_attention_backend
 from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
 from vlm_serve.llm.lora.adapter import LoRAManager, read_adapter, tower_modules
 from vlm_serve.llm.lora.layer import lora_batch
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
 from vlm_serve.llm.overlap import FutureMap
 from vlm_serve.llm.prompt_logprobs import compute_prompt_logprobs
@@ -85,10 +85,14 @@ class ModelRunner:
 
     def _init_memory_pools(self) -> None:
         text = self.model_config.text
-        page_size = self.server_args.page_size
-        num_kv_heads = max(1, text.num_key_value_heads // get_parallel_state().tp_size)
-        num_layers = text.num_hidden_layers + (self.draft is not None)
-        per_token = TokenToKVPool.bytes_per_token(num_layers, num_kv_heads, text.head_dim, self.dtype)
+        layout = KVPoolLayout(
+            num_layers=text.num_hidden_layers + (self.draft is not None),
+            num_kv_heads=max(1, text.num_key_value_heads // get_parallel_state().tp_size),
+            head_dim=text.head_dim,
+            page_size=self.server_args.page_size,
+            dtype=self.dtype,
+        )
+        page_size, per_token = layout.page_size, layout.bytes_per_token
         size = self.server_args.max_total_tokens
         if size is None:
             if self.device.type == "cuda":
@@ -105,9 +109,7 @@ class ModelRunner:
         self.context_len = self.server_args.context_length or min(text.max_position_embeddings, size)
         max_running = self.server_args.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max(size // 2, 1))
         self.req_to_token_pool = ReqToTokenPool(max_running, self.context_len, self.device)
-        self.token_to_kv_pool = TokenToKVPool(
-            size, page_size, num_layers, num_kv_heads, text.head_dim, self.dtype, self.device
-        )
+        self.token_to_kv_pool = TokenToKVPool(size, layout, self.device)
         self.allocator = TokenToKVPoolAllocator(size, page_size, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), context %d", size, size * per_token / 2**20, self.context_len)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import IncrementalDetokenizer
+from vlm_serve.kv_cache.radix_cache import RadixCache
 from vlm_serve.llm.lora.adapter import LoRAError, read_adapter
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.messages.backend import (
@@ -29,7 +30,6 @@ from vlm_serve.scheduler.metrics import SchedulerMetrics
 from vlm_serve.scheduler.output_streamer import FailReq, OutputStreamer, SchedulerIO
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
-from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, request_failure
 from vlm_serve.scheduler.storage_prefetch import StoragePrefetch
 from vlm_serve.scheduler.tp_broadcast import TPBroadcast

@@ -7,10 +7,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.radix_cache import RadixCache
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput, sample_groups
 from vlm_serve.llm.layers.sampler import SampleOutput
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
 from vlm_serve.scheduler.drafting import Drafting
 from vlm_serve.scheduler.encoding_stage import EncodingStage
@@ -18,7 +19,6 @@ from vlm_serve.scheduler.metrics import SchedulerMetrics
 from vlm_serve.scheduler.output_streamer import OutputStreamer
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
-from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
 
 
@@ -62,7 +62,6 @@ class SchedulerOutputProcessorMixin:
     tree_cache: RadixCache
     req_to_token_pool: ReqToTokenPool
     allocator: TokenToKVPoolAllocator
-    page_size: int
     eos_token_ids: set[int]
     encoding: EncodingStage
     drafting: Drafting
@@ -170,8 +169,9 @@ class SchedulerOutputProcessorMixin:
         req.kv_len = min(computed_end - num_drafts + len(tokens) - 1, len(req.fill_ids) - 1)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         slots = row[req.kv_len : computed_end].long()
-        kept_page = int(row[req.kv_len - 1]) // self.page_size  # (the next tokens fill its tail)
-        self.allocator.free(slots[slots // self.page_size != kept_page])
+        page_size = self.allocator.page_size
+        kept_page = int(row[req.kv_len - 1]) // page_size  # (the next tokens fill its tail)
+        self.allocator.free(slots[slots // page_size != kept_page])
 
     # ---- outputs -----------------------------------------------------------------------------------
 

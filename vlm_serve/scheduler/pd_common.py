@@ -16,11 +16,11 @@ from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 
 if TYPE_CHECKING:
     from vlm_serve.config import DisaggregationSettings
-    from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-    from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
+    from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+    from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
+    from vlm_serve.kv_cache.radix_cache import RadixCache
     from vlm_serve.llm.model_runner import ModelRunner
     from vlm_serve.scheduler.metrics import SchedulerMetrics
-    from vlm_serve.scheduler.radix_cache import RadixCache
     from vlm_serve.scheduler.schedule_policy import NewTokenRatio
 
 META_SLOT_BYTES = 4096  # one record; a request's record (its first token's top log-probs at most) is far smaller
@@ -87,7 +87,6 @@ class PDScheduler(Protocol):
     metrics: SchedulerMetrics
     tp_size: int
     tp_cpu_group: dist.ProcessGroup | None
-    page_size: int
     merge_size: int
     max_total_tokens: int
     max_running_requests: int
@@ -118,7 +117,7 @@ class Disaggregation:
         self.timeout = scheduler.server_args.disaggregation_timeout
         pool = scheduler.runner.token_to_kv_pool
         # one token's KV on all TP ranks (equal shares: this rank's times their number)
-        self.token_bytes = sum(b[0].nbytes for b in (*pool.k_buffer, *pool.v_buffer)) * scheduler.tp_size
+        self.token_bytes = pool.layout.bytes_per_token * scheduler.tp_size
         self.entered: dict[str, float] = {}  # rid -> when it entered its PD queue
         self.started: dict[str, float] = {}  # rid -> when its transfer started
         self.timed_out: set[str] = set()

@@ -47,7 +47,7 @@ class DecodeDisaggregation(Disaggregation):
     @property
     def held_tokens(self) -> int:
         """KV slots held back from the pool for a while (not leaked: see QUARANTINE_SECONDS)."""
-        page = self.scheduler.page_size
+        page = self.scheduler.allocator.page_size
         return sum(-(-len(slots) // page) * page for _, slots in self.quarantine)  # (whole pages)
 
     def queue_sizes(self) -> dict[str, int]:

@@ -89,7 +89,7 @@ class PrefillDisaggregation(Disaggregation):
     def chunk_done(self, req: Req, computed: int) -> None:
         """A forward computed the request's prompt up to position `computed` (not its end): the KV of the
         whole pages before it is to go out."""
-        self.computed.append((req, computed - computed % self.scheduler.page_size, None))
+        self.computed.append((req, computed - computed % self.scheduler.allocator.page_size, None))
 
     def prompt_done(self, req: Req, token: int, out: SampleOutput, row: int) -> None:
         """The last chunk ran and sampled the first token: the rest of the KV is to go out with the

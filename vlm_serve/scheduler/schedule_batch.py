@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop, find_stop_regex
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.radix_cache import RadixCache, TreeNode
 from vlm_serve.llm.forward_batch import SAMPLED, ForwardBatch, ForwardMode
 from vlm_serve.llm.layers.rotary import mrope_positions
 from vlm_serve.llm.layers.sampler import SampleRow, set_drafts
 from vlm_serve.llm.lora.layer import LoRABatch
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.llm.models.base import VisionOutput
 from vlm_serve.llm.prompt_logprobs import PromptLogprobSpan
 from vlm_serve.llm.speculative.draft_state import ChainRequest
@@ -24,7 +25,6 @@ from vlm_serve.messages.backend import SpeculativeCounts
 from vlm_serve.messages.logprobs import PromptLogprobs
 from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.scheduler.radix_cache import RadixCache, TreeNode
 
 if TYPE_CHECKING:
     from vlm_serve.disaggregation.transfer import KVReceiver, KVSender

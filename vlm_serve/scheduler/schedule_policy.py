@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from vlm_serve.config import SCHEDULE_POLICIES
-from vlm_serve.scheduler.radix_cache import RadixCache, TreeNode
+from vlm_serve.kv_cache.radix_cache import RadixCache, TreeNode
 from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
 
 # Budget estimates clip max_new_tokens here, or one request asking for 100k tokens would block all.

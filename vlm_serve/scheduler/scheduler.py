@@ -19,6 +19,7 @@ and health (`stats.py`), and the stages a request may wait in (`grammar_queue.py
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -32,22 +33,23 @@ from vlm_serve.checkpoint import checkpoint_fingerprint
 from vlm_serve.config import ServerArgs
 from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.transfer import KVLayout
+from vlm_serve.kv_cache.cache_controller import HiCacheController, StorageIO, run_inline
+from vlm_serve.kv_cache.hicache_factory import create_storage_backend
+from vlm_serve.kv_cache.hicache_storage import namespace_key
+from vlm_serve.kv_cache.hiradix_cache import HiRadixCache
+from vlm_serve.kv_cache.memory_pool_host import TokenToKVPoolHost
+from vlm_serve.kv_cache.radix_cache import RadixCache
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
-from vlm_serve.llm.mem_cache.hicache_factory import create_storage_backend
-from vlm_serve.llm.mem_cache.hicache_storage import namespace_key
-from vlm_serve.llm.mem_cache.memory_pool_host import TokenToKVPoolHost
 from vlm_serve.llm.model_runner import ModelRunner
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
 from vlm_serve.llm.speculative.worker import SpeculativeWorker
 from vlm_serve.messages.backend import (
     SchedulerLimits,
 )
-from vlm_serve.scheduler.cache_controller import HiCacheController, StorageIO, run_inline
 from vlm_serve.scheduler.drafting import Drafting
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.grammar_queue import GrammarQueue
-from vlm_serve.scheduler.hiradix_cache import HiRadixCache
 from vlm_serve.scheduler.intake import SchedulerIntakeMixin
 from vlm_serve.scheduler.metrics import SchedulerMetrics
 from vlm_serve.scheduler.output_processor import LaunchedBatch, SchedulerOutputProcessorMixin
@@ -55,7 +57,6 @@ from vlm_serve.scheduler.output_streamer import OutputStreamer, SchedulerIO
 from vlm_serve.scheduler.pd_common import META_SLOT_BYTES
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
-from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, request_failure
 from vlm_serve.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
@@ -101,7 +102,6 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.allocator
         self.future_map: FutureMap = runner.future_map
-        self.page_size = server_args.page_size
         self.max_total_tokens = runner.max_total_tokens
         self.max_running_requests = self.req_to_token_pool.size
         self.max_prefill_tokens = min(server_args.max_prefill_tokens, self.max_total_tokens)
@@ -163,9 +163,9 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         order with the forwards (not on PD's decode side, which keeps requests' KV only while they run)."""
         args = self.server_args
         if not args.enable_hierarchical_cache or args.disable_radix_cache or args.disaggregation_mode == "decode":
-            return RadixCache(self.req_to_token_pool, self.allocator, self.page_size, disable=args.disable_radix_cache)
+            return RadixCache(self.req_to_token_pool, self.allocator, disable=args.disable_radix_cache)
         device_pool = self.runner.token_to_kv_pool
-        per_token = device_pool.size_per_token
+        per_token = device_pool.layout.bytes_per_token
         size = (
             int(args.hicache_size * 1e9) // per_token
             if args.hicache_size
@@ -189,7 +189,6 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             self.req_to_token_pool,
             self.allocator,
             controller,
-            self.page_size,
             args.hicache_write_policy,
             self._storage_namespace() if storage is not None else "",
         )
@@ -214,14 +213,13 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             weights.append(f"random weights, seed {args.seed}")
         if self.runner.draft_path is not None:  # (its KV is the pool's last layer)
             weights.append(checkpoint_fingerprint(self.runner.draft_path))
-        _, heads, head_dim = pool.k_buffer[0].shape
         return namespace_key(
             weights,
             str(self.runner.dtype),
             str(args.resolved_weight_dtype(self.runner.model_config)),
             self.runner.device.type,
             self.runner.attn_backend.__class__.__name__,
-            (len(pool.k_buffer), heads, head_dim, pool.page_size),
+            dataclasses.astuple(pool.layout)[:4],
             (self.tp_size, args.ep_size, self.tp_rank),
         )
 
@@ -256,7 +254,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
     @property
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(
-            self.max_total_tokens, self.runner.context_len, self.max_running_requests, self.page_size
+            self.max_total_tokens, self.runner.context_len, self.max_running_requests, self.allocator.page_size
         )
 
     # ---- the event loops ---------------------------------------------------------------------------
@@ -497,7 +495,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             drafts = self.drafting.drafts(decoding)
             free = self.allocator.available_size() + self.tree_cache.evictable_size()
             # (drafts only where the pool holds them as well: whole pages for every request's 1 + k tokens)
-            if any(drafts) and free >= sum(len(d) + 1 for d in drafts) + len(decoding) * self.page_size:
+            if any(drafts) and free >= sum(len(d) + 1 for d in drafts) + len(decoding) * self.allocator.page_size:
                 decode.forward_mode, decode.draft_ids = ForwardMode.TARGET_VERIFY, drafts
         return decode
 

@@ -7,16 +7,16 @@ import dataclasses
 import logging
 from dataclasses import asdict
 
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.hiradix_cache import HiRadixCache
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.radix_cache import RadixCache
 from vlm_serve.llm.forward_batch import ForwardMode
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
 from vlm_serve.messages.backend import FlushCacheOut, StatsOut
 from vlm_serve.scheduler.encoding_stage import EncodingStage
-from vlm_serve.scheduler.hiradix_cache import HiRadixCache
 from vlm_serve.scheduler.metrics import SchedulerMetrics
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
-from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
 
 logger = logging.getLogger(__name__)

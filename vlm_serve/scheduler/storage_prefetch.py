@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from vlm_serve.scheduler.cache_controller import PrefetchOperation
-from vlm_serve.scheduler.hiradix_cache import HiRadixCache
+from vlm_serve.kv_cache.cache_controller import PrefetchOperation
+from vlm_serve.kv_cache.hiradix_cache import HiRadixCache
 from vlm_serve.scheduler.schedule_batch import Req
 
 # a read still going after this long is a storage that stalls: even wait_complete goes on without the rest

@@ -1,6 +1,6 @@
 """The decoder's row-wise operations on CUDA in one Triton launch each, what rowwise_cpu does on CPU: RMSNorm
 (after the residual add, where there is one), Qwen3's QK norm with the rotary embedding for q and k
-together, the gated MLP's silu(gate) * up, and the store of a step's K and V rows into their KV-pool slots.
+together and the gated MLP's silu(gate) * up (the store of K and V rows is kv_cache/store_triton.py's).
 
 In torch each is several kernels (a decode step of Qwen3-VL-8B's shapes launched ~2,200, most of them these,
 each reading and writing its rows again). The arithmetic is torch's, rounded where torch rounds: sums and
@@ -108,15 +108,6 @@ if triton is not None:
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, (silu * up).to(dtype), mask=mask)
 
-    @triton.jit
-    def _store_kv_kernel(k_ptr, v_ptr, k_buf_ptr, v_buf_ptr, slots_ptr, width, stride_k, stride_v, BLOCK: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        tl.store(k_buf_ptr + slot * width + cols, tl.load(k_ptr + token * stride_k + cols, mask=mask), mask=mask)
-        tl.store(v_buf_ptr + slot * width + cols, tl.load(v_ptr + token * stride_v + cols, mask=mask), mask=mask)
-
 
 def handles(x: torch.Tensor) -> bool:
     """Whether these kernels take x: on CUDA, its last dimension contiguous, Triton installed."""
@@ -206,21 +197,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             rows, _rows(out), n, rows.stride(0), n, BLOCK=block
         )
     return out
-
-
-def store_kv_handles(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor) -> bool:
-    """Whether `store_kv` takes these: (tokens, heads, d) rows whose heads lie one after another, of the
-    buffer's dtype, on CUDA."""
-    return (
-        all(handles(t) and t.dtype == k_buffer.dtype and t.stride(-2) == t.shape[-1] for t in (k, v))
-        and k_buffer.is_contiguous()
-    )
-
-
-def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """k_buffer[slots] = k and v_buffer[slots] = v in one launch; the buffers (slots, heads, d) contiguous."""
-    tokens, width = k.shape[0], k.shape[1] * k.shape[2]
-    if tokens:
-        block = min(triton.next_power_of_2(width), 4096)
-        grid = (tokens, triton.cdiv(width, block))
-        _store_kv_kernel[grid](k, v, k_buffer, v_buffer, slots, width, k.stride(0), v.stride(0), BLOCK=block)

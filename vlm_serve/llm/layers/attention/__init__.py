@@ -7,11 +7,11 @@ import importlib.util
 
 import torch
 
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.kernels import attention_cpu
 from vlm_serve.llm.layers.attention.base import AttentionBackend
 from vlm_serve.llm.layers.attention.cpu_backend import CpuAttnBackend
 from vlm_serve.llm.layers.attention.torch_backend import TorchAttnBackend
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)  # its kernels' (no float32)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # its Hopper prefill kernels' (they static-assert on others)

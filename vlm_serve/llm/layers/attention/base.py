@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.forward_batch import ForwardBatch
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
 class AttentionBackend(ABC):

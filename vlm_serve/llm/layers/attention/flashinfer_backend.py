@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.forward_batch import ForwardBatch
 from vlm_serve.llm.layers.attention.base import AttentionBackend
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 

@@ -54,9 +54,10 @@ class TorchAttnBackend(AttentionBackend):
     """
 
     _plan: _MirrorPlan | None = None  # scheduler side
-    # forward side: per layer (rows, capacity, kv_heads, head_dim) K and V buffers, kept between builds
-    # (fresh ones would cost page faults every time); the mirror is their first `_rows` rows
-    _buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    # forward side: (rows, capacity, kv_heads, head_dim) buffers, one per pool buffer (every layer's K, then
+    # every layer's V), kept between builds (fresh ones would cost page faults every time); the mirror is
+    # their first `_rows` rows
+    _buffers: list[torch.Tensor] | None = None
     _rows = 0
 
     def init_forward_metadata(self, batch: ForwardBatch) -> _ExtendMetadata | _DecodeMetadata:
@@ -103,7 +104,7 @@ class TorchAttnBackend(AttentionBackend):
         elif meta.build_slots is not None:
             self._build_mirror(meta, batch.batch_size)
         elif meta.keep is not None:
-            for buffer in (*self._buffers[0], *self._buffers[1]):
+            for buffer in self._buffers:
                 buffer[: len(meta.keep)] = buffer.index_select(0, meta.keep)
             self._rows = len(meta.keep)
 
@@ -111,7 +112,8 @@ class TorchAttnBackend(AttentionBackend):
         self.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         meta = batch.attn_metadata
         if batch.forward_mode.is_decode():
-            mirror_k, mirror_v = self._buffers[0][layer_id][: self._rows], self._buffers[1][layer_id][: self._rows]
+            layers = self.token_to_kv_pool.layout.num_layers
+            mirror_k, mirror_v = (self._buffers[i][: self._rows] for i in (layer_id, layers + layer_id))
             mirror_k[meta.index] = k.to(mirror_k.dtype)
             mirror_v[meta.index] = v.to(mirror_v.dtype)
             keys = mirror_k[:, : meta.max_len].transpose(1, 2)  # (batch, kv_heads, len, dim)
@@ -132,16 +134,13 @@ class TorchAttnBackend(AttentionBackend):
 
     def _build_mirror(self, meta: _DecodeMetadata, batch_size: int) -> None:
         pool = self.token_to_kv_pool
-        shape = pool.k_buffer[0].shape[1:]
-        buffers = self._buffers
-        if buffers is None or buffers[0][0].shape[0] < batch_size or buffers[0][0].shape[1] != meta.capacity:
-            rows = max(batch_size, buffers[0][0].shape[0] if buffers is not None else 0)
-            self._buffers = buffers = tuple(
-                [pool.k_buffer[0].new_empty(rows, meta.capacity, *shape) for _ in pool.k_buffer] for _ in range(2)
-            )
-        for caches, mirrors in zip((pool.k_buffer, pool.v_buffer), buffers):
-            for cache, mirror in zip(caches, mirrors):
-                torch.index_select(cache, 0, meta.build_slots, out=mirror[:batch_size].view(-1, *shape))
+        shape = (pool.layout.num_kv_heads, pool.layout.head_dim)
+        caches, mirrors = pool.buffers(), self._buffers
+        if mirrors is None or mirrors[0].shape[0] < batch_size or mirrors[0].shape[1] != meta.capacity:
+            rows = max(batch_size, mirrors[0].shape[0] if mirrors is not None else 0)
+            self._buffers = mirrors = [cache.new_empty(rows, meta.capacity, *shape) for cache in caches]
+        for cache, mirror in zip(caches, mirrors, strict=True):
+            torch.index_select(cache, 0, meta.build_slots, out=mirror[:batch_size].view(-1, *shape))
         self._rows = batch_size
 
 

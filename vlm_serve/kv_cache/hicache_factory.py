@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vlm_serve.llm.mem_cache.hicache_mooncake import HiCacheMooncake
-from vlm_serve.llm.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage
+from vlm_serve.kv_cache.hicache_mooncake import HiCacheMooncake
+from vlm_serve.kv_cache.hicache_storage import HiCacheFile, HiCacheStorage
 
 if TYPE_CHECKING:
     from vlm_serve.config import HiCacheSettings

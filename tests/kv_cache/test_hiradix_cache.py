@@ -10,22 +10,22 @@ import random
 import pytest
 import torch
 
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from vlm_serve.llm.mem_cache.memory_pool_host import TokenToKVPoolHost
-from vlm_serve.scheduler.cache_controller import HiCacheController
-from vlm_serve.scheduler.hiradix_cache import WRITE_POLICIES, HiRadixCache
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.cache_controller import HiCacheController
+from vlm_serve.kv_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
+from vlm_serve.kv_cache.memory_pool import KVPoolLayout, ReqToTokenPool, TokenToKVPool
+from vlm_serve.kv_cache.memory_pool_host import TokenToKVPoolHost
 
 CPU = torch.device("cpu")
 LAYERS, HEADS, DIM = 2, 1, 2
 
 
 def make_cache(device_tokens: int, host_tokens: int, page_size: int = 1, policy: str = "write_through") -> HiRadixCache:
-    device_pool = TokenToKVPool(device_tokens, page_size, LAYERS, HEADS, DIM, torch.float32, CPU)
+    device_pool = TokenToKVPool(device_tokens, KVPoolLayout(LAYERS, HEADS, DIM, page_size, torch.float32), CPU)
     host_pool = TokenToKVPoolHost(device_pool, host_tokens)
     allocator = TokenToKVPoolAllocator(device_tokens, page_size, CPU)
     req_to_token_pool = ReqToTokenPool(size=4, max_context_len=64, device=CPU)
-    return HiRadixCache(req_to_token_pool, allocator, HiCacheController(device_pool, host_pool), page_size, policy)
+    return HiRadixCache(req_to_token_pool, allocator, HiCacheController(device_pool, host_pool), policy)
 
 
 def kv_of(key: list[int]) -> torch.Tensor:

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from vlm_serve.llm.mem_cache.hicache_storage import HiCacheStorage
-from vlm_serve.llm.mem_cache.memory_pool import TokenToKVPool
-from vlm_serve.llm.mem_cache.memory_pool_host import TokenToKVPoolHost
+from vlm_serve.kv_cache.hicache_storage import HiCacheStorage
+from vlm_serve.kv_cache.memory_pool import TokenToKVPool
+from vlm_serve.kv_cache.memory_pool_host import TokenToKVPoolHost
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class HiCacheController:
         copy(self.device_pool, a, b)
         counts.seconds += time.perf_counter() - start
         counts.tokens += a.numel()
-        counts.bytes += a.numel() * self.host_pool.size_per_token
+        counts.bytes += a.numel() * self.host_pool.layout.bytes_per_token
 
     def _track(self, future: Future[Any] | None) -> None:
         if future is not None:

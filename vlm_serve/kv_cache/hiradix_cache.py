@@ -20,12 +20,12 @@ from collections.abc import Callable
 
 import torch
 
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.hicache_storage import page_keys
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.cache_controller import HiCacheController, PrefetchOperation
+from vlm_serve.kv_cache.hicache_storage import page_keys
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.radix_cache import CachedReq, MatchResult, RadixCache, TreeNode
 from vlm_serve.messages.backend import HiCacheStats
-from vlm_serve.scheduler.cache_controller import HiCacheController, PrefetchOperation
-from vlm_serve.scheduler.radix_cache import CachedReq, MatchResult, RadixCache, TreeNode
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2}  # uses before a node is backed up
@@ -40,7 +40,6 @@ class HiRadixCache(RadixCache):
         req_to_token_pool: ReqToTokenPool,
         allocator: TokenToKVPoolAllocator,
         controller: HiCacheController,
-        page_size: int = 1,
         write_policy: str = "write_through",
         storage_namespace: str = "",
     ) -> None:
@@ -56,7 +55,7 @@ class HiRadixCache(RadixCache):
         self.adapter_namespace: Callable[[int], str | None] = lambda load_id: None
         self.host_hit_tokens = 0  # tokens loaded back from the host tier for requests
         self.storage_hit_tokens = 0  # tokens read from the storage tier into the host tier for requests
-        super().__init__(req_to_token_pool, allocator, page_size)
+        super().__init__(req_to_token_pool, allocator)
 
     # ---- sizes -------------------------------------------------------------------------------------
 
@@ -294,7 +293,7 @@ class HiRadixCache(RadixCache):
             capacity_tokens={"host": self.host_allocator.size},
         )
         if c.storage is not None:
-            io, per_token = c.storage, c.host_pool.size_per_token
+            io, per_token = c.storage, c.host_pool.layout.bytes_per_token
             stats.hit_tokens["storage"] = self.storage_hit_tokens
             stats.copied_bytes |= {"host_to_storage": io.written.bytes, "storage_to_host": io.read.bytes}
             stats.copy_seconds |= {"host_to_storage": io.written.seconds, "storage_to_host": io.read.seconds}

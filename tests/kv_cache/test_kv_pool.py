@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
 
 
 def test_page_size_one_hands_out_distinct_slots_and_never_slot_zero():

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.radix_cache import RadixCache
 from vlm_serve.mm_cache.hashing import pad_value
 from vlm_serve.multimodal.items import MultimodalItem
 from vlm_serve.multimodal.padding import pad_input_ids
 from vlm_serve.sampling_params import SamplingParams
-from vlm_serve.scheduler.radix_cache import RadixCache
 from vlm_serve.scheduler.schedule_batch import Req
 
 CPU = torch.device("cpu")
@@ -22,7 +22,7 @@ POOL_SIZE = 64
 def make_cache(page_size: int = 1, size: int = POOL_SIZE, disable: bool = False) -> RadixCache:
     req_to_token_pool = ReqToTokenPool(size=4, max_context_len=32, device=CPU)
     allocator = TokenToKVPoolAllocator(size, page_size, CPU)
-    return RadixCache(req_to_token_pool, allocator, page_size=page_size, disable=disable)
+    return RadixCache(req_to_token_pool, allocator, disable=disable)
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
-from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool
+from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
 
 _clock = itertools.count()  # access order for LRU; a counter keeps eviction order deterministic
 
@@ -87,12 +87,11 @@ class RadixCache:
         self,
         req_to_token_pool: ReqToTokenPool | None,
         allocator: TokenToKVPoolAllocator | None,
-        page_size: int = 1,
         disable: bool = False,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
-        self.page_size = page_size
+        self.page_size = allocator.page_size if allocator is not None else 1  # (the pool's layout's)
         self.disable = disable
         self.device = allocator.device if allocator is not None else torch.device("cpu")
         self.reset()

@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, fields
 
-from vlm_serve.llm.mem_cache.hicache_storage import HiCacheStorage, frame, unframe
+from vlm_serve.kv_cache.hicache_storage import HiCacheStorage, frame, unframe
 
 INSTALL = 'pip install -e ".[pd]"'
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from vlm_serve.llm.mem_cache.hicache_mooncake import MooncakeStoreConfig
-from vlm_serve.llm.mem_cache.hicache_storage import HiCacheFile, frame, namespace_key, page_keys, unframe
+from vlm_serve.kv_cache.hicache_mooncake import MooncakeStoreConfig
+from vlm_serve.kv_cache.hicache_storage import HiCacheFile, frame, namespace_key, page_keys, unframe
 from vlm_serve.mm_cache.hashing import pad_value
 
 VOCAB = 1000
