@@ -102,10 +102,6 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
-    def has_grammar(self) -> bool:
-        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
-
-    @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 

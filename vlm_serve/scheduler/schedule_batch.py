@@ -316,9 +316,6 @@ class ScheduleBatch:
         self.draft_ids: list[list[int]] | None = None  # TARGET_VERIFY: each request's draft tokens
         self.device = req_to_token_pool.req_to_token.device
 
-    def is_empty(self) -> bool:
-        return not self.reqs
-
     def _evict_for(self, num_tokens: int) -> None:
         short = num_tokens - self.allocator.available_size()
         if short > 0:
