@@ -90,7 +90,7 @@ from vlm_serve.testing.media import make_image
 from vlm_serve.testing.tiny_model import create_tiny_model
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, encode_tasks
-from vlm_serve.vision.pool import EncoderPool
+from vlm_serve.vision.pool import EncoderConcerns, EncoderPool
 
 # The benchmark checkpoint's vision tower (the text model is the tiny MoE one).
 VISION_HIDDEN = 256
@@ -268,7 +268,9 @@ def measure_throughput(path: Path, items: list[MultimodalItem], rounds: int) -> 
     pools: list[EncoderPool] = []
     try:
         for label, dp, threads in POOL_SETTINGS:
-            pool = EncoderPool.start(ServerArgs(model=str(path), vit_dp=dp, vit_threads=threads), CPU)
+            pool = EncoderPool.start(
+                EncoderConcerns.of(ServerArgs(model=str(path), vit_dp=dp, vit_threads=threads)), CPU
+            )
             pools.append(pool)
             settings.append(EncodeSetting(label, lambda tasks, pool=pool: encode_with_pool(pool, tasks)))
         for setting in settings:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar, get_type_hints
 
 from vlm_serve.builtin import BUILTIN_DRAFT, BUILTIN_MODEL
 
@@ -502,6 +502,14 @@ class ServerArgs(
             # on the small MoE)
             self._resolve("chunked_prefill_size", 2048 if self.device == "cpu" else 8192)
 
+    def concern(self, kind: type[S]) -> S:
+        """The values of one concern as that concern's own frozen settings (checked already, as part of
+        these): what a part that reads the concern is handed."""
+        part = object.__new__(kind)
+        for f in fields(kind):
+            object.__setattr__(part, f.name, getattr(self, f.name))
+        return part
+
     def with_api_key(self, environ: Mapping[str, str]) -> ServerArgs:
         """These settings with the API key in `api_key`: as given, else read from `api_key_file`, else
         `$VLM_SERVE_API_KEY` from `environ` (none of them: no key). An empty or unreadable key is a
@@ -523,6 +531,25 @@ class ServerArgs(
         else:
             return self
         return replace(self, api_key=key, api_key_file=None)
+
+
+S = TypeVar("S", bound=Settings)
+C = TypeVar("C", bound="Concerns")
+
+
+class Concerns:
+    """A part's settings: a frozen dataclass with one field per concern it reads, typed as that concern's
+    settings (or as the concerns of a part it makes), so that the part reads only those (`RunnerConcerns`,
+    `SchedulerConcerns`, ...)."""
+
+    @classmethod
+    def of(cls: type[C], args: ServerArgs) -> C:
+        kinds = get_type_hints(cls)
+        return cls(**{f.name: _part_of(args, kinds[f.name]) for f in fields(cls)})
+
+
+def _part_of(args: ServerArgs, kind: type) -> Settings | Concerns:
+    return kind.of(args) if issubclass(kind, Concerns) else args.concern(kind)
 
 
 @functools.cache

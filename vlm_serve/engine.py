@@ -31,7 +31,7 @@ import torch
 
 from vlm_serve.config import ENGINE_CONCERNS, DisaggregationSettings, ModelConfig, ServerArgs
 from vlm_serve.llm.lora.adapter import LoRAError
-from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.model_runner import ModelRunner, RunnerConcerns
 from vlm_serve.messages.backend import (
     AbortReq,
     BatchTokenIdOut,
@@ -46,10 +46,11 @@ from vlm_serve.model_source import with_local_model
 from vlm_serve.multimodal.items import MediaTimings, ProcessedInput
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.sampling_params import SamplingParams, generation_defaults, sampling_params_from_openai
+from vlm_serve.scheduler.concerns import SchedulerConcerns
 from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.server.detokenizer_manager import DetokenizerManager
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.pool import create_encoder
+from vlm_serve.vision.pool import EncoderConcerns, create_encoder
 
 
 @dataclass
@@ -192,10 +193,10 @@ class Engine:
             cache_mb=self.server_args.mm_cache_mb,
         )
         self._threads = torch.get_num_threads()  # (beside an encoder pool the runner takes fewer until shutdown)
-        runner = ModelRunner(self.server_args, self.model_config)
+        runner = ModelRunner(RunnerConcerns.of(self.server_args), self.model_config)
         self._io = _QueueIO()
-        encoder = create_encoder(self.server_args, self.model_config, runner.device)
-        self.scheduler = Scheduler(self.server_args, runner, self.tokenizer, encoder, self._io)
+        encoder = create_encoder(EncoderConcerns.of(self.server_args), self.model_config, runner.device)
+        self.scheduler = Scheduler(SchedulerConcerns.of(self.server_args), runner, self.tokenizer, encoder, self._io)
         self.detokenizer = DetokenizerManager(self.tokenizer)
         self.default_sampling = generation_defaults(path)
         self._choices: dict[str, _Choice] = {}  # by rid, until finished

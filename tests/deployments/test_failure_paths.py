@@ -23,7 +23,7 @@ from vlm_serve.errors import BadRequest, InternalError, ServiceUnavailable
 from vlm_serve.multimodal.pixels import PatchPixels
 from vlm_serve.testing.media import make_image
 from vlm_serve.vision.encoder import EncodeTask
-from vlm_serve.vision.pool import EncoderPool
+from vlm_serve.vision.pool import EncoderConcerns, EncoderPool
 
 MAX_TOKENS = 6
 TEXT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -36,7 +36,7 @@ TEXT = [{"role": "user", "content": "Tell me about the sea."}]
 def test_work_never_goes_to_a_rank_known_to_be_dead(tiny_moe_dir):
     """A rank whose process has exited gets no new work, even before the pool has taken its old work
     back, so no attempt is wasted on it."""
-    pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=2), torch.device("cpu"))
+    pool = EncoderPool.start(EncoderConcerns.of(ServerArgs(model=str(tiny_moe_dir), vit_dp=2)), torch.device("cpu"))
     try:
         dead = pool.ranks[0]
         os.kill(dead.pid, signal.SIGKILL)

@@ -14,13 +14,14 @@ import torch.multiprocessing as mp
 
 from helpers import free_port
 from vlm_serve.config import ModelConfig, ServerArgs
-from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.model_runner import ModelRunner, RunnerConcerns
 from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
 from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.scheduler.concerns import SchedulerConcerns
 from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.testing.logits import prefill_logits
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.pool import create_encoder
+from vlm_serve.vision.pool import EncoderConcerns, create_encoder
 
 pytestmark = pytest.mark.server  # every test here starts tensor-parallel ranks
 
@@ -59,12 +60,11 @@ def _run(
         enable_lora=lora is not None,
         lora_paths=[f"a={lora}"] if lora else [],
     )
-    runner = ModelRunner(args, config)
+    runner = ModelRunner(RunnerConcerns.of(args), config)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     io = _ListIO([TokenizedGenerateReq("gen", list(PROMPT), params, lora_name="a" if lora else None)])
-    scheduler = Scheduler(
-        args, runner, Tokenizer.from_pretrained(model_dir), create_encoder(args, config, runner.device), io
-    )
+    encoder = create_encoder(EncoderConcerns.of(args), config, runner.device)
+    scheduler = Scheduler(SchedulerConcerns.of(args), runner, Tokenizer.from_pretrained(model_dir), encoder, io)
     logits = prefill_logits(scheduler, PROMPT, lora_slot=0 if lora else -1)
     for _ in range(ITERATIONS):
         scheduler.run_iteration()

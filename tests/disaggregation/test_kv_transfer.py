@@ -20,7 +20,7 @@ import torch
 from vlm_serve.config import ServerArgs
 from vlm_serve.disaggregation.bootstrap import BootstrapServer, RankInfo, lookup_rank, register_rank
 from vlm_serve.disaggregation.control import Timeouts
-from vlm_serve.disaggregation.factory import create_transfer_backend
+from vlm_serve.disaggregation.factory import TransferConcerns, create_transfer_backend
 from vlm_serve.disaggregation.fake import FAILURE_ENV, FakeBackend
 from vlm_serve.disaggregation.mooncake import MooncakeBackend, contiguous_runs, pieces, transfer_engine_class
 from vlm_serve.disaggregation.transfer import KVLayout, KVPoll, KVReceiver, KVSender
@@ -509,7 +509,7 @@ def test_create_transfer_backend_makes_the_chosen_backend_and_registers_prefill_
     with BootstrapServer(HOST, 0) as server:
         for name, cls in BACKENDS.items():
             args = ServerArgs(disaggregation_transfer_backend=name, disaggregation_bootstrap_port=server.port)
-            backend = create_transfer_backend(args, "prefill", 0, layout)
+            backend = create_transfer_backend(TransferConcerns.of(args), "prefill", 0, layout)
             try:
                 assert isinstance(backend, cls)
                 assert lookup_rank((HOST, server.port), 0, timeout=5) == backend.info

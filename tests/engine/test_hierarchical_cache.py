@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import vlm_serve.scheduler.scheduler as scheduler_module
+import vlm_serve.kv_cache.factory as kv_cache_factory
 import vlm_serve.scheduler.storage_prefetch as storage_prefetch_module
 from vlm_serve.engine import Engine
 from vlm_serve.kv_cache.hicache_storage import HiCacheFile
@@ -167,7 +167,7 @@ def test_a_stalling_storage_delays_no_request_past_its_policy(
     settings = tiers(tmp_path, hicache_storage_prefetch_policy=policy, hicache_storage_prefetch_timeout=0.05)
     with Engine(tiny_moe_dir, **settings) as engine:
         _answers(engine, conversations)
-    monkeypatch.setattr(scheduler_module, "create_storage_backend", lambda args: StallingFile(tmp_path, 1 << 30))
+    monkeypatch.setattr(kv_cache_factory, "create_storage_backend", lambda args: StallingFile(tmp_path, 1 << 30))
     monkeypatch.setattr(storage_prefetch_module, "STALL_SECONDS", 0.2)
     StallingFile.release.clear()
     try:

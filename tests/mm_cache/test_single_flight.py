@@ -22,15 +22,16 @@ from helpers import free_port
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.engine import Engine, _QueueIO
 from vlm_serve.errors import MediaError
-from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.model_runner import ModelRunner, RunnerConcerns
 from vlm_serve.messages.backend import BatchTokenIdOut, TokenizedGenerateReq
 from vlm_serve.mm_cache.cache import MultimodalCache
 from vlm_serve.multimodal.processor import MultimodalProcessor
 from vlm_serve.sampling_params import SamplingParams
+from vlm_serve.scheduler.concerns import SchedulerConcerns
 from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.testing.media import make_image
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.pool import create_encoder
+from vlm_serve.vision.pool import EncoderConcerns, create_encoder
 
 SAFETY_WAIT = 60.0  # seconds a held computation waits for the others to queue behind it, at most
 
@@ -195,7 +196,7 @@ def _run_same_image(model_dir: str, tp_size: int) -> dict[str, Any]:
     """TP_REQUESTS requests with one image, all at once: rank 0's stage counters and everyone's tokens."""
     config = ModelConfig.from_pretrained(model_dir)
     args = ServerArgs(model=model_dir, tp_size=tp_size, max_total_tokens=2048, vit_dp=0, disable_overlap_schedule=True)
-    runner = ModelRunner(args, config)
+    runner = ModelRunner(RunnerConcerns.of(args), config)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     processor = MultimodalProcessor.from_pretrained(model_dir, tokenizer, cache_mb=64)
     params = SamplingParams(max_new_tokens=TP_TOKENS, temperature=0, ignore_eos=True)
@@ -206,8 +207,8 @@ def _run_same_image(model_dir: str, tp_size: int) -> dict[str, Any]:
         for i, x in enumerate(processor.process_messages(conversation(image)) for _ in range(TP_REQUESTS))
     )
     rank_0 = not dist.is_initialized() or dist.get_rank() == 0
-    encoder = create_encoder(args, config, runner.device) if rank_0 else None  # as in the server
-    scheduler = Scheduler(args, runner, tokenizer, encoder, io)
+    encoder = create_encoder(EncoderConcerns.of(args), config, runner.device) if rank_0 else None  # as in the server
+    scheduler = Scheduler(SchedulerConcerns.of(args), runner, tokenizer, encoder, io)
     for _ in range(TP_ITERATIONS):
         scheduler.run_iteration()
     stage = scheduler.encoding

@@ -24,7 +24,7 @@ from vlm_serve.testing.media import make_image, make_video
 from vlm_serve.tokenizer import Tokenizer
 from vlm_serve.vision import pool as encoder_pool
 from vlm_serve.vision.encoder import EncodeResult, EncodeTask, VisionEncoder, encode_tasks
-from vlm_serve.vision.pool import EncoderPool
+from vlm_serve.vision.pool import EncoderConcerns, EncoderPool
 
 CPU = torch.device("cpu")
 
@@ -75,7 +75,7 @@ def test_one_and_two_ranks_give_the_single_process_embeddings(tiny_moe_dir, medi
     visual = load_vision_model(ModelConfig.from_pretrained(tiny_moe_dir), CPU, torch.float32)
     reference = {r.key: r.output for r in encode_tasks(visual, _tasks(media), 10**9)}
     for dp in (1, 2):
-        pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=dp), CPU)
+        pool = EncoderPool.start(EncoderConcerns.of(ServerArgs(model=str(tiny_moe_dir), vit_dp=dp)), CPU)
         processes = pool.supervisor.processes
         try:
             results = _encode_all(pool, media)
@@ -101,7 +101,7 @@ def test_work_is_balanced_by_patch_count_not_item_count(tiny_moe_dir):
         MultimodalItem("video" if t > 1 else "image", torch.randn(t * h * w, 1536, generator=gen), (t, h, w), hash=i)
         for i, (t, h, w) in enumerate(grids)
     ]
-    pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=2), CPU)
+    pool = EncoderPool.start(EncoderConcerns.of(ServerArgs(model=str(tiny_moe_dir), vit_dp=2)), CPU)
     try:
         results = _encode_all(pool, items)
     finally:
@@ -145,7 +145,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_its_requests_complete(tiny_moe_d
 def test_a_task_whose_ranks_keep_dying_comes_back_as_an_error(tiny_moe_dir, media):
     """Killed while encoding it, twice: the task is given up (a rank that never began a job is not
     charged for it), and the pool still works."""
-    pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
+    pool = EncoderPool.start(EncoderConcerns.of(ServerArgs(model=str(tiny_moe_dir), vit_dp=1)), CPU)
     try:
         grid = (4, 64, 64)  # a second or so of encoding
         pool.submit(
@@ -181,7 +181,7 @@ def test_a_pool_shut_down_while_its_ranks_read_their_jobs_says_nothing(tiny_moe_
     resource sharer): stopped in the middle, it left this process printing the broken handshake."""
     gen = torch.Generator().manual_seed(0)
     for _ in range(10):
-        pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=2), CPU)
+        pool = EncoderPool.start(EncoderConcerns.of(ServerArgs(model=str(tiny_moe_dir), vit_dp=2)), CPU)
         pool.submit([EncodeTask(k, (1, 8, 8), PatchPixels(torch.randn(64, 1536, generator=gen))) for k in range(8)])
         pool.shutdown()
     assert capfd.readouterr().err == ""
@@ -190,7 +190,7 @@ def test_a_pool_shut_down_while_its_ranks_read_their_jobs_says_nothing(tiny_moe_
 @pytest.mark.server
 def test_a_hung_rank_is_killed_and_replaced(tiny_moe_dir, media, monkeypatch):
     monkeypatch.setattr(encoder_pool, "STALL_TIMEOUT", 1.0)
-    pool = EncoderPool.start(ServerArgs(model=str(tiny_moe_dir), vit_dp=1), CPU)
+    pool = EncoderPool.start(EncoderConcerns.of(ServerArgs(model=str(tiny_moe_dir), vit_dp=1)), CPU)
     try:
         os.kill(pool.ranks[0].pid, signal.SIGSTOP)  # alive, but never answers
         assert _encode_all(pool, media[:1])[media[0].hash].error is None

@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 from vlm_serve.disaggregation.transfer import KVLayout
 
 if TYPE_CHECKING:
-    from vlm_serve.config import ServerArgs
+    from vlm_serve.config import ParallelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -208,20 +208,19 @@ def _url(server: Address, path: str) -> str:
     return f"http://{host}:{server[1]}{path}"
 
 
-def bootstrap_address(server_args: ServerArgs) -> Address:
-    """Where a prefill rank registers: its server's bootstrap server, in node 0's launcher."""
-    if server_args.node_rank == 0:
-        host = "127.0.0.1" if server_args.host in WILDCARDS else server_args.host
-    else:
-        host = server_args.dist_init_addr.rpartition(":")[0]
-    return host, server_args.disaggregation_bootstrap_port
+def bootstrap_address(host: str, parallel: ParallelSettings, port: int) -> Address:
+    """Where a prefill rank registers: its server's bootstrap server (at `port`), in node 0's launcher; `host`
+    is the HTTP server's."""
+    if parallel.node_rank == 0:
+        return "127.0.0.1" if host in WILDCARDS else host, port
+    return parallel.dist_init_addr.rpartition(":")[0], port
 
 
-def rank_host(server_args: ServerArgs) -> str:
-    """The address peers reach this rank's control socket and transfer engine at: `--host` where it
+def rank_host(host: str) -> str:
+    """The address peers reach this rank's control socket and transfer engine at: `host` (`--host`) where it
     names one interface, else the address of the interface that carries the default route."""
-    if server_args.host not in WILDCARDS:
-        return socket.gethostbyname(server_args.host)
+    if host not in WILDCARDS:
+        return socket.gethostbyname(host)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect(("10.255.255.255", 1))  # (UDP: nothing is sent, the kernel only picks a route)

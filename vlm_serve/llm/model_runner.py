@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
 
-from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.checkpoint import checkpoint_fingerprint
+from vlm_serve.config import (
+    Concerns,
+    EncoderSettings,
+    GpuSettings,
+    LoRASettings,
+    ModelConfig,
+    ModelSettings,
+    ParallelSettings,
+    SchedulerSettings,
+    SpeculativeSettings,
+)
 from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
+from vlm_serve.kv_cache.hicache_storage import namespace_key
 from vlm_serve.kv_cache.memory_pool import KVPoolLayout, ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.cuda_graph_runner import CudaGraphRunner
 from vlm_serve.llm.distributed import get_parallel_state, init_parallel_state
@@ -32,30 +45,43 @@ GPU_KV_MEMORY_FRACTION = 0.85  # of the memory free after loading the weights
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
+@dataclass(frozen=True)
+class RunnerConcerns(Concerns):
+    """What the model runner reads: the checkpoint's loading, the KV pool's size, the ranks, the CPU threads
+    the encoder ranks leave it, adapters, the draft model, the GPU's attention and graphs."""
+
+    model: ModelSettings
+    cache: SchedulerSettings
+    parallel: ParallelSettings
+    encoder: EncoderSettings
+    lora: LoRASettings
+    speculative: SpeculativeSettings
+    gpu: GpuSettings
+
+
 class ModelRunner:
     """Owns the language model, its KV pools and its attention backend: batch in, next tokens out.
 
     The vision tower is not here: the encoders (`vision/`) run it and hand the scheduler embeddings."""
 
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
-        self.server_args = server_args
+    def __init__(self, settings: RunnerConcerns, model_config: ModelConfig) -> None:
+        self.settings = settings
+        model, lora, speculative = settings.model, settings.lora, settings.speculative
         self.model_config = model_config
-        self.device = server_args.resolved_device()
-        self.dtype = server_args.resolved_dtype(model_config)
-        init_parallel_state(server_args.tp_size, server_args.ep_size)
-        torch.manual_seed(server_args.seed)
-        if self.device.type == "cpu" and server_args.vit_dp > 0:
-            torch.set_num_threads(llm_threads(server_args))  # the encoder ranks take the other cores
-        weight_dtype = server_args.resolved_weight_dtype(model_config)
-        dummy = server_args.load_format == "dummy"
-        self.model = load_model(model_config, self.device, self.dtype, weight_dtype, dummy, server_args.enable_lora)
+        self.device = model.resolved_device()
+        self.dtype = model.resolved_dtype(model_config)
+        init_parallel_state(settings.parallel.tp_size, settings.parallel.ep_size)
+        torch.manual_seed(model.seed)
+        if self.device.type == "cpu" and settings.encoder.vit_dp > 0:
+            torch.set_num_threads(llm_threads(settings.encoder))  # the encoder ranks take the other cores
+        weight_dtype = model.resolved_weight_dtype(model_config)
+        dummy = model.load_format == "dummy"
+        self.model = load_model(model_config, self.device, self.dtype, weight_dtype, dummy, lora.enable_lora)
         self.draft: Eagle3Draft | None = None  # an EAGLE-3 draft head, its KV the pool's last layer
         self.draft_path: Path | None = None  # its checkpoint
-        if server_args.speculative_algorithm == "eagle3":
+        if speculative.speculative_algorithm == "eagle3":
             text = self.model.model.language_model
-            path = self.draft_path = resolve_model(
-                server_args.speculative_draft_model_path, None, server_args.download_dir
-            )
+            path = self.draft_path = resolve_model(speculative.speculative_draft_model_path, None, model.download_dir)
             self.draft = load_eagle3_draft(
                 path, model_config.text, len(text.layers), self.device, self.dtype, weight_dtype
             )
@@ -64,7 +90,7 @@ class ModelRunner:
         self._init_memory_pools()
         attn = self.model.model.language_model.layers[0].self_attn
         self.attn_backend = create_attention_backend(
-            server_args.attention_backend,
+            settings.gpu.attention_backend,
             self.req_to_token_pool,
             self.token_to_kv_pool,
             attn.num_heads,
@@ -75,50 +101,70 @@ class ModelRunner:
         self.cuda_graphs = self._capture_cuda_graphs() if self._uses_cuda_graphs() else None
         self.sampler = Sampler(model_config.eos_token_ids)
         self.lora: LoRAManager | None = None  # LoRA adapters' slots (--enable-lora)
-        if server_args.enable_lora:
+        if lora.enable_lora:
             tower = tower_modules(model_config)
-            self.lora = LoRAManager(self.model, server_args.max_loras, server_args.max_lora_rank, also=tower)
-            for name, folder in server_args.lora_adapters().items():
-                self.lora.load(read_adapter(name, folder, server_args.max_lora_rank))
+            self.lora = LoRAManager(self.model, lora.max_loras, lora.max_lora_rank, also=tower)
+            for name, folder in lora.lora_adapters().items():
+                self.lora.load(read_adapter(name, folder, lora.max_lora_rank))
         # a batch has at most one row per request, and the chunked request's on top in a mixed batch
         self.future_map = FutureMap(self.req_to_token_pool.size + 1, self.device)
 
     def _init_memory_pools(self) -> None:
-        text = self.model_config.text
+        text, cache = self.model_config.text, self.settings.cache
         layout = KVPoolLayout(
             num_layers=text.num_hidden_layers + (self.draft is not None),
             num_kv_heads=max(1, text.num_key_value_heads // get_parallel_state().tp_size),
             head_dim=text.head_dim,
-            page_size=self.server_args.page_size,
+            page_size=cache.page_size,
             dtype=self.dtype,
         )
         page_size, per_token = layout.page_size, layout.bytes_per_token
-        size = self.server_args.max_total_tokens
+        size = cache.max_total_tokens
         if size is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 # at most what the running requests' whole contexts fill: a small model leaves the rest of
                 # the GPU to other processes (its encoder ranks started next, other engines)
-                running = self.server_args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-                contexts = running * (self.server_args.context_length or text.max_position_embeddings)
+                running = cache.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+                contexts = running * (cache.context_length or text.max_position_embeddings)
                 size = min(int(free * GPU_KV_MEMORY_FRACTION) // per_token, contexts)
             else:
                 size = CPU_KV_BUDGET_TOKENS
         size -= size % page_size
         self.max_total_tokens = size
-        self.context_len = self.server_args.context_length or min(text.max_position_embeddings, size)
-        max_running = self.server_args.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max(size // 2, 1))
+        self.context_len = cache.context_length or min(text.max_position_embeddings, size)
+        max_running = cache.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max(size // 2, 1))
         self.req_to_token_pool = ReqToTokenPool(max_running, self.context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(size, layout, self.device)
         self.allocator = TokenToKVPoolAllocator(size, page_size, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), context %d", size, size * per_token / 2**20, self.context_len)
+
+    def kv_namespace(self) -> str:
+        """Everything the KV of a prefix depends on besides its tokens (the storage tier's root key): the
+        weights, the dtypes, the device, the attention backend, the pool's layout and this rank's place."""
+        model, parallel = self.settings.model, get_parallel_state()
+        dummy = model.load_format == "dummy"
+        weights = [checkpoint_fingerprint(self.model_config.path, weights=not dummy)]
+        if dummy:
+            weights.append(f"random weights, seed {model.seed}")
+        if self.draft_path is not None:  # (its KV is the pool's last layer)
+            weights.append(checkpoint_fingerprint(self.draft_path))
+        return namespace_key(
+            weights,
+            str(self.dtype),
+            str(model.resolved_weight_dtype(self.model_config)),
+            self.device.type,
+            self.attn_backend.__class__.__name__,
+            astuple(self.token_to_kv_pool.layout)[:4],
+            (parallel.tp_size, parallel.ep_size, parallel.tp_rank),
+        )
 
     def _uses_cuda_graphs(self) -> bool:
         """Decode runs as CUDA graphs on a GPU unless disabled, where the attention backend can be captured
         (FlashInfer) and on one rank (collectives inside graphs are not captured here yet)."""
         return (
             self.device.type == "cuda"
-            and not self.server_args.disable_cuda_graph
+            and not self.settings.gpu.disable_cuda_graph
             and self.attn_backend.supports_cuda_graph
             and get_parallel_state().tp_size == 1
         )
@@ -127,7 +173,7 @@ class ModelRunner:
         """The decode graphs; if capturing fails, a warning naming why, and decode runs eagerly (a server
         that serves slower beats one that does not start)."""
         try:
-            max_batch_size = min(self.server_args.cuda_graph_max_bs, self.req_to_token_pool.size)
+            max_batch_size = min(self.settings.gpu.cuda_graph_max_bs, self.req_to_token_pool.size)
             return CudaGraphRunner(self.model, self.attn_backend, max_batch_size)
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager path, which works
             logger.warning(

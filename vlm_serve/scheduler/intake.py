@@ -8,7 +8,6 @@ import logging
 import time
 from typing import Any
 
-from vlm_serve.config import ServerArgs
 from vlm_serve.detokenizer import IncrementalDetokenizer
 from vlm_serve.kv_cache.radix_cache import RadixCache
 from vlm_serve.llm.lora.adapter import LoRAError, read_adapter
@@ -24,6 +23,7 @@ from vlm_serve.messages.backend import (
     UnloadLoRAReq,
 )
 from vlm_serve.multimodal.padding import pad_input_ids
+from vlm_serve.scheduler.concerns import SchedulerConcerns
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.grammar_queue import GrammarQueue
 from vlm_serve.scheduler.metrics import SchedulerMetrics
@@ -45,7 +45,7 @@ class SchedulerIntakeMixin:
     """The scheduler's request intake: a part of `Scheduler`, which holds the state named here and the steps of a
     request's life it calls (`stop_request`, `finish`, `is_idle` ...)."""
 
-    server_args: ServerArgs
+    concerns: SchedulerConcerns
     runner: ModelRunner
     tokenizer: Tokenizer
     io: SchedulerIO | None
@@ -170,7 +170,7 @@ class SchedulerIntakeMixin:
             req.bootstrap = None  # a colocated server serves it whole
         if req.bootstrap is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
-        if self.server_args.disaggregation_mode == "decode" and req.mm_items and req.bootstrap is None:
+        if self.concerns.disaggregation.disaggregation_mode == "decode" and req.mm_items and req.bootstrap is None:
             raise ValueError(
                 "this decode server takes images and videos only with bootstrap_host, bootstrap_port and "
                 "bootstrap_room (from sglang-router's PD mode): it has no vision tower"

@@ -15,11 +15,11 @@ from vlm_serve.disaggregation.transfer import KVPoll, TransferBackend
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 
 if TYPE_CHECKING:
-    from vlm_serve.config import DisaggregationSettings
     from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
     from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
     from vlm_serve.kv_cache.radix_cache import RadixCache
     from vlm_serve.llm.model_runner import ModelRunner
+    from vlm_serve.scheduler.concerns import SchedulerConcerns
     from vlm_serve.scheduler.metrics import SchedulerMetrics
     from vlm_serve.scheduler.schedule_policy import NewTokenRatio
 
@@ -78,7 +78,7 @@ class PDScheduler(Protocol):
     """What the PD queues use of the scheduler that drives them (scheduler.Scheduler): its pools and
     cache, its batch, its limits, and the steps of a request's life they hand requests on to."""
 
-    server_args: DisaggregationSettings
+    concerns: SchedulerConcerns
     runner: ModelRunner
     tree_cache: RadixCache
     req_to_token_pool: ReqToTokenPool
@@ -114,7 +114,7 @@ class Disaggregation:
         self.scheduler = scheduler
         self.backend = backend
         self.records = records
-        self.timeout = scheduler.server_args.disaggregation_timeout
+        self.timeout = scheduler.concerns.disaggregation.disaggregation_timeout
         pool = scheduler.runner.token_to_kv_pool
         # one token's KV on all TP ranks (equal shares: this rank's times their number)
         self.token_bytes = pool.layout.bytes_per_token * scheduler.tp_size

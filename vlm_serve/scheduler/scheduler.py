@@ -19,7 +19,6 @@ and health (`stats.py`), and the stages a request may wait in (`grammar_queue.py
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import time
@@ -29,15 +28,11 @@ from collections.abc import Callable
 
 import torch
 
-from vlm_serve.checkpoint import checkpoint_fingerprint
-from vlm_serve.config import ServerArgs
 from vlm_serve.disaggregation.factory import create_transfer_backend
 from vlm_serve.disaggregation.transfer import KVLayout
-from vlm_serve.kv_cache.cache_controller import HiCacheController, StorageIO, run_inline
-from vlm_serve.kv_cache.hicache_factory import create_storage_backend
-from vlm_serve.kv_cache.hicache_storage import namespace_key
+from vlm_serve.kv_cache.cache_controller import run_inline
+from vlm_serve.kv_cache.factory import create_tree_cache
 from vlm_serve.kv_cache.hiradix_cache import HiRadixCache
-from vlm_serve.kv_cache.memory_pool_host import TokenToKVPoolHost
 from vlm_serve.kv_cache.radix_cache import RadixCache
 from vlm_serve.llm.distributed import get_parallel_state
 from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
@@ -47,6 +42,7 @@ from vlm_serve.llm.speculative.worker import SpeculativeWorker
 from vlm_serve.messages.backend import (
     SchedulerLimits,
 )
+from vlm_serve.scheduler.concerns import SchedulerConcerns
 from vlm_serve.scheduler.drafting import Drafting
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.grammar_queue import GrammarQueue
@@ -82,13 +78,14 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
 
     def __init__(
         self,
-        server_args: ServerArgs,
+        concerns: SchedulerConcerns,
         runner: ModelRunner,
         tokenizer: Tokenizer,
         encoder: VisionEncoder | None,
         io: SchedulerIO | None = None,
     ) -> None:
-        self.server_args = server_args
+        self.concerns = concerns
+        settings = concerns.schedule
         self.runner = runner
         self.tokenizer = tokenizer
         self.io = io
@@ -104,26 +101,26 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         self.future_map: FutureMap = runner.future_map
         self.max_total_tokens = runner.max_total_tokens
         self.max_running_requests = self.req_to_token_pool.size
-        self.max_prefill_tokens = min(server_args.max_prefill_tokens, self.max_total_tokens)
-        chunk = server_args.prefill_chunk
+        self.max_prefill_tokens = min(settings.max_prefill_tokens, self.max_total_tokens)
+        chunk = settings.prefill_chunk
         self.chunked_prefill_size = None if chunk is None else min(chunk, self.max_prefill_tokens)
-        self.enable_mixed_chunk = server_args.enable_mixed_chunk and self.chunked_prefill_size is not None
+        self.enable_mixed_chunk = settings.enable_mixed_chunk and self.chunked_prefill_size is not None
 
-        self.encoding = EncodingStage(encoder, server_args.mm_cache_mb << 20)
-        self.grammar_queue = GrammarQueue(tokenizer, runner.model_config, server_args.grammar_compile_timeout, parallel)
+        self.encoding = EncodingStage(encoder, settings.mm_cache_mb << 20)
+        self.grammar_queue = GrammarQueue(tokenizer, runner.model_config, settings.grammar_compile_timeout, parallel)
         self.waiting_queue: list[Req] = []
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
         self.reqs: dict[str, Req] = {}  # every unfinished request, by id
 
-        self.new_token_ratio = NewTokenRatio(server_args.schedule_conservativeness)
+        self.new_token_ratio = NewTokenRatio(settings.schedule_conservativeness)
 
-        self.enable_overlap = not server_args.disable_overlap_schedule
-        self.drafting = Drafting(server_args, runner)
+        self.enable_overlap = not settings.disable_overlap_schedule
+        self.drafting = Drafting(concerns.speculative, runner)
         # what runs a launched batch: the runner's forward, or around it the drafts' verification and draft
         self.forward: Callable[[ForwardBatch], ForwardOutput] = (
             SpeculativeWorker(runner, self.drafting.eagle).forward_batch_generation
-            if server_args.speculating
+            if concerns.speculative.speculating
             else runner.forward_batch_generation
         )
         if encoder is not None and encoder.cores is not None:
@@ -136,7 +133,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         self.storage_prefetch: StoragePrefetch | None = None  # (with a storage tier)
         self.tree_cache = self._init_tree_cache()
         self.policy = SchedulePolicy(
-            server_args.schedule_policy, self.tree_cache, server_args.enable_priority_scheduling, server_args.seed
+            settings.schedule_policy, self.tree_cache, settings.enable_priority_scheduling, concerns.model.seed
         )
         self.running_batch = self.new_batch([])
         self.result_queue: deque[LaunchedBatch] = deque()  # launched, result not processed yet
@@ -147,7 +144,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         self.metrics = SchedulerMetrics()
         self.forward_ct = 0
         self._idle_checked = True
-        self.outputs = OutputStreamer(io, self.tp_rank, server_args.speculating)
+        self.outputs = OutputStreamer(io, self.tp_rank, concerns.speculative.speculating)
         self.disagg = self._init_disaggregation()
         # What is alive now lives as long as the scheduler (the model, its pools, the tokenizer): frozen out of
         # the cyclic collector's generations. A decode step makes small objects per request, which trigger
@@ -161,77 +158,33 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
     def _init_tree_cache(self) -> RadixCache:
         """The prefix cache; with --enable-hierarchical-cache over a host-memory tier, whose copies run in
         order with the forwards (not on PD's decode side, which keeps requests' KV only while they run)."""
-        args = self.server_args
-        if not args.enable_hierarchical_cache or args.disable_radix_cache or args.disaggregation_mode == "decode":
-            return RadixCache(self.req_to_token_pool, self.allocator, disable=args.disable_radix_cache)
-        device_pool = self.runner.token_to_kv_pool
-        per_token = device_pool.layout.bytes_per_token
-        size = (
-            int(args.hicache_size * 1e9) // per_token
-            if args.hicache_size
-            else int(args.hicache_ratio * device_pool.size)
-        )
-        if size < device_pool.size:
-            raise ValueError(
-                f"hicache_size {args.hicache_size} GB holds {size} tokens, fewer than the KV pool's {device_pool.size}: "
-                "the host pool keeps a copy of the KV pool's prefixes and the ones evicted from it"
-            )
-        host_pool = TokenToKVPoolHost(device_pool, size)
-        logger.info("host KV pool: %d tokens (%.1f MiB)", host_pool.size, host_pool.size * per_token / 2**20)
-        submit = self.forward_thread.submit if self.forward_thread is not None else run_inline
-        storage = None
-        if args.hicache_storage_backend is not None:
-            backend = create_storage_backend(args)
-            pending = host_pool.size * per_token // 4  # writes waiting beyond this are dropped
-            storage = StorageIO(backend, host_pool.page_shape(), host_pool.dtype, pending)
-        controller = HiCacheController(device_pool, host_pool, submit, storage)
-        tree = HiRadixCache(
+        c, runner = self.concerns, self.runner
+        tiers = c.hicache.enable_hierarchical_cache and c.disaggregation.disaggregation_mode != "decode"
+        lora = runner.lora
+        tree = create_tree_cache(
+            c.hicache if tiers else None,
+            c.schedule.disable_radix_cache,
             self.req_to_token_pool,
             self.allocator,
-            controller,
-            args.hicache_write_policy,
-            self._storage_namespace() if storage is not None else "",
+            runner.token_to_kv_pool,
+            self.forward_thread.submit if self.forward_thread is not None else run_inline,
+            runner.kv_namespace,
+            None if lora is None else lambda load_id: getattr(lora.loaded(load_id), "digest", None),
         )
-        if storage is not None and self.runner.lora is not None:
-
-            def adapter_namespace(load_id: int) -> str | None:  # (an adapter's KV: under its files' digest)
-                adapter = self.runner.lora.loaded(load_id)
-                return namespace_key(tree.namespace, adapter.digest) if adapter is not None else None
-
-            tree.adapter_namespace = adapter_namespace
-        if storage is not None:
-            policy, timeout = args.hicache_storage_prefetch_policy, args.hicache_storage_prefetch_timeout
+        if isinstance(tree, HiRadixCache) and tree.controller.storage is not None:
+            policy, timeout = c.hicache.hicache_storage_prefetch_policy, c.hicache.hicache_storage_prefetch_timeout
             self.storage_prefetch = StoragePrefetch(tree, policy, timeout, self.tp_cpu_group)
         return tree
-
-    def _storage_namespace(self) -> str:
-        """The root of the storage tier's keys: everything the KV of a prefix depends on besides its tokens."""
-        args, pool = self.server_args, self.runner.token_to_kv_pool
-        dummy = args.load_format == "dummy"
-        weights = [checkpoint_fingerprint(self.runner.model_config.path, weights=not dummy)]
-        if dummy:
-            weights.append(f"random weights, seed {args.seed}")
-        if self.runner.draft_path is not None:  # (its KV is the pool's last layer)
-            weights.append(checkpoint_fingerprint(self.runner.draft_path))
-        return namespace_key(
-            weights,
-            str(self.runner.dtype),
-            str(args.resolved_weight_dtype(self.runner.model_config)),
-            self.runner.device.type,
-            self.runner.attn_backend.__class__.__name__,
-            dataclasses.astuple(pool.layout)[:4],
-            (self.tp_size, args.ep_size, self.tp_rank),
-        )
 
     def _init_disaggregation(self) -> PrefillDisaggregation | DecodeDisaggregation | None:
         """This rank's side of PD (`--disaggregation-mode`): its transfer backend, with the KV pool and a
         metadata slot per request row registered, and the side's queues."""
-        mode = self.server_args.disaggregation_mode
+        mode = self.concerns.disaggregation.disaggregation_mode
         if mode == "null":
             return None
         records = torch.zeros(self.req_to_token_pool.size, META_SLOT_BYTES, dtype=torch.uint8)
         layout = KVLayout.of(self.runner.token_to_kv_pool, records)
-        backend = create_transfer_backend(self.server_args, mode, self.tp_rank, layout)
+        backend = create_transfer_backend(self.concerns.transfer, mode, self.tp_rank, layout)
         side = PrefillDisaggregation if mode == "prefill" else DecodeDisaggregation
         return side(self, backend, records)
 
@@ -432,8 +385,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
                 uncached = req.cache_key(req.fill_ids[len(req.prefix_indices) :])
                 if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                     continue  # it will hit the cache next round
-            if self.server_args.enable_priority_scheduling:
-                threshold = self.server_args.priority_scheduling_preemption_threshold
+            if self.concerns.schedule.enable_priority_scheduling:
+                threshold = self.concerns.schedule.priority_scheduling_preemption_threshold
                 result, preempted = adder.add_one_req_preempting(req, self.running_batch, threshold)
                 if preempted:
                     self.metrics.num_preemptions += len(preempted)
@@ -535,6 +488,6 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             self.metrics.time_forward += time.perf_counter() - t1
         self.tree_cache.after_launch()
         self.forward_ct += 1
-        if self.forward_ct % self.server_args.log_interval == 0:
+        if self.forward_ct % self.concerns.log.log_interval == 0:
             self.log_stats(batch.forward_mode, len(batch.reqs), len(forward_batch.input_ids))
         return launched

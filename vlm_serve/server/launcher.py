@@ -31,7 +31,7 @@ from vlm_serve.server.http_server import WATCHDOG_SECONDS, serve_http
 from vlm_serve.server.ports import PortArgs, free_port
 from vlm_serve.server.processes import ServerProcesses
 from vlm_serve.server.scheduler_process import run_scheduler_process
-from vlm_serve.vision.pool import EncoderRanks, PoolAddresses
+from vlm_serve.vision.pool import EncoderConcerns, EncoderRanks, PoolAddresses
 
 STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint takes minutes)
 
@@ -63,7 +63,7 @@ def start_processes(children: ServerProcesses, server_args: ServerArgs, port_arg
             process.start()
             children.detokenizer = process
     if port_args is not None and port_args.encoder is not None:  # they load while the LLM does
-        children.encoders = EncoderRanks(server_args, port_args.encoder)
+        children.encoders = EncoderRanks(EncoderConcerns.of(server_args), port_args.encoder)
     return readies
 
 

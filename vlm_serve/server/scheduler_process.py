@@ -17,12 +17,13 @@ import zmq
 
 from vlm_serve.config import ModelConfig, ServerArgs
 from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
-from vlm_serve.llm.model_runner import ModelRunner
+from vlm_serve.llm.model_runner import ModelRunner, RunnerConcerns
 from vlm_serve.process import IDLE_POLL_MS, exits_at_once, init_child_process
+from vlm_serve.scheduler.concerns import SchedulerConcerns
 from vlm_serve.scheduler.scheduler import Scheduler
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.tokenizer import Tokenizer
-from vlm_serve.vision.pool import create_encoder
+from vlm_serve.vision.pool import EncoderConcerns, create_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +76,17 @@ def run_scheduler_process(
                 backend, init_method=f"tcp://{dist_init_addr}", rank=tp_rank, world_size=server_args.tp_size
             )
         model_config = ModelConfig.from_pretrained(server_args.model, server_args.quantization)
-        runner = ModelRunner(server_args, model_config)
+        runner = ModelRunner(RunnerConcerns.of(server_args), model_config)
         encoder, io = None, None  # rank 0 alone encodes and talks to the other processes
         if tp_rank == 0:
             if server_args.disaggregation_mode != "decode":  # (a decode server never encodes: PD)
-                encoder = create_encoder(server_args, model_config, runner.device, port_args.encoder)
+                encoder = create_encoder(
+                    EncoderConcerns.of(server_args), model_config, runner.device, port_args.encoder
+                )
             io = ZmqSchedulerIO(port_args)
-        scheduler = Scheduler(server_args, runner, Tokenizer.from_pretrained(server_args.model), encoder, io)
+        scheduler = Scheduler(
+            SchedulerConcerns.of(server_args), runner, Tokenizer.from_pretrained(server_args.model), encoder, io
+        )
     except Exception:  # noqa: BLE001 - reported to the server, which stops
         ready.send(("error", traceback.format_exc()))
         if scheduler is not None:

@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing as mp
 import zmq
 
-from vlm_serve.config import ModelConfig, ServerArgs
+from vlm_serve.config import Concerns, EncoderSettings, LoRASettings, ModelConfig, ModelSettings
 from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.llm.lora.adapter import TowerLoRA
 from vlm_serve.llm.models.base import VisionOutput
@@ -70,25 +70,35 @@ class PoolAddresses:
         return cls([f"ipc://{directory}/encoder-jobs-{i}" for i in range(size)], f"ipc://{directory}/encoder-events")
 
 
+@dataclass(frozen=True)
+class EncoderConcerns(Concerns):
+    """What the encoder reads, in-process or in its ranks: the checkpoint and how it is loaded, where and
+    how the tower runs, the tower's LoRA slots."""
+
+    model: ModelSettings
+    encoder: EncoderSettings
+    lora: LoRASettings
+
+
 # ---- an encoder process ------------------------------------------------------------------------------
 
 
 @exits_at_once
-def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loaded: Connection) -> None:
+def rank_main(settings: EncoderConcerns, index: int, addresses: PoolAddresses, loaded: Connection) -> None:
     """An encoder process: load the vision tower, say so on `loaded` (a pipe to `EncoderRanks`), then
     encode jobs until stopped. Events it sends: ("ready", index, pid), ("error", index, message) when it
     cannot start, ("started", index, job id) and ("done", index, job id, results)."""
     init_child_process(f"vlm-encoder-{index}")
-    torch.set_num_threads(rank_threads(server_args))
+    torch.set_num_threads(rank_threads(settings.encoder))
     context = zmq_context()
     events = context.socket(zmq.PUSH)
     events.connect(addresses.events)
     try:
         jobs = context.socket(zmq.PULL)
         jobs.bind(addresses.jobs[index])
-        config = ModelConfig.from_pretrained(server_args.model, server_args.quantization)
-        device = rank_device(server_args, index)
-        visual = load_vision_tower(server_args, config, device)
+        config = ModelConfig.from_pretrained(settings.model.model, settings.model.quantization)
+        device = rank_device(settings.model, index)
+        visual = load_vision_tower(settings, config, device)
     except Exception as exc:  # noqa: BLE001 - reported to the pool, which fails to start
         send_pyobj(events, ("error", index, f"{type(exc).__name__}: {exc}"))
         events.close(linger=5000)
@@ -107,12 +117,12 @@ def rank_main(server_args: ServerArgs, index: int, addresses: PoolAddresses, loa
             continue
         job_id, tasks = recv_pyobj(jobs)
         send_pyobj(events, ("started", index, job_id))
-        results = encode_tasks(visual, tasks, server_args.vit_max_patches_per_pass)
+        results = encode_tasks(visual, tasks, settings.encoder.vit_max_patches_per_pass)
         send_pyobj(events, ("done", index, job_id, results))
 
 
-def rank_device(server_args: ServerArgs, index: int) -> torch.device:
-    device = server_args.resolved_device()
+def rank_device(model: ModelSettings, index: int) -> torch.device:
+    device = model.resolved_device()
     if device.type == "cuda":
         return torch.device("cuda", index % torch.cuda.device_count())
     return device
@@ -134,8 +144,8 @@ class EncoderRanks:
     """Starts the `vit_dp` encoder processes and, at each `check`, restarts those that died. A rank that
     fails to start `MAX_START_FAILURES` times in a row stays down, and the pool is told so."""
 
-    def __init__(self, server_args: ServerArgs, addresses: PoolAddresses) -> None:
-        self.server_args = server_args
+    def __init__(self, settings: EncoderConcerns, addresses: PoolAddresses) -> None:
+        self.settings = settings
         self.addresses = addresses
         # Ranks are forked from a server process that has imported this module (torch with it) once:
         # a rank that died is back in a fraction of a second instead of re-importing torch. (Importing
@@ -149,7 +159,7 @@ class EncoderRanks:
         self.ranks: list[_Process] = []
         self._finalizer = weakref.finalize(self, _stop_processes, self.ranks)  # also when dropped unstopped
         try:
-            for i in range(server_args.vit_dp):  # (the first waits for the fork server to import torch)
+            for i in range(settings.encoder.vit_dp):  # (the first waits for the fork server to import torch)
                 self.ranks.append(self._start(i))
         except BaseException:  # Ctrl-C, say: no rank outlives a start that did not finish
             self.stop()
@@ -161,7 +171,7 @@ class EncoderRanks:
         loaded, tells_loaded = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
             target=rank_main,
-            args=(self.server_args, index, self.addresses, tells_loaded),
+            args=(self.settings, index, self.addresses, tells_loaded),
             name=f"vit-rank-{index}",
             daemon=True,
         )
@@ -274,13 +284,11 @@ class EncoderPool(VisionEncoder):
 
     def __init__(
         self,
-        server_args: ServerArgs,
         device: torch.device,
         addresses: PoolAddresses,
         supervisor: EncoderRanks | None = None,
     ) -> None:
         super().__init__()
-        self.server_args = server_args
         self.device = device
         self.addresses = addresses
         self.supervisor = supervisor
@@ -290,7 +298,7 @@ class EncoderPool(VisionEncoder):
         self._finalizer = weakref.finalize(self, _close, self._sockets, self._context)
         self._events = self._socket(zmq.PULL)
         self._events.bind(addresses.events)
-        self.ranks = [_Rank(i, self._connect(i)) for i in range(server_args.vit_dp)]
+        self.ranks = [_Rank(i, self._connect(i)) for i in range(len(addresses.jobs))]
         self._job_ids = itertools.count()
         self._orphans: list[EncodeTask] = []  # tasks of dead ranks waiting for a live one
         self._owned_dir: str | None = None
@@ -309,13 +317,13 @@ class EncoderPool(VisionEncoder):
             raise RuntimeError("no encoder rank could start")
 
     @classmethod
-    def start(cls, server_args: ServerArgs, device: torch.device) -> EncoderPool:
+    def start(cls, settings: EncoderConcerns, device: torch.device) -> EncoderPool:
         """A pool with ranks of its own (started here, stopped by `shutdown`), at private addresses."""
         directory = tempfile.mkdtemp(prefix="vlm-serve-encoders-")
-        addresses = PoolAddresses.in_dir(directory, server_args.vit_dp)
-        supervisor = EncoderRanks(server_args, addresses)
+        addresses = PoolAddresses.in_dir(directory, settings.encoder.vit_dp)
+        supervisor = EncoderRanks(settings, addresses)
         try:
-            pool = cls(server_args, device, addresses, supervisor)
+            pool = cls(device, addresses, supervisor)
         except BaseException:
             supervisor.stop()
             shutil.rmtree(directory, ignore_errors=True)
@@ -517,25 +525,27 @@ def _exited(pidfd: int | None) -> bool:
 
 
 def create_encoder(
-    server_args: ServerArgs, model_config: ModelConfig, device: torch.device, pool: PoolAddresses | None = None
+    settings: EncoderConcerns, model_config: ModelConfig, device: torch.device, pool: PoolAddresses | None = None
 ) -> VisionEncoder:
-    """The encoder `server_args` asks for: with `vit_dp` > 0 the pool at `pool` (whose ranks the server
+    """The encoder `settings` ask for: with `vit_dp` > 0 the pool at `pool` (whose ranks the server
     launcher runs), or, without addresses, a pool with ranks of its own; with `vit_dp` 0 the vision
     tower on `device` in this process."""
-    if server_args.vit_dp > 0:
-        return EncoderPool(server_args, device, pool) if pool is not None else EncoderPool.start(server_args, device)
-    visual = load_vision_tower(server_args, model_config, device)
+    encoder = settings.encoder
+    if encoder.vit_dp > 0:
+        return EncoderPool(device, pool) if pool is not None else EncoderPool.start(settings, device)
+    visual = load_vision_tower(settings, model_config, device)
     threads = torch.get_num_threads()
     cores = None
     if device.type == "cpu" and threads > 1:  # the tower beside running requests: half the cores, or vit_threads
-        cores = CoreShare(threads, min(server_args.vit_threads or threads // 2, threads - 1))
-    return InlineEncoder(visual, server_args.vit_max_patches_per_pass, cores)
+        cores = CoreShare(threads, min(encoder.vit_threads or threads // 2, threads - 1))
+    return InlineEncoder(visual, encoder.vit_max_patches_per_pass, cores)
 
 
-def load_vision_tower(server_args: ServerArgs, config: ModelConfig, device: torch.device):
-    """The vision tower as `server_args` has it loaded, on `device`."""
-    dtype, weight_dtype = server_args.resolved_dtype(config), server_args.resolved_weight_dtype(config)
-    visual = load_vision_model(config, device, dtype, weight_dtype, server_args.load_format == "dummy")
-    if server_args.enable_lora:
-        visual.adapters = TowerLoRA(visual, server_args.max_loras, server_args.max_lora_rank)
+def load_vision_tower(settings: EncoderConcerns, config: ModelConfig, device: torch.device):
+    """The vision tower as `settings` have it loaded, on `device`."""
+    model, lora = settings.model, settings.lora
+    dtype, weight_dtype = model.resolved_dtype(config), model.resolved_weight_dtype(config)
+    visual = load_vision_model(config, device, dtype, weight_dtype, model.load_format == "dummy")
+    if lora.enable_lora:
+        visual.adapters = TowerLoRA(visual, lora.max_loras, lora.max_lora_rank)
     return visual
