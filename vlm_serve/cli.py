@@ -213,7 +213,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from vlm_serve.demo import LocalChat, RemoteChat, run_demo
+    from vlm_serve.demo.chat import LocalChat, RemoteChat
+    from vlm_serve.demo.page import run_demo
     from vlm_serve.engine import Engine
     from vlm_serve.server.launcher import bind_http_socket
 

@@ -37,13 +37,11 @@ from vlm_serve.builtin import BUILTIN_MODEL
 from vlm_serve.builtin.scenes import Scene, Shape, render
 from vlm_serve.checkpoint import single_turn_only
 from vlm_serve.config import MediaLimitSettings
-from vlm_serve.demo import (
-    SINGLE_TURN_NOTE,
-    LocalChat,
+from vlm_serve.demo.chat import LocalChat
+from vlm_serve.demo.page import SINGLE_TURN_NOTE, build_demo, launch_demo
+from vlm_serve.demo.turns import (
     MediaOptions,
-    build_demo,
     latest_question,
-    launch_demo,
     media_options_of_turns,
     to_openai_messages,
     user_turns,
@@ -165,7 +163,7 @@ def test_history_and_new_message_become_openai_messages():
 @pytest.mark.slow
 def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, chat, image, tmp_path):
     pytest.importorskip("gradio")
-    from vlm_serve.demo import _responder
+    from vlm_serve.demo.page import _responder
 
     respond = _responder(chat)
     history = user_turns({"text": PROMPT, "files": [str(image)]})
@@ -193,7 +191,7 @@ def test_handler_streams_the_answer_and_drops_a_rejected_turn(engine, chat, imag
 
 def test_an_oversized_picture_is_refused_with_its_size_the_limit_and_the_flag(engine, chat, tmp_path):
     pytest.importorskip("gradio")
-    from vlm_serve.demo import _responder
+    from vlm_serve.demo.page import _responder
 
     huge = tmp_path / "huge.png"
     huge.write_bytes(png_stating(20000, 20000))
@@ -232,7 +230,7 @@ def test_the_built_in_model_is_the_one_marked_as_knowing_single_questions_only(t
 
 def test_a_picture_attached_in_a_later_turn_gets_an_answer_about_that_picture(chat, image, tmp_path):
     pytest.importorskip("gradio")
-    from vlm_serve.demo import _responder
+    from vlm_serve.demo.page import _responder
 
     star = tmp_path / "star.png"
     render(Scene([Shape("star", "blue", "large", 0, 2)], background_seed=4)).save(star)
@@ -249,7 +247,7 @@ def test_a_picture_attached_in_a_later_turn_gets_an_answer_about_that_picture(ch
 
 def test_the_examples_are_drawn_once_into_a_folder_every_demo_shares(chat, tmp_path, monkeypatch):
     """(Each page drew them into a new temporary folder, never removed: a test run left hundreds.)"""
-    from vlm_serve.demo import builtin_examples
+    from vlm_serve.demo.page import builtin_examples
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
     (tmp_path / "temp").mkdir()
@@ -265,7 +263,7 @@ def test_the_examples_are_drawn_once_into_a_folder_every_demo_shares(chat, tmp_p
 
 def test_other_models_are_sent_the_whole_conversation(tiny_moe_dir):
     pytest.importorskip("gradio")
-    from vlm_serve.demo import _responder
+    from vlm_serve.demo.page import _responder
 
     backend = RecordingChat(tiny_moe_dir)
     history = [
@@ -573,7 +571,7 @@ def test_stop_ends_the_answer_early_and_the_engine_is_left_idle(browser, engine,
 def test_an_example_clicked_is_asked_and_answered_as_the_model_answers_it(browser, chat, tmp_path):
     from selenium.webdriver.common.by import By
 
-    from vlm_serve.demo import builtin_examples
+    from vlm_serve.demo.page import builtin_examples
 
     examples = builtin_examples(tmp_path)
     assert [len(e["files"]) for e in examples] == [1, 1, 1, 2, 1] and examples[-1]["files"][0].endswith(".mp4")
@@ -681,7 +679,8 @@ def thinking_chat(tiny_dense_dir, tmp_path_factory) -> Iterator[LocalChat]:
 
 def test_reasoning_is_a_note_open_while_the_model_thinks_and_folded_above_the_answer_after(tiny_moe_dir):
     pytest.importorskip("gradio")
-    from vlm_serve.demo import AnswerUsage, Thought, _responder
+    from vlm_serve.demo.chat import AnswerUsage, Thought
+    from vlm_serve.demo.page import _responder
 
     class Thinker(RecordingChat):
         def stream(self, messages, **sampling):
@@ -727,7 +726,8 @@ def server():
 
 @page_test
 def test_the_page_in_front_of_a_server_answers_as_the_page_on_the_engine(browser, server, chat, image):
-    from vlm_serve.demo import RemoteChat, _responder
+    from vlm_serve.demo.chat import RemoteChat
+    from vlm_serve.demo.page import _responder
 
     with pytest.raises(ValueError, match=r"refuses the API key \(give it with --api-key\)"):
         RemoteChat(server.url)
@@ -766,7 +766,8 @@ def test_installing_the_demo_keeps_the_pillow_the_package_installed():
 
 def test_pictures_and_videos_get_the_pages_settings_and_more_pixels_make_more_tokens(tiny_moe_dir, chat, tmp_path):
     pytest.importorskip("gradio")
-    from vlm_serve.demo import AnswerUsage, _responder
+    from vlm_serve.demo.chat import AnswerUsage
+    from vlm_serve.demo.page import _responder
 
     history = user_turns({"text": "Compare.", "files": ["/up/a.png", "/up/clip.mp4"]})
     backend = RecordingChat(tiny_moe_dir)
@@ -790,7 +791,7 @@ def test_each_turns_files_keep_the_settings_they_were_sent_with(tiny_moe_dir):
     were (processed anew, they would be other tokens, a conversation the prefix cache no longer knows).
     A turn asked again takes the settings of now."""
     pytest.importorskip("gradio")
-    from vlm_serve.demo import _responder
+    from vlm_serve.demo.page import _responder
 
     backend = RecordingChat(tiny_moe_dir)
     respond = _responder(backend)
@@ -822,7 +823,8 @@ def test_a_picture_keeps_its_tokens_when_the_settings_change_after_it_was_sent(c
     """The built-in model is sent a follow-up question with the picture before it: with the settings it was
     sent with, so it is the same tokens, found in the prefix cache."""
     pytest.importorskip("gradio")
-    from vlm_serve.demo import AnswerUsage, _responder
+    from vlm_serve.demo.chat import AnswerUsage
+    from vlm_serve.demo.page import _responder
 
     big = tmp_path / "big.png"
     Image.new("RGB", (800, 600), "white").save(big)
