@@ -534,8 +534,25 @@ def test_a_picture_keeps_the_settings_it_was_sent_with_when_the_pages_change(bro
     assert picture["max_pixels"] == 50176 and Path(picture["image"]).read_bytes() == image.read_bytes()
 
 
+@pytest.fixture
+def both_asked_first(engine, monkeypatch) -> None:
+    """The engine takes no step (for a minute at most) until two questions have reached it: two people who
+    ask at once meet in one batch however slowly the browser sends the second tab's."""
+    step, deadline, opened = engine.step, time.monotonic() + 60, []
+
+    def gated() -> None:
+        asked = len(engine._io.inbox) + len(engine.scheduler.reqs)
+        if not opened and asked < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the engine's thread takes what arrived, then comes back)
+            return
+        opened.append(True)
+        step()
+
+    monkeypatch.setattr(engine, "step", gated)
+
+
 @page_test
-def test_two_people_asking_at_once_are_answered_together_in_one_batch(browser, engine, chat, image, slow_steps):
+def test_two_people_asking_at_once_are_answered_together_in_one_batch(browser, engine, chat, image, both_asked_first):
     with served(chat) as url:
         pages = [Page(browser, url), Page(browser, url)]  # two tabs: two sessions
         for page in pages:

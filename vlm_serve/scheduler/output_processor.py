@@ -4,53 +4,21 @@ appended with its log-probs, finish checks, and what the request's PD side or ca
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 
 from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
 from vlm_serve.kv_cache.radix_cache import RadixCache
-from vlm_serve.llm.forward_batch import ForwardBatch, ForwardMode, ForwardOutput, sample_groups
+from vlm_serve.llm.forward_batch import ForwardMode, ForwardOutput, sample_groups
 from vlm_serve.llm.layers.sampler import SampleOutput
 from vlm_serve.llm.overlap import ForwardThread, FutureMap
 from vlm_serve.scheduler.drafting import Drafting
 from vlm_serve.scheduler.encoding_stage import EncodingStage
+from vlm_serve.scheduler.launch import LaunchedBatch
 from vlm_serve.scheduler.metrics import SchedulerMetrics
 from vlm_serve.scheduler.output_streamer import OutputStreamer
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
-from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
-
-
-@dataclass
-class LaunchedBatch:
-    """A batch whose forward was launched: what `process_batch_result` needs once it has run."""
-
-    reqs: list[Req]
-    forward_mode: ForwardMode
-    num_prefill_reqs: int  # the first rows; the others (a mixed batch) were decoding
-    samples: list[bool]  # per row: whether its sampled token is an output (not for a chunk before the end)
-    kv_ends: list[int]  # per row: its tokens with KV once the batch has run
-    future_start: int  # FutureMap slot of row 0's token
-    result: Future[ForwardOutput]
-    num_drafts: list[int] | None = None  # TARGET_VERIFY: each row's draft tokens
-    keep_aux: bool = False  # whether the EAGLE-3 draft ran after it (else its requests draft no more)
-
-    @classmethod
-    def of(cls, batch: ScheduleBatch, forward_batch: ForwardBatch) -> LaunchedBatch:
-        """What to keep of a batch about to be launched (its result is set when the forward has run)."""
-        verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
-        return cls(
-            reqs=list(batch.reqs),
-            forward_mode=batch.forward_mode,
-            num_prefill_reqs=batch.num_prefill_reqs,
-            samples=list(batch.samples),
-            kv_ends=list(forward_batch.seq_lens_cpu),
-            future_start=forward_batch.future_start,
-            result=Future(),
-            num_drafts=[len(d) for d in forward_batch.draft_ids] if verify else None,
-            keep_aux=forward_batch.keep_aux,
-        )
+from vlm_serve.scheduler.schedule_batch import Req
 
 
 class SchedulerOutputProcessorMixin:

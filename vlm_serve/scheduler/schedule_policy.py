@@ -7,6 +7,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+import torch
+
 from vlm_serve.config import SCHEDULE_POLICIES
 from vlm_serve.kv_cache.radix_cache import RadixCache, TreeNode
 from vlm_serve.scheduler.schedule_batch import Req, ScheduleBatch
@@ -109,6 +111,28 @@ class SchedulePolicy:
             # pushed lightest first so that the heaviest subtree is visited first
             stack.extend((n, False) for n in sorted(children[node], key=lambda n: (weight[n], -n.last_access)))
         return order
+
+
+class InBatchPrefixes:
+    """The uncached tokens of the requests picked this round, for in-batch prefix caching: a request that
+    shares enough of them with one picked waits a round, and then hits the cache."""
+
+    def __init__(self, tree_cache: RadixCache) -> None:
+        self.enabled = not tree_cache.disable
+        self.tree = RadixCache(None, None)
+
+    def should_wait(self, req: Req) -> bool:
+        if not self.enabled or req.prompt_logprobs_pending:
+            return False
+        if len(req.prefix_indices) > IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
+            return False
+        uncached = req.cache_key(req.fill_ids[len(req.prefix_indices) :])
+        return len(self.tree.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+
+    def add(self, req: Req) -> None:
+        if self.enabled:
+            uncached = req.cache_key(req.fill_ids[len(req.prefix_indices) :])
+            self.tree.insert(uncached, torch.zeros(len(uncached), dtype=torch.int64))
 
 
 class AddReqResult(Enum):

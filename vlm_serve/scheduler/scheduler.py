@@ -12,16 +12,16 @@ Its I/O is injected (`SchedulerIO`): ZMQ sockets in the server's scheduler proce
 which drives the same loop one iteration at a time (`run_iteration`).
 
 This file holds the loops, a request's end and the choice of batches; the rest is in parts beside it:
-requests in (`intake.py`), results (`output_processor.py`), what goes out (`output_streamer.py`), reports
-and health (`stats.py`), and the stages a request may wait in (`grammar_queue.py`, `encoding_stage.py`,
-`pd_prefill.py`/`pd_decode.py`), drafting (`drafting.py`) and TP's broadcasts (`tp_broadcast.py`).
+requests in (`intake.py`), a batch launched (`launch.py`), results (`output_processor.py`), what goes out
+(`output_streamer.py`), the settings it reads (`concerns.py`), reports and health (`stats.py`), and the
+stages a request may wait in (`grammar_queue.py`, `encoding_stage.py`, `pd_prefill.py`/`pd_decode.py`),
+drafting (`drafting.py`) and TP's broadcasts (`tp_broadcast.py`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -47,17 +47,17 @@ from vlm_serve.scheduler.drafting import Drafting
 from vlm_serve.scheduler.encoding_stage import EncodingStage
 from vlm_serve.scheduler.grammar_queue import GrammarQueue
 from vlm_serve.scheduler.intake import SchedulerIntakeMixin
+from vlm_serve.scheduler.launch import LaunchedBatch, SchedulerLaunchMixin
 from vlm_serve.scheduler.metrics import SchedulerMetrics
-from vlm_serve.scheduler.output_processor import LaunchedBatch, SchedulerOutputProcessorMixin
+from vlm_serve.scheduler.output_processor import SchedulerOutputProcessorMixin
 from vlm_serve.scheduler.output_streamer import OutputStreamer, SchedulerIO
 from vlm_serve.scheduler.pd_common import META_SLOT_BYTES
 from vlm_serve.scheduler.pd_decode import DecodeDisaggregation
 from vlm_serve.scheduler.pd_prefill import PrefillDisaggregation
 from vlm_serve.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, request_failure
 from vlm_serve.scheduler.schedule_policy import (
-    IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
-    IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
     AddReqResult,
+    InBatchPrefixes,
     NewTokenRatio,
     PrefillAdder,
     SchedulePolicy,
@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 RETRACT_DECODE_STEPS = 20  # after a retraction the rest must be able to decode this many steps
 
 
-class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
+class Scheduler(SchedulerIntakeMixin, SchedulerLaunchMixin, SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     """Turns requests into batches and batches into outputs, one `run_iteration` at a time."""
 
     def __init__(
@@ -361,7 +361,7 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
         if self.chunked_req is not None:
             self.chunked_req.extend_len = self.chunked_req.seq_len - self.chunked_req.kv_len
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        in_batch = RadixCache(None, None)  # ids of requests picked this round, for in-batch sharing
+        in_batch = InBatchPrefixes(self.tree_cache)
         evicted = self.tree_cache.evicted_tokens  # (loading a host hit back evicts: later matches are redone)
         for req in list(self.waiting_queue):
             if (
@@ -377,14 +377,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             if req.mm_items and self.encoding.add(req, len(req.prefix_indices) + req.host_hit_length):
                 self.waiting_queue.remove(req)  # its cached prefix shrank: it needs embeddings after all
                 continue
-            if (
-                not self.tree_cache.disable
-                and not req.prompt_logprobs_pending
-                and len(req.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
-            ):
-                uncached = req.cache_key(req.fill_ids[len(req.prefix_indices) :])
-                if len(in_batch.match_prefix(uncached).indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
-                    continue  # it will hit the cache next round
+            if in_batch.should_wait(req):
+                continue  # it will hit the cache next round
             if self.concerns.schedule.enable_priority_scheduling:
                 threshold = self.concerns.schedule.priority_scheduling_preemption_threshold
                 result, preempted = adder.add_one_req_preempting(req, self.running_batch, threshold)
@@ -394,9 +388,8 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
                     mixed = [r for r in mixed if r not in preempted]
             else:
                 result = adder.add_one_req(req)
-            if req in adder.can_run_list and not self.tree_cache.disable:
-                uncached = req.cache_key(req.fill_ids[len(req.prefix_indices) :])
-                in_batch.insert(uncached, torch.zeros(len(uncached), dtype=torch.int64))
+            if req in adder.can_run_list:
+                in_batch.add(req)
             if result != AddReqResult.CONTINUE:
                 break
         if adder.new_chunked_req is not None:
@@ -451,43 +444,3 @@ class Scheduler(SchedulerIntakeMixin, SchedulerOutputProcessorMixin, SchedulerMe
             if any(drafts) and free >= sum(len(d) + 1 for d in drafts) + len(decoding) * self.allocator.page_size:
                 decode.forward_mode, decode.draft_ids = ForwardMode.TARGET_VERIFY, drafts
         return decode
-
-    # ---- running a batch ---------------------------------------------------------------------------
-
-    def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
-        """Builds the batch's tensors and launches its forward: on the forward thread with overlap (the
-        result arrives later), else here and now. Requests whose token it samples get a future id."""
-        t0 = time.perf_counter()
-        verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
-        if batch.forward_mode.is_decode():
-            forward_batch = batch.prepare_for_decode()
-        elif verify:
-            forward_batch = batch.prepare_for_verify(draft_model=self.drafting.eagle is not None)
-        else:
-            forward_batch = batch.prepare_for_extend()
-        forward_batch.future_start = self.future_map.alloc(len(batch.reqs))
-        forward_batch.keep_aux = self.drafting.eagle is not None and not self.drafting.skips(batch)
-        if forward_batch.keep_aux and not verify:
-            forward_batch.draft_next_ids = batch.draft_next_ids(forward_batch)
-        self.runner.init_forward_metadata(forward_batch)
-        for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
-            if verify:
-                req.verifying = True  # (how many tokens it keeps is waited for)
-            elif samples:
-                req.future_token = FutureMap.future_id(forward_batch.future_start + i)
-        for req in batch.reqs[: batch.num_prefill_reqs]:
-            # share the prompt (or chunk) at once: every forward that could read its KV runs after this one
-            self.tree_cache.cache_unfinished_req(req)
-        launched = LaunchedBatch.of(batch, forward_batch)
-        t1 = time.perf_counter()
-        self.metrics.time_schedule += t1 - t0
-        if self.forward_thread is not None:
-            launched.result = self.forward_thread.launch(forward_batch)
-        else:
-            launched.result.set_result(self.forward(forward_batch))
-            self.metrics.time_forward += time.perf_counter() - t1
-        self.tree_cache.after_launch()
-        self.forward_ct += 1
-        if self.forward_ct % self.concerns.log.log_interval == 0:
-            self.log_stats(batch.forward_mode, len(batch.reqs), len(forward_batch.input_ids))
-        return launched
