@@ -18,6 +18,7 @@ from vlm_serve.llm.lora.layer import lora_batch
 from vlm_serve.llm.mem_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.llm.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from vlm_serve.llm.models.loader import load_model
+from vlm_serve.llm.models.registry import EAGLE3, LORA, require
 from vlm_serve.llm.overlap import FutureMap
 from vlm_serve.llm.prompt_logprobs import compute_prompt_logprobs
 from vlm_serve.llm.speculative.eagle3 import Eagle3Draft, load_eagle3_draft
@@ -42,6 +43,10 @@ class ModelRunner:
         self.model_config = model_config
         self.device = server_args.resolved_device()
         self.dtype = server_args.resolved_dtype(model_config)
+        if server_args.enable_lora:
+            require(model_config, LORA)
+        if server_args.speculative_algorithm == "eagle3":
+            require(model_config, EAGLE3)
         init_parallel_state(server_args.tp_size, server_args.ep_size)
         torch.manual_seed(server_args.seed)
         if self.device.type == "cpu" and server_args.vit_dp > 0:

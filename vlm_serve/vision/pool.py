@@ -45,6 +45,7 @@ from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.llm.lora.adapter import TowerLoRA
 from vlm_serve.llm.models.base import VisionOutput
 from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.llm.models.registry import LORA, require
 from vlm_serve.process import exits_at_once, init_child_process, rank_threads, starting_children, stop_signals_deferred
 from vlm_serve.vision.encoder import CoreShare, EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 
@@ -534,6 +535,8 @@ def create_encoder(
 
 def load_vision_tower(server_args: ServerArgs, config: ModelConfig, device: torch.device):
     """The vision tower as `server_args` has it loaded, on `device`."""
+    if server_args.enable_lora:
+        require(config, LORA)
     dtype, weight_dtype = server_args.resolved_dtype(config), server_args.resolved_weight_dtype(config)
     visual = load_vision_model(config, device, dtype, weight_dtype, server_args.load_format == "dummy")
     if server_args.enable_lora:
