@@ -196,6 +196,12 @@ def tiny_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2.5-VL checkpoint (seed 0, fp32, untied)."""
+    return create_tiny_model(tmp_path_factory.mktemp("tiny-qwen2.5"), arch="qwen2.5", seed=0)
+
+
+@pytest.fixture(scope="session")
 def eagle3_drafts(
     tmp_path_factory: pytest.TempPathFactory, tiny_moe_dir: Path, tiny_dense_dir: Path
 ) -> dict[str, Path]:

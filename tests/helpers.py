@@ -459,7 +459,8 @@ def block_command(block: Block, replacements: dict[str, str]) -> tuple[list[str]
 
 
 def hf_inputs(engine, processed) -> dict:
-    """What transformers' Qwen3-VL classes take for the processed input `processed` of `engine`."""
+    """What transformers' Qwen VL classes take for the processed input `processed` of `engine` (with the
+    seconds between a video's patch groups, where its processor gives them: Qwen2.5-VL's)."""
     cfg = engine.model_config
     ids = torch.tensor([processed.input_ids])
     inputs = {
@@ -472,4 +473,7 @@ def hf_inputs(engine, processed) -> dict:
         if items:
             inputs[key] = torch.cat([it.pixel_values for it in items])
             inputs[f"{modality}_grid_thw"] = torch.tensor([it.grid_thw for it in items])
+    videos = [it for it in processed.mm_items if it.modality == "video" and it.second_per_grid is not None]
+    if videos:
+        inputs["second_per_grid_ts"] = torch.tensor([it.second_per_grid for it in videos])
     return inputs

@@ -385,15 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser(
         "create-tiny-model",
-        help="write a small random Qwen3-VL checkpoint",
-        description="Write a small random Qwen3-VL checkpoint.",
+        help="write a small random Qwen3-VL or Qwen2.5-VL checkpoint",
+        description="Write a small random Qwen3-VL or Qwen2.5-VL checkpoint.",
     )
     tiny.add_argument("out_dir", help="folder the checkpoint is written into (made if missing)")
     tiny.add_argument(
         "--arch",
-        choices=["moe", "dense"],
+        choices=["moe", "dense", "qwen2.5"],
         default="moe",
-        help="Qwen3-VL-MoE (moe) or dense Qwen3-VL (dense) layers (default: %(default)s)",
+        help="Qwen3-VL-MoE (moe), dense Qwen3-VL (dense) or Qwen2.5-VL (qwen2.5, dense) (default: %(default)s)",
     )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     tiny.add_argument(

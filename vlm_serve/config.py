@@ -5,9 +5,11 @@ process: flat, as the flags are, and made of one frozen dataclass per concern (`
 `SchedulerSettings`, `EncoderSettings`, `SpeculativeSettings`, `ParallelSettings`, ...). A part of the
 engine that needs one concern takes that type (a `ServerArgs` is each of them); values that depend on
 others (the device, the chunk size, the encoder's processes, the built-in model's draft) are resolved
-once, when the settings are made. `ModelConfig` reads a Qwen3-VL `config.json` in either of the two forms in the wild: the one
-the published checkpoints use (transformers 4.57: `rope_theta` + `rope_scaling`, `num_experts`) and the
-one transformers 5 writes (`rope_parameters`, `num_local_experts`).
+once, when the settings are made. `ModelConfig` reads the `config.json` of a Qwen vision-language checkpoint
+(Qwen3-VL, Qwen2.5-VL) in the forms in the wild: the one the published checkpoints use (transformers 4.x:
+`rope_theta` + `rope_scaling`, `num_experts`; Qwen2.5-VL's text settings at the top level) and the one
+transformers 5 writes (`rope_parameters`, `num_local_experts`, a `text_config`). Which architectures are
+served is the model registry's to say (`llm/models/registry.py`), when the model is built.
 """
 
 from __future__ import annotations
@@ -593,10 +595,15 @@ class VisionConfig:
     temporal_patch_size: int
     spatial_merge_size: int
     out_hidden_size: int
-    num_position_embeddings: int
-    deepstack_visual_indexes: list[int]
+    num_position_embeddings: int = 0  # Qwen3-VL's learned position grid (side x side); 0: none
+    deepstack_visual_indexes: list[int] = field(default_factory=list)  # Qwen3-VL: blocks feeding early LM layers
     in_channels: int = 3
     rope_theta: float = 10000.0
+    # Qwen2.5-VL: attention in windows of `window_size` pixels, but at the blocks `fullatt_block_indexes`
+    window_size: int = 0
+    fullatt_block_indexes: list[int] = field(default_factory=list)
+    # Qwen2.5-VL: a video's temporal MRoPE positions advance this many per second (None: one per patch group)
+    tokens_per_second: float | None = None
 
 
 @dataclass
@@ -611,8 +618,7 @@ class TextConfig:
     hidden_act: str
     rms_norm_eps: float
     rope_theta: float
-    mrope_section: list[int]
-    mrope_interleaved: bool
+    mrope_section: list[int]  # rotary frequencies per MRoPE axis (t, h, w); how they share out is the family's
     max_position_embeddings: int
     attention_bias: bool = False
     # mixture of experts (num_experts == 0 for dense models)
@@ -633,7 +639,7 @@ class TextConfig:
 
 @dataclass
 class ModelConfig:
-    """The parts of a Qwen3-VL `config.json` that the engine uses, in one normalised form."""
+    """The parts of a Qwen VL `config.json` that the engine uses, in one normalised form."""
 
     path: Path
     architecture: str
@@ -659,9 +665,12 @@ class ModelConfig:
             raise FileNotFoundError(f"{path} is not a model directory: no config.json")
         raw = json.loads(config_file.read_text())
         architecture = (raw.get("architectures") or [""])[0]
-        if architecture not in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
-            raise ValueError(f"{path}: unsupported architecture {architecture!r} (expected a Qwen3-VL model)")
-        text_raw = raw["text_config"]
+        if not isinstance(raw.get("vision_config"), dict):
+            raise ValueError(
+                f"{path}: unsupported architecture {architecture!r}: its config.json has no vision_config "
+                "(not a vision-language checkpoint)"
+            )
+        text_raw = raw.get("text_config") or raw  # (Qwen2.5-VL's published configs keep it at the top level)
         vision_raw = raw["vision_config"]
         tie = raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False))
         dtype = raw.get("dtype") or raw.get("torch_dtype") or text_raw.get("dtype") or text_raw.get("torch_dtype")
@@ -681,17 +690,16 @@ class ModelConfig:
         )
 
 
-def _rope(raw: dict) -> tuple[float, list[int], bool]:
+def _rope(raw: dict) -> tuple[float, list[int]]:
     """Reads MRoPE settings from either `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = params.get("rope_theta", raw.get("rope_theta", 5_000_000.0))
     section = params.get("mrope_section", [24, 20, 20])
-    interleaved = params.get("mrope_interleaved", True)
-    return float(theta), list(section), bool(interleaved)
+    return float(theta), list(section)
 
 
 def _text_config(raw: dict) -> TextConfig:
-    theta, section, interleaved = _rope(raw)
+    theta, section = _rope(raw)
     heads = raw["num_attention_heads"]
     num_experts = raw.get("num_experts", raw.get("num_local_experts", 0)) or 0
     return TextConfig(
@@ -706,7 +714,6 @@ def _text_config(raw: dict) -> TextConfig:
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         mrope_section=section,
-        mrope_interleaved=interleaved,
         max_position_embeddings=raw.get("max_position_embeddings", 128000),
         attention_bias=raw.get("attention_bias", False),
         num_experts=num_experts,
@@ -730,10 +737,13 @@ def _vision_config(raw: dict) -> VisionConfig:
         temporal_patch_size=raw.get("temporal_patch_size", 2),
         spatial_merge_size=raw.get("spatial_merge_size", 2),
         out_hidden_size=raw["out_hidden_size"],
-        num_position_embeddings=raw["num_position_embeddings"],
+        num_position_embeddings=raw.get("num_position_embeddings", 0),
         deepstack_visual_indexes=list(raw.get("deepstack_visual_indexes") or []),
-        in_channels=raw.get("in_channels", 3),
+        in_channels=raw.get("in_channels", raw.get("in_chans", 3)),  # (in_chans: Qwen2.5-VL's published name)
         rope_theta=float(rope.get("rope_theta", 10000.0)),
+        window_size=raw.get("window_size", 0),
+        fullatt_block_indexes=list(raw.get("fullatt_block_indexes") or []),
+        tokens_per_second=raw.get("tokens_per_second"),
     )
 
 

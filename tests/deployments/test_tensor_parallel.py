@@ -105,6 +105,7 @@ def _worker(
         ("dense", 1, True, "w8a16-asym"),
         ("moe", 1, False, "w8a16"),  # (per channel: its experts' 24 columns a rank would cut groups of 16)
         ("moe", 2, True, "w4a16-asym"),
+        ("qwen2.5", 1, False, "float32"),  # the second family: biased q/k/v shards, sectioned MRoPE
     ],
     ids=[
         *(f"{name}-{loop}" for loop in ("normal", "overlap") for name in ("dense-tp2", "moe-tp2", "moe-tp2-ep2")),
@@ -117,12 +118,15 @@ def _worker(
         "dense-tp2-w8a16-overlap",
         "moe-tp2-w8a16",
         "moe-tp2-ep2-w4a16-overlap",
+        "qwen2.5-tp2",
     ],
 )
 def test_two_ranks_match_one(
     arch, ep_size, overlap, weights, tiny_moe_dir, tiny_dense_dir, tiny_bf16_dirs, tiny_fp8_dirs, request
 ):
     float32 = {"moe": tiny_moe_dir, "dense": tiny_dense_dir}
+    if arch == "qwen2.5":
+        float32[arch] = request.getfixturevalue("tiny_qwen2_5_dir")
     if weights.startswith("w"):
         model_dir = str(request.getfixturevalue("int_checkpoints")[f"{arch}-{weights}"])
     else:

@@ -360,3 +360,27 @@ def test_presets_refuse_ambiguous_expert_layouts_and_non_square_grids():
         dataclasses.replace(small, vision=dataclasses.replace(small.vision, positions=2000))
     with pytest.raises(ValueError, match="deepstack"):
         dataclasses.replace(small, vision=dataclasses.replace(small.vision, deepstack=(1, 3, 6)))
+
+
+def test_the_qwen2_5_family_option(tmp_path: Path, tiny_qwen2_5_dir: Path):
+    """`--arch qwen2.5` writes Qwen2.5-VL's checkpoint (checked against transformers in test_qwen2_5_vl);
+    `model_config` / `weight_shapes` tell what it writes; it has no FP8 layout."""
+    from vlm_serve.cli import build_parser
+
+    assert build_parser().parse_args(["create-tiny-model", "out", "--arch", "qwen2.5"]).arch == "qwen2.5"
+    assert json.loads((tiny_qwen2_5_dir / "config.json").read_text()) == model_config("qwen2.5")
+    with safe_open(tiny_qwen2_5_dir / "model.safetensors", "pt") as f:
+        assert {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()} == weight_shapes("qwen2.5")
+    video = json.loads((tiny_qwen2_5_dir / "video_preprocessor_config.json").read_text())
+    assert (
+        video["video_processor_type"] == "Qwen2VLVideoProcessor" and video["processor_class"] == "Qwen2_5_VLProcessor"
+    )
+    with pytest.raises(ValueError, match="writes Qwen3-VL checkpoints only"):
+        create_tiny_model(tmp_path / "fp8", arch="qwen2.5", quantize="fp8")
+
+
+@pytest.mark.skipif(not _torchvision_works(), reason="transformers' Qwen2VLVideoProcessor needs a working torchvision")
+def test_auto_processor_of_qwen2_5(tiny_qwen2_5_dir: Path):
+    processor = transformers.AutoProcessor.from_pretrained(tiny_qwen2_5_dir)
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor"
+    assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"

@@ -4,7 +4,15 @@ a family is added in files of its own and one registry line."""
 
 from __future__ import annotations
 
-from test_import_rules import import_graph
+import json
+import re
+
+import pytest
+from test_import_rules import PACKAGE, import_graph
+
+from vlm_serve.config import ModelConfig
+from vlm_serve.llm.models.registry import ARCHITECTURES, model_family
+from vlm_serve.testing.tiny_model import model_config
 
 MODELS = "vlm_serve.llm.models"
 SEAM = {f"{MODELS}.base", f"{MODELS}.registry", f"{MODELS}.loader", MODELS}
@@ -32,3 +40,25 @@ def test_the_seam_check_finds_a_crossing():
         f"{MODELS}.registry": {f"{MODELS}.qwen3_vl"},
     }
     assert family_imports(graph) == [f"vlm_serve.scheduler.x imports {MODELS}.qwen3_vl"]
+
+
+def test_the_registry_is_the_one_list_of_served_architectures(tmp_path):
+    """A vision-language config.json is read whatever architecture it names; the registry serves those it
+    lists, and names them when it refuses another. No other module lists architectures."""
+    config = model_config("qwen2.5") | {"architectures": ["Qwen2VLForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    read = ModelConfig.from_pretrained(tmp_path)
+    served = ", ".join(ARCHITECTURES)
+    with pytest.raises(
+        ValueError, match=re.escape(f"unsupported architecture 'Qwen2VLForConditionalGeneration' (served: {served})")
+    ):
+        model_family(read)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(ValueError, match="'LlamaForCausalLM': its config.json has no vision_config"):
+        ModelConfig.from_pretrained(tmp_path)
+    listing = [
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if re.search(r"[\"']Qwen\w*ForConditionalGeneration[\"']", path.read_text())
+    ]
+    assert sorted(listing) == ["llm/models/registry.py", "testing/tiny_model.py"]  # (the factory writes configs)

@@ -43,11 +43,12 @@ def engine(tiny_moe_dir):
 @pytest.fixture(scope="module")
 def make_req(tiny_moe_dir):
     processor = MultimodalProcessor.from_pretrained(tiny_moe_dir, Tokenizer.from_pretrained(tiny_moe_dir))
+    vision = ModelConfig.from_pretrained(tiny_moe_dir).vision
 
     def make(seed: int) -> Req:
         x = processor.process_messages(_conv(make_image(128, 128, seed=seed)))
         req = Req(f"r{seed}", x.input_ids, SamplingParams(), x.mm_items)
-        req.init_positions(2)
+        req.init_positions(vision)
         return req
 
     return make

@@ -31,6 +31,7 @@ from vlm_serve.llm.layers.sampler import SampleOutput, Sampler
 from vlm_serve.llm.lora.adapter import LoRAManager, read_adapter, tower_modules
 from vlm_serve.llm.lora.layer import lora_batch
 from vlm_serve.llm.models.loader import load_model
+from vlm_serve.llm.models.registry import EAGLE3, LORA, require
 from vlm_serve.llm.overlap import FutureMap
 from vlm_serve.llm.prompt_logprobs import compute_prompt_logprobs
 from vlm_serve.llm.speculative.eagle3 import Eagle3Draft, load_eagle3_draft
@@ -70,6 +71,10 @@ class ModelRunner:
         self.model_config = model_config
         self.device = model.resolved_device()
         self.dtype = model.resolved_dtype(model_config)
+        if lora.enable_lora:
+            require(model_config, LORA)
+        if speculative.speculative_algorithm == "eagle3":
+            require(model_config, EAGLE3)
         init_parallel_state(settings.parallel.tp_size, settings.parallel.ep_size)
         torch.manual_seed(model.seed)
         if self.device.type == "cpu" and settings.encoder.vit_dp > 0:

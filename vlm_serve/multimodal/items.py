@@ -40,15 +40,17 @@ class MultimodalItem:
     tower's 3D patch embedding), and `grid_thw` is `(t, h, w)` in patches. A tensor given as `pixels` is
     taken as those values. In the prompt ids the item occupies `spans`: `(start, end)` runs of its
     placeholder token. An image has one span; a video has one span per temporal patch group, separated by
-    its timestamp text. A pixel-free item (made for a PD decode server, which never runs the vision tower)
-    has `meta` pixels of the shape instead, and the same grid, spans, timestamps and hash.
+    its timestamp text (Qwen3-VL's prompts), or one span for all of them (Qwen2.5-VL's, whose groups are
+    `second_per_grid` seconds apart). A pixel-free item (made for a PD decode server, which never runs the
+    vision tower) has `meta` pixels of the shape instead, and the same grid, spans, timestamps and hash.
     """
 
     modality: Modality
     pixels: PatchPixels
     grid_thw: tuple[int, int, int]
     spans: list[tuple[int, int]] = field(default_factory=list)
-    timestamps: list[float] | None = None  # video: seconds of each temporal patch group
+    timestamps: list[float] | None = None  # video: seconds of each temporal patch group (Qwen3-VL's prompts)
+    second_per_grid: float | None = None  # video: seconds from one temporal patch group to the next (Qwen2.5-VL)
     hash: int | None = None  # content hash (mm_cache.hashing); keys the caches and the pad value
     timings: MediaTimings = field(default_factory=MediaTimings)
 

@@ -1,10 +1,12 @@
 """Prompt expansion: a rendered prompt plus its images and videos -> `ProcessedInput`.
 
-Each `<|image_pad|>` in the prompt becomes `t * h * w / merge²` image pad tokens; each `<|video_pad|>`
-becomes, per temporal patch group, `<{seconds:.1f} seconds><|vision_start|>` + pad tokens +
-`<|vision_end|>`, the chat template's `<|vision_start|>` and `<|vision_end|>` around the whole video dropped —
-the text transformers' `Qwen3VLProcessor` produces (4.57, whose text the published models were trained on,
-and 5.25; the 5.x releases between kept the outer pair). The expanded text is tokenized
+Each `<|image_pad|>` in the prompt becomes `t * h * w / merge²` image pad tokens. Each `<|video_pad|>`
+becomes, for a video processor with timestamps (Qwen3-VL's), per temporal patch group,
+`<{seconds:.1f} seconds><|vision_start|>` + pad tokens + `<|vision_end|>`, the chat template's
+`<|vision_start|>` and `<|vision_end|>` around the whole video dropped — the text transformers'
+`Qwen3VLProcessor` produces (4.57, whose text the published models were trained on, and 5.25; the 5.x
+releases between kept the outer pair); for one without (Qwen2-VL's, which Qwen2.5-VL's processor uses),
+`t * h * w / merge²` video pad tokens, as `Qwen2_5_VLProcessor` writes them. The expanded text is tokenized
 as a whole (as there), and each item's pad runs are recorded as its `spans`.
 
 Every item carries its content hash (`mm_cache.hashing.media_hash`). A processed-input cache keyed by
@@ -87,7 +89,8 @@ def chat_part_param(message: int, part: int) -> str:
 
 
 class MultimodalProcessor:
-    """Builds model inputs from prompts and media, equal to transformers' Qwen3VLProcessor output.
+    """Builds model inputs from prompts and media, equal to the output of the checkpoint's processor in
+    transformers (`Qwen3VLProcessor`, `Qwen2_5_VLProcessor`).
 
     `cache_mb` is the processed-input cache's budget (0 disables it). `pixels` False makes pixel-free
     items (see the module's doc); the cache, the processor's own, then holds only those.
@@ -341,26 +344,28 @@ class MultimodalProcessor:
             IMAGE_PAD: iter(IMAGE_PAD * item.num_tokens(image_merge) for item in images),
             VIDEO_PAD: iter(self._video_text(item, video_merge) for item in videos),
         }
-        # each group of a video's frames comes in a <|vision_start|> ... <|vision_end|> of its own, so the chat
-        # template's pair around the whole video goes, as transformers' Qwen3VLProcessor (4.57, 5.25) drops it
-        prompt = prompt.replace(VISION_START + VIDEO_PAD + VISION_END, VIDEO_PAD)
+        if self.video_processor.timestamps:
+            # each group of a video's frames comes in a <|vision_start|> ... <|vision_end|> of its own, so the chat
+            # template's pair around the whole video goes, as transformers' Qwen3VLProcessor (4.57, 5.25) drops it
+            prompt = prompt.replace(VISION_START + VIDEO_PAD + VISION_END, VIDEO_PAD)
         return _PLACEHOLDER.sub(lambda match: next(replacements[match.group()]), prompt)
 
-    @staticmethod
-    def _video_text(item: MultimodalItem, merge_size: int) -> str:
+    def _video_text(self, item: MultimodalItem, merge_size: int) -> str:
+        if not self.video_processor.timestamps:
+            return VIDEO_PAD * item.num_tokens(merge_size)
         _, height, width = item.grid_thw
         pads = VIDEO_PAD * (height * width // merge_size**2)
         return "".join(f"<{seconds:.1f} seconds>{VISION_START}{pads}{VISION_END}" for seconds in item.timestamps)
 
-    @staticmethod
-    def _set_spans(input_ids: list[int], token_id: int, items: list[MultimodalItem], merge_size: int) -> None:
-        """Give each item, in order, its runs of `token_id` (one per temporal group for videos)."""
+    def _set_spans(self, input_ids: list[int], token_id: int, items: list[MultimodalItem], merge_size: int) -> None:
+        """Give each item, in order, its runs of `token_id` (a video's: one per temporal group where the
+        prompt sets its groups apart)."""
         positions = np.flatnonzero(np.asarray(input_ids) == token_id)
         if len(positions) != sum(item.num_tokens(merge_size) for item in items):
             raise ValueError(f"the tokenized prompt does not hold the expected number of tokens with id {token_id}")
         cursor = 0
         for item in items:
-            groups = item.grid_thw[0] if item.modality == "video" else 1
+            groups = item.grid_thw[0] if item.modality == "video" and self.video_processor.timestamps else 1
             run = item.num_tokens(merge_size) // groups
             item.spans = []
             for _ in range(groups):
@@ -408,7 +413,7 @@ def _cached_bytes(item: MultimodalItem) -> int:
 def _required_token_id(tokenizer: Tokenizer, token: str) -> int:
     token_id = tokenizer.token_to_id(token)
     if token_id is None:
-        raise ValueError(f"the tokenizer has no {token} token; it is not a Qwen3-VL tokenizer")
+        raise ValueError(f"the tokenizer has no {token} token; it is not a Qwen VL tokenizer")
     return token_id
 
 

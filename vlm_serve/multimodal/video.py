@@ -1,12 +1,20 @@
-"""Qwen3-VL video preprocessing: PyAV decoding, fps frame sampling, resize, normalise, patchify.
+"""Video preprocessing: PyAV decoding, fps frame sampling, resize, normalise, patchify.
 
-Matches transformers' `Qwen3VLVideoProcessor` (with its PyAV reader): the same frame indices
+`VideoProcessor` matches transformers' `Qwen3VLVideoProcessor` (with its PyAV reader): the same frame indices
 (`linspace(0, total - 1, n).round()`, n from fps clamped by min/max frames and the frame count), the
 same `smart_resize` with the temporal factor and whole-clip pixel budget, the same resize (torchvision's
 uint8 bicubic antialiased resize, which is `torch.nn.functional.interpolate`), normalisation
 `(v - mean / rescale) / (std / rescale)` in float32, frame padding by repeating the last frame, patch
 layout and per-group timestamps. One deliberate difference: a clip with a single frame is accepted
 (sized as if it had `temporal_patch_size` frames) where transformers raises.
+
+`Qwen2VLVideoProcessor` matches transformers' `Qwen2VLVideoProcessor` (Qwen2.5-VL's checkpoints name it, or
+their `Qwen2_5_VLProcessor`): its frame indices (`arange(0, total, total / n)`, n from fps clamped and cut to
+a multiple of the temporal patch), each frame sized alone (the images' `smart_resize` between the per-frame
+`min_pixels` and `max_pixels`), no timestamps but the seconds between groups (`second_per_grid`, for the
+temporal positions). Deliberate differences: frames are always sampled by fps (transformers keeps every frame
+of a checkpoint that does not set `do_sample_frames`, as Qwen2.5-VL's published ones do not; qwen-vl-utils and
+vLLM sample them at 2 per second), and a clip of fewer frames than a temporal patch is kept whole.
 
 Decoding is bounded: frames are decoded in order, only the sampled ones are converted to RGB, and each
 is resized as soon as it is decoded, so memory holds the kept frames at their final size.
@@ -35,12 +43,15 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vlm_serve.multimodal.image_processor import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
     check_aspect_ratio,
     load_json,
     meta_pixels,
     positive_float,
     read_pixel_limits,
     reject_disabled_steps,
+    smart_resize,
     validate_pixel_settings,
 )
 from vlm_serve.multimodal.items import MultimodalItem
@@ -152,6 +163,45 @@ class VideoProcessorConfig:
         return per_frame * num_frames
 
 
+@dataclass(frozen=True)
+class Qwen2VLVideoProcessorConfig(VideoProcessorConfig):
+    """Video settings of a checkpoint whose videos are Qwen2-VL's: `min_pixels` / `max_pixels` bound each
+    frame, not the clip; defaults are transformers' `Qwen2VLVideoProcessor`'s."""
+
+    patch_size: int = 14
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 28 * 28 * 768
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
+    max_video_tokens: int = 128000
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cap_pixels_per_frame:
+            raise ValueError("cap_pixels_per_frame=true is not supported for Qwen2-VL's video processor")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> Qwen2VLVideoProcessorConfig:
+        """Read `video_preprocessor_config.json`; without it, `preprocessor_config.json` (as transformers does)."""
+        return cls.from_dict(
+            load_json(model_dir, "video_preprocessor_config.json")
+            or load_json(model_dir, "preprocessor_config.json")
+            or {}
+        )
+
+
+def names_qwen2_vl_videos(model_dir: str | os.PathLike) -> bool:
+    """Whether a checkpoint's videos are Qwen2-VL's: its video config names `Qwen2VLVideoProcessor`, or
+    (without one) its processor is Qwen2-VL's or Qwen2.5-VL's."""
+    video = load_json(model_dir, "video_preprocessor_config.json") or {}
+    if "video_processor_type" in video:
+        return video["video_processor_type"] == "Qwen2VLVideoProcessor"
+    processor = video.get("processor_class") or (load_json(model_dir, "preprocessor_config.json") or {}).get(
+        "processor_class"
+    )
+    return processor in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+
+
 # -- sampling and geometry ---------------------------------------------------------------------------
 
 
@@ -163,6 +213,20 @@ def sample_frame_indices(
     num_frames = int(total_frames / video_fps * fps)
     num_frames = min(max(num_frames, min_frames), max_frames, total_frames)
     return np.linspace(0, total_frames - 1, num_frames).round().astype(int).tolist()
+
+
+def sample_frame_indices_qwen2_vl(
+    total_frames: int, video_fps: float, fps: float, min_frames: int, max_frames: int, temporal_patch_size: int
+) -> list[int]:
+    """Indices of the frames kept, as transformers' `Qwen2VLVideoProcessor` picks them: `fps` per second of
+    video, clamped to [min_frames, max_frames] and the frame count, cut to a multiple of the temporal patch,
+    every `total / n`-th frame from the first; every frame of a clip shorter than a temporal patch."""
+    most = math.floor(min(max_frames, total_frames) / temporal_patch_size) * temporal_patch_size
+    num_frames = min(max(total_frames / video_fps * fps, min_frames), most, total_frames)
+    num_frames = math.floor(num_frames / temporal_patch_size) * temporal_patch_size
+    if num_frames == 0:
+        return list(range(total_frames))
+    return torch.arange(0, total_frames, total_frames / num_frames).int().tolist()
 
 
 def group_timestamps(frame_indices: Sequence[int], video_fps: float, temporal_patch_size: int) -> list[float]:
@@ -326,6 +390,11 @@ class VideoProcessor:
     `preprocess(..., pixels=False)` gives the same grid and timestamps without decoding a frame.
     """
 
+    config_class: type[VideoProcessorConfig] = VideoProcessorConfig
+    # The prompt sets each temporal patch group apart: its time (`<1.5 seconds>`), then its pads in a
+    # <|vision_start|> ... <|vision_end|> of its own (Qwen3-VL's). Without: the video's pads in one run.
+    timestamps = True
+
     def __init__(self, config: VideoProcessorConfig, max_frame_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.config = config
         self.max_frame_pixels = max_frame_pixels
@@ -333,7 +402,10 @@ class VideoProcessor:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, **kwargs) -> VideoProcessor:
-        return cls(VideoProcessorConfig.from_pretrained(model_dir), **kwargs)
+        """The checkpoint's video processor: Qwen2-VL's where its configs name it (`names_qwen2_vl_videos`),
+        else Qwen3-VL's."""
+        kind = Qwen2VLVideoProcessor if names_qwen2_vl_videos(model_dir) else VideoProcessor
+        return kind(kind.config_class.from_pretrained(model_dir), **kwargs)
 
     def preprocess(
         self,
@@ -356,12 +428,12 @@ class VideoProcessor:
         indices, size = self._sampling(info, config)
         probed = time.perf_counter()
         if not pixels:
-            item = self._item(indices, info.fps, size, config)
+            item = self._item(indices, info, size, config)
             item.timings.probe = probed - start
             return item
         frames, resize_seconds = self._decode(data, indices, size)
         decoded = time.perf_counter()
-        item = self._item(indices, info.fps, size, config, frames)
+        item = self._item(indices, info, size, config, frames)
         item.timings.probe = probed - start
         item.timings.decode = decoded - probed - resize_seconds
         item.timings.preprocess = time.perf_counter() - decoded + resize_seconds
@@ -374,9 +446,11 @@ class VideoProcessor:
         video_fps: float,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        total_frames: int | None = None,
     ) -> MultimodalItem:
         """Build the video item from already sampled `(n, H, W, 3)` uint8 RGB frames taken at
-        `frame_indices` of a video running at `video_fps`."""
+        `frame_indices` of a video of `total_frames` frames (default: up to the last index) running at
+        `video_fps`."""
         config = self.config.with_overrides(min_pixels, max_pixels)
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
             raise ValueError(f"frames must be a non-empty (n, H, W, 3) uint8 array, got {frames.shape} {frames.dtype}")
@@ -384,7 +458,9 @@ class VideoProcessor:
             raise ValueError(f"got {len(frames)} frames but {len(frame_indices)} frame indices")
         size = self._target_size(len(frames), frames.shape[1], frames.shape[2], config)
         pixels = [resize_frame(frame, *size) for frame in frames]
-        return self._item(list(frame_indices), positive_float("video_fps", video_fps), size, config, pixels)
+        total = total_frames or max(frame_indices) + 1
+        info = VideoInfo(total, positive_float("video_fps", video_fps), frames.shape[1], frames.shape[2])
+        return self._item(list(frame_indices), info, size, config, pixels)
 
     def _sampling(self, info: VideoInfo, config: VideoProcessorConfig) -> tuple[list[int], tuple[int, int]]:
         """The indices of the frames kept, and their (height, width) once resized."""
@@ -468,13 +544,13 @@ class VideoProcessor:
     def _item(
         self,
         indices: list[int],
-        video_fps: float,
+        info: VideoInfo,
         size: tuple[int, int],
         config: VideoProcessorConfig,
         pixels: list[torch.Tensor] | None = None,
     ) -> MultimodalItem:
-        """The item of the frames at `indices`, resized to `size`: with their `pixels` patchified, or
-        without pixels (`meta` pixels)."""
+        """The item of the frames at `indices` of the video `info` tells of, resized to `size`: with their
+        `pixels` patchified, or without pixels (`meta` pixels)."""
         temporal = config.temporal_patch_size
         grid = (-(-len(indices) // temporal), size[0] // config.patch_size, size[1] // config.patch_size)
         if pixels is None:
@@ -482,7 +558,35 @@ class VideoProcessor:
         else:
             frames = torch.stack(pixels + [pixels[-1]] * (-len(pixels) % temporal))
             patches = patchify_video(frames, self._normalizer, config.patch_size, config.merge_size, temporal)
-        return MultimodalItem("video", patches, grid, timestamps=group_timestamps(indices, video_fps, temporal))
+        return self._timed(MultimodalItem("video", patches, grid), indices, info, temporal)
+
+    def _timed(self, item: MultimodalItem, indices: list[int], info: VideoInfo, temporal: int) -> MultimodalItem:
+        """`item` with the times its prompt text gives: each temporal patch group's."""
+        item.timestamps = group_timestamps(indices, info.fps, temporal)
+        return item
+
+
+class Qwen2VLVideoProcessor(VideoProcessor):
+    """Samples, sizes and preprocesses videos exactly as Qwen2-VL's video processor does (Qwen2.5-VL's
+    checkpoints use it); see the module's doc for where it differs on purpose."""
+
+    config_class = Qwen2VLVideoProcessorConfig
+    timestamps = False
+
+    def _sampling(self, info: VideoInfo, config: VideoProcessorConfig) -> tuple[list[int], tuple[int, int]]:
+        indices = sample_frame_indices_qwen2_vl(
+            info.total_frames, info.fps, config.fps, config.min_frames, config.max_frames, config.temporal_patch_size
+        )
+        return indices, self._target_size(len(indices), info.height, info.width, config)
+
+    def _target_size(self, num_frames: int, height: int, width: int, config: VideoProcessorConfig) -> tuple[int, int]:
+        return smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+
+    def _timed(self, item: MultimodalItem, indices: list[int], info: VideoInfo, temporal: int) -> MultimodalItem:
+        """`item` with the seconds between its temporal patch groups, at the rate its frames were kept
+        (transformers' `second_per_grid_ts`)."""
+        item.second_per_grid = temporal / (len(indices) / info.total_frames * info.fps)
+        return item
 
 
 def write_video(

@@ -52,7 +52,6 @@ class SchedulerIntakeMixin:
     tp_rank: int
     tp_broadcast: TPBroadcast | None
     vocab_size: int
-    merge_size: int
     reqs: dict[str, Req]
     waiting_queue: list[Req]
     running_batch: ScheduleBatch
@@ -177,7 +176,7 @@ class SchedulerIntakeMixin:
             )
         self.limits.check_fits(prompt_len, params.max_new_tokens)
         req.origin_input_ids = pad_input_ids(req.origin_input_ids, req.mm_items, self.vocab_size)
-        req.init_positions(self.merge_size)
+        req.init_positions(self.runner.model_config.vision)
         if req.sampling_params.stop or req.sampling_params.stop_regex:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.reqs[req.rid] = req

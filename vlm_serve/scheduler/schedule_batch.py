@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vlm_serve.config import VisionConfig
 from vlm_serve.detokenizer import IncrementalDetokenizer, find_stop, find_stop_regex
 from vlm_serve.kv_cache.allocator import TokenToKVPoolAllocator
 from vlm_serve.kv_cache.memory_pool import ReqToTokenPool
@@ -132,10 +133,10 @@ class Req:
     def __post_init__(self) -> None:
         self.prompt_ids = self.origin_input_ids  # (the scheduler pads origin_input_ids into a new list)
 
-    def init_positions(self, spatial_merge_size: int) -> None:
-        self.mrope_positions, self.mrope_delta = mrope_positions(
-            len(self.origin_input_ids), self.mm_items, spatial_merge_size
-        )
+    def init_positions(self, vision: VisionConfig) -> None:
+        """The prompt's MRoPE positions (and the runs of its media rows), placed as the model's `vision`
+        config has them."""
+        self.mrope_positions, self.mrope_delta = mrope_positions(len(self.origin_input_ids), self.mm_items, vision)
         self.mm_runs = []
         for i, item in enumerate(self.mm_items):
             row = 0

@@ -21,7 +21,7 @@ def prefill_logits(
     runner, tree_cache = scheduler.runner, scheduler.tree_cache
     ids = pad_input_ids(input_ids, list(mm_items), runner.model_config.text.vocab_size)
     req = Req("prefill-logits", ids, SamplingParams(), list(mm_items), lora_slot=lora_slot)
-    req.init_positions(runner.model_config.vision.spatial_merge_size)
+    req.init_positions(runner.model_config.vision)
     req.last_node, req.extend_len = tree_cache.root, req.seq_len
     if mm_items and scheduler.encoding.add(req, 0):
         while req in scheduler.encoding:

@@ -1,10 +1,14 @@
-"""Tiny, randomly initialised Qwen3-VL checkpoints in the published Hugging Face layout.
+"""Tiny, randomly initialised Qwen3-VL and Qwen2.5-VL checkpoints in the published Hugging Face layout.
 
-`create_tiny_model` writes everything a real Qwen3-VL checkpoint directory holds (config, weights,
-tokenizer, chat template, image/video processor configs). The layout is the one the published
-checkpoints have (written by transformers 4.57): `rope_scaling` in the text config and MoE experts
-fused as `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`. The weights are float32 by default, or
-bfloat16 / float16 (`dtype`) as the published checkpoints are.
+`create_tiny_model` writes everything a real checkpoint directory holds (config, weights, tokenizer, chat
+template, image/video processor configs). The layout is the one the published checkpoints have: for
+Qwen3-VL (`arch` "moe" or "dense"; written by transformers 4.57) `rope_scaling` in the text config and MoE
+experts fused as `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`; for Qwen2.5-VL (`arch` "qwen2.5", dense)
+the text settings at the top of config.json with `rope_scaling: {type: mrope, mrope_section}`, tensors named
+`model.layers.*` and `visual.*` (as transformers 5 still writes them), patches of 14 pixels, windowed vision
+attention with full attention every fourth block, and Qwen2-VL's video processor (per-frame pixel limits,
+no timestamps). The weights are float32 by default, or bfloat16 / float16 (`dtype`) as the published
+checkpoints are.
 
 `quantize="fp8"` writes the layout of Qwen's FP8 checkpoints (`Qwen/Qwen3-VL-235B-A22B-Instruct-FP8`, the
 dense `Qwen/Qwen3-VL-8B-Instruct-FP8`, ...), quantized from the bfloat16 weights of the same seed (the
@@ -50,6 +54,7 @@ default behaviour) so that the oracle's video sizing is explicit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -63,11 +68,13 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 from vlm_serve.config import DTYPES
+from vlm_serve.multimodal.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from vlm_serve.quantization import Fp8Config, quantize_fp8_blocks
 
 ARCHS = {
     "moe": ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"),
     "dense": ("Qwen3VLForConditionalGeneration", "qwen3_vl"),
+    "qwen2.5": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
 }
 
 # Scale of what each attention/MLP block (and the vision mergers) adds to the residual stream, relative to
@@ -147,7 +154,9 @@ class ModelSize:
             raise ValueError(f"deepstack indexes {self.vision.deepstack} must be blocks of {self.vision.depth}")
 
     def text(self, arch: str) -> TextShape:
-        """The language model's shape in the `arch` checkpoint."""
+        """The language model's shape in the `arch` checkpoint (Qwen2.5-VL's heads are hidden / heads wide)."""
+        if arch == "qwen2.5":
+            return dataclasses.replace(self.dense, head_dim=self.dense.hidden // self.dense.heads)
         return self.moe if arch == "moe" else self.dense
 
 
@@ -217,6 +226,12 @@ MAX_POSITIONS = 4096
 PATCH_SIZE = 16
 TEMPORAL_PATCH = 2
 MERGE_SIZE = 2
+# Qwen2.5-VL's tower: 14-pixel patches, attention windows of 112 pixels (4 x 4 merged patches), full
+# attention every fourth block (Qwen's: every eighth of 32), video positions 2 a second
+QWEN2_5_PATCH_SIZE = 14
+QWEN2_5_WINDOW = 112
+QWEN2_5_TOKENS_PER_SECOND = 2
+QWEN2_5_FRAME_MAX_PIXELS = 224 * 224  # a video frame's, at most (64 merged patches)
 BPE_VOCAB_SIZE = 1400
 QUANTIZE_METHODS = ("fp8",)
 
@@ -400,7 +415,10 @@ def _model_config(
     dtype: str,
     quantization: Fp8Config | None = None,
 ) -> dict:
-    """The `config.json` of the model, as transformers 4.57 writes Qwen3-VL configs."""
+    """The `config.json` of the model, as transformers 4.57 writes Qwen3-VL configs (`_qwen2_5_config`:
+    Qwen2.5-VL's)."""
+    if arch == "qwen2.5":
+        return _qwen2_5_config(size, token_ids, vocab_size, tie, dtype)
     architecture, model_type = ARCHS[arch]
     text, experts, vision = size.text(arch), size.experts, size.vision
     text_config: dict = {
@@ -469,9 +487,84 @@ def _model_config(
     return config
 
 
-def _weight_specs(
-    arch: str, size: ModelSize, vocab_size: int, tie: bool
-) -> list[tuple[str, tuple[int, ...], float, float]]:
+WeightSpecs = list[tuple[str, tuple[int, ...], float, float]]  # (name, shape, mean, std) of each tensor
+
+
+class _Specs(list):
+    """The (name, shape, mean, std) of tensors, in the order they are added (see `_weight_specs`)."""
+
+    def linear(self, name: str, out_dim: int, in_dim: int, bias: bool = False, gain: float = 1.0) -> None:
+        self.append((f"{name}.weight", (out_dim, in_dim), 0.0, gain * in_dim**-0.5))
+        if bias:
+            self.append((f"{name}.bias", (out_dim,), 0.0, 0.1))
+
+    def norm(self, name: str, dim: int, bias: bool = False) -> None:
+        self.append((f"{name}.weight", (dim,), 1.0, 0.1))
+        if bias:
+            self.append((f"{name}.bias", (dim,), 0.0, 0.1))
+
+
+def _sectioned_mrope(head_dim: int) -> list[int]:
+    """Qwen2.5-VL's [16, 24, 24] for head_dim 128, scaled to sum to head_dim // 2 ([2, 3, 3] for 16)."""
+    half = head_dim // 2
+    spatial = half - half // 4
+    return [half // 4, spatial // 2, spatial - spatial // 2]
+
+
+def _qwen2_5_config(size: ModelSize, token_ids: dict[str, int], vocab_size: int, tie: bool, dtype: str) -> dict:
+    """The `config.json` of a Qwen2.5-VL model, in the published checkpoints' form (the text settings at the
+    top level, `rope_scaling` of type mrope)."""
+    text, vision = size.text("qwen2.5"), size.vision
+    return {
+        "architectures": [ARCHS["qwen2.5"][0]],
+        "attention_dropout": 0.0,
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "hidden_act": "silu",
+        "hidden_size": text.hidden,
+        "image_token_id": token_ids["<|image_pad|>"],
+        "initializer_range": 0.02,
+        "intermediate_size": text.intermediate,
+        "max_position_embeddings": MAX_POSITIONS,
+        "max_window_layers": text.layers,
+        "model_type": ARCHS["qwen2.5"][1],
+        "num_attention_heads": text.heads,
+        "num_hidden_layers": text.layers,
+        "num_key_value_heads": text.kv_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {"type": "mrope", "mrope_section": _sectioned_mrope(text.head_dim)},
+        "rope_theta": size.rope_theta,
+        "sliding_window": MAX_POSITIONS,
+        "tie_word_embeddings": tie,
+        "torch_dtype": dtype,
+        "transformers_version": "4.49.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "video_token_id": token_ids["<|video_pad|>"],
+        "vision_config": {
+            "depth": vision.depth,
+            "fullatt_block_indexes": list(range(vision.depth - 1, -1, -4))[::-1],
+            "hidden_act": "silu",
+            "hidden_size": vision.hidden,
+            "in_chans": 3,
+            "intermediate_size": vision.intermediate,
+            "num_heads": vision.heads,
+            "out_hidden_size": text.hidden,
+            "patch_size": QWEN2_5_PATCH_SIZE,
+            "spatial_merge_size": MERGE_SIZE,
+            "spatial_patch_size": QWEN2_5_PATCH_SIZE,
+            "temporal_patch_size": TEMPORAL_PATCH,
+            "tokens_per_second": QWEN2_5_TOKENS_PER_SECOND,
+            "window_size": QWEN2_5_WINDOW,
+        },
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+        "vision_start_token_id": token_ids["<|vision_start|>"],
+        "vision_token_id": token_ids["<|vision_pad|>"],
+        "vocab_size": vocab_size,
+    }
+
+
+def _weight_specs(arch: str, size: ModelSize, vocab_size: int, tie: bool) -> WeightSpecs:
     """(name, shape, mean, std) of every tensor, in a fixed order.
 
     Linear weights use std 1/sqrt(fan_in) so activations keep their scale, times RESIDUAL_GAIN where a
@@ -480,18 +573,9 @@ def _weight_specs(
     decoding has clear winners); norm weights are 1 + noise and biases are noise, so a weight that is not
     loaded, or loaded wrongly, shows up in the outputs.
     """
-    specs: list[tuple[str, tuple[int, ...], float, float]] = []
-
-    def linear(name: str, out_dim: int, in_dim: int, bias: bool = False, gain: float = 1.0) -> None:
-        specs.append((f"{name}.weight", (out_dim, in_dim), 0.0, gain * in_dim**-0.5))
-        if bias:
-            specs.append((f"{name}.bias", (out_dim,), 0.0, 0.1))
-
-    def norm(name: str, dim: int, bias: bool = False) -> None:
-        specs.append((f"{name}.weight", (dim,), 1.0, 0.1))
-        if bias:
-            specs.append((f"{name}.bias", (dim,), 0.0, 0.1))
-
+    if arch == "qwen2.5":
+        return _qwen2_5_weight_specs(size, vocab_size, tie)
+    specs = _Specs()
     v, vision = "model.visual", size.vision
     patch_shape = (vision.hidden, 3, TEMPORAL_PATCH, PATCH_SIZE, PATCH_SIZE)  # Conv3d
     specs.append((f"{v}.patch_embed.proj.weight", patch_shape, 0.0, (3 * TEMPORAL_PATCH * PATCH_SIZE**2) ** -0.5))
@@ -499,44 +583,83 @@ def _weight_specs(
     specs.append((f"{v}.pos_embed.weight", (vision.positions, vision.hidden), 0.0, 0.5))
     for i in range(vision.depth):
         block = f"{v}.blocks.{i}"
-        norm(f"{block}.norm1", vision.hidden, bias=True)
-        norm(f"{block}.norm2", vision.hidden, bias=True)
-        linear(f"{block}.attn.qkv", 3 * vision.hidden, vision.hidden, bias=True)
-        linear(f"{block}.attn.proj", vision.hidden, vision.hidden, bias=True)
-        linear(f"{block}.mlp.linear_fc1", vision.intermediate, vision.hidden, bias=True)
-        linear(f"{block}.mlp.linear_fc2", vision.hidden, vision.intermediate, bias=True)
+        specs.norm(f"{block}.norm1", vision.hidden, bias=True)
+        specs.norm(f"{block}.norm2", vision.hidden, bias=True)
+        specs.linear(f"{block}.attn.qkv", 3 * vision.hidden, vision.hidden, bias=True)
+        specs.linear(f"{block}.attn.proj", vision.hidden, vision.hidden, bias=True)
+        specs.linear(f"{block}.mlp.linear_fc1", vision.intermediate, vision.hidden, bias=True)
+        specs.linear(f"{block}.mlp.linear_fc2", vision.hidden, vision.intermediate, bias=True)
     text, experts = size.text(arch), size.experts
     merged = vision.hidden * MERGE_SIZE**2
     mergers = [(f"{v}.merger", vision.hidden)]
     mergers += [(f"{v}.deepstack_merger_list.{k}", merged) for k in range(len(vision.deepstack))]
     for name, norm_dim in mergers:
-        norm(f"{name}.norm", norm_dim, bias=True)
-        linear(f"{name}.linear_fc1", merged, merged, bias=True)
-        linear(f"{name}.linear_fc2", text.hidden, merged, bias=True, gain=RESIDUAL_GAIN)
+        specs.norm(f"{name}.norm", norm_dim, bias=True)
+        specs.linear(f"{name}.linear_fc1", merged, merged, bias=True)
+        specs.linear(f"{name}.linear_fc2", text.hidden, merged, bias=True, gain=RESIDUAL_GAIN)
 
     t = "model.language_model"
     specs.append((f"{t}.embed_tokens.weight", (vocab_size, text.hidden), 0.0, 1.0))
     for i in range(text.layers):
         layer = f"{t}.layers.{i}"
-        norm(f"{layer}.input_layernorm", text.hidden)
-        linear(f"{layer}.self_attn.q_proj", text.heads * text.head_dim, text.hidden)
-        linear(f"{layer}.self_attn.k_proj", text.kv_heads * text.head_dim, text.hidden)
-        linear(f"{layer}.self_attn.v_proj", text.kv_heads * text.head_dim, text.hidden)
-        linear(f"{layer}.self_attn.o_proj", text.hidden, text.heads * text.head_dim, gain=size.attention_gain)
-        norm(f"{layer}.self_attn.q_norm", text.head_dim)
-        norm(f"{layer}.self_attn.k_norm", text.head_dim)
-        norm(f"{layer}.post_attention_layernorm", text.hidden)
+        specs.norm(f"{layer}.input_layernorm", text.hidden)
+        specs.linear(f"{layer}.self_attn.q_proj", text.heads * text.head_dim, text.hidden)
+        specs.linear(f"{layer}.self_attn.k_proj", text.kv_heads * text.head_dim, text.hidden)
+        specs.linear(f"{layer}.self_attn.v_proj", text.kv_heads * text.head_dim, text.hidden)
+        specs.linear(f"{layer}.self_attn.o_proj", text.hidden, text.heads * text.head_dim, gain=size.attention_gain)
+        specs.norm(f"{layer}.self_attn.q_norm", text.head_dim)
+        specs.norm(f"{layer}.self_attn.k_norm", text.head_dim)
+        specs.norm(f"{layer}.post_attention_layernorm", text.hidden)
         if arch == "moe":
-            linear(f"{layer}.mlp.gate", experts.num_experts, text.hidden)
+            specs.linear(f"{layer}.mlp.gate", experts.num_experts, text.hidden)
             gate_up = (experts.num_experts, text.hidden, 2 * experts.intermediate)
             specs.append((f"{layer}.mlp.experts.gate_up_proj", gate_up, 0.0, text.hidden**-0.5))
             down = (experts.num_experts, experts.intermediate, text.hidden)
             specs.append((f"{layer}.mlp.experts.down_proj", down, 0.0, RESIDUAL_GAIN * experts.intermediate**-0.5))
         else:
-            linear(f"{layer}.mlp.gate_proj", text.intermediate, text.hidden)
-            linear(f"{layer}.mlp.up_proj", text.intermediate, text.hidden)
-            linear(f"{layer}.mlp.down_proj", text.hidden, text.intermediate, gain=RESIDUAL_GAIN)
-    norm(f"{t}.norm", text.hidden)
+            specs.linear(f"{layer}.mlp.gate_proj", text.intermediate, text.hidden)
+            specs.linear(f"{layer}.mlp.up_proj", text.intermediate, text.hidden)
+            specs.linear(f"{layer}.mlp.down_proj", text.hidden, text.intermediate, gain=RESIDUAL_GAIN)
+    specs.norm(f"{t}.norm", text.hidden)
+    if not tie:
+        specs.append(("lm_head.weight", (vocab_size, text.hidden), 0.0, 0.5))
+    return specs
+
+
+def _qwen2_5_weight_specs(size: ModelSize, vocab_size: int, tie: bool) -> WeightSpecs:
+    """`_weight_specs` of a Qwen2.5-VL checkpoint, under the published names (`visual.*`, `model.layers.*`)."""
+    specs = _Specs()
+    v, vision, text = "visual", size.vision, size.text("qwen2.5")
+    patch = QWEN2_5_PATCH_SIZE
+    patch_shape = (vision.hidden, 3, TEMPORAL_PATCH, patch, patch)  # Conv3d, no bias
+    specs.append((f"{v}.patch_embed.proj.weight", patch_shape, 0.0, (3 * TEMPORAL_PATCH * patch**2) ** -0.5))
+    for i in range(vision.depth):
+        block = f"{v}.blocks.{i}"
+        specs.norm(f"{block}.norm1", vision.hidden)
+        specs.norm(f"{block}.norm2", vision.hidden)
+        specs.linear(f"{block}.attn.qkv", 3 * vision.hidden, vision.hidden, bias=True)
+        specs.linear(f"{block}.attn.proj", vision.hidden, vision.hidden, bias=True)
+        specs.linear(f"{block}.mlp.gate_proj", vision.intermediate, vision.hidden, bias=True)
+        specs.linear(f"{block}.mlp.up_proj", vision.intermediate, vision.hidden, bias=True)
+        specs.linear(f"{block}.mlp.down_proj", vision.hidden, vision.intermediate, bias=True)
+    merged = vision.hidden * MERGE_SIZE**2
+    specs.norm(f"{v}.merger.ln_q", vision.hidden)
+    specs.linear(f"{v}.merger.mlp.0", merged, merged, bias=True)
+    specs.linear(f"{v}.merger.mlp.2", text.hidden, merged, bias=True, gain=RESIDUAL_GAIN)
+
+    specs.append(("model.embed_tokens.weight", (vocab_size, text.hidden), 0.0, 1.0))
+    for i in range(text.layers):
+        layer = f"model.layers.{i}"
+        specs.norm(f"{layer}.input_layernorm", text.hidden)
+        specs.linear(f"{layer}.self_attn.q_proj", text.heads * text.head_dim, text.hidden, bias=True)
+        specs.linear(f"{layer}.self_attn.k_proj", text.kv_heads * text.head_dim, text.hidden, bias=True)
+        specs.linear(f"{layer}.self_attn.v_proj", text.kv_heads * text.head_dim, text.hidden, bias=True)
+        specs.linear(f"{layer}.self_attn.o_proj", text.hidden, text.heads * text.head_dim, gain=size.attention_gain)
+        specs.norm(f"{layer}.post_attention_layernorm", text.hidden)
+        specs.linear(f"{layer}.mlp.gate_proj", text.intermediate, text.hidden)
+        specs.linear(f"{layer}.mlp.up_proj", text.intermediate, text.hidden)
+        specs.linear(f"{layer}.mlp.down_proj", text.hidden, text.intermediate, gain=RESIDUAL_GAIN)
+    specs.norm("model.norm", text.hidden)
     if not tie:
         specs.append(("lm_head.weight", (vocab_size, text.hidden), 0.0, 0.5))
     return specs
@@ -573,8 +696,10 @@ def _tokenizer_config(tokenizer: Tokenizer) -> dict:
     }
 
 
-def _processor_configs(size: ModelSize) -> tuple[dict, dict]:
+def _processor_configs(arch: str, size: ModelSize) -> tuple[dict, dict]:
     """`preprocessor_config.json` and `video_preprocessor_config.json` (tiny pixel limits, see module doc)."""
+    if arch == "qwen2.5":
+        return _qwen2_5_processor_configs(size)
     common = {
         "patch_size": PATCH_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH,
@@ -601,6 +726,37 @@ def _processor_configs(size: ModelSize) -> tuple[dict, dict]:
     return image, video
 
 
+def _qwen2_5_processor_configs(size: ModelSize) -> tuple[dict, dict]:
+    """`_processor_configs` of Qwen2.5-VL: its processor, 14-pixel patches, CLIP's mean and std, the pixel
+    limits of the preset's images at that patch size, and per-frame limits for Qwen2-VL's video processor."""
+    common = {
+        "patch_size": QWEN2_5_PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH,
+        "merge_size": MERGE_SIZE,
+        "image_mean": list(OPENAI_CLIP_MEAN),
+        "image_std": list(OPENAI_CLIP_STD),
+        "processor_class": "Qwen2_5_VLProcessor",
+    }
+    scale = (QWEN2_5_PATCH_SIZE / PATCH_SIZE) ** 2
+    min_pixels, max_pixels = round(size.image_min_pixels * scale), round(size.image_max_pixels * scale)
+    image = {
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        **common,
+        "image_processor_type": "Qwen2VLImageProcessor",
+    }
+    video = {
+        "size": {"shortest_edge": min_pixels, "longest_edge": min(max_pixels, QWEN2_5_FRAME_MAX_PIXELS)},
+        **common,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": size.max_frames,
+        "do_sample_frames": True,
+        "cap_pixels_per_frame": False,
+        "video_processor_type": "Qwen2VLVideoProcessor",
+    }
+    return image, video
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -619,6 +775,8 @@ def _checked_args(arch: str, size: str, dtype: str | None = None, quantize: str 
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quantize is not None and quantize not in QUANTIZE_METHODS:
         raise ValueError(f"quantize must be one of {list(QUANTIZE_METHODS)}, got {quantize!r}")
+    if quantize is not None and arch == "qwen2.5":
+        raise ValueError(f"quantize={quantize!r} writes Qwen3-VL checkpoints only, not arch {arch!r}")
     if quantize is not None and dtype not in (None, "bfloat16"):
         raise ValueError(f"{quantize.upper()} checkpoints keep their unquantized weights in bfloat16, not {dtype}")
     return SIZES[size], dtype or ("bfloat16" if quantize else "float32")
@@ -636,7 +794,7 @@ def _is_linear(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and name.endswith(".weight") and not embedding
 
 
-def _fp8_config(specs: list[tuple[str, tuple[int, ...], float, float]]) -> Fp8Config:
+def _fp8_config(specs: WeightSpecs) -> Fp8Config:
     """The FP8 checkpoint's quantization: the vision tower's Linears, the routers and lm_head stay bf16."""
     linears = [name.removesuffix(".weight") for name, shape, _, _ in specs if _is_linear(name, shape)]
     kept = [m for m in linears if m.startswith("model.visual.") or m.endswith(".mlp.gate")]
@@ -710,8 +868,8 @@ def _write_weights(
         name: torch.randn(shape, generator=generator).mul_(std).add_(mean) for name, shape, mean, std in specs
     }
     # Rows of the padded vocabulary tail belong to no token: zero logits, far below the real tokens'.
-    for name in ("model.language_model.embed_tokens.weight", "lm_head.weight"):
-        if name in tensors:
+    for name in tensors:
+        if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             tensors[name][num_tokens:] = 0.0
     if quantization:
         tensors = _fp8_tensors(tensors, quantization)
@@ -730,8 +888,8 @@ def create_tiny_model(
     quantize: str | None = None,
     weights: bool = True,
 ) -> Path:
-    """Write a random Qwen3-VL checkpoint (`arch` "moe" or "dense", `size` one of `SIZES`) into `out_dir`;
-    without `weights`, all of it but the weights (to serve with `load_format="dummy"`).
+    """Write a random checkpoint (`arch` "moe" or "dense": Qwen3-VL's; "qwen2.5": Qwen2.5-VL's; `size` one of
+    `SIZES`) into `out_dir`; without `weights`, all of it but the weights (to serve with `load_format="dummy"`).
 
     `dtype` is the weights' (default float32; bfloat16 when quantized); `quantize="fp8"` writes the
     layout of Qwen's FP8 checkpoints (see the module docstring). Returns `out_dir`. The same arguments
@@ -771,7 +929,7 @@ def create_tiny_model(
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer))
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-    image_config, video_config = _processor_configs(model_size)
+    image_config, video_config = _processor_configs(arch, model_size)
     _write_json(out / "preprocessor_config.json", image_config)
     _write_json(out / "video_preprocessor_config.json", video_config)
     return out

@@ -45,6 +45,7 @@ from vlm_serve.ipc import recv_pyobj, send_pyobj, zmq_context
 from vlm_serve.llm.lora.adapter import TowerLoRA
 from vlm_serve.llm.models.base import VisionOutput
 from vlm_serve.llm.models.loader import load_vision_model
+from vlm_serve.llm.models.registry import LORA, require
 from vlm_serve.process import exits_at_once, init_child_process, rank_threads, starting_children, stop_signals_deferred
 from vlm_serve.vision.encoder import CoreShare, EncodeResult, EncodeTask, InlineEncoder, VisionEncoder, encode_tasks
 
@@ -544,6 +545,8 @@ def create_encoder(
 def load_vision_tower(settings: EncoderConcerns, config: ModelConfig, device: torch.device):
     """The vision tower as `settings` have it loaded, on `device`."""
     model, lora = settings.model, settings.lora
+    if lora.enable_lora:
+        require(config, LORA)
     dtype, weight_dtype = model.resolved_dtype(config), model.resolved_weight_dtype(config)
     visual = load_vision_model(config, device, dtype, weight_dtype, model.load_format == "dummy")
     if lora.enable_lora:

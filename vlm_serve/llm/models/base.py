@@ -11,12 +11,13 @@ from typing import Protocol
 import torch
 
 Grid = tuple[int, int, int]
-VISION_PREFIX = "model.visual."  # the tower's tensors in a checkpoint (transformers' layout of the Qwen VL families)
+VISION_PREFIX = "model.visual."  # the tower's tensors, as the loader names them (`ModelFamily.checkpoint_name`)
 
 
 @dataclass
 class VisionOutput:
-    """Vision embeddings of one or more items (their rows concatenated), with the deepstack features."""
+    """Vision embeddings of one or more items (their rows concatenated), with the deepstack features (none
+    where the family has no deepstack)."""
 
     embeds: torch.Tensor  # (merged tokens, out_hidden)
     deepstack: list[torch.Tensor]  # one (merged tokens, out_hidden) per deepstack index

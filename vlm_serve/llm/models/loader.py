@@ -3,6 +3,7 @@ device and loads the (sharded) safetensors checkpoint into them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from vlm_serve.llm.layers.linear import ReplicatedLinear, prepack_weights
 from vlm_serve.llm.layers.moe import SparseMoeBlock
 from vlm_serve.llm.layers.quantized import is_int_piece
 from vlm_serve.llm.models.base import VISION_PREFIX, VisionTower
-from vlm_serve.llm.models.registry import model_family
+from vlm_serve.llm.models.registry import QUANTIZED, model_family, require
 from vlm_serve.quantization import IntQuantConfig
 
 
@@ -35,6 +36,13 @@ def experts_transposed(files: list[Path], config: ModelConfig) -> bool:
     return False
 
 
+def checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, named as its family's classes name their parameters (`model.language_model.*`,
+    `model.visual.*`, `lm_head.*`)."""
+    name_of = model_family(config).checkpoint_name
+    return ((name_of(name), tensor) for name, tensor in iter_weights(checkpoint_files(config.path)))
+
+
 def load_model(
     config: ModelConfig,
     device: torch.device,
@@ -47,13 +55,15 @@ def load_model(
     `dtype`, its linear weights stored in `weight_dtype` (default: `dtype`); `dummy`: random weights; `lora`:
     it will serve LoRA adapters (its experts keep their weights as loaded beside the CPU kernel's copy)."""
     check_dummy(config, dummy)
+    if config.quantization is not None:
+        require(config, QUANTIZED)
     weights = WeightFormat(weight_dtype, config.quantization)
     model = build_module(lambda: model_family(config).language(config), device, dtype, weights)
     if dummy:
         randomize(model)
     else:
         files = checkpoint_files(config.path)
-        weights = ((name, t) for name, t in iter_weights(files) if not name.startswith(VISION_PREFIX))
+        weights = ((name, t) for name, t in checkpoint_weights(config) if not name.startswith(VISION_PREFIX))
         model.load_weights(weights, experts_transposed(files, config))
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
@@ -72,6 +82,8 @@ def load_vision_model(
     """The vision tower alone (for an encoder rank, or rank 0's inline encoder), computing in `dtype`, its
     linear weights stored in `weight_dtype` (default: `dtype`) and prepacked where the device and dtype
     allow (`prepack_weights`); `dummy`: random weights."""
+    if config.quantization is not None:
+        require(config, QUANTIZED)
     model = build_module(lambda: model_family(config).vision(config.vision), device, dtype, WeightFormat(weight_dtype))
     if dummy:
         randomize(model)
@@ -85,7 +97,7 @@ def _load_vision_weights(model: nn.Module, config: ModelConfig) -> None:
     """The checkpoint's vision tensors into `model`; every parameter must get one."""
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
     loaded = set()
-    for name, tensor in iter_weights(checkpoint_files(config.path)):
+    for name, tensor in checkpoint_weights(config):
         if not name.startswith(VISION_PREFIX):
             continue
         target = name[len(VISION_PREFIX) :]
