@@ -678,7 +678,7 @@ def thinking_chat(tiny_dense_dir, tmp_path_factory) -> Iterator[LocalChat]:
     """A thinking model's page backend: the tiny checkpoint with a template that opens a think block at the
     start of each answer (as Qwen3-VL's Thinking checkpoints' does), read by the qwen3 reasoning parser."""
     from vlm_serve.engine import Engine
-    from vlm_serve.testing.tiny_model import CHAT_TEMPLATE
+    from vlm_serve.testing.tiny_tokenizer import CHAT_TEMPLATE
 
     folder = tmp_path_factory.mktemp("thinking")
     shutil.copytree(tiny_dense_dir, folder, dirs_exist_ok=True)
