@@ -248,8 +248,8 @@ class Engine:
         pair; `lora` names the LoRA adapter it runs through (None: the base model)."""
         if self.scheduler is None:
             raise RuntimeError("the engine was shut down")
-        request = GenerateReqInput(x, sampling, priority, bootstrap, lora)
-        messages = request.normalize(f"req{next(self._ids)}", self.default_sampling, self.scheduler.limits)
+        request = GenerateReqInput(x, self.sampling_params(**sampling), priority, bootstrap, lora)
+        messages = request.normalize(f"req{next(self._ids)}", self.scheduler.limits)
         choices = [_Choice(m.rid) for m in messages]
         self._choices.update((c.rid, c) for c in choices)
         self._io.inbox.extend(messages)
@@ -354,7 +354,8 @@ class Engine:
     # ---- plumbing ----------------------------------------------------------------------------------
 
     def sampling_params(self, **sampling: Any) -> SamplingParams:
-        """OpenAI-named sampling keywords over the checkpoint's generation defaults."""
+        """OpenAI-named sampling keywords over the checkpoint's generation defaults (without max_tokens,
+        max_new_tokens is None: what the context leaves, set when a prompt is submitted)."""
         return sampling_params_from_openai(self.default_sampling, sampling)
 
     def _wait(self, choices: list[_Choice]) -> None:

@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -17,7 +17,9 @@ GREEDY_BELOW = 1e-5  # a temperature below this is greedy, as in vLLM (dividing 
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    """One request's sampling settings, from the protocol layer to the sampler (validated when made)."""
+
+    max_new_tokens: int | None = 128  # None: what the context leaves, set once the prompt is known
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = no limit
@@ -47,9 +49,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_regex = check_stop_regex(self.stop_regex)
-        if self.max_new_tokens < 1:  # a request always gets the token its prefill samples
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:  # (the token its prefill samples)
             raise ValueError(f"max_new_tokens (max_tokens) must be >= 1, not {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        if self.min_new_tokens < 0 or (self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens):
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], not {self.min_new_tokens}"
             )
@@ -104,6 +106,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+class SamplingRequest(Protocol):
+    """A request body with sampling settings (the protocol layer's chat, completion and `/generate`)."""
+
+    def to_sampling_params(self, defaults: dict[str, Any], **given: Any) -> SamplingParams: ...
 
 
 # OpenAI-named sampling keyword -> SamplingParams field (what every front end accepts)
@@ -165,14 +173,20 @@ def _check_logit_bias(bias: dict) -> dict[int, float]:
     return checked
 
 
+def sampling_params_over(defaults: dict[str, Any], given: dict[str, Any]) -> SamplingParams:
+    """SamplingParams' fields as a request gives them (None = not given) over `defaults` (the checkpoint's
+    generation config); ValueError names a bad value."""
+    return SamplingParams(**(defaults | {name: value for name, value in given.items() if value is not None}))
+
+
 def sampling_params_from_openai(defaults: dict[str, Any], sampling: dict[str, Any]) -> SamplingParams:
-    """OpenAI-named sampling keywords (None = not given) over `defaults` (SamplingParams fields)."""
+    """OpenAI-named sampling keywords (None = not given) over `defaults`. Without max_tokens an answer
+    may run to what the context leaves, as in vLLM. Unknown names raise TypeError, bad values ValueError."""
     unknown = set(sampling) - set(OPENAI_SAMPLING_KEYS)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
-    fields = dict(defaults)
-    fields.update({OPENAI_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None})
-    return SamplingParams(**fields)
+    given = {OPENAI_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None}
+    return sampling_params_over({"max_new_tokens": None} | defaults, given)
 
 
 def generation_defaults(path: Path) -> dict:

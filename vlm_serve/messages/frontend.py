@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vlm_serve.errors import ApiError, BadRequest, InternalError, ServiceUnavailable
 from vlm_serve.messages.backend import BootstrapInfo, SchedulerLimits, SpeculativeCounts, TokenizedGenerateReq
 from vlm_serve.multimodal.items import MediaTimings, ProcessedInput
-from vlm_serve.sampling_params import SamplingParams, sampling_params_from_openai
+from vlm_serve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from vlm_serve.messages.logprobs import PromptLogprobs
@@ -18,36 +18,32 @@ if TYPE_CHECKING:
 
 @dataclass
 class GenerateReqInput:
-    """A generation request as a front end receives it: a processed prompt, OpenAI-named sampling
-    settings (`max_tokens`, `temperature`, `n`, ...), a priority and, behind sglang-router's PD mode,
-    where its KV comes from: one `BootstrapInfo` for the request, or one per choice. The HTTP server and
-    `Engine` both turn it into scheduler messages with `normalize`, so they agree on defaults and on
-    choices."""
+    """A generation request as a front end receives it: a processed prompt, its sampling settings (made
+    by the protocol layer over the checkpoint's defaults), a priority and, behind sglang-router's PD
+    mode, where its KV comes from: one `BootstrapInfo` for the request, or one per choice. The HTTP
+    server and `Engine` both turn it into scheduler messages with `normalize`, so they agree on the
+    answer's length and on choices."""
 
     input: ProcessedInput
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     bootstrap: BootstrapInfo | list[BootstrapInfo] | None = None
     lora_name: str | None = None  # a LoRA adapter's name (None: the base model)
 
-    def sampling_params(self, defaults: dict[str, Any], limits: SchedulerLimits) -> SamplingParams:
-        """The settings over `defaults` (the checkpoint's generation config). Without max_tokens an
-        answer may run to the context length, or what the KV pool can hold, as in vLLM. Unknown names
-        raise TypeError, bad values ValueError."""
-        sampling = dict(self.sampling)
-        prompt_tokens = len(self.input.input_ids)
-        if sampling.get("max_tokens") is None and sampling.get("max_completion_tokens") is None:
-            sampling["max_tokens"] = max(limits.max_sequence_tokens - prompt_tokens, 1)
-        params = sampling_params_from_openai(defaults, sampling)
+    def sampling_params(self, limits: SchedulerLimits) -> SamplingParams:
+        """The settings with the answer's length known: without one, an answer may run to the context
+        length, or what the KV pool can hold, as in vLLM. ValueError if prompt and answer cannot fit."""
+        params, prompt_tokens = self.sampling, len(self.input.input_ids)
+        if params.max_new_tokens is None:
+            params = replace(params, max_new_tokens=max(limits.max_sequence_tokens - prompt_tokens, 1))
         if self.bootstrap is None:  # (a PD request's scheduler refuses it, which tells its other side at once)
             limits.check_fits(prompt_tokens, params.max_new_tokens)
         return params
 
-    def normalize(self, rid: str, defaults: dict[str, Any], limits: SchedulerLimits) -> list[TokenizedGenerateReq]:
+    def normalize(self, rid: str, limits: SchedulerLimits) -> list[TokenizedGenerateReq]:
         """One message per choice, with ids `{rid}-{i}` (choice i of a seeded request uses seed + i, and
         of a request with one bootstrap room ROOM and `n` > 1, room "ROOM/i")."""
-        params = self.sampling_params(defaults, limits)
-        choices = params.per_choice()
+        choices = self.sampling_params(limits).per_choice()
         x = self.input
         return [
             TokenizedGenerateReq(

@@ -48,6 +48,7 @@ from vlm_serve.errors import (
 )
 from vlm_serve.messages.backend import LoadLoRAReq, SchedulerLimits, UnloadLoRAReq
 from vlm_serve.messages.frontend import GenerateReqInput
+from vlm_serve.sampling_params import SamplingParams
 from vlm_serve.server.metrics import render_metrics
 from vlm_serve.server.openai_api import OpenAIServing
 from vlm_serve.server.output_protocol import ModelCard, ModelList, error_body, now
@@ -493,7 +494,7 @@ async def warmup(tm: TokenizerManager) -> None:
     if tm.server_args.disaggregation_mode != "decode":
         content.insert(0, {"type": "image", "image": Image.new("RGB", (64, 64), (120, 30, 200))})
     x = await tm.process_messages([{"role": "user", "content": content}])
-    choices = tm.normalize(GenerateReqInput(x, {"max_tokens": 2, "temperature": 0}))
+    choices = tm.normalize(GenerateReqInput(x, SamplingParams(max_new_tokens=2, temperature=0)))
     async with contextlib.aclosing(tm.generate(choices)) as outputs:
         async for _, out in outputs:
             if out.finish_reason == "abort":

@@ -117,11 +117,8 @@ class OpenAIServing:
         tools = tool_use(request)
         x = await self.chat_prompt(request, tools.tools, part_param)
         thinking = (request.chat_template_kwargs or {}).get("enable_thinking") is not False
-        sampling = request.sampling()
-        # a thinking model's grammar (response_format, tool_choice...) starts after its reasoning
-        sampling["reasoning"] = self.server_args.reasoning_parser is not None and thinking
-        if tools.grammar is not None:
-            sampling["ebnf"] = tools.grammar
+        reasoning = self.server_args.reasoning_parser is not None and thinking
+        sampling = self.tm.sampling_params(request, reasoning=reasoning, tool_grammar=tools.grammar)
         (bootstrap,) = request.bootstraps(1, request.n)
         choices = self.tm.normalize(GenerateReqInput(x, sampling, request.priority, bootstrap, lora))
         parsers = [ChatOutput(self.server_args.reasoning_parser, tools.parse, thinking) for _ in choices]
@@ -231,11 +228,7 @@ class OpenAIServing:
         lora = self.check_model(request.model)
         prompts = request.prompts()
         inputs = [self.tm.tokenize(prompt) for prompt in prompts]
-        sampling = request.sampling()
-        top = request.logprobs
-        sampling.update(logprobs=top is not None, top_logprobs=top or 0)  # the legacy API's integer logprobs
-        if request.echo and top is not None:  # the echoed prompt tokens get their entries too
-            sampling["prompt_logprobs"] = max(request.prompt_logprobs or 0, top)
+        sampling = self.tm.sampling_params(request)
         bootstraps = request.bootstraps(len(inputs), request.n)
         choices = [
             choice

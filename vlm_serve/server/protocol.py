@@ -33,7 +33,9 @@ from vlm_serve.sampling_params import (
     OPENAI_SAMPLING_KEYS,
     SEED_MAX,
     SEED_MIN,
+    SamplingParams,
     check_stop_regex,
+    sampling_params_from_openai,
 )
 
 
@@ -636,15 +638,16 @@ class _SamplingRequest(BootstrapFields, SamplingSettings):
             )
         return found[0] if found else None
 
-    def sampling(self) -> dict[str, Any]:
-        """The OpenAI-named sampling settings of the request (None where not given), its constraint as
-        `json_schema`, `regex` or `ebnf`."""
+    def to_sampling_params(self, defaults: dict[str, Any], **given: Any) -> SamplingParams:
+        """The request's settings over `defaults` (the checkpoint's generation config), its constraint as
+        `json_schema`, `regex` or `ebnf`; `given` (OpenAI-named) are the endpoint's own. ValueError names
+        a bad value."""
         values = {name: getattr(self, name, None) for name in OPENAI_SAMPLING_KEYS}
         values.update(json_schema=None, regex=None, ebnf=None)
         constraint = self.constraint()
         if constraint is not None:
             values[constraint.kind] = constraint.source
-        return values
+        return sampling_params_from_openai(defaults, values | given)
 
 
 class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
@@ -666,6 +669,15 @@ class ChatCompletionRequest(_SamplingRequest, ChatPrompt):
             if isinstance(tool, dict) and tool.get("type", "function") != "function":
                 raise ValueError(f"tool {i} is a {tool.get('type')!r} tool: only function tools are supported")
         return tools
+
+    def to_sampling_params(
+        self, defaults: dict[str, Any], reasoning: bool = False, tool_grammar: str | None = None
+    ) -> SamplingParams:
+        """As any request's, with `reasoning` (a thinking model's answer starts with its reasoning, and a
+        grammar applies after it) and the grammar `tool_choice` asks for (`tool_use`'s, which is None
+        where another constraint is given)."""
+        tools = {} if tool_grammar is None else {"ebnf": tool_grammar}
+        return super().to_sampling_params(defaults, reasoning=reasoning, **tools)
 
     def echoed(self) -> str:
         """What `echo` puts before the answer (as vLLM does): the last message's text (its text parts one
@@ -698,6 +710,15 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(prompt, list) and (not prompt or any(p == [] for p in prompt)):
             raise ValueError("prompt must not be an empty list, nor hold one")
         return prompt
+
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        """As any request's, with the legacy API's integer `logprobs` (the top alternatives per token;
+        with `echo`, the echoed prompt tokens get their entries too)."""
+        top = self.logprobs
+        echoed = max(self.prompt_logprobs or 0, top) if self.echo and top is not None else self.prompt_logprobs
+        return super().to_sampling_params(
+            defaults, logprobs=top is not None, top_logprobs=top or 0, prompt_logprobs=echoed
+        )
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, in order: each has its own `n` choices."""

@@ -23,13 +23,12 @@ from vlm_serve.messages.backend import TokenizedGenerateReq
 from vlm_serve.messages.frontend import GenerateReqInput, StrOut
 from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.multimodal.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaInput
-from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+from vlm_serve.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, sampling_params_over
 from vlm_serve.server.openai_api import OpenAIServing, check_media_count, errors_as_events, json_logprob, sse
 from vlm_serve.server.protocol import BootstrapFields, valid_stop_regex
 from vlm_serve.server.tokenizer_manager import TokenizerManager
 
 # SGLang's sampling parameter -> the OpenAI-named setting of `GenerateReqInput.sampling` (same name if absent)
-_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 # SGLang's parameters that this server takes only at their default, which is what it always does
 _FIXED = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
 # SGLang's request fields that this server has no use for: refused unless left at their default
@@ -83,9 +82,12 @@ class SGLangSamplingParams(BaseModel):
                 raise ValueError(f"{name!r} is not a sampling parameter this server supports")
         return {name: value for name, value in values.items() if name not in _FIXED}
 
-    def sampling(self) -> dict[str, Any]:
-        """The settings as `GenerateReqInput.sampling` names them (None where not given)."""
-        return {_RENAMED.get(name, name): getattr(self, name) for name in type(self).model_fields}
+    def fields(self) -> dict[str, Any]:
+        """The settings as `SamplingParams` names them (None where not given): SGLang's names are its
+        own but for the seed."""
+        values = {name: getattr(self, name) for name in type(self).model_fields}
+        values["seed"] = values.pop("sampling_seed")
+        return values
 
 
 class GenerateRequest(BootstrapFields):
@@ -108,6 +110,16 @@ class GenerateRequest(BootstrapFields):
     return_text_in_logprobs: bool = False
     priority: int | None = None
     lora_path: str | list[str | None] | None = None  # the LoRA adapter by name: one, or one per prompt of a batch
+
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        """`sampling_params` over `defaults` (the checkpoint's generation config), with the log-probs
+        `return_logprob` asks for (the prompt's too from `logprob_start_len`)."""
+        given = self.sampling_params.fields()
+        if self.return_logprob:
+            given.update(logprobs=True, top_logprobs=self.top_logprobs_num)
+            if self.logprob_start_len >= 0:
+                given["prompt_logprobs"] = self.top_logprobs_num
+        return sampling_params_over(defaults, given)
 
     @field_validator("sampling_params", mode="before")
     @classmethod
@@ -192,12 +204,9 @@ class GenerateServing:
         inputs = await self._inputs(request)
         loras = self._loras(request, len(inputs), lora)
         n = request.sampling_params.n
-        sampling = request.sampling_params.sampling()
-        if request.return_logprob:
-            sampling.update(logprobs=True, top_logprobs=request.top_logprobs_num)
-            if request.logprob_start_len >= 0:
-                sampling["prompt_logprobs"] = request.top_logprobs_num
-                self._check_logprob_start(request, inputs)
+        sampling = self.tm.sampling_params(request)
+        if request.return_logprob and request.logprob_start_len >= 0:
+            self._check_logprob_start(request, inputs)
         priority = request.priority or 0
         choices = [
             choice

@@ -10,12 +10,13 @@ request as a quiet "abort". A request that could not be served raises its error 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
 import pickle
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ from vlm_serve.messages.frontend import BatchStrOut, GenerateReqInput, StrOut
 from vlm_serve.multimodal.items import ProcessedInput
 from vlm_serve.multimodal.media import MediaAccess
 from vlm_serve.multimodal.processor import MediaInput, MultimodalProcessor
-from vlm_serve.sampling_params import generation_defaults
+from vlm_serve.sampling_params import SamplingParams, SamplingRequest, generation_defaults
 from vlm_serve.scheduler.metrics import Histogram
 from vlm_serve.server.ports import PortArgs
 from vlm_serve.tokenizer import Tokenizer
@@ -163,11 +164,23 @@ class TokenizerManager:
                 raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.tokenizer.vocab_size})")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def sampling_params(self, request: SamplingRequest, **given: Any) -> SamplingParams:
+        """A request body's sampling settings over the checkpoint's generation defaults (`given`: what the
+        endpoint adds, as the body's `to_sampling_params` names it); ValueError names a bad one, and
+        counts as a request rejected for its own fault."""
+        with self._rejections():
+            return request.to_sampling_params(self.default_sampling, **given)
+
     def normalize(self, request: GenerateReqInput) -> list[TokenizedGenerateReq]:
-        """The scheduler messages of a request, one per choice; ValueError names a bad setting (or a prompt
-        too long for the context), and counts as a request rejected for its own fault."""
+        """The scheduler messages of a request, one per choice; ValueError names a prompt and answer too
+        long for the context, and counts as a request rejected for its own fault."""
+        with self._rejections():
+            return request.normalize(f"req{next(self._ids)}", self.limits)
+
+    @contextlib.contextmanager
+    def _rejections(self) -> Iterator[None]:
         try:
-            return request.normalize(f"req{next(self._ids)}", self.default_sampling, self.limits)
+            yield
         except ValueError:
             self.metrics.num_rejected += 1
             raise
