@@ -25,44 +25,56 @@ _PR_SET_NAME = 15
 IDLE_POLL_MS = 500  # an idle process waits this long for a message before checking on its parent
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def init_child_process(name: str) -> None:
     """Names the process (at most 15 characters show) and lets the launcher decide how it stops: Ctrl-C
     reaches the whole process group, so it is ignored here; SIGTERM (the launcher's request) exits
-    through `finally` blocks."""
+    through `finally` blocks. The stop signals were blocked since the child's birth (`starting_children`):
+    a SIGINT that came meanwhile is dropped, a SIGTERM is handled now."""
     ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def starting_children() -> contextlib.AbstractContextManager[None]:
-    """For a block that starts child processes (and waits for none: it must be short). They ignore SIGINT
-    from their first instruction (an ignored signal stays ignored through exec, and Python leaves it so),
-    not only once `init_child_process` runs: Ctrl-C reaches the whole process group, and a child still
-    importing torch would print a KeyboardInterrupt traceback. This process ignores it meanwhile too, and
-    handles a SIGTERM after the block: in the middle of a start it would leave a child reading half of
-    what it was sent."""
-    return _signals_held(ignored=(signal.SIGINT,), deferred=(signal.SIGTERM,))
+    """For a block that starts child processes (and waits for none: it must be short). The children are
+    born with SIGINT and SIGTERM blocked (a signal mask survives fork and exec) until `init_child_process`
+    has set their handlers: Ctrl-C reaches the whole process group, and a child still importing torch
+    would print a KeyboardInterrupt traceback. This process handles the stop signals that arrived during
+    the block after it: in the middle of a start, one would leave a child reading half of what it was sent."""
+    return _signals_held(STOP_SIGNALS, blocked=True)
 
 
 def stop_signals_deferred() -> contextlib.AbstractContextManager[None]:
     """Runs the block, then the handlers of the SIGINT and SIGTERM that arrived during it (their exception
     replaces one the block raised: a stop wins over the failure of work it interrupted)."""
-    return _signals_held(deferred=(signal.SIGINT, signal.SIGTERM))
+    return _signals_held(STOP_SIGNALS)
 
 
 @contextlib.contextmanager
-def _signals_held(ignored: tuple[int, ...] = (), deferred: tuple[int, ...] = ()) -> Iterator[None]:
+def _signals_held(deferred: tuple[int, ...], blocked: bool = False) -> Iterator[None]:
+    """Defers `deferred` (a handler that notes them: another thread of this process may be the one a
+    signal reaches); `blocked` also blocks them in this thread, for the children it starts."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, deferred) if blocked else None
     if threading.current_thread() is not threading.main_thread():
-        yield  # Python runs signal handlers in the main thread only: none can interrupt this one
+        try:
+            yield  # Python runs signal handlers in the main thread only: none can interrupt this one
+        finally:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return
     arrived: list[int] = []
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
-    handlers |= {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in deferred}
+    handlers = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in deferred}
     try:
         yield
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (one pending now reaches its own handler)
         for sig in arrived:
             signal.raise_signal(sig)  # (now to its own handler)
 

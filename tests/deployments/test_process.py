@@ -1,5 +1,5 @@
-"""Starting child processes: they ignore Ctrl-C from birth (the launcher decides how they stop), and a
-SIGTERM never lands in the middle of a start."""
+"""Starting child processes: they are deaf to Ctrl-C from birth (the launcher decides how they stop), and a
+stop signal never lands in the middle of a start, nor is lost there."""
 
 from __future__ import annotations
 
@@ -16,25 +16,59 @@ from vlm_serve.process import starting_children
 pytestmark = pytest.mark.server  # every test here starts processes
 
 
-def test_children_started_in_the_block_ignore_ctrl_c_and_a_sigterm_waits_for_its_end():
-    terminated: list[int] = []
-    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # (pytest may run with SIGINT ignored)
-    sigterm = signal.signal(signal.SIGTERM, lambda s, f: terminated.append(s))
+def test_children_started_in_the_block_are_born_with_the_stop_signals_blocked_and_this_process_handles_them_after_it():
+    handled: list[int] = []
+    sigint = signal.signal(signal.SIGINT, lambda s, f: handled.append(s))
+    sigterm = signal.signal(signal.SIGTERM, lambda s, f: handled.append(s))
     try:
         with starting_children():
             child = subprocess.run(  # (not `run_process`, which gives the child Ctrl-C back)
-                [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
+                [
+                    sys.executable,
+                    "-c",
+                    "import signal; print(sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))))",
+                ],
                 capture_output=True,
                 text=True,
             )
+            os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGTERM)
-            assert terminated == []
-        assert terminated == [signal.SIGTERM]
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process takes Ctrl-C again
+            assert handled == []
+        assert sorted(handled) == [signal.SIGINT, signal.SIGTERM]  # neither is lost
+        assert not set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) & {signal.SIGINT, signal.SIGTERM}
     finally:
         signal.signal(signal.SIGTERM, sigterm)
         signal.signal(signal.SIGINT, sigint)
-    assert child.stdout == "True\n"
+    assert child.stdout == f"{sorted([int(signal.SIGINT), int(signal.SIGTERM)])}\n"
+
+
+def test_a_child_drops_the_ctrl_c_of_its_birth_and_obeys_its_sigterm_once_its_handlers_are_set():
+    script = """
+import sys
+from vlm_serve.process import init_child_process
+sys.stdin.readline()  # (the test has sent its signals)
+try:
+    init_child_process("born-blocked")
+except SystemExit:
+    print("stopped by SIGTERM")
+    raise
+print("not stopped")
+"""
+    with starting_children():
+        child = subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        child.send_signal(signal.SIGINT)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate("go\n", timeout=60)
+    finally:
+        child.kill()
+    assert (child.returncode, out, err) == (0, "stopped by SIGTERM\n", "")
 
 
 def test_a_child_stopped_while_it_exits_ends_with_its_own_code_and_no_second_traceback():

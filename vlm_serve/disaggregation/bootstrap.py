@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing.util
 import socket
 import threading
 import time
@@ -72,6 +73,9 @@ class BootstrapServer:
                 f"the bootstrap server cannot listen on {host}:{port} (--disaggregation-bootstrap-port): {exc.strerror}"
             ) from None
         self._http.ranks = {}
+        multiprocessing.util.register_after_fork(
+            self._http.socket, socket.socket.close
+        )  # (a forked child holds no port)
         self._thread: threading.Thread | None = None
 
     @property

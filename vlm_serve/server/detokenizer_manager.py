@@ -101,7 +101,9 @@ class DetokenizerManager:
 @exits_at_once
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
     init_child_process("vlm-detokenizer")
-    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s detokenizer %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=server_args.log_level.upper(), format="%(asctime)s detokenizer %(levelname)s %(message)s", force=True
+    )
     manager = DetokenizerManager(Tokenizer.from_pretrained(server_args.model))
     context = zmq_context()
     recv_from_scheduler = context.socket(zmq.PULL)

@@ -9,6 +9,7 @@ child; a child that dies stops the server (an encoder rank is restarted instead)
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -39,7 +40,9 @@ STARTUP_TIMEOUT = 900.0  # seconds for the model to load (a 235B checkpoint take
 def start_processes(children: ServerProcesses, server_args: ServerArgs, port_args: PortArgs | None) -> list[Connection]:
     """Starts this node's children into `children` (so that those started are stopped should this be
     interrupted); returns a pipe per local TP rank on which it reports that it is ready."""
-    ctx = mp.get_context("spawn")
+    # on CPU a child forked from this process starts with its modules imported (half a server's start);
+    # CUDA cannot be used in a forked child, so GPU ranks start afresh
+    ctx = mp.get_context("fork" if server_args.device == "cpu" else "spawn")
     init_addr = server_args.dist_init_addr or f"127.0.0.1:{free_port()}"
     readies = []
     for rank in server_args.node_tp_ranks:
@@ -145,6 +148,7 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a closed server's port is free
+    multiprocessing.util.register_after_fork(sock, socket.socket.close)  # (a forked child holds no port)
     try:
         sock.bind((host, port))
     except OSError as exc:

@@ -63,7 +63,9 @@ def run_scheduler_process(
     then loops until stopped. `port_args` is given on node 0 only; rank 0 uses it."""
     init_child_process(f"vlm-scheduler-{tp_rank}")
     logging.basicConfig(
-        level=server_args.log_level.upper(), format=f"%(asctime)s scheduler TP{tp_rank} %(levelname)s %(message)s"
+        level=server_args.log_level.upper(),
+        format=f"%(asctime)s scheduler TP{tp_rank} %(levelname)s %(message)s",
+        force=True,  # (a forked child has its launcher's handlers)
     )
     scheduler = None
     try:
