@@ -442,10 +442,10 @@ def test_the_key_from_the_environment_is_in_no_command_line_environment_or_log(s
     assert client.models.list().data  # the key from $VLM_SERVE_API_KEY is the one required
     assert httpx.get(server.url + "/health").status_code == 200  # the one path without it
     children = descendants(server.process.pid)
-    assert len(children) >= 3  # scheduler, detokenizer, encoder (and multiprocessing's resource tracker)
+    assert len(children) >= 2  # scheduler and detokenizer (spawned ones: multiprocessing's resource tracker too)
     for pid in [server.process.pid, *children]:
         assert API_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
-    for pid in children:  # the launcher reads the variable, then drops it: its children never have it
+        # the launcher reads the variable, then blanks it: neither it nor its children show it
         assert API_KEY.encode() not in Path(f"/proc/{pid}/environ").read_bytes(), pid
     assert API_KEY not in "".join(server.output)
 

@@ -9,6 +9,7 @@ child; a child that dies stops the server (an encoder rank is restarted instead)
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing.util
 import os
 import shutil
@@ -97,7 +98,7 @@ def launch_server(server_args: ServerArgs) -> int:
     Stopped before it serves, it stops the children started so far, then raises (KeyboardInterrupt for
     Ctrl-C, SystemExit(1) for SIGTERM)."""
     server_args = server_args.with_api_key(os.environ)  # the children get it pickled, not on a command line
-    os.environ.pop(API_KEY_ENV, None)  # nor in their environment
+    forget_environment_variable(API_KEY_ENV)  # nor in their environment
     server_args = with_local_model(server_args)  # (after the settings' own checks: it may download)
     # bound before the model loads, so that a port in use is refused at once (it listens once ready)
     http_socket = bind_http_socket(server_args.host, server_args.port) if server_args.node_rank == 0 else None
@@ -138,6 +139,16 @@ def launch_server(server_args: ServerArgs) -> int:
         print(f"vlm-serve: stopped because {failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def forget_environment_variable(name: str) -> None:
+    """Drops `name` from the environment, and blanks its value where the process's first environment
+    lies: what /proc/PID/environ and `ps e` show, of this process and of the children forked from it."""
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_void_p
+    if value := libc.getenv(name.encode()):
+        ctypes.memset(value, ord("*"), len(ctypes.string_at(value)))
+    os.environ.pop(name, None)
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
