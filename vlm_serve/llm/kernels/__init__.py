@@ -32,6 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "VLM_SERVE_KERNEL_CACHE"  # where built kernels are kept (default ~/.cache/vlm_serve/kernels)
+BUILD_FORMAT = b"2"  # of what a build leaves in the cache (2: the compiler's warnings in `<library>.out`)
 MARCH_ENV = "VLM_SERVE_CPU_MARCH"  # the -march they are built for (default native: this machine's CPU)
 # bfloat16 weights multiply x rounded to bfloat16 where the -march has AVX-512-BF16 (tiles.h's BF16_DOT):
 # bfloat16 compute for a bfloat16 checkpoint, as vLLM's and oneDNN's CPU paths do. 0: widen the weights to
@@ -218,10 +219,12 @@ def build(name: str, target: Target) -> Path:
 
 def _outputs(file: str, texts: dict[str, bytes], target: Target, compiler: str, folder: Path) -> tuple[Path, Path]:
     """Where the library of source `file` is kept, and where the compiler's output goes if its build
-    fails: named by a hash of what the build depends on."""
+    fails (if it succeeds with warnings, they are in the library's `.out`): named by a hash of what the
+    build depends on."""
     others = [text for name, text in texts.items() if name != file]  # (headers, and sources another includes)
     command = " ".join(target.command(Path(file), "")).encode()
-    key = hashlib.sha256(b"\0".join([texts[file], *others, command, _compiler_version(compiler), _cpu_flags()]))
+    parts = [BUILD_FORMAT, texts[file], *others, command, _compiler_version(compiler), _cpu_flags()]
+    key = hashlib.sha256(b"\0".join(parts))
     stem = Path(file).stem
     return folder / f"{stem}-{key.hexdigest()[:16]}.so", folder / f"{stem}-{key.hexdigest()[:16]}.log"
 
@@ -244,6 +247,8 @@ def _compile(target: Target, outputs: dict[str, tuple[Path, Path]], texts: dict[
             output = process.communicate()[0].decode(errors="replace").replace(f"{tmp}/", "")
             built, failed = outputs[file]
             if process.returncode == 0:
+                if output:  # (warnings: kept beside the library, which the build tests read)
+                    built.with_suffix(".out").write_text(output)
                 os.replace(f"{tmp}/{file}.so", built)
             else:
                 failed.write_text(" ".join(target.command(SOURCES / file, str(built))) + "\n" + output)
