@@ -73,9 +73,8 @@ class BootstrapServer:
                 f"the bootstrap server cannot listen on {host}:{port} (--disaggregation-bootstrap-port): {exc.strerror}"
             ) from None
         self._http.ranks = {}
-        multiprocessing.util.register_after_fork(
-            self._http.socket, socket.socket.close
-        )  # (a forked child holds no port)
+        # a child forked from the launcher (a CPU server's scheduler) does not hold the port
+        multiprocessing.util.register_after_fork(self._http.socket, socket.socket.close)
         self._thread: threading.Thread | None = None
 
     @property
