@@ -168,7 +168,7 @@ def cmd_caption(ns: argparse.Namespace) -> int:
 
 def caption_on_ray(ns: argparse.Namespace) -> int:
     """`caption --ray`: the job on a Ray cluster (`vlm_serve.batch.job`)."""
-    from vlm_serve.batch.job import caption_dataset, start_ray
+    from vlm_serve.batch.job import caption_dataset, row_files, start_ray
     from vlm_serve.batch.pipeline import check_output
     from vlm_serve.caption import DEFAULT_PROMPT, collect_images
 
@@ -179,12 +179,12 @@ def caption_on_ray(ns: argparse.Namespace) -> int:
     output = check_output(ns.output, ns.resume, ns.overwrite)  # (before Ray starts)
     datasets = [Path(path) for path in ns.inputs if Path(path).suffix in DATASET_SUFFIXES]
     images = collect_images([path for path in ns.inputs if Path(path).suffix not in DATASET_SUFFIXES])
+    files = row_files(datasets, images, output)
     threads = max(1, len(os.sched_getaffinity(0)) // ns.replicas) if ns.ray == "local" else None
     start_ray(ns.ray, ns.replicas)
     try:
         summary = caption_dataset(
-            datasets,
-            images,
+            files,
             output,
             resume=ns.resume,
             overwrite=ns.overwrite,

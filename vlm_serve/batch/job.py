@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import ray
 import ray.data
 
-from vlm_serve.batch.pipeline import IO_CPUS, read_answers, write_answers
+from vlm_serve.batch.pipeline import IO_CPUS, count_answers, write_answers
 
 READERS = {".parquet": "read_parquet", ".jsonl": "read_json", ".json": "read_json"}
 
@@ -40,39 +39,35 @@ def start_ray(address: str, replicas: int) -> None:
         ray.init(address=address)
 
 
-def read_rows(datasets: Sequence[Path], images: Sequence[Path], output: Path) -> ray.data.Dataset:
-    """The job's rows: those of `datasets` (files of one format), or one row per image of `images`."""
+def row_files(datasets: Sequence[Path], images: Sequence[Path], output: Path) -> list[Path]:
+    """The files holding the job's rows: `datasets` (files of one format), or a file beside `output` with
+    one row per image of `images`. Checked before Ray starts."""
     if datasets and images:
         raise ValueError("give dataset files (.parquet, .jsonl) or images, not both: their rows differ")
     if images:
         datasets = [output.with_name(output.name + ".rows.jsonl")]
         rows = ({"id": str(path.resolve()), "image": str(path.resolve())} for path in images)
         datasets[0].write_text("".join(json.dumps(row) + "\n" for row in rows))
-    readers = {READERS[path.suffix] for path in datasets}
-    if len(readers) != 1:
+    if len({READERS[path.suffix] for path in datasets}) != 1:
         raise ValueError("the dataset files must all be Parquet or all JSON lines")
     missing = [str(path) for path in datasets if not path.exists()]
     if missing:
         raise FileNotFoundError(f"{', '.join(missing)}: no such file or folder")
-    reader = getattr(ray.data, readers.pop())
-    return reader([str(path) for path in datasets], num_cpus=IO_CPUS)
+    return list(datasets)
 
 
 def caption_dataset(
-    datasets: Sequence[Path],
-    images: Sequence[Path],
+    files: Sequence[Path],
     output: Path,
     *,
     resume: bool = False,
     overwrite: bool = False,
     **options: Any,
 ) -> JobSummary:
-    """Runs the job on the connected cluster (`start_ray`) and counts what its output holds."""
-    rows = read_rows(datasets, images, output)
+    """Runs the job over the rows of `files` (`row_files`) on the connected cluster (`start_ray`) and
+    counts what its output holds."""
+    reader = getattr(ray.data, READERS[files[0].suffix])
+    rows = reader([str(path) for path in files], num_cpus=IO_CPUS)
     write_answers(rows, output, resume=resume, overwrite=overwrite, **options)
-    counts = read_answers(output).map_batches(_counts, batch_format="pandas").sum(["rows", "failed"])
-    return JobSummary(answered=counts["sum(rows)"] - counts["sum(failed)"], failed=counts["sum(failed)"])
-
-
-def _counts(batch: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame({"rows": [len(batch)], "failed": [int(batch["error"].notna().sum())]})
+    total, failed = count_answers(output)
+    return JobSummary(answered=total - failed, failed=failed)
